@@ -1,0 +1,3 @@
+from jaxpaged.generate import main
+
+raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""A first, static-batch generator over the paged KV cache.
+
+Every sequence gets a fixed run of blocks, prompts are prefilled together in one flattened
+step and decoded together; the engine's continuous batching replaces this for serving. It
+is what `python -m jaxpaged.generate` and the parity tests drive for now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.loader import DTYPES, LoadedModel
+from pallas_kernels import AttentionMetadata, kv_cache_shape
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """Next power of two: a handful of shapes, so a handful of compiles."""
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+class StaticBatchRunner:
+    def __init__(self, loaded: LoadedModel, block_size: int = 16):
+        self.loaded = loaded
+        self.cfg = loaded.config
+        self.block_size = block_size
+        self.graphdef, self.state = nnx.split(loaded.model)
+        self.dtype = DTYPES[loaded.dtype]
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+
+    def _forward_impl(self, state, kv_cache, ids, positions, md, logit_rows, temperature, key):
+        model = nnx.merge(self.graphdef, state)
+        hidden, kv_cache = model(ids, positions, kv_cache, md)
+        logits = model.compute_logits(hidden[logit_rows])
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+        return logits, jnp.where(temperature > 0, sampled, greedy), kv_cache
+
+    def _kv_cache(self, num_seqs: int, width: int):
+        cfg = self.cfg
+        shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, num_seqs * width, self.block_size, cfg.head_dim)
+        return jnp.zeros(shape, self.dtype)
+
+    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], width: int):
+        lens = np.array([len(p) for p in prompts], np.int32)
+        total = int(lens.sum())
+        padded = _bucket(total)
+        ids = np.zeros(padded, np.int32)
+        positions = np.zeros(padded, np.int32)
+        slots = np.full(padded, -1, np.int32)
+        qsl = np.zeros(len(prompts) + 1, np.int32)
+        qsl[1:] = np.cumsum(lens)
+        for i, prompt in enumerate(prompts):
+            start = qsl[i]
+            ids[start : start + lens[i]] = prompt
+            positions[start : start + lens[i]] = np.arange(lens[i])
+            slots[start : start + lens[i]] = i * width * self.block_size + np.arange(lens[i])
+        md = AttentionMetadata(
+            slot_mapping=jnp.asarray(slots),
+            block_tables=jnp.arange(len(prompts) * width, dtype=jnp.int32).reshape(len(prompts), width),
+            seq_lens=jnp.asarray(lens),
+            query_start_loc=jnp.asarray(qsl),
+        )
+        return jnp.asarray(ids), jnp.asarray(positions), md, total, qsl
+
+    def _check(self, prompts, max_new_tokens=0):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be non-empty lists of token ids")
+        vocab = self.cfg.vocab_size
+        for p in prompts:
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if longest > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt plus max_tokens ({longest}) exceeds the model's context ({self.cfg.max_position_embeddings})"
+            )
+
+    def prompt_logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Float32 logits at every prompt position, all prompts in one ragged step."""
+        self._check(prompts)
+        width = -(-max(len(p) for p in prompts) // self.block_size)
+        ids, positions, md, total, qsl = self._prefill_inputs(prompts, width)
+        rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
+        logits, _, _ = self._forward(
+            self.state, self._kv_cache(len(prompts), width), ids, positions, md, rows, 0.0, jax.random.key(0)
+        )
+        logits = np.asarray(logits)
+        return [logits[qsl[i] : qsl[i + 1]] for i in range(len(prompts))]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[list[int]]:
+        """Greedy (temperature 0) or sampled continuations; a sequence ends at a stop token or the limit."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {temperature})")
+        self._check(prompts, max_new_tokens)
+        n = len(prompts)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        width = -(-int((lens + max_new_tokens).max()) // self.block_size)
+        kv = self._kv_cache(n, width)
+        key = jax.random.key(seed)
+        ids, positions, md, _, qsl = self._prefill_inputs(prompts, width)
+        key, sub = jax.random.split(key)
+        _, tokens, kv = self._forward(self.state, kv, ids, positions, md, jnp.asarray(qsl[1:] - 1), temperature, sub)
+
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        done = np.zeros(n, bool)
+        stops = set(stop_token_ids)
+        tables = md.block_tables
+        decode_qsl = jnp.arange(n + 1, dtype=jnp.int32)
+        rows = jnp.arange(n, dtype=jnp.int32)
+        for step in range(max_new_tokens):
+            host_tokens = np.asarray(tokens)
+            for i in range(n):
+                if done[i]:
+                    continue
+                outputs[i].append(int(host_tokens[i]))
+                if on_token is not None:
+                    on_token(i, int(host_tokens[i]))
+                if host_tokens[i] in stops or len(outputs[i]) >= max_new_tokens:
+                    done[i] = True
+            if done.all():
+                break
+            pos = lens + step  # position of the token being fed
+            md = AttentionMetadata(
+                slot_mapping=jnp.asarray(np.arange(n, dtype=np.int32) * width * self.block_size + pos),
+                block_tables=tables,
+                seq_lens=jnp.asarray(pos + 1),
+                query_start_loc=decode_qsl,
+            )
+            key, sub = jax.random.split(key)
+            _, tokens, kv = self._forward(self.state, kv, tokens, jnp.asarray(pos), md, rows, temperature, sub)
+        return outputs

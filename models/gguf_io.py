@@ -1,0 +1,204 @@
+"""Reading a llama.cpp GGUF file as an HF config, an HF tokenizer and HF-named float tensors.
+
+Everything here works without torch: the tokenizer is rebuilt from the file's vocabulary
+with the `tokenizers` library the same way transformers does it, and tensors are
+dequantized with the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# GGUF architecture -> (HF model_type, HF architecture)
+GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM")}
+
+# Pre-tokenizer splits for byte-level vocabularies, keyed by `tokenizer.ggml.pre`. Files whose
+# pre-tokenizer is not listed get GPT-2's own split, as transformers gives them.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def open_gguf(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises many kinds on a damaged file
+        raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_architecture(reader, path: str) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        from models.registry import supported_architectures
+
+        raise ValueError(
+            f"unsupported model architecture {arch!r} in GGUF file {path}; "
+            f"supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))} "
+            f"(HF architectures: {', '.join(supported_architectures())})"
+        )
+    return arch
+
+
+def gguf_hf_config(reader, path: str):
+    """An HF PretrainedConfig equivalent to the one the GGUF was converted from."""
+    import transformers
+
+    arch = gguf_architecture(reader, path)
+    model_type, hf_arch = GGUF_ARCHITECTURES[arch]
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(
+            f"GGUF file {path} stores llama3 RoPE factors as a tensor, which jaxpaged does not read yet; "
+            "load the model from its HF safetensors folder instead"
+        )
+    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = reader.fields["tokenizer.ggml.tokens"].data
+    kwargs = dict(
+        architectures=[hf_arch],
+        vocab_size=int(get("vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
+        mlp_bias=any(t.name == "blk.0.ffn_up.bias" for t in reader.tensors),
+    )
+    scaling = get("rope.scaling.type")
+    if scaling and scaling != "none":
+        kwargs["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte, which byte-level vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def gguf_tokenizer(reader, path: str):
+    """A PreTrainedTokenizerFast for the file's byte-level BPE vocabulary, chat template included."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"GGUF file {path} has a {kind!r} tokenizer; jaxpaged rebuilds byte-level BPE ('gpt2') "
+            "tokenizers only. Load the model from its HF folder instead."
+        )
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        (tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))): i
+        for i, tok in enumerate(tokens)
+    }
+    backend = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
+    split = PRE_TOKENIZER_SPLITS.get(_field(reader, "tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
+    )
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+    special = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and token_id < len(tokens):
+            special[name] = tokens[token_id]
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    if add_bos and "bos_token" in special:
+        bos = special["bos_token"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, chat_template=_field(reader, "tokenizer.chat_template"), **special
+    )
+
+
+def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k rows (interleaved rotary pairs back to HF's halves)."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(reader, path: str, hf_names: list[str], hf_config) -> Iterator[tuple[str, np.ndarray, str]]:
+    """HF-named float32 tensors, dequantized one at a time."""
+    import gguf
+    from gguf.quants import dequantize
+
+    arch = gguf_architecture(reader, path)
+    arch_id = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    name_map = gguf.get_tensor_name_map(arch_id, hf_config.num_hidden_layers)
+    by_gguf_name = {t.name: t for t in reader.tensors}
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    for hf_name in hf_names:
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        tensor = by_gguf_name.get(gguf_name)
+        if tensor is None:
+            continue  # reported as missing by the loader
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        except Exception as exc:
+            raise ValueError(f"could not dequantize tensor {gguf_name} in {path}: {exc}") from exc
+        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if arch == "llama" and ".self_attn.q_proj." in hf_name:
+            array = _unpermute_rope(array, heads)
+        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+            array = _unpermute_rope(array, kv_heads)
+        yield hf_name, array, path

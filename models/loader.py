@@ -1,0 +1,221 @@
+"""load_model: a local HF folder, a .gguf file, or a bare config.json -> a Flax port with weights.
+
+Nothing is ever fetched from a hub, and no pickle is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from models import convert_cache, gguf_io
+from models.builtin import builtin_gguf_path
+from models.config import ModelConfig, model_config_from_hf
+from models.registry import resolve_architecture
+from models.weights import load_tensors_into, param_bytes, random_tensors
+
+logger = logging.getLogger("jaxpaged.loader")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: nnx.Module  # the port with real weights; nnx.split it once for jitted steps
+    config: ModelConfig
+    hf_config: Any
+    tokenizer: Any  # a transformers tokenizer, or None when the checkpoint has none
+    source: str
+    dtype: str
+
+
+def resolve_dtype(dtype: str) -> str:
+    name = DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    return name
+
+
+def _progress(items: Iterable, total: int, desc: str) -> Iterator:
+    return iter(tqdm(items, total=total, desc=desc, unit="tensor", leave=False))
+
+
+def _abstract_model(hf_config, dtype_name: str, attention_backend: str):
+    arch, cls = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
+    cfg = model_config_from_hf(hf_config, arch)
+    dtype = DTYPES[dtype_name]
+    model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_backend=attention_backend))
+    return cfg, model, cls.weight_specs(cfg)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"could not read the shard index {index}: {exc}") from exc
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.exists():
+                raise FileNotFoundError(f"shard {f} listed in {index.name} is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{folder} holds only pickle checkpoints ({', '.join(pickles)}); jaxpaged never loads pickle files "
+            "because unpickling can run arbitrary code. Convert the checkpoint to safetensors first "
+            "(e.g. transformers' `model.save_pretrained(dir, safe_serialization=True)`)."
+        )
+    raise FileNotFoundError(f"no *.safetensors weights found in {folder}")
+
+
+def _safetensors_tensors(files: list[Path]) -> tuple[Iterator, int]:
+    from safetensors import safe_open
+
+    handles = []
+    for f in files:
+        try:
+            handles.append((f, safe_open(str(f), framework="flax")))
+        except Exception as exc:
+            raise ValueError(f"could not read safetensors file {f}: {exc}") from exc
+    total = sum(len(h.keys()) for _, h in handles)
+
+    def gen():
+        for f, handle in handles:
+            for name in handle.keys():
+                try:
+                    yield name, handle.get_tensor(name), str(f)
+                except Exception as exc:
+                    raise ValueError(f"could not read tensor {name} from {f}: {exc}") from exc
+
+    return gen(), total
+
+
+def _load_tokenizer(folder: Path):
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        logger.info("no tokenizer files in %s; requests must pass token ids", folder)
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ValueError(f"could not load the tokenizer in {folder}: {exc}") from exc
+
+
+def _load_hf_folder(folder: Path, dtype_name: str, backend: str):
+    from transformers import AutoConfig
+
+    config_file = folder / "config.json"
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ValueError(f"could not read {config_file}: {exc}") from exc
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+    files = _safetensors_files(folder)
+    tensors, total = _safetensors_tensors(files)
+    load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name])
+    return model, cfg, hf_config, _load_tokenizer(folder)
+
+
+def _load_gguf(path: Path, dtype_name: str, backend: str, cache_dir: str | None, use_cache: bool):
+    from transformers import AutoConfig, AutoTokenizer
+
+    t0 = time.perf_counter()
+    entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
+    if use_cache and entry.exists():
+        logger.info("loading converted %s from cache %s", path.name, entry)
+        hf_config = AutoConfig.from_pretrained(str(entry))
+        tokenizer = AutoTokenizer.from_pretrained(str(entry))
+        cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+        flat = convert_cache.load_entry_tensors(entry)
+        items = ((name, array, str(entry)) for name, array in flat.items())
+        load_tensors_into(model, specs, _progress(items, len(flat), "Loading cached weights"), DTYPES[dtype_name])
+        return model, cfg, hf_config, tokenizer
+    reader = gguf_io.open_gguf(str(path))
+    hf_config = gguf_io.gguf_hf_config(reader, str(path))
+    tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+    np_dtype = np.dtype(DTYPES[dtype_name])
+    converted = {
+        name: array.astype(np_dtype)
+        for name, array, _ in _progress(gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config), len(specs), "Converting GGUF")
+    }
+    load_tensors_into(model, specs, ((n, a, str(path)) for n, a in converted.items()), DTYPES[dtype_name])
+    logger.info("converted %s in %.1fs", path.name, time.perf_counter() - t0)
+    if use_cache:
+        convert_cache.save_entry(entry, converted, hf_config, tokenizer)
+        logger.info("cached the converted parameters in %s", entry)
+    return model, cfg, hf_config, tokenizer
+
+
+def _load_random(config_file: Path, dtype_name: str, backend: str):
+    """A bare config.json: random weights in its shapes, for benchmarks and tests."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads(config_file.read_text())
+        hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"could not read model config {config_file}: {exc}") from exc
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+    load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name])
+    folder = config_file.parent
+    return model, cfg, hf_config, _load_tokenizer(folder)
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    dtype: str = "float32",
+    attention_backend: str = "reference",
+    cache_dir: str | None = None,
+    use_cache: bool = True,
+) -> LoadedModel:
+    """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port."""
+    dtype_name = resolve_dtype(dtype)
+    source = builtin_gguf_path() if model is None else str(model)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {source!r} not found: pass a local HF folder, a .gguf file, or a config.json "
+            "(random weights); jaxpaged never downloads from a hub"
+        )
+    t0 = time.perf_counter()
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise FileNotFoundError(f"{path} has no config.json and {len(ggufs)} .gguf files; expected an HF folder or one .gguf")
+        path = ggufs[0]
+    if path.is_dir():
+        result = _load_hf_folder(path, dtype_name, attention_backend)
+    elif path.suffix == ".gguf":
+        result = _load_gguf(path, dtype_name, attention_backend, cache_dir, use_cache)
+    elif path.suffix == ".json":
+        result = _load_random(path, dtype_name, attention_backend)
+    else:
+        raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
+    module, cfg, hf_config, tokenizer = result
+    size = param_bytes(nnx.state(module, nnx.Param))
+    logger.info(
+        "loaded %s (%s, %.1f MB of %s weights) in %.1fs",
+        path.name, cfg.architecture, size / 1e6, dtype_name, time.perf_counter() - t0,
+    )
+    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name)

@@ -1,0 +1,35 @@
+"""What one step's attention needs to find each token's context in the paged KV array.
+
+Raggedness lives in small int32 arrays, never in a shape: a step's tokens are flattened
+(T rows, padded to a bucket), sequences occupy slots 0..S-1 (padded slots have q_len 0 and
+seq_len 0), and each slot has a row in the block table (padded to a bucketed width W).
+
+KV layout (fixed here; the Pallas kernel reads the same array):
+    kv_cache[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
+index 0 of axis 1 holds K, index 1 holds V. Within a layer a (head, block) pair is one
+contiguous block_size x head_dim tile, the layout JAX's own paged-attention kernels use.
+A block id names the same slot in every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    # [T] flat KV slot (block_id * block_size + offset) each new token is written to; -1 for padding rows.
+    slot_mapping: jax.Array
+    # [S, W] physical block ids of each sequence's context, in order; unused entries may hold any valid id.
+    block_tables: jax.Array
+    # [S] context length of each sequence after this step's tokens are written; 0 for padded slots.
+    seq_lens: jax.Array
+    # [S + 1] start of each sequence's tokens in the flattened rows; q_len = diff; padded slots add 0.
+    query_start_loc: jax.Array
+
+
+def kv_cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int):
+    return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
