@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from models.loader import DTYPES, LoadedModel
-from pallas_kernels import AttentionMetadata, kv_cache_shape
+from pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -30,16 +30,21 @@ class StaticBatchRunner:
         self.block_size = block_size
         self.graphdef, self.state = nnx.split(loaded.model)
         self.dtype = DTYPES[loaded.dtype]
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+        self._model_step = jax.jit(self._model_step_impl)
+        self._write_kv = jax.jit(write_kv, donate_argnums=(0,))
 
-    def _forward_impl(self, state, kv_cache, ids, positions, md, logit_rows, temperature, key):
+    def _forward(self, state, kv_cache, ids, positions, md, logit_rows, temperature, key):
+        logits, tokens, new_kv = self._model_step(state, kv_cache, ids, positions, md, logit_rows, temperature, key)
+        return logits, tokens, self._write_kv(kv_cache, new_kv, md.slot_mapping)
+
+    def _model_step_impl(self, state, kv_cache, ids, positions, md, logit_rows, temperature, key):
         model = nnx.merge(self.graphdef, state)
-        hidden, kv_cache = model(ids, positions, kv_cache, md)
+        hidden, new_kv = model.forward(ids, positions, kv_cache, md)
         logits = model.compute_logits(hidden[logit_rows])
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         scaled = logits / jnp.maximum(temperature, 1e-6)
         sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-        return logits, jnp.where(temperature > 0, sampled, greedy), kv_cache
+        return logits, jnp.where(temperature > 0, sampled, greedy), new_kv
 
     def _kv_cache(self, num_seqs: int, width: int):
         cfg = self.cfg

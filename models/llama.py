@@ -1,7 +1,7 @@
 """Llama family (Llama 2/3.x, SmolLM2, TinyLlama): a Flax NNX port over the paged KV cache.
 
-The forward pass is pure in the cache: it takes kv_cache and returns the updated one, so the
-runner can donate it to jit and XLA updates it in place.
+The forward pass is pure in the cache: it takes kv_cache and returns the updated one (or, from
+`forward`, the new K/V for the runner to write into the donated cache in place).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import ACTIVATIONS, Embedding, Linear, RMSNorm, apply_rope, rope_inv_freq
 from models.weights import WeightSpec
-from pallas_kernels import AttentionMetadata, paged_attention
+from pallas_kernels import AttentionMetadata, paged_attention, stack_new_kv, write_kv
 
 # Flax >= 0.12 wants module lists wrapped so their arrays count as state.
 _module_list = getattr(nnx, "List", list)
@@ -40,10 +40,8 @@ class LlamaAttention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out, kv_cache = paged_attention(
-            q, k, v, kv_cache, self.layer, md, scale=hd**-0.5, backend=self.backend
-        )
-        return self.o_proj(out.reshape(t, h * hd)), kv_cache
+        out = paged_attention(q, k, v, kv_cache, self.layer, md, scale=hd**-0.5, backend=self.backend)
+        return self.o_proj(out.reshape(t, h * hd)), (k, v)
 
 
 class LlamaMLP(nnx.Module):
@@ -66,10 +64,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = LlamaMLP(cfg, dtype=dtype)
 
     def __call__(self, x, positions, kv_cache, md):
-        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv_cache
+        return x, new_kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -82,12 +80,23 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata):
-        """input_ids, positions: [T] -> (final hidden states [T, D], kv_cache)."""
+    def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata):
+        """input_ids, positions: [T] -> (final hidden states [T, D], this step's K/V [L, 2, H_kv, T, D]).
+
+        Reads the cache only; the runner writes the new K/V with write_kv in a second jitted call
+        that donates the cache (see pallas_kernels/attention.py for why).
+        """
         x = self.embed_tokens(input_ids)
+        new_kv = []
         for layer in self.layers:
-            x, kv_cache = layer(x, positions, kv_cache, md)
-        return self.norm(x), kv_cache
+            x, layer_kv = layer(x, positions, kv_cache, md)
+            new_kv.append(layer_kv)
+        return self.norm(x), stack_new_kv(new_kv)
+
+    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata):
+        """-> (hidden [T, D], updated kv_cache): forward and write in one call."""
+        hidden, new_kv = self.forward(input_ids, positions, kv_cache, md)
+        return hidden, write_kv(kv_cache, new_kv, md.slot_mapping)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:

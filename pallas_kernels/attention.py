@@ -1,4 +1,12 @@
-"""The one attention entry point models call: write this step's K/V into the blocks, then attend."""
+"""The attention entry points models call.
+
+A step's forward pass only reads the KV cache: `paged_attention` takes this step's K/V as
+arguments next to the cache, and `write_kv` stores every layer's new K/V in one scatter
+afterwards. Writing layer by layer would interleave in-place updates with reads of the same
+buffer; XLA answers that with copies of the whole cache (measured: one per layer). Even one
+scatter at the end of the same jit kept two full copies (the read loops hold the buffer), so
+the runner writes in a second jitted call that donates the cache: no copies at all.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +16,21 @@ import jax.numpy as jnp
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import reference_paged_attention
 
-# "pallas" and "auto" arrive with the kernel; until then the reference serves every platform.
+# "pallas" and "auto" arrive with the kernel; until then the pure-JAX path serves every platform.
 ATTENTION_BACKENDS = ("reference",)
 
 
-def write_kv(kv_cache: jax.Array, layer: int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter k, v ([T, H_kv, D]) into their slots; rows with slot -1 are dropped, not written."""
+def write_kv(kv_cache: jax.Array, new_kv: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new_kv [L, 2, H_kv, T, D] into each token's slot; rows with slot -1 are dropped."""
     num_blocks, block_size = kv_cache.shape[3], kv_cache.shape[4]
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)  # out of range -> dropped
     offset = slot_mapping % block_size
-    new = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)  # [T, 2, H_kv, D]
-    return kv_cache.at[layer, :, :, block, offset].set(new, mode="drop")
+    return kv_cache.at[:, :, :, block, offset].set(new_kv.astype(kv_cache.dtype), mode="drop")
+
+
+def stack_new_kv(per_layer: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """[(k, v) each [T, H_kv, D]] per layer -> [L, 2, H_kv, T, D], write_kv's layout."""
+    return jnp.stack([jnp.stack([k, v]) for k, v in per_layer]).transpose(0, 1, 3, 2, 4)
 
 
 def paged_attention(
@@ -33,12 +45,10 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     backend: str = "reference",
-) -> tuple[jax.Array, jax.Array]:
-    """q [T, H, D], k/v [T, H_kv, D] -> (out [T, H, D], updated kv_cache)."""
+) -> jax.Array:
+    """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context -> out [T, H, D]."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not available; choose from {ATTENTION_BACKENDS}")
-    kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
-    out = reference_paged_attention(
-        q, kv_cache, layer, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
+    return reference_paged_attention(
+        q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
     )
-    return out, kv_cache

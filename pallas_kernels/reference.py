@@ -1,8 +1,12 @@
-"""Pure-JAX paged attention: the definition every kernel is checked against, and the CPU default.
+"""Pure-JAX paged attention: the CPU default, and the definition every kernel is checked against.
 
-Each flattened token finds its sequence from query_start_loc, its absolute position from
-seq_lens, and gathers that sequence's context through its block-table row. Memory is
-O(T * W * block_size * head_dim) per layer, fine for decode (T == S) and bucketed prefill.
+`naive_paged_attention` is the definition: each flattened token gathers its sequence's whole
+context through the block table and attends with a causal mask. It materialises
+T x W x block_size x head_dim per layer, so it is for tests only.
+
+`reference_paged_attention` computes the same thing the way a kernel would: an online softmax
+over chunks of block-table columns, with a trip count of the longest live context, so padded
+table width costs nothing and nothing larger than one chunk is materialised.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.metadata import AttentionMetadata
+
+CHUNK_TOKENS = 128  # context positions per loop iteration
 
 
 def token_layout(md: AttentionMetadata, num_tokens: int):
@@ -24,7 +30,19 @@ def token_layout(md: AttentionMetadata, num_tokens: int):
     return seq, jnp.where(valid, pos, 0), valid
 
 
-def reference_paged_attention(
+def _mask(ctx_pos, pos, valid, sliding_window):
+    """[T, C] which context positions each token may see."""
+    mask = (ctx_pos[None, :] <= pos[:, None]) & valid[:, None]
+    if sliding_window is not None:
+        mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
+    return mask
+
+
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def naive_paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
     layer: int,
@@ -38,8 +56,7 @@ def reference_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
     group = num_heads // num_kv_heads
-    width = md.block_tables.shape[1]
-    ctx = width * block_size
+    ctx = md.block_tables.shape[1] * block_size
 
     seq, pos, valid = token_layout(md, num_tokens)
     tables = md.block_tables[seq]  # [T, W]
@@ -47,17 +64,11 @@ def reference_paged_attention(
     v = kv_cache[layer, 1][:, tables].reshape(num_kv_heads, num_tokens, ctx, head_dim)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scores = jnp.einsum(
-        "tkgd,ktcd->tkgc", qg, k, preferred_element_type=jnp.float32, precision=precision
-    ) * scale
+    prec = _precision(q.dtype)
+    scores = jnp.einsum("tkgd,ktcd->tkgc", qg, k, preferred_element_type=jnp.float32, precision=prec) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-
-    c = jnp.arange(ctx, dtype=jnp.int32)[None, :]
-    mask = (c <= pos[:, None]) & valid[:, None]
-    if sliding_window is not None:
-        mask &= c > pos[:, None] - sliding_window
+    mask = _mask(jnp.arange(ctx, dtype=jnp.int32), pos, valid, sliding_window)
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
 
     peak = jnp.max(scores, axis=-1, keepdims=True)
@@ -65,7 +76,88 @@ def reference_paged_attention(
     probs = jnp.exp(scores - peak)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum(
-        "tkgc,ktcd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision
+    out = jnp.einsum("tkgc,ktcd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def reference_paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    layer: int,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """naive_paged_attention's result, with this step's K/V (k, v: [T, H_kv, D]) not yet in the cache.
+
+    Keys come from two places: positions cached before this step, read block by block with an
+    online softmax (trip count: the longest cached context), and this step's own tokens, taken
+    from k/v directly (a [T, T] mask keeps each token to its own sequence, causally).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    cols = max(1, CHUNK_TOKENS // block_size)  # block-table columns per iteration
+    width = md.block_tables.shape[1]
+    padded_width = -(-width // cols) * cols
+    chunk = cols * block_size
+    prec = _precision(q.dtype)
+
+    seq, pos, valid = token_layout(md, num_tokens)
+    q_lens = md.query_start_loc[seq + 1] - md.query_start_loc[seq]
+    cached = jnp.where(valid, md.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+
+    def scores_of(keys, mask):  # keys [T|U, H_kv, C, D] per token, or [U, H_kv, D] shared
+        if keys.ndim == 3:
+            s = jnp.einsum("tkgd,ukd->tkgu", qg, keys, preferred_element_type=jnp.float32, precision=prec)
+        else:
+            s = jnp.einsum("tkgd,tkcd->tkgc", qg, keys, preferred_element_type=jnp.float32, precision=prec)
+        s = s * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        return jnp.where(mask[:, None, None, :], s, -jnp.inf)
+
+    def merge(carry, s, values, shared):
+        peak, denom, acc = carry
+        new_peak = jnp.maximum(peak, jnp.max(s, axis=-1))
+        safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+        p = jnp.exp(s - safe[..., None])
+        correction = jnp.exp(peak - safe)
+        spec = "tkgu,ukd->tkgd" if shared else "tkgc,tkcd->tkgd"
+        pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
+        return new_peak, denom * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+
+    # This step's tokens: same sequence, not in the future.
+    new_mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
+    if sliding_window is not None:
+        new_mask &= pos[None, :] > pos[:, None] - sliding_window
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
+    carry = merge(init, scores_of(k, new_mask), v, shared=True)
+
+    # Cached context, a chunk of block-table columns at a time.
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, padded_width - width)))[seq]  # [T, W']
+    trips = (jnp.max(cached) + chunk - 1) // chunk
+
+    def body(i, carry):
+        blocks = jax.lax.dynamic_slice_in_dim(tables, i * cols, cols, axis=1)  # [T, cols]
+        # [T, cols, H_kv, bs, D] -> [T, H_kv, cols * bs, D]
+        kc = kv_cache[layer, 0, :, blocks].transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk, head_dim)
+        vc = kv_cache[layer, 1, :, blocks].transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk, head_dim)
+        ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        mask = ctx_pos[None, :] < cached[:, None]
+        if sliding_window is not None:
+            mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
+        return merge(carry, scores_of(kc, mask), vc, shared=False)
+
+    _, denom, acc = jax.lax.fori_loop(0, trips, body, carry)
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

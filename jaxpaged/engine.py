@@ -1,0 +1,289 @@
+"""LLMEngine.step(): schedule -> pack -> run the jitted step -> append tokens, stop, free.
+
+Requests are validated at the door (a request that could never fit is refused at once, with a
+ValueError naming the parameter), so a bad one never reaches the step loop and everyone else
+keeps being served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpaged import compile_monitor
+from jaxpaged.block_pool import BlockPool
+from jaxpaged.config import EngineConfig
+from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.kv_cache_manager import KVCacheManager, blocks_for
+from jaxpaged.model_runner import ModelRunner, StepInputs
+from jaxpaged.outputs import Logprob, RequestOutput
+from jaxpaged.request import Request, RequestGroup, RequestStatus
+from jaxpaged.sampler import SamplingRow, build_sampling_metadata
+from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxpaged.scheduler import Scheduler, SchedulerOutput
+from models.loader import LoadedModel, load_model
+from pallas_kernels import AttentionMetadata
+
+logger = logging.getLogger("jaxpaged.engine")
+
+PromptType = str | Sequence[int] | dict
+
+
+def _enable_compilation_cache(config: EngineConfig) -> None:
+    from models.convert_cache import cache_root
+
+    if jax.config.jax_compilation_cache_dir:  # the user chose one
+        return
+    path = config.compilation_cache_dir or str(cache_root(config.cache_dir) / "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        compile_monitor.install()
+        self.config = config
+        _enable_compilation_cache(config)
+        self.loaded = loaded or load_model(
+            config.model, dtype=config.dtype, attention_backend=config.resolved_attention_backend, cache_dir=config.cache_dir
+        )
+        self.tokenizer = self.loaded.tokenizer
+        model_len = self.loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context ({model_len})")
+        self.max_model_len = config.max_model_len or model_len
+        self.runner = ModelRunner(self.loaded, config, self.max_model_len)
+        self.pool = BlockPool(self.runner.num_blocks)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = self._eos_ids()
+        self.groups: dict[str, RequestGroup] = {}
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(config.seed)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MB), up to %d tokens held at once; max_model_len %d",
+            self.pool.num_blocks, config.block_size, self.pool.num_blocks * self.runner.block_bytes / 1e6,
+            self.pool.num_blocks * config.block_size, self.max_model_len,
+        )
+        self.warmup_seconds = self.runner.warmup(self._blank_sampling)
+        self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
+
+    def _eos_ids(self) -> list[int]:
+        ids = set(self.loaded.config.eos_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+        return sorted(ids)
+
+    def _blank_sampling(self, rows: int, width: int):
+        return build_sampling_metadata([], rows, width, self._max_suppress)
+
+    @property
+    def _max_suppress(self) -> int:
+        return MAX_STOP_TOKEN_IDS + len(self.eos_token_ids) if hasattr(self, "eos_token_ids") else MAX_STOP_TOKEN_IDS + 8
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict (got {type(prompt).__name__})")
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        vocab = self.loaded.config.vocab_size
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room in max_model_len ({self.max_model_len})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens ({max_tokens}) plus the prompt's {len(ids)} tokens exceeds max_model_len ({self.max_model_len})"
+            )
+        need = blocks_for(len(ids) + max_tokens, self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {need} KV blocks but the whole pool has {self.pool.num_blocks}; "
+                "raise num_kv_blocks or lower max_tokens"
+            )
+        group = RequestGroup(request_id, text, ids, params)
+        base_seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63 - 1))
+        for index in range(params.n):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
+                    include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids,
+                )
+            seq = Request(
+                seq_id=f"{request_id}#{index}", group=group, index=index, prompt_token_ids=ids, params=params,
+                max_tokens=max_tokens, seed=(base_seed + index) % 2**63, detokenizer=detok,
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            group.sequences.append(seq)
+            self.scheduler.add(seq)
+        self.groups[request_id] = group
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        group = self.groups.pop(str(request_id), None)
+        if group is None:
+            return False
+        for seq in group.sequences:
+            if not seq.finished:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _pack(self, sched: SchedulerOutput) -> StepInputs:
+        total = sched.num_tokens
+        t, s = self.runner.bucket_for(total)
+        ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        tables = np.zeros((s, self.runner.table_width), np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        qsl = np.zeros(s + 1, np.int32)
+        logit_rows = np.zeros(s, np.int32)
+        rows = []
+        cursor = 0
+        for j, item in enumerate(sched.scheduled):
+            req, start, n = item.request, item.start, item.num_tokens
+            tokens = req.all_token_ids
+            table = self.kv.block_table(req.seq_id)
+            ids[cursor : cursor + n] = tokens[start : start + n]
+            pos = np.arange(start, start + n, dtype=np.int32)
+            positions[cursor : cursor + n] = pos
+            table_arr = np.asarray(table, np.int32)
+            slots[cursor : cursor + n] = table_arr[pos // self.config.block_size] * self.config.block_size + pos % self.config.block_size
+            tables[j, : len(table)] = table_arr
+            seq_lens[j] = start + n
+            cursor += n
+            qsl[j + 1] = cursor
+            logit_rows[j] = cursor - 1
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.seed, self.eos_token_ids))
+        qsl[len(sched.scheduled) + 1 :] = cursor
+        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self._max_suppress)
+        md = AttentionMetadata(slots, tables, seq_lens, qsl)
+        return StepInputs(ids, positions, md, logit_rows, sampling)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: returns the outputs of every request that progressed or finished."""
+        compiles_before = compile_monitor.compile_count()
+        try:
+            return self._step()
+        finally:
+            self.num_compiles_after_warmup += compile_monitor.compile_count() - compiles_before
+
+    def _step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
+            return []
+        result = self.runner.execute(self._pack(sched))
+        touched: dict[str, RequestGroup] = {}
+        for j, item in enumerate(sched.scheduled):
+            req = item.request
+            req.num_computed_tokens += item.num_tokens
+            if not item.samples or req.finished:
+                continue
+            self._append_token(req, int(result.tokens[j]), result, j)
+            touched[req.group.request_id] = req.group
+        outputs = []
+        for group in touched.values():
+            outputs.append(group.output())
+            if group.finished:
+                self.groups.pop(group.request_id, None)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, result, row: int) -> None:
+        req.output_token_ids.append(token)
+        params = req.params
+        if req.logprobs is not None:
+            lp = float(result.logprobs[row])
+            req.cumulative_logprob += lp
+            entry = {token: Logprob(lp, None, self._decode_one(token))}
+            if params.logprobs and result.top_ids is not None:
+                for rank, (tid, tlp) in enumerate(zip(result.top_ids[row, : params.logprobs], result.top_logprobs[row])):
+                    tid = int(tid)
+                    if tid == token:
+                        entry[token].rank = rank + 1
+                    else:
+                        entry[tid] = Logprob(float(tlp), rank + 1, self._decode_one(tid))
+            req.logprobs.append(entry)
+        if req.detokenizer is not None:
+            req.detokenizer.push(token)
+        n_out = len(req.output_token_ids)
+        status = None
+        if req.detokenizer is not None and req.detokenizer.finished:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, req.detokenizer.stop_reason
+        elif n_out >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif n_out >= params.min_tokens and token in params.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if req.detokenizer is not None:
+                req.detokenizer.flush()
+            self.scheduler.finish(req, status)
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, Any]:
+        held = {}
+        stored = 0
+        for req in self.scheduler.running:
+            stored += req.num_computed_tokens
+            for b in self.kv.block_table(req.seq_id):
+                held[b] = True
+        slots = len(held) * self.config.block_size
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_used": self.pool.num_used,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_compiles_after_warmup": self.num_compiles_after_warmup,
+            "kv_token_utilization": stored / slots if slots else 0.0,
+            "warmup_seconds": self.warmup_seconds,
+        }

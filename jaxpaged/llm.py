@@ -1,0 +1,115 @@
+"""The offline API, as in vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.engine import LLMEngine, PromptType
+from jaxpaged.logging_utils import setup_logging
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        attention_backend: str = "auto",
+        seed: int = 0,
+        **kwargs: Any,
+    ):
+        setup_logging(kwargs.pop("log_level", "INFO"))
+        config = EngineConfig(
+            model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_fraction=kv_cache_memory_fraction, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend, seed=seed, **kwargs,
+        )
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.engine.get_stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            for rid in ids:  # a bad prompt refuses the whole batch, leaving nothing queued
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Each conversation through the tokenizer's chat template, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            prompts.append({"prompt_token_ids": list(ids), "prompt": None})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in ids]

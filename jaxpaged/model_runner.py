@@ -1,0 +1,162 @@
+"""The device side: parameters, the KV-block array, bucketed inputs and the jitted step.
+
+A step's tokens are flattened and padded to a token bucket T (powers of two up to the token
+budget); its sequence slots are padded to S = min(T, max_num_seqs); block tables always have
+the full width W = blocks for max_model_len (attention loops only over live context, so width
+costs nothing but a small transfer). One jitted step per token bucket, all compiled at warm-up.
+The step only reads the cache; a second jitted call, donating the cache, writes the new K/V
+in place (see pallas_kernels/attention.py for why the two are separate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
+from jaxpaged.sampler import SamplerOutput, SamplingMetadata, sample
+from models.loader import DTYPES, LoadedModel
+from models.weights import param_bytes
+from pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
+
+logger = logging.getLogger("jaxpaged.runner")
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    buckets, b = [], min(smallest, max_tokens)
+    while b < max_tokens:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_tokens]
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One step, already padded to its bucket, as numpy arrays."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    attention: AttentionMetadata  # numpy leaves
+    logit_rows: np.ndarray  # [S] row of each sequence's last token
+    sampling: SamplingMetadata  # numpy leaves
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray  # [S]
+    logprobs: np.ndarray  # [S] of the sampled tokens
+    top_ids: np.ndarray | None  # [S, 20] when some row asked for logprobs
+    top_logprobs: np.ndarray | None
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
+        self.config = config
+        self.model_config = loaded.config
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.table_width = -(-max_model_len // self.block_size)
+        self.history_width = self.table_width * self.block_size
+        self.buckets = token_buckets(config.max_num_batched_tokens)
+        self.dtype = DTYPES[loaded.dtype]
+        self.graphdef, self.state = nnx.split(loaded.model)
+        self.num_blocks = self._pool_size(param_bytes(self.state))
+        cfg = self.model_config
+        self.kv_cache = jnp.zeros(
+            kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim), self.dtype
+        )
+        self._step = jax.jit(self._step_impl)
+        self._write = jax.jit(write_kv, donate_argnums=(0,))
+        self._blank_history: dict[int, jax.Array] = {}
+
+    # -- sizing -------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        cfg = self.model_config
+        return cfg.num_layers * 2 * cfg.num_kv_heads * self.block_size * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+
+    def _pool_size(self, weight_bytes: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.platform == "cpu":
+            budget = CPU_KV_CACHE_BYTES
+            if cfg.kv_cache_memory_fraction is not None:
+                available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                budget = int(cfg.kv_cache_memory_fraction * available)
+            enough = cfg.max_num_seqs * self.table_width  # every sequence at full length
+            return max(1, min(budget // self.block_bytes, enough))
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            raise ValueError("cannot read this device's memory size; pass num_kv_blocks explicitly")
+        free = limit - stats.get("bytes_in_use", weight_bytes)
+        return max(1, int(cfg.kv_cache_memory_fraction * free) // self.block_bytes)
+
+    # -- the jitted step ---------------------------------------------------------------------
+
+    def _step_impl(self, state, kv_cache, input_ids, positions, md, logit_rows, smd) -> tuple[SamplerOutput, jax.Array]:
+        model = nnx.merge(self.graphdef, state)
+        hidden, new_kv = model.forward(input_ids, positions, kv_cache, md)
+        logits = model.compute_logits(hidden[logit_rows])
+        return sample(logits, smd), new_kv
+
+    def bucket_for(self, num_tokens: int) -> tuple[int, int]:
+        """(T, S) padded sizes for a step of num_tokens tokens."""
+        for b in self.buckets:
+            if num_tokens <= b:
+                return b, min(b, self.config.max_num_seqs)
+        raise ValueError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens ({self.buckets[-1]})")
+
+    def _history(self, smd: SamplingMetadata) -> jax.Array | np.ndarray:
+        """Penalty-free steps reuse one device-resident blank history instead of sending a new one."""
+        if bool(smd.any_penalty):
+            return smd.history
+        rows = smd.history.shape[0]
+        if rows not in self._blank_history:
+            self._blank_history[rows] = jnp.asarray(smd.history)
+        return self._blank_history[rows]
+
+    def execute(self, step: StepInputs) -> StepResult:
+        smd = dataclasses.replace(step.sampling, history=self._history(step.sampling))
+        out, new_kv = self._step(
+            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd
+        )
+        self.kv_cache = self._write(self.kv_cache, new_kv, step.attention.slot_mapping)
+        want_top = bool(step.sampling.want_logprobs)
+        tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+        top_ids, top_lp = jax.device_get((out.top_ids, out.top_logprobs)) if want_top else (None, None)
+        return StepResult(tokens, logprobs, top_ids, top_lp)
+
+    # -- warm-up -----------------------------------------------------------------------------
+
+    def blank_step(self, num_tokens: int, sampling: SamplingMetadata) -> StepInputs:
+        """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
+        t, s = self.bucket_for(num_tokens)
+        md = AttentionMetadata(
+            slot_mapping=np.full(t, -1, np.int32),
+            block_tables=np.zeros((s, self.table_width), np.int32),
+            seq_lens=np.zeros(s, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32),
+        )
+        return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), md, np.zeros(s, np.int32), sampling)
+
+    def warmup(self, blank_sampling) -> float:
+        """Compile every bucket now, so serving never compiles."""
+        t0 = time.perf_counter()
+        for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
+            _, s = self.bucket_for(t)
+            self.execute(self.blank_step(t, blank_sampling(s, self.history_width)))
+        jax.block_until_ready(self.kv_cache)
+        elapsed = time.perf_counter() - t0
+        logger.info("compiled %d step buckets %s in %.1fs", len(self.buckets), self.buckets, elapsed)
+        return elapsed

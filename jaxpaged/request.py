@@ -1,0 +1,101 @@
+"""A request's state as the scheduler and the engine see it.
+
+A user request with n > 1 becomes n sequences (`Request`s) sharing a `RequestGroup`; the
+scheduler only ever deals with single sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+
+from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    seq_id: str
+    group: RequestGroup
+    index: int  # which of the group's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens, or what the context leaves
+    seed: int  # this sequence's sampling seed
+    detokenizer: IncrementalDetokenizer | None
+    arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text(),
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.status.value if self.finished else None,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.sequences)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=[seq.completion() for seq in self.sequences],
+            finished=self.finished,
+        )

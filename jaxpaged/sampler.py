@@ -1,0 +1,274 @@
+"""Choosing the next token of every row of a padded batch, inside the jitted step.
+
+Every per-request knob arrives as an array (`SamplingMetadata`), so a batch mixing greedy,
+seeded, penalised and truncated requests runs one compiled program whatever the values; only
+the shapes (rows, history width, suppress width) pick a compile. Features no row uses are
+skipped with `lax.cond` on flags the host sets, so they cost nothing at run time.
+
+Randomness is per row: the Gumbel noise of a row comes from `fold_in(key(seed), step_index)`,
+so a seeded request draws the same tokens in any batch, at any row, and after a preemption
+recomputes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.sampling_params import _GREEDY_EPS, MAX_LOGPROBS, SamplingParams
+
+NUM_TOP_LOGPROBS = MAX_LOGPROBS
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array  # [S] f32; 0 (below _GREEDY_EPS) means greedy
+    top_k: jax.Array  # [S] i32; 0 disabled, > V means no limit
+    top_p: jax.Array  # [S] f32; 1.0 disabled
+    min_p: jax.Array  # [S] f32; 0 disabled
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32
+    seeds: jax.Array  # [S] u32 per-row PRNG seed
+    step_index: jax.Array  # [S] i32 index of the output token being sampled (0 for the first)
+    history: jax.Array  # [S, H] i32 prompt ids then output ids, padded with -1
+    prompt_lens: jax.Array  # [S] i32 how many leading history entries are prompt
+    suppress_ids: jax.Array  # [S, K] i32 ids forbidden for this row (min_tokens), padded with -1
+    any_penalty: jax.Array  # [] bool some row has a non-neutral penalty
+    any_top: jax.Array  # [] bool some row uses top_k / top_p / min_p
+    want_logprobs: jax.Array  # [] bool some row wants top logprobs (the sampled id's own is always returned)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    tokens: jax.Array  # [S] i32 sampled ids
+    logprobs: jax.Array  # [S] f32 logprob of the sampled id under the raw model distribution
+    top_ids: jax.Array  # [S, 20] i32 the raw distribution's top ids (zeros unless want_logprobs)
+    top_logprobs: jax.Array  # [S, 20] f32 their logprobs (zeros unless want_logprobs)
+
+
+def _row_ids(ids: jax.Array, vocab: int) -> jax.Array:
+    """-1 padding becomes an out-of-range id, which `mode="drop"` scatters then skip (JAX wraps negatives)."""
+    return jnp.where(ids < 0, vocab, ids)
+
+
+def _log_softmax(logits: jax.Array) -> jax.Array:
+    """log_softmax that gives -inf, not NaN, for a row whose logits are all -inf."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    shifted = logits - jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)
+    return jnp.where(total > 0, shifted - jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def _softmax(logits: jax.Array) -> jax.Array:
+    """softmax that gives zeros, not NaN, for a row whose logits are all -inf."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
+def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, _row_ids(suppress_ids, logits.shape[1])].set(-jnp.inf, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition (prompt and output tokens, as HF and vLLM), then presence and frequency (output only).
+
+    Always does the work; `sample` calls it only when some row has a penalty.
+    """
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    in_prompt = jnp.arange(md.history.shape[1])[None, :] < md.prompt_lens[:, None]
+    ids = _row_ids(md.history, vocab)
+    prompt_counts = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, jnp.where(in_prompt, ids, vocab)].add(
+        1, mode="drop"
+    )
+    output_counts = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, jnp.where(in_prompt, vocab, ids)].add(
+        1, mode="drop"
+    )
+    seen = (prompt_counts + output_counts) > 0
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+    return logits - md.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
+
+
+def apply_top_k_top_p_min_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Sets every token outside a row's top-k, then top-p nucleus, then min-p floor to -inf.
+
+    One descending sort serves all three. Each keeps a prefix of the sorted row (the most likely
+    token always survives), so the kept set is "logit >= the last kept sorted logit"; a token tied
+    with that boundary logit is kept too. top-p is measured on the top-k renormalised distribution
+    (as HF and vLLM); min-p compares with the most likely token, which renormalising does not change.
+    """
+    vocab = logits.shape[-1]
+    desc = -jnp.sort(-logits, axis=-1)
+    position = jnp.arange(vocab)[None, :]
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)[:, None]
+    keep = position < k
+    probs = _softmax(jnp.where(keep, desc, -jnp.inf))
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass of the more likely tokens
+    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    num_kept = jnp.sum(keep, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(desc, num_kept - 1, axis=-1)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _gumbel_argmax(logits: jax.Array, seeds: jax.Array, step_index: jax.Array) -> jax.Array:
+    def one_row(row_logits, seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jnp.argmax(row_logits + jax.random.gumbel(key, row_logits.shape, row_logits.dtype))
+
+    return jax.vmap(one_row)(logits, seeds, step_index).astype(jnp.int32)
+
+
+def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    k = min(NUM_TOP_LOGPROBS, raw_logprobs.shape[-1])
+    values, ids = jax.lax.top_k(raw_logprobs, k)
+    pad = NUM_TOP_LOGPROBS - k
+    if pad:  # a vocabulary smaller than 20 (tests): pad with -inf so the shape never changes
+        ids = jnp.pad(ids, ((0, 0), (0, pad)))
+        values = jnp.pad(values, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    return ids.astype(jnp.int32), values
+
+
+def _no_top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    num_rows = raw_logprobs.shape[0]
+    return (
+        jnp.zeros((num_rows, NUM_TOP_LOGPROBS), jnp.int32),
+        jnp.zeros((num_rows, NUM_TOP_LOGPROBS), raw_logprobs.dtype),
+    )
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """Next token of every row: suppress -> repetition -> presence/frequency -> (greedy argmax)
+    -> temperature -> top-k -> top-p -> min-p -> Gumbel-max. `logits` is [S, V] float32."""
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = _log_softmax(logits)
+
+    logits = apply_suppression(logits, md.suppress_ids)
+    logits = jax.lax.cond(md.any_penalty, apply_penalties, lambda x, _: x, logits, md)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    greedy = md.temperature < _GREEDY_EPS
+
+    def random_tokens(x: jax.Array) -> jax.Array:
+        x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
+        x = jax.lax.cond(
+            md.any_top, lambda y: apply_top_k_top_p_min_p(y, md.top_k, md.top_p, md.min_p), lambda y: y, x
+        )
+        return _gumbel_argmax(x, md.seeds, md.step_index)
+
+    # An all-greedy batch (the common serving default) draws no noise at all.
+    sampled = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, random_tokens, logits)
+    tokens = jnp.where(greedy, greedy_tokens, sampled)
+
+    top_ids, top_logprobs = jax.lax.cond(md.want_logprobs, _top_logprobs, _no_top_logprobs, raw_logprobs)
+    return SamplerOutput(
+        tokens=tokens,
+        logprobs=jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0],
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """What the host knows about one running request when it builds a step's sampling metadata."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    seed: int  # the request's seed, or one the engine drew for it; any non-negative int
+    eos_token_ids: Sequence[int] = ()
+
+
+def _seed_u32(seed: int) -> int:
+    """Folds a seed of up to 64 bits into the 32 that `jax.random.key` takes without x64."""
+    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return (seed ^ (seed >> 32)) & 0xFFFF_FFFF
+
+
+def _suppressed(row: SamplingRow) -> list[int]:
+    """EOS and stop ids are forbidden until the row has min_tokens outputs (as vLLM)."""
+    params = row.params
+    if len(row.output_ids) >= params.min_tokens:
+        return []
+    ids = [] if params.ignore_eos else [int(t) for t in row.eos_token_ids]
+    return list(dict.fromkeys(ids + params.stop_token_ids))
+
+
+def build_sampling_metadata(
+    rows: Sequence[SamplingRow], num_rows: int, history_width: int, max_suppress: int = 64
+) -> SamplingMetadata:
+    """Host-side numpy metadata for `sample`, padded to `num_rows` greedy, neutral rows.
+
+    The history is filled only when some row has a penalty; otherwise it is all -1 (same shape,
+    so the same compile) and `sample` never reads it. `want_logprobs` is set by rows asking for
+    logprobs >= 1: logprobs=0 needs only the sampled id's logprob, which is always returned.
+    """
+    if len(rows) > num_rows:
+        raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({len(rows)})")
+    longest = max((len(r.prompt_ids) + len(r.output_ids) for r in rows), default=0)
+    if history_width < longest:
+        raise ValueError(f"history_width ({history_width}) must be >= the longest prompt + output ({longest})")
+
+    temperature = np.zeros(num_rows, np.float32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, np.float32)
+    min_p = np.zeros(num_rows, np.float32)
+    presence = np.zeros(num_rows, np.float32)
+    frequency = np.zeros(num_rows, np.float32)
+    repetition = np.ones(num_rows, np.float32)
+    seeds = np.zeros(num_rows, np.uint32)
+    step_index = np.zeros(num_rows, np.int32)
+    prompt_lens = np.zeros(num_rows, np.int32)
+    suppress_ids = np.full((num_rows, max_suppress), -1, np.int32)
+    history = np.full((num_rows, history_width), -1, np.int32)
+
+    any_penalty = any(r.params.has_penalties for r in rows)
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.is_greedy:
+            temperature[i] = p.temperature
+            top_k[i], top_p[i], min_p[i] = p.top_k, p.top_p, p.min_p
+        presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        seeds[i] = _seed_u32(row.seed)
+        step_index[i] = len(row.output_ids)
+        prompt_lens[i] = len(row.prompt_ids)
+        banned = _suppressed(row)
+        if len(banned) > max_suppress:
+            raise ValueError(f"max_suppress ({max_suppress}) must be >= the ids row {i} suppresses ({len(banned)})")
+        suppress_ids[i, : len(banned)] = banned
+        if any_penalty:
+            n = len(row.prompt_ids)
+            history[i, :n] = row.prompt_ids
+            history[i, n : n + len(row.output_ids)] = row.output_ids
+
+    return SamplingMetadata(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        seeds=seeds,
+        step_index=step_index,
+        history=history,
+        prompt_lens=prompt_lens,
+        suppress_ids=suppress_ids,
+        any_penalty=np.array(any_penalty),
+        any_top=np.array(any(r.params.uses_truncation for r in rows if not r.params.is_greedy)),
+        want_logprobs=np.array(any(bool(r.params.logprobs) for r in rows)),
+    )

@@ -1,0 +1,215 @@
+"""How one request wants its tokens chosen, under vLLM's names and defaults.
+
+Every field is checked here, once, on the host: the sampler runs inside a fixed-shape jitted step
+where a bad value would surface as a NaN or a silent clamp, so a bad value is refused up front
+with a ValueError that names the field and the range it must lie in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+from collections.abc import Sequence
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**63
+# vLLM samples greedily below this temperature: dividing logits by it would overflow float32.
+_GREEDY_EPS = 1e-5
+
+_DECODING_ISSUE = "arrives with the decoding issue (parallel sampling and beam search)"
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _int(name: str, value: object) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int (got {value!r})")
+    return int(value)
+
+
+def _float(name: str, value: object) -> float:
+    """A finite float; ints are welcome, bools and strings are not (they are almost always a typo)."""
+    if not _is_real(value):
+        raise ValueError(f"{name} must be a number (got {value!r})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite (got {value!r})")
+    return value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (got {value!r})")
+    return value
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, allowed: str) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be {allowed} (got {value!r})")
+
+
+def _optional_logprobs(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    value = _int(name, value)
+    _in_range(name, value, 0, MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]")
+    return value
+
+
+def _stop_strings(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Sequence):
+        raise ValueError(f"stop must be None, a str or a list of str (got {value!r})")
+    stops = list(value)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings (got {len(stops)})")
+    for s in stops:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must be None, a str or a list of str (got an item {s!r})")
+        if not 1 <= len(s) <= MAX_STOP_STRING_LEN:
+            raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} chars (got {s!r})")
+    return stops
+
+
+def _stop_token_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"stop_token_ids must be None or a list of int (got {value!r})")
+    ids = [_int("stop_token_ids", t) for t in value]
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})")
+    for t in ids:
+        if t < 0:
+            raise ValueError(f"stop_token_ids must be >= 0 (got {t})")
+    return ids
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """vLLM's SamplingParams, minus what this engine does not do yet (those fields are refused, not ignored)."""
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = 0  # 0, -1 or None: no limit (stored as 0)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None  # stored as a list
+    stop_token_ids: list[int] | None = None  # stored as a list
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n)
+        _in_range("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]")
+        if self.best_of is not None:
+            self.best_of = _int("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be None or >= n={self.n} (got {self.best_of})")
+
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature!r})")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        top_k = 0 if self.top_k is None else _int("top_k", self.top_k)
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1 (got {top_k})")
+        self.top_k = max(top_k, 0)
+        self.min_p = _float("min_p", self.min_p)
+        _in_range("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            _in_range(name, value, -2.0, 2.0, "in [-2, 2]")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (got {self.repetition_penalty!r})")
+
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+            if not 0 <= self.seed < MAX_SEED:
+                raise ValueError(f"seed must be None or in [0, 2**63) (got {self.seed})")
+
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be None or >= 1 (got {self.max_tokens})")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0 (got {self.min_tokens})")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens} (got {self.min_tokens})")
+
+        self.logprobs = _optional_logprobs("logprobs", self.logprobs)
+        self.prompt_logprobs = _optional_logprobs("prompt_logprobs", self.prompt_logprobs)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search"):
+            setattr(self, name, _bool(name, getattr(self, name)))
+        self.length_penalty = _float("length_penalty", self.length_penalty)
+
+        if self.use_beam_search:
+            raise NotImplementedError(f"use_beam_search {_DECODING_ISSUE}")
+        if self.best_of is not None and self.best_of > self.n:
+            raise NotImplementedError(f"best_of > n {_DECODING_ISSUE}")
+
+        if self.is_greedy:
+            # As vLLM: truncation cannot change an argmax, and neutral values let the sampler skip its sort.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler needs the row's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def uses_truncation(self) -> bool:
+        """Whether the sampler needs its sort (top-k, top-p or min-p)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0

@@ -1,0 +1,105 @@
+"""Continuous batching at the iteration level: the batch is re-formed every step.
+
+Each step gives running sequences their next token(s) first, oldest first, then admits waiting
+ones (FIFO) while the token budget, the sequence cap and the KV pool allow. A prompt longer than
+the budget is prefilled in chunks across steps, mixed with other sequences' decode tokens. When
+the pool runs dry, the most recently admitted running sequence is preempted: its blocks are
+freed at once and it is recomputed from its tokens later (outputs are unchanged, since sampling
+depends only on a sequence's own tokens, seed and position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxpaged.kv_cache_manager import KVCacheManager
+from jaxpaged.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledSequence:
+    request: Request
+    start: int  # first position fed this step (== num_computed_tokens at scheduling)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the end of the sequence's known tokens, so it yields the next one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending_tokens, budget)
+            while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_pending_tokens, budget)
+            if not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.seq_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take a sequence out of scheduling and return its blocks at once."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req.seq_id)

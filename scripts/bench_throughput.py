@@ -1,0 +1,279 @@
+"""Offline throughput: one random workload, three systems, one run, ratios printed.
+
+Systems: jaxpaged (continuous batching over a paged KV cache), transformers one request at a time,
+and transformers in padded static batches (the padding waste is what continuous batching removes).
+Every request is greedy with EOS ignored, so each produces exactly its drawn output length and all
+systems do the same useful work. Progress goes to stderr, the table to stdout.
+
+    python scripts/bench_throughput.py --num-requests 64 --hf-single-limit 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Run as a file: import this checkout's packages, not whatever copy is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+log = logging.getLogger("bench")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder, .gguf, or bare config.json (random weights); default: built-in SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights/activations dtype for every system (bfloat16 for GPU runs)")
+    p.add_argument("--num-requests", type=int, default=64, help="number of requests (default 64)")
+    p.add_argument("--min-len", type=int, default=16, help="shortest prompt and output length (default 16)")
+    p.add_argument("--max-len", type=int, default=256, help="longest prompt and output length (default 256)")
+    p.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), help="prompt length range, overrides --min/--max-len")
+    p.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), help="output length range, overrides --min/--max-len")
+    p.add_argument("--seed", type=int, default=0, help="workload seed, also seeds torch for config.json random weights (default 0)")
+    p.add_argument("--max-num-seqs", type=int, help="jaxpaged: max sequences per step (engine default if unset)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="jaxpaged: token budget per step (engine default if unset)")
+    p.add_argument("--num-kv-blocks", type=int, help="jaxpaged: KV-cache blocks (engine default if unset)")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="transformers static batch size (default 32)")
+    p.add_argument("--hf-single-limit", type=int, metavar="K", help="time only the first K requests one at a time and extrapolate tok/s (default: all)")
+    p.add_argument("--skip-jaxpaged", action="store_true", help="do not run jaxpaged")
+    p.add_argument("--skip-hf-single", action="store_true", help="do not run transformers one request at a time")
+    p.add_argument("--skip-hf-batch", action="store_true", help="do not run transformers static batches")
+    p.add_argument("--json", metavar="PATH", help="write workload, results, ratios and machine info to PATH")
+    args = p.parse_args(argv)
+    args.input_len_range = tuple(args.input_len_range or (args.min_len, args.max_len))
+    args.output_len_range = tuple(args.output_len_range or (args.min_len, args.max_len))
+    if not (1 <= args.input_len_range[0] <= args.input_len_range[1] and 1 <= args.output_len_range[0] <= args.output_len_range[1]):
+        p.error(f"length ranges need 1 <= LO <= HI (got {args.input_len_range} {args.output_len_range})")
+    if args.num_requests < 1 or args.hf_batch_size < 1 or (args.hf_single_limit is not None and args.hf_single_limit < 1):
+        p.error("--num-requests, --hf-batch-size and --hf-single-limit must be >= 1")
+    return args
+
+
+@dataclasses.dataclass
+class Result:
+    system: str
+    output_tokens: int  # useful tokens actually generated in the timed part
+    seconds: float
+    note: str = ""
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def model_source(model: str | None) -> Path:
+    """The path every system loads: the built-in GGUF when --model is unset."""
+    from models.builtin import builtin_gguf_path
+
+    path = Path(builtin_gguf_path() if model is None else model).expanduser()
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
+    return ggufs[0] if len(ggufs) == 1 else path  # a folder holding just a .gguf, as the loader takes it
+
+
+def hf_config(src: Path):
+    """The transformers config, read the way each system will read the model (only the vocab is needed here)."""
+    from transformers import AutoConfig
+
+    if src.suffix == ".gguf":
+        return AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    if src.suffix == ".json":
+        raw = json.loads(src.read_text())
+        return AutoConfig.for_model(raw.pop("model_type"), **raw)
+    return AutoConfig.from_pretrained(str(src))
+
+
+def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) per request; ids avoid both ends of the vocab, where special tokens live."""
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    in_lens = rng.integers(args.input_len_range[0], args.input_len_range[1] + 1, n)
+    out_lens = rng.integers(args.output_len_range[0], args.output_len_range[1] + 1, n)
+    return [(rng.integers(10, vocab_size - 10, int(i)).tolist(), int(o)) for i, o in zip(in_lens, out_lens)]
+
+
+def run_jaxpaged(args, workload) -> tuple[Result, dict]:
+    """Construct (warm-up/compile, reported but untimed), one tiny untimed generate, then the timed generate."""
+    from jaxpaged import LLM, SamplingParams
+
+    opts = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks") if getattr(args, k) is not None}
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, **opts)
+    extra = {"warmup_seconds": time.perf_counter() - t0}
+    log.info("jaxpaged: constructed in %.1fs", extra["warmup_seconds"])
+
+    def generate(reqs):
+        prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+        params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs]
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    generate([(ids[:8], 4) for ids, _ in workload[:2]])
+    t0 = time.perf_counter()
+    outputs = generate(workload)
+    elapsed = time.perf_counter() - t0
+    got, want = sum(len(o.outputs[0].token_ids) for o in outputs), sum(o for _, o in workload)
+    if got != want:
+        raise RuntimeError(f"jaxpaged produced {got} output tokens, expected {want}")
+    if hasattr(llm, "get_stats"):
+        extra["stats"] = dict(llm.get_stats())
+    return Result("jaxpaged", got, elapsed), extra
+
+
+def load_hf(args, src: Path):
+    """The transformers model on cuda when there is one, else on all CPU cores; EOS disabled."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    if src.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=dtype)
+    elif src.suffix == ".json":
+        model = AutoModelForCausalLM.from_config(hf_config(src)).to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+    model = model.to(device).eval()
+    gen = model.generation_config  # EOS off: every request runs to exactly its own length
+    gen.eos_token_id, gen.pad_token_id, gen.do_sample = None, 0, False
+    gen.temperature = gen.top_p = gen.top_k = None
+    log.info("transformers: loaded on %s in %.1fs", device, time.perf_counter() - t0)
+    return model, device
+
+
+def run_hf(args, src: Path, workload) -> dict[str, Result]:
+    """Both transformers systems on one loaded model; the model is freed (GPU cache too) on return."""
+    import gc
+
+    import torch
+
+    model, device = load_hf(args, src)
+    results = {}
+    if not args.skip_hf_single:
+        results["hf-single"] = run_hf_single(model, device, workload, args.hf_single_limit)
+        log.info("hf-single: %.1f tok/s", results["hf-single"].tok_s)
+    if not args.skip_hf_batch:
+        results["hf-batch"] = run_hf_batch(model, device, workload, args.hf_batch_size)
+        log.info("hf-batch: %.1f tok/s", results["hf-batch"].tok_s)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # so jaxpaged sizes its KV pool from a GPU torch no longer holds
+    return results
+
+
+def hf_generate(model, device, prompts: list[list[int]], new_tokens: int) -> int:
+    """Greedy generate on a left-padded batch (pad id 0); returns the number of new columns produced."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out.shape[1] - width
+
+
+def run_hf_single(model, device, workload, limit: int | None) -> Result:
+    """One request at a time; with a limit, only the first K are timed and tok/s stands for all."""
+    reqs = workload[: limit or len(workload)]
+    hf_generate(model, device, [reqs[0][0][:8]], 4)
+    t0, tokens = time.perf_counter(), 0
+    for i, (ids, out_len) in enumerate(reqs):
+        got = hf_generate(model, device, [ids], out_len)
+        if got != out_len:
+            raise RuntimeError(f"hf-single request {i}: {got} new tokens, expected {out_len}")
+        tokens += out_len
+    note = f"first {len(reqs)} of {len(workload)}, extrapolated" if len(reqs) < len(workload) else ""
+    return Result("hf-single", tokens, time.perf_counter() - t0, note)
+
+
+def run_hf_batch(model, device, workload, batch_size: int) -> Result:
+    """Static batches in request order; each batch runs to its longest output, only own tokens count."""
+    hf_generate(model, device, [ids[:8] for ids, _ in workload[:batch_size]], 4)
+    t0, useful, computed = time.perf_counter(), 0, 0
+    for start in range(0, len(workload), batch_size):
+        batch = workload[start : start + batch_size]
+        longest = max(o for _, o in batch)
+        got = hf_generate(model, device, [ids for ids, _ in batch], longest)
+        if got != longest:
+            raise RuntimeError(f"hf-batch batch at {start}: {got} new tokens, expected {longest}")
+        useful += sum(o for _, o in batch)
+        computed += longest * len(batch)
+    note = f"batch {batch_size}, {100 * (1 - useful / computed):.0f}% padding waste"
+    return Result("hf-batch", useful, time.perf_counter() - t0, note)
+
+
+def machine_info() -> dict:
+    import jax
+    import torch
+    import transformers
+
+    info = {  # what a plot needs to say where its numbers came from
+        "platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "jax_device_kind": jax.devices()[0].device_kind,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return info | ({"torch_device": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {})
+
+
+def ratios(results: dict[str, Result]) -> dict[str, float]:
+    jp = results.get("jaxpaged")
+    return {f"jaxpaged/{name}": jp.tok_s / r.tok_s for name, r in results.items() if jp and name != "jaxpaged"}
+
+
+def print_table(results: dict[str, Result], ratio: dict[str, float], extra: dict) -> None:
+    print(f"{'system':<11} {'out tokens':>10} {'seconds':>9} {'out tok/s':>10}  note")
+    for r in results.values():
+        print(f"{r.system:<11} {r.output_tokens:>10} {r.seconds:>9.2f} {r.tok_s:>10.1f}  {r.note}")
+    for name, value in ratio.items():
+        print(f"{name:<21} {value:.2f}x")
+    if extra:
+        print(f"jaxpaged warm-up (LLM constructor, untimed): {extra['warmup_seconds']:.1f}s")
+        print("jaxpaged stats: " + ", ".join(f"{k}={v}" for k, v in extra.get("stats", {}).items()))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(logging.INFO)
+    src = model_source(args.model)
+    workload = make_workload(args, hf_config(src).vocab_size)
+    in_tok, out_tok = sum(len(i) for i, _ in workload), sum(o for _, o in workload)
+    log.info("workload: %d requests, %d prompt tokens, %d output tokens, model %s", len(workload), in_tok, out_tok, src.name)
+    results: dict[str, Result] = {}
+    extra: dict = {}
+    if not (args.skip_hf_single and args.skip_hf_batch):  # first: jaxpaged then claims most of a GPU's memory
+        results.update(run_hf(args, src, workload))
+    if not args.skip_jaxpaged:
+        jp, extra = run_jaxpaged(args, workload)
+        results = {"jaxpaged": jp} | results
+        log.info("jaxpaged: %.1f tok/s", results["jaxpaged"].tok_s)
+    ratio = ratios(results)
+    print_table(results, ratio, extra)
+    if args.json:
+        report = {
+            "workload": {k: v for k, v in vars(args).items() if k not in ("json",)} | {"prompt_tokens": in_tok, "output_tokens": out_tok, "model_path": str(src)},
+            "results": {n: dataclasses.asdict(r) | {"tok_s": r.tok_s} for n, r in results.items()},
+            "ratios": ratio, "jaxpaged": extra, "machine": machine_info(),
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        log.info("wrote %s", args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Block pool and KV cache manager invariants under random add / grow / fork / finish / abort / preempt."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxpaged.block_pool import BlockPool
+from jaxpaged.kv_cache_manager import KVCacheManager, blocks_for
+
+
+def check_invariants(pool: BlockPool, kv: KVCacheManager, live: dict[str, int]) -> None:
+    assert pool.num_free + pool.num_used == pool.num_blocks
+    holders: dict[int, int] = {}
+    for seq_id in live:
+        for b in kv.block_table(seq_id):
+            holders[b] = holders.get(b, 0) + 1
+    for b in range(pool.num_blocks):
+        assert pool.ref_count(b) == holders.get(b, 0), f"block {b}"
+    assert pool.num_used == len(holders)
+    for seq_id, tokens in live.items():
+        assert len(kv.block_table(seq_id)) >= blocks_for(tokens, kv.block_size)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_operations_keep_every_block_accounted_for(seed):
+    rng = random.Random(seed)
+    pool = BlockPool(64)
+    kv = KVCacheManager(pool, block_size=4)
+    live: dict[str, int] = {}  # seq_id -> tokens it holds slots for
+    next_id = 0
+    for _ in range(500):
+        op = rng.choice(["add", "grow", "grow", "fork", "finish", "abort", "preempt"])
+        if op == "add" or not live:
+            seq_id, next_id = f"s{next_id}", next_id + 1
+            n = rng.randint(1, 40)
+            if kv.allocate_slots(seq_id, 0, n):
+                live[seq_id] = n
+            else:
+                assert kv.block_table(seq_id) == []  # a refusal takes nothing
+                kv.free(seq_id)
+        elif op == "grow":
+            seq_id = rng.choice(list(live))
+            before = pool.num_free
+            n = rng.randint(1, 12)
+            if kv.allocate_slots(seq_id, live[seq_id], n):
+                live[seq_id] += n
+            else:
+                assert pool.num_free == before
+        elif op == "fork":
+            parent = rng.choice(list(live))
+            child, next_id = f"s{next_id}", next_id + 1
+            kv.fork(parent, child)
+            live[child] = live[parent]
+        else:  # finish, abort and preempt all hand the blocks back at once
+            seq_id = rng.choice(list(live))
+            kv.free(seq_id)
+            del live[seq_id]
+        check_invariants(pool, kv, live)
+    for seq_id in list(live):
+        kv.free(seq_id)
+    assert pool.num_free == pool.num_blocks
+    assert all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
+
+
+def test_double_free_and_sharing_a_free_block_are_refused():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.free(blocks)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(blocks[:1])
+    with pytest.raises(ValueError, match="free"):
+        pool.share(blocks[:1])
+    assert pool.allocate(5) is None and pool.num_free == 4
+
+
+def test_shared_block_returns_only_when_last_holder_frees():
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, block_size=4)
+    assert kv.allocate_slots("a", 0, 10)
+    kv.fork("a", "b")
+    assert pool.num_used == 3
+    kv.free("a")
+    assert pool.num_used == 3
+    kv.free("b")
+    assert pool.num_used == 0

@@ -1,0 +1,83 @@
+"""The pure-JAX paged attention the engine runs equals the naive definition, on ragged steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.attention_cases import random_case
+
+from pallas_kernels import stack_new_kv, write_kv
+from pallas_kernels.reference import naive_paged_attention, reference_paged_attention
+
+SHAPES = [
+    # (seq_lens, q_lens): decode, prefill chunks over cached context, fresh prefills, partial blocks
+    ([1], [1]),
+    ([37, 5, 300, 129], [1, 5, 40, 1]),
+    ([16, 17, 15, 2000], [16, 1, 3, 1]),
+    ([64, 64, 64], [64, 1, 33]),
+]
+
+
+HEADS = [(4, 4), (4, 2), (8, 2), (8, 1)]  # GQA ratios 1, 2, 4, 8
+CASES = [(shape, bs, HEADS[(i + j) % 4]) for i, shape in enumerate(SHAPES) for j, bs in enumerate([8, 16, 32])]
+
+
+@pytest.mark.parametrize("shape,block_size,heads", CASES)
+def test_reference_equals_naive(shape, block_size, heads):
+    (seq_lens, q_lens), (heads, kv_heads) = shape, heads
+    rng = np.random.default_rng(len(seq_lens) * 100 + block_size + heads * 7 + kv_heads)
+    case = random_case(
+        rng, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=32, block_size=block_size
+    )
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    want = naive_paged_attention(case.q, written, 0, case.md, scale=0.2)
+    attend = jax.jit(lambda q, k, v, cache, md: reference_paged_attention(q, k, v, cache, 0, md, scale=0.2))
+    got = attend(case.q, case.k, case.v, case.kv_cache, case.md)
+    n = case.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
+    assert np.all(np.asarray(got[n:]) == 0)  # padding rows read nothing
+
+
+@pytest.mark.parametrize("window,cap", [(7, None), (None, 30.0), (64, 5.0)])
+def test_sliding_window_and_soft_cap(window, cap):
+    rng = np.random.default_rng(3)
+    case = random_case(rng, seq_lens=[200, 9, 70], q_lens=[30, 9, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    kw = dict(scale=0.25, sliding_window=window, soft_cap=cap)
+    want = naive_paged_attention(case.q, written, 0, case.md, **kw)
+    got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.md, **kw)
+    n = case.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
+
+
+def test_bfloat16_inputs_accumulate_in_float32():
+    rng = np.random.default_rng(4)
+    case = random_case(
+        rng, seq_lens=[500, 33], q_lens=[1, 33], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16
+    )
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = naive_paged_attention(f32(case.q), f32(written), 0, case.md, scale=0.125)
+    got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.md, scale=0.125)
+    assert got.dtype == jnp.bfloat16
+    n = case.num_real_tokens
+    np.testing.assert_allclose(np.asarray(f32(got[:n])), np.asarray(want[:n]), atol=2e-2, rtol=0)
+
+
+def test_write_kv_drops_padding_rows_and_fills_slots():
+    rng = np.random.default_rng(5)
+    case = random_case(rng, seq_lens=[20, 3], q_lens=[4, 3], num_heads=2, num_kv_heads=1, head_dim=8, block_size=8)
+    written = np.asarray(write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping))
+    before = np.array(case.kv_cache)
+    slots = np.asarray(case.md.slot_mapping)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        block, offset = divmod(int(slot), 8)
+        np.testing.assert_array_equal(written[0, 0, :, block, offset], np.asarray(case.k[t]))
+        np.testing.assert_array_equal(written[0, 1, :, block, offset], np.asarray(case.v[t]))
+        before[0, :, :, block, offset] = written[0, :, :, block, offset]
+    np.testing.assert_array_equal(written, before)  # nothing else changed
