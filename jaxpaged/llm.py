@@ -12,6 +12,7 @@ from jaxpaged.engine import LLMEngine, PromptType
 from jaxpaged.logging_utils import setup_logging
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.text import chat_prompt_ids
 
 
 class LLM:
@@ -85,14 +86,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Each conversation through the tokenizer's chat template, then generate."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            prompts.append({"prompt_token_ids": list(ids), "prompt": None})
+        prompts = [
+            {"prompt_token_ids": chat_prompt_ids(tokenizer, c, add_generation_prompt), "prompt": None}
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

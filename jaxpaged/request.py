@@ -65,7 +65,8 @@ class Request:
         return self.status.finished
 
     def text(self) -> str:
-        return self.detokenizer.text if self.detokenizer is not None else ""
+        # what has been safely released so far; after the final flush, the whole text
+        return self.detokenizer.output_text if self.detokenizer is not None else ""
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(

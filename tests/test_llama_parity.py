@@ -7,7 +7,7 @@ import pytest
 
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
-from jaxpaged.static_batch import StaticBatchRunner
+from tests.static_batch import StaticBatchRunner
 from models.loader import load_model
 
 CONFIGS = {

@@ -18,7 +18,7 @@ try:
 except FileNotFoundError as exc:
     pytest.skip(f"built-in model absent ({exc}); CI installs it", allow_module_level=True)
 
-from jaxpaged.static_batch import StaticBatchRunner  # noqa: E402
+from tests.static_batch import StaticBatchRunner  # noqa: E402
 from jaxpaged.text import encode_prompt  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
@@ -85,10 +85,95 @@ def test_greedy_64_tokens_match_transformers(ours, hf):
         assert tokens == out[0, len(prompt):].tolist(), tokenizer.decode(prompt)
 
 
+@pytest.fixture(scope="module")
+def llm(cache_dir):
+    from jaxpaged import LLM
+
+    return LLM(cache_dir=cache_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
+               log_level="WARNING")
+
+
+def test_engine_greedy_matches_transformers_and_stops(llm, hf):
+    """The continuous-batching engine gives transformers' greedy tokens; stop strings cut the text."""
+    from jaxpaged import SamplingParams
+
+    model, tokenizer = hf
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
+        assert out.outputs[0].token_ids == want[0, len(ids):].tolist()
+        assert out.outputs[0].text == tokenizer.decode(want[0, len(ids):], skip_special_tokens=True)
+    full = outs[0].outputs[0].text
+    word = full.split()[1]
+    stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop=[word]), use_tqdm=False)[0]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == word
+    assert stopped.outputs[0].text == full[: full.index(word)]
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in chat.outputs[0].text and chat.outputs[0].finish_reason == "stop"
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
+
+
+def test_cli_prompts_file_and_interactive(cache_dir, tmp_path, monkeypatch, capsys):
+    import json
+
+    from jaxpaged import generate
+
+    monkeypatch.setenv("JAXPAGED_CACHE_DIR", cache_dir)
+    engine_flags = ["--max-model-len", "512", "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--quiet"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\nName a primary color.\n")
+    out_file = tmp_path / "out.jsonl"
+    assert generate.main(["--chat", "--max-tokens", "24", "--prompts-file", str(prompts), "--output", str(out_file)] + engine_flags) == 0
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["What is the capital of France?", "Name a primary color."]
+    assert "Paris" in records[0]["text"] and all(r["token_ids"] for r in records)
+
+    question = "What is the capital of France?"
+    lines = iter([question, "Say that again.", "/reset", question])
+    from jaxpaged.engine import LLMEngine
+
+    prompt_lengths = []
+    add_request = LLMEngine.add_request
+
+    def spy(self, request_id, prompt, params=None):
+        prompt_lengths.append(len(prompt["prompt_token_ids"]))
+        return add_request(self, request_id, prompt, params)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
+    capsys.readouterr()
+    assert generate.main(["--chat", "--max-tokens", "24"] + engine_flags) == 0
+    answers = capsys.readouterr().out.strip().splitlines()
+    assert "Paris" in answers[0] and answers[-1] == answers[0]  # after /reset the same question, the same answer
+    first, follow_up, after_reset = prompt_lengths
+    assert follow_up > first and after_reset == first  # the conversation was carried, then /reset dropped it
+
+
+def test_cli_help_explains_every_flag():
+    result = subprocess.run([sys.executable, "-m", "jaxpaged.generate", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    for flag in ["--model", "--dtype", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
+                 "--system", "--prompts-file"]:
+        assert flag in result.stdout
+
+
 def test_cli_chat_answers_paris(ours, cache_dir):
     env = dict(os.environ, JAXPAGED_CACHE_DIR=cache_dir)
     result = subprocess.run(
-        [sys.executable, "-m", "jaxpaged.generate", "--chat", "What is the capital of France?"],
+        [sys.executable, "-m", "jaxpaged.generate", "--chat", "--max-model-len", "512", "--max-num-batched-tokens", "32",
+         "--max-num-seqs", "4", "What is the capital of France?"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert result.returncode == 0, result.stderr

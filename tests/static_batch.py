@@ -1,8 +1,8 @@
-"""A first, static-batch generator over the paged KV cache.
+"""A static-batch generator over the paged KV cache, for parity tests that want raw logits.
 
 Every sequence gets a fixed run of blocks, prompts are prefilled together in one flattened
 step and decoded together; the engine's continuous batching replaces this for serving. It
-is what `python -m jaxpaged.generate` and the parity tests drive for now.
+gives every prompt position's logits, which the engine does not return.
 """
 
 from __future__ import annotations
