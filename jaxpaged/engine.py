@@ -61,11 +61,12 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context ({model_len})")
         self.max_model_len = config.max_model_len or model_len
+        self.eos_token_ids = self._eos_ids()
+        self.max_suppress = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)  # ids min_tokens may forbid per row
         self.runner = ModelRunner(self.loaded, config, self.max_model_len)
         self.pool = BlockPool(self.runner.num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.eos_token_ids = self._eos_ids()
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -85,11 +86,7 @@ class LLMEngine:
         return sorted(ids)
 
     def _blank_sampling(self, rows: int, width: int):
-        return build_sampling_metadata([], rows, width, self._max_suppress)
-
-    @property
-    def _max_suppress(self) -> int:
-        return MAX_STOP_TOKEN_IDS + len(self.eos_token_ids) if hasattr(self, "eos_token_ids") else MAX_STOP_TOKEN_IDS + 8
+        return build_sampling_metadata([], rows, width, self.max_suppress)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -197,7 +194,7 @@ class LLMEngine:
             logit_rows[j] = cursor - 1
             rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.seed, self.eos_token_ids))
         qsl[len(sched.scheduled) + 1 :] = cursor
-        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self._max_suppress)
+        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress)
         md = AttentionMetadata(slots, tables, seq_lens, qsl)
         return StepInputs(ids, positions, md, logit_rows, sampling)
 

@@ -41,14 +41,14 @@ class SamplingMetadata:
     suppress_ids: jax.Array  # [S, K] i32 ids forbidden for this row (min_tokens), padded with -1
     any_penalty: jax.Array  # [] bool some row has a non-neutral penalty
     any_top: jax.Array  # [] bool some row uses top_k / top_p / min_p
-    want_logprobs: jax.Array  # [] bool some row wants top logprobs (the sampled id's own is always returned)
+    want_logprobs: jax.Array  # [] bool some row asked for logprobs (0 included); otherwise none are computed
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     tokens: jax.Array  # [S] i32 sampled ids
-    logprobs: jax.Array  # [S] f32 logprob of the sampled id under the raw model distribution
+    logprobs: jax.Array  # [S] f32 logprob of the sampled id under the raw model distribution (zeros unless want_logprobs)
     top_ids: jax.Array  # [S, 20] i32 the raw distribution's top ids (zeros unless want_logprobs)
     top_logprobs: jax.Array  # [S, 20] f32 their logprobs (zeros unless want_logprobs)
 
@@ -150,13 +150,27 @@ def _no_top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     )
 
 
+def _logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
+    raw_logprobs = _log_softmax(raw_logits)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return (chosen, *_top_logprobs(raw_logprobs))
+
+
+def _no_logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
+    return (jnp.zeros(tokens.shape, jnp.float32), *_no_top_logprobs(raw_logits))
+
+
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Next token of every row: suppress -> repetition -> presence/frequency -> (greedy argmax)
-    -> temperature -> top-k -> top-p -> min-p -> Gumbel-max. `logits` is [S, V] float32."""
-    logits = logits.astype(jnp.float32)
-    raw_logprobs = _log_softmax(logits)
+    -> temperature -> top-k -> top-p -> min-p -> Gumbel-max. `logits` is [S, V] float32.
 
-    logits = apply_suppression(logits, md.suppress_ids)
+    Each stage a batch does not use is skipped at run time (lax.cond), so an all-greedy batch
+    without penalties or logprobs costs one argmax over the vocabulary.
+    """
+    raw = logits.astype(jnp.float32)
+    logits = jax.lax.cond(
+        jnp.any(md.suppress_ids >= 0), lambda x: apply_suppression(x, md.suppress_ids), lambda x: x, raw
+    )
     logits = jax.lax.cond(md.any_penalty, apply_penalties, lambda x, _: x, logits, md)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -173,13 +187,10 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     sampled = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, random_tokens, logits)
     tokens = jnp.where(greedy, greedy_tokens, sampled)
 
-    top_ids, top_logprobs = jax.lax.cond(md.want_logprobs, _top_logprobs, _no_top_logprobs, raw_logprobs)
-    return SamplerOutput(
-        tokens=tokens,
-        logprobs=jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0],
-        top_ids=top_ids,
-        top_logprobs=top_logprobs,
+    logprobs, top_ids, top_logprobs = jax.lax.cond(
+        md.want_logprobs, _logprob_outputs, _no_logprob_outputs, raw, tokens
     )
+    return SamplerOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +225,8 @@ def build_sampling_metadata(
     """Host-side numpy metadata for `sample`, padded to `num_rows` greedy, neutral rows.
 
     The history is filled only when some row has a penalty; otherwise it is all -1 (same shape,
-    so the same compile) and `sample` never reads it. `want_logprobs` is set by rows asking for
-    logprobs >= 1: logprobs=0 needs only the sampled id's logprob, which is always returned.
+    so the same compile) and `sample` never reads it. `want_logprobs` is set by any row asking for
+    logprobs, 0 included (the sampled id's own logprob).
     """
     if len(rows) > num_rows:
         raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({len(rows)})")
@@ -270,5 +281,5 @@ def build_sampling_metadata(
         suppress_ids=suppress_ids,
         any_penalty=np.array(any_penalty),
         any_top=np.array(any(r.params.uses_truncation for r in rows if not r.params.is_greedy)),
-        want_logprobs=np.array(any(bool(r.params.logprobs) for r in rows)),
+        want_logprobs=np.array(any(r.params.logprobs is not None for r in rows)),
     )

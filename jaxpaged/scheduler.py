@@ -85,6 +85,9 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
             budget -= n
+        # Single-token (decode) sequences first: the attention reads a mixed step's cached context in
+        # two row groups split at the sequence slots, and prefill rows then skip decode rows' contexts.
+        scheduled.sort(key=lambda item: item.num_tokens > 1)
         return SchedulerOutput(scheduled, preempted)
 
     def _preempt(self, req: Request) -> None:

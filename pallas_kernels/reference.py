@@ -94,17 +94,19 @@ def reference_paged_attention(
 ) -> jax.Array:
     """naive_paged_attention's result, with this step's K/V (k, v: [T, H_kv, D]) not yet in the cache.
 
-    Keys come from two places: positions cached before this step, read block by block with an
-    online softmax (trip count: the longest cached context), and this step's own tokens, taken
-    from k/v directly (a [T, T] mask keeps each token to its own sequence, causally).
+    Keys come from two places: this step's own tokens, taken from k/v directly (a [T, T] mask keeps
+    each token to its own sequence, causally), and positions cached before this step, read a chunk
+    of blocks at a time with an online softmax. The cached part runs as two loops, rows [0, S) and
+    [S, T) (S = sequence slots), each with the trip count of its own longest cached context: the
+    engine packs decode tokens first, so the fresh-prompt rows of a mixed step, which have nothing
+    cached, do not pay for the decode rows' long contexts.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
     group = num_heads // num_kv_heads
     cols = max(1, CHUNK_TOKENS // block_size)  # block-table columns per iteration
-    width = md.block_tables.shape[1]
-    padded_width = -(-width // cols) * cols
     chunk = cols * block_size
+    width = md.block_tables.shape[1]
     prec = _precision(q.dtype)
 
     seq, pos, valid = token_layout(md, num_tokens)
@@ -112,23 +114,18 @@ def reference_paged_attention(
     cached = jnp.where(valid, md.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
 
-    def scores_of(keys, mask):  # keys [T|U, H_kv, C, D] per token, or [U, H_kv, D] shared
-        if keys.ndim == 3:
-            s = jnp.einsum("tkgd,ukd->tkgu", qg, keys, preferred_element_type=jnp.float32, precision=prec)
-        else:
-            s = jnp.einsum("tkgd,tkcd->tkgc", qg, keys, preferred_element_type=jnp.float32, precision=prec)
-        s = s * scale
+    def scores(spec, q_rows, keys, mask):
+        s = jnp.einsum(spec, q_rows, keys, preferred_element_type=jnp.float32, precision=prec) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         return jnp.where(mask[:, None, None, :], s, -jnp.inf)
 
-    def merge(carry, s, values, shared):
+    def merge(carry, s, spec, values):
         peak, denom, acc = carry
         new_peak = jnp.maximum(peak, jnp.max(s, axis=-1))
         safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
         p = jnp.exp(s - safe[..., None])
         correction = jnp.exp(peak - safe)
-        spec = "tkgu,ukd->tkgd" if shared else "tkgc,tkcd->tkgd"
         pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
         return new_peak, denom * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
 
@@ -141,23 +138,31 @@ def reference_paged_attention(
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
-    carry = merge(init, scores_of(k, new_mask), v, shared=True)
+    carry = merge(init, scores("tkgd,ukd->tkgu", qg, k, new_mask), "tkgu,ukd->tkgd", v)
 
-    # Cached context, a chunk of block-table columns at a time.
-    tables = jnp.pad(md.block_tables, ((0, 0), (0, padded_width - width)))[seq]  # [T, W']
-    trips = (jnp.max(cached) + chunk - 1) // chunk
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
 
-    def body(i, carry):
-        blocks = jax.lax.dynamic_slice_in_dim(tables, i * cols, cols, axis=1)  # [T, cols]
-        # [T, cols, H_kv, bs, D] -> [T, H_kv, cols * bs, D]
-        kc = kv_cache[layer, 0, :, blocks].transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk, head_dim)
-        vc = kv_cache[layer, 1, :, blocks].transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk, head_dim)
-        ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = ctx_pos[None, :] < cached[:, None]
-        if sliding_window is not None:
-            mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
-        return merge(carry, scores_of(kc, mask), vc, shared=False)
+    def cached_part(rows: slice, carry):
+        q_rows, tables_rows, cached_rows, pos_rows = qg[rows], tables[rows], cached[rows], pos[rows]
+        n = q_rows.shape[0]
 
-    _, denom, acc = jax.lax.fori_loop(0, trips, body, carry)
+        def body(i, carry):
+            blocks = jax.lax.dynamic_slice_in_dim(tables_rows, i * cols, cols, axis=1)  # [n, cols]
+            # [n, cols, H_kv, bs, D] -> [n, H_kv, cols * bs, D] (gathering in head order directly was slower)
+            kc = kv_cache[layer, 0, :, blocks].transpose(0, 2, 1, 3, 4).reshape(n, num_kv_heads, chunk, head_dim)
+            vc = kv_cache[layer, 1, :, blocks].transpose(0, 2, 1, 3, 4).reshape(n, num_kv_heads, chunk, head_dim)
+            ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            mask = ctx_pos[None, :] < cached_rows[:, None]
+            if sliding_window is not None:
+                mask &= ctx_pos[None, :] > pos_rows[:, None] - sliding_window
+            return merge(carry, scores("tkgd,tkcd->tkgc", q_rows, kc, mask), "tkgc,tkcd->tkgd", vc)
+
+        trips = (jnp.max(cached_rows) + chunk - 1) // chunk
+        return jax.lax.fori_loop(0, trips, body, carry)
+
+    split = min(md.block_tables.shape[0], num_tokens)
+    groups = [slice(0, split)] + ([slice(split, num_tokens)] if split < num_tokens else [])
+    parts = [cached_part(rows, tuple(c[rows] for c in carry)) for rows in groups]
+    _, denom, acc = (jnp.concatenate(xs) for xs in zip(*parts))
     out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
