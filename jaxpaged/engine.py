@@ -180,9 +180,8 @@ class LLMEngine:
         cursor = 0
         for j, item in enumerate(sched.scheduled):
             req, start, n = item.request, item.start, item.num_tokens
-            tokens = req.all_token_ids
             table = self.kv.block_table(req.seq_id)
-            ids[cursor : cursor + n] = tokens[start : start + n]
+            ids[cursor : cursor + n] = req.tokens_at(start, n)
             pos = np.arange(start, start + n, dtype=np.int32)
             positions[cursor : cursor + n] = pos
             table_arr = np.asarray(table, np.int32)
@@ -209,7 +208,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not sched.preempted:  # admission checks make this unreachable
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return []
         result = self.runner.execute(self._pack(sched))

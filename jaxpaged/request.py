@@ -52,9 +52,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def tokens_at(self, start: int, count: int) -> list[int]:
+        """(prompt + outputs)[start:start + count], without building the whole list (decode asks for one)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : start - prompt_len + count]
+        return self.prompt_token_ids[start : start + count] + self.output_token_ids[: max(0, start + count - prompt_len)]
 
     @property
     def num_pending_tokens(self) -> int:

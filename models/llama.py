@@ -81,7 +81,7 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata):
-        """input_ids, positions: [T] -> (final hidden states [T, D], this step's K/V [L, 2, H_kv, T, D]).
+        """input_ids, positions: [T] -> (final hidden states [T, D], this step's K/V [T, L, 2, H_kv, D]).
 
         Reads the cache only; the runner writes the new K/V with write_kv in a second jitted call
         that donates the cache (see pallas_kernels/attention.py for why).

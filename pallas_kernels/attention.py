@@ -21,16 +21,16 @@ ATTENTION_BACKENDS = ("reference",)
 
 
 def write_kv(kv_cache: jax.Array, new_kv: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter new_kv [L, 2, H_kv, T, D] into each token's slot; rows with slot -1 are dropped."""
-    num_blocks, block_size = kv_cache.shape[3], kv_cache.shape[4]
+    """Scatter new_kv [T, L, 2, H_kv, D] into each token's slot; rows with slot -1 are dropped."""
+    num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[4]
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)  # out of range -> dropped
     offset = slot_mapping % block_size
-    return kv_cache.at[:, :, :, block, offset].set(new_kv.astype(kv_cache.dtype), mode="drop")
+    return kv_cache.at[:, :, block, :, offset].set(new_kv.astype(kv_cache.dtype), mode="drop")
 
 
 def stack_new_kv(per_layer: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
-    """[(k, v) each [T, H_kv, D]] per layer -> [L, 2, H_kv, T, D], write_kv's layout."""
-    return jnp.stack([jnp.stack([k, v]) for k, v in per_layer]).transpose(0, 1, 3, 2, 4)
+    """[(k, v) each [T, H_kv, D]] per layer -> [T, L, 2, H_kv, D], write_kv's layout."""
+    return jnp.stack([jnp.stack([k, v], axis=1) for k, v in per_layer], axis=1)
 
 
 def paged_attention(

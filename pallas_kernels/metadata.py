@@ -5,10 +5,11 @@ Raggedness lives in small int32 arrays, never in a shape: a step's tokens are fl
 seq_len 0), and each slot has a row in the block table (padded to a bucketed width W).
 
 KV layout (fixed here; the Pallas kernel reads the same array):
-    kv_cache[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
-index 0 of axis 1 holds K, index 1 holds V. Within a layer a (head, block) pair is one
-contiguous block_size x head_dim tile, the layout JAX's own paged-attention kernels use.
-A block id names the same slot in every layer.
+    kv_cache[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
+index 0 of axis 1 holds K, index 1 holds V. A block id names the same slot in every layer.
+Within a layer a block is one contiguous [num_kv_heads, block_size, head_dim] run (so gathering
+a sequence's blocks copies whole rows, twice as fast on XLA:CPU as head-major tiles), and a
+(block, head) pair is a contiguous block_size x head_dim tile for kernels.
 """
 
 from __future__ import annotations
@@ -32,4 +33,4 @@ class AttentionMetadata:
 
 
 def kv_cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int):
-    return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+    return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)

@@ -54,14 +54,15 @@ def naive_paged_attention(
 ) -> jax.Array:
     """q: [T, H, D] -> [T, H, D]; causal attention over each token's paged context."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
     ctx = md.block_tables.shape[1] * block_size
 
     seq, pos, valid = token_layout(md, num_tokens)
     tables = md.block_tables[seq]  # [T, W]
-    k = kv_cache[layer, 0][:, tables].reshape(num_kv_heads, num_tokens, ctx, head_dim)
-    v = kv_cache[layer, 1][:, tables].reshape(num_kv_heads, num_tokens, ctx, head_dim)
+    # [T, W, H_kv, bs, D] -> [H_kv, T, W * bs, D]
+    k = kv_cache[layer, 0][tables].transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
+    v = kv_cache[layer, 1][tables].transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     prec = _precision(q.dtype)
@@ -102,7 +103,7 @@ def reference_paged_attention(
     cached, do not pay for the decode rows' long contexts.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[4]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
     cols = max(1, CHUNK_TOKENS // block_size)  # block-table columns per iteration
     chunk = cols * block_size
@@ -118,16 +119,18 @@ def reference_paged_attention(
         s = jnp.einsum(spec, q_rows, keys, preferred_element_type=jnp.float32, precision=prec) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        return jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        return s if mask is None else jnp.where(mask[:, None, None, :], s, -jnp.inf)
 
     def merge(carry, s, spec, values):
+        """Online softmax: fold scores s [n, H_kv, G, keys...] over `values` into (peak, denom, acc)."""
         peak, denom, acc = carry
-        new_peak = jnp.maximum(peak, jnp.max(s, axis=-1))
+        key_axes = tuple(range(3, s.ndim))
+        new_peak = jnp.maximum(peak, jnp.max(s, axis=key_axes))
         safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-        p = jnp.exp(s - safe[..., None])
+        p = jnp.exp(s - safe.reshape(safe.shape + (1,) * len(key_axes)))
         correction = jnp.exp(peak - safe)
         pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
-        return new_peak, denom * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+        return new_peak, denom * correction + jnp.sum(p, axis=key_axes), acc * correction[..., None] + pv
 
     # This step's tokens: same sequence, not in the future.
     new_mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
@@ -148,14 +151,17 @@ def reference_paged_attention(
 
         def body(i, carry):
             blocks = jax.lax.dynamic_slice_in_dim(tables_rows, i * cols, cols, axis=1)  # [n, cols]
-            # [n, cols, H_kv, bs, D] -> [n, H_kv, cols * bs, D] (gathering in head order directly was slower)
-            kc = kv_cache[layer, 0, :, blocks].transpose(0, 2, 1, 3, 4).reshape(n, num_kv_heads, chunk, head_dim)
-            vc = kv_cache[layer, 1, :, blocks].transpose(0, 2, 1, 3, 4).reshape(n, num_kv_heads, chunk, head_dim)
+            # Whole blocks, [n, cols, H_kv, bs, D], used as gathered: transposing to [n, H_kv, cols * bs, D]
+            # first costs a copy.
+            kc = kv_cache[layer, 0][blocks]
+            vc = kv_cache[layer, 1][blocks]
             ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
             mask = ctx_pos[None, :] < cached_rows[:, None]
             if sliding_window is not None:
                 mask &= ctx_pos[None, :] > pos_rows[:, None] - sliding_window
-            return merge(carry, scores("tkgd,tkcd->tkgc", q_rows, kc, mask), "tkgc,tkcd->tkgd", vc)
+            s = scores("tkgd,tckbd->tkgcb", q_rows, kc, None).reshape(n, num_kv_heads, group, chunk)
+            s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+            return merge(carry, s.reshape(n, num_kv_heads, group, cols, block_size), "tkgcb,tckbd->tkgd", vc)
 
         trips = (jnp.max(cached_rows) + chunk - 1) // chunk
         return jax.lax.fori_loop(0, trips, body, carry)

@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import AttentionMetadata
+from pallas_kernels import AttentionMetadata, kv_cache_shape
 
 
 @dataclasses.dataclass
@@ -15,7 +15,7 @@ class Case:
     q: jnp.ndarray  # [T, H, D]
     k: jnp.ndarray  # [T, H_kv, D] this step's keys
     v: jnp.ndarray
-    kv_cache: jnp.ndarray  # [1, 2, H_kv, NB, bs, D], this step's K/V not yet written
+    kv_cache: jnp.ndarray  # one layer, kv_cache_shape(1, ...), this step's K/V not yet written
     md: AttentionMetadata
     num_real_tokens: int
 
@@ -57,7 +57,7 @@ def random_case(
             slots[qsl[i] + j] = tables[i, p // block_size] * block_size + p % block_size
     lens = np.zeros(num_seqs, np.int32)
     lens[: len(seq_lens)] = seq_lens
-    shape = (1, 2, num_kv_heads, num_blocks, block_size, head_dim)
+    shape = kv_cache_shape(1, num_kv_heads, num_blocks, block_size, head_dim)
     return Case(
         q=jnp.asarray(rng.normal(size=(total, num_heads, head_dim)), dtype),
         k=jnp.asarray(rng.normal(size=(total, num_kv_heads, head_dim)), dtype),

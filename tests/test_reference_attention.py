@@ -77,7 +77,7 @@ def test_write_kv_drops_padding_rows_and_fills_slots():
         if slot < 0:
             continue
         block, offset = divmod(int(slot), 8)
-        np.testing.assert_array_equal(written[0, 0, :, block, offset], np.asarray(case.k[t]))
-        np.testing.assert_array_equal(written[0, 1, :, block, offset], np.asarray(case.v[t]))
-        before[0, :, :, block, offset] = written[0, :, :, block, offset]
+        np.testing.assert_array_equal(written[0, 0, block, :, offset], np.asarray(case.k[t]))
+        np.testing.assert_array_equal(written[0, 1, block, :, offset], np.asarray(case.v[t]))
+        before[0, :, block, :, offset] = written[0, :, block, :, offset]
     np.testing.assert_array_equal(written, before)  # nothing else changed
