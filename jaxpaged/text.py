@@ -1,6 +1,7 @@
-"""Prompts as token ids: plain text or a conversation through the chat template."""
+"""A conversation as prompt token ids, through the tokenizer's chat template."""
 
 from __future__ import annotations
+
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
@@ -9,10 +10,3 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
-
-
-def encode_prompt(tokenizer, prompt: str, *, chat: bool = False, system: str | None = None) -> list[int]:
-    if not chat:
-        return list(tokenizer.encode(prompt))
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return chat_prompt_ids(tokenizer, messages)

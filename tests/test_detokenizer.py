@@ -257,9 +257,9 @@ def test_prompt_context_matches_decoding_prompt_and_output_together(byte_level):
 
 
 def test_chat_prompt_then_answer(smollm2):
-    from jaxpaged.text import encode_prompt
+    from jaxpaged.text import chat_prompt_ids
 
-    prompt = encode_prompt(smollm2, "What is the capital of France?", chat=True)
+    prompt = chat_prompt_ids(smollm2, [{"role": "user", "content": "What is the capital of France?"}])
     answer = encode(smollm2, "Paris is the capital of France. 🇫🇷") + [smollm2.convert_tokens_to_ids("<|im_end|>")]
     detok = IncrementalDetokenizer(smollm2, prompt_token_ids=prompt)
     pieces = stream(detok, answer)

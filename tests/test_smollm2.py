@@ -19,7 +19,7 @@ except FileNotFoundError as exc:
     pytest.skip(f"built-in model absent ({exc}); CI installs it", allow_module_level=True)
 
 from tests.static_batch import StaticBatchRunner  # noqa: E402
-from jaxpaged.text import encode_prompt  # noqa: E402
+from jaxpaged.text import chat_prompt_ids  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 PROMPTS = [
@@ -68,7 +68,7 @@ def test_tokenizer_matches_transformers(ours, hf):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if hasattr(want, "keys") else want
-    assert encode_prompt(ours.tokenizer, messages[0]["content"], chat=True) == list(want)
+    assert chat_prompt_ids(ours.tokenizer, messages) == list(want)
     assert ours.tokenizer.eos_token == hf_tok.eos_token
 
 
