@@ -35,9 +35,10 @@ class EngineConfig:
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
 
     def __post_init__(self) -> None:
+        from models.loader import resolve_dtype
+
         accelerator = self.platform != "cpu"
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if accelerator else "float32"
+        self.dtype = ("bfloat16" if accelerator else "float32") if self.dtype == "auto" else resolve_dtype(self.dtype)
         if self.max_num_seqs is None:
             self.max_num_seqs = 256 if accelerator else 64
         if self.max_num_batched_tokens is None:

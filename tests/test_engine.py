@@ -204,3 +204,18 @@ def test_abort_returns_blocks(llm):
     assert llm.get_stats()["kv_blocks_free"] < llm.get_stats()["kv_blocks_total"]
     assert engine.abort_request("x")
     _assert_all_blocks_back(llm)
+
+
+def test_pool_size_from_blocks_or_memory(model_dir):
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8, log_level="WARNING")
+    explicit = LLM(model_dir, num_kv_blocks=10, **kw)
+    assert explicit.get_stats()["kv_blocks_total"] == 10
+    default = LLM(model_dir, **kw)  # on CPU: enough for every sequence at full length, within 2 GiB
+    assert default.get_stats()["kv_blocks_total"] == 4 * (256 // 8)
+    runner = default.engine.runner
+    fraction = LLM(model_dir, kv_cache_memory_fraction=1e-6, **kw)  # a fraction of free RAM, capped the same way
+    import os
+
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    expected = max(1, min(int(1e-6 * free) // runner.block_bytes, 4 * (256 // 8)))
+    assert abs(fraction.get_stats()["kv_blocks_total"] - expected) <= 2  # free RAM moves a little in between
