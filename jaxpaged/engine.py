@@ -7,11 +7,9 @@ keeps being served.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
