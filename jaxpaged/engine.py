@@ -180,11 +180,9 @@ class LLMEngine:
             req, start, n = item.request, item.start, item.num_tokens
             table = self.kv.block_table(req.seq_id)
             ids[cursor : cursor + n] = req.tokens_at(start, n)
-            pos = np.arange(start, start + n, dtype=np.int32)
-            positions[cursor : cursor + n] = pos
-            table_arr = np.asarray(table, np.int32)
-            slots[cursor : cursor + n] = table_arr[pos // self.config.block_size] * self.config.block_size + pos % self.config.block_size
-            tables[j, : len(table)] = table_arr
+            positions[cursor : cursor + n] = np.arange(start, start + n, dtype=np.int32)
+            slots[cursor : cursor + n] = self.kv.slots(req.seq_id, start, n)
+            tables[j, : len(table)] = table
             seq_lens[j] = start + n
             cursor += n
             qsl[j + 1] = cursor

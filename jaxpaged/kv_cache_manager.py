@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxpaged.block_pool import BlockPool
 
 
@@ -39,7 +41,8 @@ class KVCacheManager:
     def free(self, seq_id: str) -> None:
         self.pool.free(self._tables.pop(seq_id, []))
 
-    def slot(self, seq_id: str, position: int) -> int:
-        """Flat slot of a token position: block_id * block_size + offset."""
-        table = self._tables[seq_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+    def slots(self, seq_id: str, start: int, count: int) -> np.ndarray:
+        """Flat slots (block_id * block_size + offset) of positions [start, start + count)."""
+        positions = np.arange(start, start + count, dtype=np.int32)
+        table = np.asarray(self._tables[seq_id], np.int32)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size

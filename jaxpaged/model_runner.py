@@ -62,7 +62,6 @@ class ModelRunner:
         self.config = config
         self.model_config = loaded.config
         self.block_size = config.block_size
-        self.max_model_len = max_model_len
         self.table_width = -(-max_model_len // self.block_size)
         self.history_width = self.table_width * self.block_size
         self.buckets = token_buckets(config.max_num_batched_tokens)

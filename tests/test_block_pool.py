@@ -85,3 +85,14 @@ def test_shared_block_returns_only_when_last_holder_frees():
     assert pool.num_used == 3
     kv.free("b")
     assert pool.num_used == 0
+
+
+def test_slots_follow_the_block_table():
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, block_size=4)
+    assert kv.allocate_slots("a", 0, 3)
+    assert kv.allocate_slots("b", 0, 2)
+    assert kv.allocate_slots("a", 3, 6)  # grows into two more blocks
+    table = kv.block_table("a")
+    want = [table[p // 4] * 4 + p % 4 for p in range(2, 9)]
+    assert kv.slots("a", 2, 7).tolist() == want
