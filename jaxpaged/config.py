@@ -6,7 +6,6 @@ import dataclasses
 
 import jax
 
-
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas")
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the pool is sized to fit comfortably in RAM, not to fill it
 
@@ -28,7 +27,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None  # of device memory left after the weights (GPU/TPU)
     max_num_seqs: int | None = None  # default 256 on GPU/TPU, 64 on CPU
     max_num_batched_tokens: int | None = None  # token budget per step; default 2048 on GPU/TPU, 256 on CPU
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto = the Pallas kernel on GPU/TPU, the pure-JAX reference on CPU
     seed: int = 0
     compilation_cache_dir: str | None = None  # persistent XLA cache; default under the jaxpaged cache root
     cache_dir: str | None = None  # GGUF conversion cache root
@@ -62,8 +61,3 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
-
-    @property
-    def resolved_attention_backend(self) -> str:
-        """auto: the Pallas kernel on GPU/TPU once it exists; the pure-JAX path everywhere until then."""
-        return "reference" if self.attention_backend == "auto" else self.attention_backend

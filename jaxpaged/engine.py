@@ -52,7 +52,7 @@ class LLMEngine:
         self.config = config
         _enable_compilation_cache(config)
         self.loaded = loaded or load_model(
-            config.model, dtype=config.dtype, attention_backend=config.resolved_attention_backend, cache_dir=config.cache_dir
+            config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir
         )
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings

@@ -23,6 +23,7 @@ from models.builtin import builtin_gguf_path
 from models.config import ModelConfig, model_config_from_hf
 from models.registry import resolve_architecture
 from models.weights import load_tensors_into, param_bytes, random_tensors
+from pallas_kernels import resolve_attention_backend
 
 logger = logging.getLogger("jaxpaged.loader")
 
@@ -57,6 +58,8 @@ def _abstract_model(hf_config, dtype_name: str, attention_backend: str):
     arch, cls = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     cfg = model_config_from_hf(hf_config, arch)
     dtype = DTYPES[dtype_name]
+    attention_backend = resolve_attention_backend(attention_backend, cfg.head_dim)
+    logger.info("attention backend: %s", attention_backend)
     model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_backend=attention_backend))
     return cfg, model, cls.weight_specs(cfg)
 
@@ -185,7 +188,7 @@ def load_model(
     model: str | None = None,
     *,
     dtype: str = "float32",
-    attention_backend: str = "reference",
+    attention_backend: str = "auto",
     cache_dir: str | None = None,
     use_cache: bool = True,
 ) -> LoadedModel:

@@ -1,6 +1,20 @@
 """Paged attention over the KV-block array: the public entry point, its metadata and its reference."""
 
-from pallas_kernels.attention import ATTENTION_BACKENDS, paged_attention, stack_new_kv, write_kv
+from pallas_kernels.attention import (
+    ATTENTION_BACKENDS,
+    paged_attention,
+    resolve_attention_backend,
+    stack_new_kv,
+    write_kv,
+)
 from pallas_kernels.metadata import AttentionMetadata, kv_cache_shape
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "kv_cache_shape", "paged_attention", "stack_new_kv", "write_kv"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionMetadata",
+    "kv_cache_shape",
+    "paged_attention",
+    "resolve_attention_backend",
+    "stack_new_kv",
+    "write_kv",
+]

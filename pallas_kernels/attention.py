@@ -13,11 +13,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gpu_attention import check_head_dim, gpu_paged_attention
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import reference_paged_attention
+from pallas_kernels.tpu_attention import tpu_paged_attention
 
-# "pallas" and "auto" arrive with the kernel; until then the pure-JAX path serves every platform.
-ATTENTION_BACKENDS = ("reference",)
+# "pallas": the Triton kernel on GPU (interpreted on CPU), the Mosaic kernel on TPU.
+ATTENTION_BACKENDS = ("reference", "pallas")
+
+
+def resolve_attention_backend(requested: str, head_dim: int, platform: str | None = None) -> str:
+    """auto -> the kernel on GPU/TPU when it supports the head dim, else the reference (fast on CPU).
+
+    An explicit "pallas" with a head dim the kernel cannot take is an error, not a silent fallback.
+    """
+    platform = platform or jax.default_backend()
+    if requested == "auto":
+        try:
+            check_head_dim(head_dim)
+        except ValueError:
+            return "reference"
+        return "pallas" if platform in ("gpu", "tpu") else "reference"
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS} (got {requested!r})")
+    if requested == "pallas":
+        check_head_dim(head_dim)
+    return requested
 
 
 def write_kv(kv_cache: jax.Array, new_kv: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -47,8 +68,12 @@ def paged_attention(
     backend: str = "reference",
 ) -> jax.Array:
     """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context -> out [T, H, D]."""
-    if backend not in ATTENTION_BACKENDS:
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "reference":
+        return reference_paged_attention(q, k, v, kv_cache, layer, md, **kw)
+    if backend != "pallas":
         raise ValueError(f"attention backend {backend!r} is not available; choose from {ATTENTION_BACKENDS}")
-    return reference_paged_attention(
-        q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
-    )
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return tpu_paged_attention(q, k, v, kv_cache, layer, md, **kw)
+    return gpu_paged_attention(q, k, v, kv_cache, layer, md, interpret=platform != "gpu", **kw)

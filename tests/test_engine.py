@@ -219,3 +219,14 @@ def test_pool_size_from_blocks_or_memory(model_dir):
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     expected = max(1, min(int(1e-6 * free) // runner.block_bytes, 4 * (256 // 8)))
     assert abs(fraction.get_stats()["kv_blocks_total"] - expected) <= 2  # free RAM moves a little in between
+
+
+def test_pallas_kernel_backend_gives_the_same_greedy_tokens(model_dir, mixed_workload):
+    """The kernel (interpret mode on CPU) through the whole engine: same tokens as transformers and the reference."""
+    prompts, max_tokens, expected = mixed_workload
+    kernel = LLM(model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, block_size=8,
+                 attention_backend="pallas", log_level="WARNING")  # fmt: skip
+    assert kernel.engine.loaded.model.layers[0].self_attn.backend == "pallas"
+    assert _run(kernel, prompts[:12], max_tokens[:12]) == expected[:12]
+    assert kernel.get_stats()["num_compiles_after_warmup"] == 0
+    _assert_all_blocks_back(kernel)

@@ -1,0 +1,31 @@
+"""Query tiles: how a step's ragged sequences are cut into fixed-size pieces of kernel work.
+
+A kernel program handles up to `tokens_per_tile` consecutive query tokens of one sequence,
+so it streams that sequence's K/V once for all of them. The tile list is computed on device
+from query_start_loc (no host round trip) and has a static length, an upper bound on the
+number of tiles any step of this shape can need; tiles past the real ones have length 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def num_query_tiles(num_tokens: int, num_seqs: int, tokens_per_tile: int) -> int:
+    """Static bound: sum over sequences of ceil(q_len / tile) <= ceil(T / tile) + S, and <= T."""
+    return max(1, min(num_tokens, -(-num_tokens // tokens_per_tile) + num_seqs))
+
+
+def query_tiles(query_start_loc: jax.Array, num_tokens: int, tokens_per_tile: int):
+    """-> (seq [N], start [N], length [N]) int32: each tile's sequence slot, first flat row, token count."""
+    num_seqs = query_start_loc.shape[0] - 1
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    per_seq = (q_lens + tokens_per_tile - 1) // tokens_per_tile
+    ends = jnp.cumsum(per_seq)
+    n = num_query_tiles(num_tokens, num_seqs, tokens_per_tile)
+    tile = jnp.arange(n, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, tile, side="right"), num_seqs - 1).astype(jnp.int32)
+    start = query_start_loc[seq] + (tile - (ends[seq] - per_seq[seq])) * tokens_per_tile
+    length = jnp.where(tile < ends[-1], jnp.minimum(tokens_per_tile, query_start_loc[seq + 1] - start), 0)
+    return seq, start.astype(jnp.int32), length.astype(jnp.int32)

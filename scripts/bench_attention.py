@@ -1,0 +1,161 @@
+"""Paged attention speed: the Pallas kernel against the pure-JAX reference, and against the memory system.
+
+Decode is memory-bound: each step must read every cached K/V byte of the batch once, so the
+figure that matters is K/V bytes read per second next to the device's measured copy bandwidth
+(an elementwise pass over a large array, counting bytes read + written). Prefill is timed too.
+
+    python scripts/bench_attention.py                 # full grid on GPU/TPU
+    python scripts/bench_attention.py --quick          # a few small cases (CPU: the kernel runs interpreted)
+    python scripts/bench_attention.py --json out.json
+
+On CPU the kernel runs in Pallas' interpret mode, so its times say nothing about kernel speed;
+the script still runs there so that it cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import AttentionMetadata, kv_cache_shape, paged_attention  # noqa: E402
+
+TARGET = {"batch": 64, "context": 2048, "head_dim": 128, "kv_heads": 8, "dtype": "bfloat16"}
+
+
+def _time(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(dtype, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes moved per second by x + 1 over a large array (one read and one write of each byte)."""
+    n = nbytes // jnp.dtype(dtype).itemsize
+    x = jnp.ones((n,), dtype)
+    seconds = _time(jax.jit(lambda a: a + 1), x, iters=iters)
+    return 2 * n * jnp.dtype(dtype).itemsize / seconds
+
+
+def make_step(rng, *, q_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype):
+    """A step's tensors: each sequence's last q_lens[i] of seq_lens[i] positions are new; the rest is cached."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks, width = sum(blocks), max(blocks)
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.zeros((len(seq_lens), width), np.int32)
+    start = 0
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = ids[start : start + nb]
+        start += nb
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tokens = int(qsl[-1])
+    md = AttentionMetadata(
+        jnp.full((tokens,), -1, jnp.int32), jnp.asarray(tables), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(qsl)
+    )
+    key = jax.random.key(0)
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (tokens, heads, head_dim), dtype)
+    k = jax.random.normal(kk, (tokens, kv_heads, head_dim), dtype)
+    v = jax.random.normal(kv, (tokens, kv_heads, head_dim), dtype)
+    cache = jax.random.normal(kc, kv_cache_shape(1, kv_heads, num_blocks, block_size, head_dim), dtype)
+    cached_tokens = sum(n - ql for n, ql in zip(seq_lens, q_lens))
+    kv_bytes = 2 * cached_tokens * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    return (q, k, v, cache, md), kv_bytes
+
+
+def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_size, dtype, backends, iters, bandwidth):
+    rng = np.random.default_rng(0)
+    args, kv_bytes = make_step(
+        rng, q_lens=[q_len] * batch, seq_lens=[context] * batch, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    row = {"kind": kind, "batch": batch, "context": context, "q_len": q_len, "heads": heads, "kv_heads": kv_heads,
+           "head_dim": head_dim, "block_size": block_size, "dtype": jnp.dtype(dtype).name, "kv_bytes": kv_bytes}  # fmt: skip
+    for backend in backends:
+        fn = jax.jit(
+            lambda q, k, v, c, md, b=backend: paged_attention(q, k, v, c, 0, md, scale=head_dim**-0.5, backend=b)
+        )
+        seconds = _time(fn, *args, iters=iters)
+        row[f"{backend}_ms"] = seconds * 1e3
+        row[f"{backend}_kv_gbps"] = kv_bytes / seconds / 1e9
+        row[f"{backend}_of_copy_bw"] = kv_bytes / seconds / bandwidth
+    if {"pallas", "reference"} <= set(backends):
+        row["speedup"] = row["reference_ms"] / row["pallas_ms"]
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a few small cases (the default on CPU)")
+    p.add_argument("--dtype", default=None, help="bfloat16 (default on GPU/TPU) or float32 (default on CPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=None, help="timed repetitions per case (median reported)")
+    p.add_argument("--backends", default="pallas,reference", help="comma-separated: pallas, reference")
+    p.add_argument("--json", default=None, help="write the rows and environment here")
+    args = p.parse_args(argv)
+
+    platform = jax.default_backend()
+    quick = args.quick or platform == "cpu"
+    dtype = jnp.dtype(args.dtype or ("float32" if platform == "cpu" else "bfloat16"))
+    iters = args.iters or (3 if platform == "cpu" else 20)
+    backends = args.backends.split(",")
+    bandwidth = copy_bandwidth(dtype, nbytes=(256 << 20) if platform == "cpu" else (2 << 30))
+    device = jax.devices()[0].device_kind
+    print(f"device: {device} ({platform}), jax {jax.__version__}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, {dtype.name}")
+    if platform == "cpu" and "pallas" in backends:
+        print("note: on CPU the kernel runs in interpret mode; its times are not kernel speed")
+
+    if quick:
+        decode = [(1, 128), (8, 512), (16, 2048)]
+        prefill = [(1, 256, 256), (2, 512, 128)]
+    else:
+        decode = [(b, c) for b in (1, 8, 64, 256) for c in (128, 512, 2048, 8192)]
+        prefill = [(1, 2048, 2048), (4, 2048, 512), (8, 4096, 256), (1, 8192, 2048)]
+    shape = dict(heads=32, kv_heads=8, head_dim=128, block_size=args.block_size, dtype=dtype)  # Llama-3-8B's attention
+    rows = []
+    header = f"{'kind':8}{'batch':>6}{'ctx':>6}{'q_len':>6} | " + " | ".join(
+        f"{b:>9} ms {'GB/s':>7} {'of bw':>6}" for b in backends
+    )
+    print(header + ("   speedup" if len(backends) == 2 else ""))
+    cases = [("decode", b, c, 1) for b, c in decode] + [("prefill", b, c, q) for b, c, q in prefill]
+    for kind, batch, context, q_len in cases:
+        row = run_case(kind, batch=batch, context=context, q_len=q_len, backends=backends, iters=iters,
+                       bandwidth=bandwidth, **shape)  # fmt: skip
+        rows.append(row)
+        cells = " | ".join(
+            f"{row[f'{b}_ms']:12.3f} {row[f'{b}_kv_gbps']:7.1f} {row[f'{b}_of_copy_bw']:6.1%}" for b in backends
+        )
+        print(f"{kind:8}{batch:>6}{context:>6}{q_len:>6} | {cells}" + (f"   {row['speedup']:6.2f}x" if "speedup" in row else ""))
+
+    target = next(
+        (r for r in rows if r["kind"] == "decode" and r["batch"] == TARGET["batch"] and r["context"] == TARGET["context"]),
+        None,
+    )
+    if target and "pallas_ms" in target and dtype.name == TARGET["dtype"]:
+        print(
+            f"target case (decode, batch 64, context 2048, head_dim 128, 8 KV heads, bf16): "
+            f"{target['pallas_of_copy_bw']:.0%} of copy bandwidth (goal >= 70%), "
+            f"{target.get('speedup', float('nan')):.2f}x the reference (goal >= 2x)"
+        )
+    if args.json:
+        env = {"device": device, "platform": platform, "jax": jax.__version__, "copy_bandwidth_gbps": bandwidth / 1e9,
+               "date": datetime.date.today().isoformat(), "dtype": dtype.name}  # fmt: skip
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The Pallas kernels (GPU/Triton and TPU/Mosaic, both run in interpret mode here) equal the definition.
+
+Every case is a ragged step over a paged cache built by tests/attention_cases.py: decode rows,
+prefill chunks on top of cached context, fresh prompts, contexts up to 2,000 tokens ending
+partway through a block, padded sequence slots and padded token rows. The kernels are also
+exported for "cuda" and "tpu" so CI catches a kernel that no longer lowers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from tests.attention_cases import random_case
+
+from pallas_kernels import AttentionMetadata, resolve_attention_backend, stack_new_kv, write_kv
+from pallas_kernels.gpu_attention import gpu_paged_attention
+from pallas_kernels.reference import naive_paged_attention
+from pallas_kernels.tpu_attention import tpu_paged_attention
+
+KERNELS = {
+    "gpu": functools.partial(gpu_paged_attention, interpret=True),
+    "tpu": functools.partial(tpu_paged_attention, interpret=True),
+}
+
+# (seq_lens, q_lens): decode only; mixed prefill + decode over partial blocks; long contexts; fresh prompts.
+SHAPES = [
+    ([1, 9, 16, 17, 33], [1, 1, 1, 1, 1]),
+    ([37, 5, 300, 129], [1, 5, 40, 1]),
+    ([16, 17, 15, 2000], [16, 1, 3, 1]),
+    ([1999, 64, 64, 70], [37, 64, 1, 33]),
+]
+HEADS = [(4, 4), (4, 2), (8, 2), (8, 1)]  # GQA ratios 1, 2, 4, 8 (8:1 is MQA here)
+HEAD_DIMS = [16, 64, 128, 32]
+CASES = [
+    (shape, bs, HEADS[(i + j) % 4], HEAD_DIMS[(i + 2 * j) % 4])
+    for i, shape in enumerate(SHAPES)
+    for j, bs in enumerate([8, 16, 32])
+]
+
+
+def _expected(case, **kw):
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.md, **kw))
+
+
+def _check(kernel, case, atol, **kw):
+    got = kernel(case.q, case.k, case.v, case.kv_cache, 0, case.md, **kw)
+    assert got.shape == case.q.shape and got.dtype == case.q.dtype
+    n = case.num_real_tokens
+    got = np.asarray(got.astype(jnp.float32))
+    np.testing.assert_allclose(got[:n], _expected(case, **kw)[:n], atol=atol, rtol=0)
+    assert np.all(got[n:] == 0)  # padding rows are covered by no tile
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("shape,block_size,heads,head_dim", CASES)
+def test_kernel_equals_definition_float32(kernel, shape, block_size, heads, head_dim):
+    (seq_lens, q_lens), (num_heads, num_kv_heads) = shape, heads
+    rng = np.random.default_rng(sum(seq_lens) + block_size * 7 + num_heads * 3 + num_kv_heads + head_dim)
+    case = random_case(
+        rng, seq_lens=seq_lens, q_lens=q_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size,
+    )  # fmt: skip
+    _check(KERNELS[kernel], case, 1e-5, scale=head_dim**-0.5)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("window,cap", [(7, None), (None, 30.0), (64, 5.0), (1, None)])
+def test_sliding_window_and_soft_cap(kernel, window, cap):
+    rng = np.random.default_rng(window or 0)
+    case = random_case(
+        rng, seq_lens=[200, 9, 70, 1000], q_lens=[30, 9, 1, 50], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16
+    )
+    _check(KERNELS[kernel], case, 1e-5, scale=0.125, sliding_window=window, soft_cap=cap)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_inputs_accumulate_in_float32(kernel, dtype):
+    rng = np.random.default_rng(4)
+    case = random_case(
+        rng, seq_lens=[500, 33, 1200], q_lens=[1, 33, 20], num_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
+        dtype=dtype,
+    )  # fmt: skip
+    _check(KERNELS[kernel], case, 2e-2, scale=128**-0.5)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_head_dim_256_and_block_size_64(kernel):
+    rng = np.random.default_rng(5)
+    case = random_case(
+        rng, seq_lens=[130, 64, 1], q_lens=[2, 64, 1], num_heads=4, num_kv_heads=1, head_dim=256, block_size=64
+    )
+    _check(KERNELS[kernel], case, 1e-5, scale=256**-0.5)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_unsupported_head_dim_is_a_clear_error(kernel):
+    case = random_case(np.random.default_rng(0), seq_lens=[4], q_lens=[4], num_heads=2, num_kv_heads=1, head_dim=80,
+                       block_size=8)  # fmt: skip
+    with pytest.raises(ValueError, match="head_dim=80"):
+        KERNELS[kernel](case.q, case.k, case.v, case.kv_cache, 0, case.md, scale=1.0)
+
+
+def test_backend_resolution():
+    assert resolve_attention_backend("auto", 128, "gpu") == "pallas"
+    assert resolve_attention_backend("auto", 128, "tpu") == "pallas"
+    assert resolve_attention_backend("auto", 128, "cpu") == "reference"
+    assert resolve_attention_backend("auto", 80, "gpu") == "reference"  # the kernel can't take it: fall back
+    assert resolve_attention_backend("pallas", 64, "cpu") == "pallas"  # interpret mode
+    with pytest.raises(ValueError, match="head_dim=96"):
+        resolve_attention_backend("pallas", 96, "gpu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_attention_backend("flash", 64, "gpu")
+
+
+# Lowering without the hardware: jax.export traces and lowers for the named platform only.
+_sd = jax.ShapeDtypeStruct
+LOWERINGS = [
+    (dtype, block_size, head_dim)
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
+    for block_size, head_dim in ((8, 64), (16, 128), (64, 256))
+]
+
+
+def _export(kernel, platform, dtype, block_size, head_dim, **checks):
+    tokens, seqs, width, blocks, heads, kv_heads = 64, 32, 16, 256, 32, 8
+    md = AttentionMetadata(
+        _sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32), _sd((seqs + 1,), jnp.int32)
+    )
+    fn = jax.jit(lambda q, k, v, c, md: kernel(q, k, v, c, 1, md, scale=0.1, sliding_window=64, soft_cap=30.0))
+    exported = export.export(fn, platforms=[platform], **checks)(
+        _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
+        _sd((tokens, kv_heads, head_dim), dtype), _sd((2, 2, blocks, kv_heads, block_size, head_dim), dtype), md,
+    )  # fmt: skip
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim", LOWERINGS)
+def test_gpu_kernel_lowers_for_cuda(dtype, block_size, head_dim):
+    checks = {"disabled_checks": [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]}
+    module = _export(gpu_paged_attention, "cuda", dtype, block_size, head_dim, **checks)
+    assert module.count("__gpu$xla.gpu.triton") == 1  # compiled Triton, not an interpreted loop
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim", LOWERINGS)
+def test_tpu_kernel_lowers_for_tpu(dtype, block_size, head_dim):
+    module = _export(tpu_paged_attention, "tpu", dtype, block_size, head_dim)
+    assert module.count("tpu_custom_call") == 1
