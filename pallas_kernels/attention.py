@@ -68,7 +68,7 @@ def paged_attention(
     backend: str = "reference",
 ) -> jax.Array:
     """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context -> out [T, H, D]."""
-    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = {"scale": scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     if backend == "reference":
         return reference_paged_attention(q, k, v, kv_cache, layer, md, **kw)
     if backend != "pallas":

@@ -160,9 +160,9 @@ def gpu_paged_attention(
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     kn, vn = (jnp.pad(x, ((0, NEW_KEYS_PER_ITER), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
 
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))  # noqa: E731
-    per_head = lambda n: pl.BlockSpec((None, n, head_dim), lambda i, h: (h, 0, 0))  # noqa: E731
-    cache_spec = lambda kv: pl.BlockSpec(  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    per_head = lambda n: pl.BlockSpec((None, n, head_dim), lambda i, h: (h, 0, 0))
+    cache_spec = lambda kv: pl.BlockSpec(
         (None, None, num_blocks, None, block_size, head_dim), lambda i, h: (layer, kv, 0, h, 0, 0)
     )
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -180,7 +180,7 @@ def gpu_paged_attention(
             whole(md.query_start_loc.shape), whole(md.seq_lens.shape), whole(tables.shape),
             per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec(0), cache_spec(1),
             per_head(out_rows),
-        ],  # fmt: skip
+        ],
         out_specs=per_head(out_rows),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype),
         input_output_aliases={11: 0},  # start from zeros: rows no tile covers (padding) stay 0
@@ -190,6 +190,6 @@ def gpu_paged_attention(
     )(
         seq, start, length, md.query_start_loc, md.seq_lens, tables,
         qg, kn, vn, kv_cache, kv_cache, jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype),
-    )  # fmt: skip
+    )
     out = out.reshape(num_kv_heads, num_tokens + tokens_per_tile, group_pad, head_dim)[:, :num_tokens, :group]
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)

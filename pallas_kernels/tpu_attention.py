@@ -47,7 +47,7 @@ def _kernel(
     k_pages, v_pages = refs[:pages_per_iter], refs[pages_per_iter : 2 * pages_per_iter]
     k_new_ref, v_new_ref, o_ref, acc_ref, peak_ref, denom_ref = refs[2 * pages_per_iter :]
     tile, step = pl.program_id(0), pl.program_id(2)
-    rows, head_dim = q_ref.shape
+    rows = q_ref.shape[0]
     block_size = k_pages[0].shape[0]
     new_per_iter = k_new_ref.shape[0]
 
@@ -178,7 +178,7 @@ def tpu_paged_attention(
     page, new_keys = _index_maps(
         layer, pages_per_iter, cached_steps, width, block_size, NEW_KEYS_PER_ITER, num_blocks
     )
-    page_spec = lambda kv, p: pl.BlockSpec((None, None, None, None, block_size, head_dim), page(kv, p))  # noqa: E731
+    page_spec = lambda kv, p: pl.BlockSpec((None, None, None, None, block_size, head_dim), page(kv, p))
     tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda i, h, j, *_: (i, h, 0, 0))
     new_spec = pl.BlockSpec((None, NEW_KEYS_PER_ITER, head_dim), new_keys)
     kernel = functools.partial(

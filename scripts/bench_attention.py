@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     else:
         decode = [(b, c) for b in (1, 8, 64, 256) for c in (128, 512, 2048, 8192)]
         prefill = [(1, 2048, 2048), (4, 2048, 512), (8, 4096, 256), (1, 8192, 2048)]
-    shape = dict(heads=32, kv_heads=8, head_dim=128, block_size=args.block_size, dtype=dtype)  # Llama-3-8B's attention
+    shape = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": args.block_size, "dtype": dtype}  # Llama-3-8B's attention
     rows = []
     header = f"{'kind':8}{'batch':>6}{'ctx':>6}{'q_len':>6} | " + " | ".join(
         f"{b:>9} ms {'GB/s':>7} {'of bw':>6}" for b in backends

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 from jax import export
 
-from tests.attention_cases import random_case
-
 from pallas_kernels import AttentionMetadata, resolve_attention_backend, stack_new_kv, write_kv
 from pallas_kernels.gpu_attention import gpu_paged_attention
 from pallas_kernels.reference import naive_paged_attention
 from pallas_kernels.tpu_attention import tpu_paged_attention
+from tests.attention_cases import random_case
 
 KERNELS = {
     "gpu": functools.partial(gpu_paged_attention, interpret=True),
@@ -46,7 +45,7 @@ CASES = [
 
 def _expected(case, **kw):
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    f32 = lambda x: x.astype(jnp.float32)
     return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.md, **kw))
 
 
