@@ -62,7 +62,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.max_suppress = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)  # ids min_tokens may forbid per row
         self.runner = ModelRunner(self.loaded, config, self.max_model_len)
-        self.pool = BlockPool(self.runner.num_blocks)
+        self.pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.groups: dict[str, RequestGroup] = {}
@@ -75,6 +75,7 @@ class LLMEngine:
         )
         self.warmup_seconds = self.runner.warmup(self._blank_sampling)
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
+        self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
 
     def _eos_ids(self) -> list[int]:
         ids = set(self.loaded.config.eos_token_ids)
@@ -133,6 +134,9 @@ class LLMEngine:
             )
         group = RequestGroup(request_id, text, ids, params)
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63 - 1))
+        # n > 1: the first sample computes the prompt but its last token, then the others fork from it and
+        # share those blocks; each computes the last token itself (copying the shared partial block on write).
+        fork = params.n > 1 and len(ids) > 1
         for index in range(params.n):
             detok = None
             if self.tokenizer is not None:
@@ -146,7 +150,11 @@ class LLMEngine:
                 logprobs=[] if params.logprobs is not None else None,
             )
             group.sequences.append(seq)
-            self.scheduler.add(seq)
+            if fork and index > 0:
+                group.unforked.append(seq)
+            else:
+                seq.hold_at = len(ids) - 1 if fork else None
+                self.scheduler.add(seq)
         self.groups[request_id] = group
         return request_id
 
@@ -201,17 +209,36 @@ class LLMEngine:
         finally:
             self.num_compiles_after_warmup += compile_monitor.compile_count() - compiles_before
 
+    def _fork_ready(self) -> bool:
+        """Fork the held samples of every first sample that has computed its prompt but the last token."""
+        forked = False
+        for parent in self.scheduler.running:
+            if parent.hold_at is None or parent.num_computed_tokens < parent.hold_at:
+                continue
+            children = parent.group.unforked
+            for child in children:
+                self.kv.fork(parent.seq_id, child.seq_id)
+                child.num_computed_tokens = parent.num_computed_tokens
+            self.scheduler.add_forked(children)
+            parent.group.unforked, parent.hold_at, forked = [], None, True
+        return forked
+
     def _step(self) -> list[RequestOutput]:
+        self._fork_ready()
         sched = self.scheduler.schedule()
+        if not sched.scheduled and self._fork_ready():  # a held sample was admitted with its prefix all cached
+            sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished() and not sched.preempted:  # admission checks make this unreachable
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return []
-        result = self.runner.execute(self._pack(sched))
+        result = self.runner.execute(self._pack(sched), self.kv.take_copies())
         touched: dict[str, RequestGroup] = {}
         for j, item in enumerate(sched.scheduled):
             req = item.request
             req.num_computed_tokens += item.num_tokens
+            self.num_computed_tokens_total += item.num_tokens
+            self.kv.register_full_blocks(req)
             if not item.samples or req.finished:
                 continue
             self._append_token(req, int(result.tokens[j]), result, j)
@@ -272,6 +299,10 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_cached": self.pool.num_cached,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_computed_tokens": self.num_computed_tokens_total,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

@@ -1,6 +1,19 @@
-"""Per-request block tables over the BlockPool: allocate on demand, fork by sharing, free at once."""
+"""Per-sequence block tables over the BlockPool: allocate on demand, share by fork, copy on write, free at once.
+
+Sharing rules. Forked sequences (n > 1, beams) share every block of the parent; a full block
+is never written again, so sharing it is free. The first write into a shared, partly filled
+block gives the writer a fresh block and queues a copy of the old one (`take_copies`; the
+runner copies on device before the step reads the cache); the last holder writes in place.
+
+Prefix caching: once a block's tokens are all computed it is registered under a SHA-256 hash
+chained over the sequence's blocks, so equal hashes mean equal token prefixes. A sequence
+admitted with nothing computed first takes every cached block matching its tokens.
+"""
 
 from __future__ import annotations
+
+import hashlib
+from typing import Protocol
 
 import numpy as np
 
@@ -11,38 +24,107 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def hash_block(parent: bytes | None, tokens) -> bytes:
+    """The identity of a full block: its tokens and, through the parent's hash, everything before them."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(np.asarray(tokens, np.int64).tobytes())
+    return digest.digest()
+
+
+class HashedSequence(Protocol):
+    seq_id: str
+    num_tokens: int
+    num_computed_tokens: int
+
+    def block_hashes(self, block_size: int, count: int) -> list[bytes]: ...
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int):
         self.pool = pool
         self.block_size = block_size
         self._tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks of each table already registered
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step needs first
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
-        """Make room for tokens [num_computed, num_computed + num_new_tokens); False (and nothing taken) if the pool can't."""
+        """Make tokens [num_computed, num_computed + num_new_tokens) writable; False (nothing taken) if the pool can't."""
         table = self._tables.setdefault(seq_id, [])
-        missing = blocks_for(num_computed + num_new_tokens, self.block_size) - len(table)
-        if missing <= 0:
-            return True
-        blocks = self.pool.allocate(missing)
-        if blocks is None:
+        bs = self.block_size
+        shared = [i for i in range(num_computed // bs, len(table)) if self.pool.ref_count(table[i]) > 1]
+        missing = max(0, blocks_for(num_computed + num_new_tokens, bs) - len(table))
+        if missing + len(shared) > self.pool.num_free:
             return False
-        table.extend(blocks)
+        for i, fresh in zip(shared, self.pool.allocate(len(shared)) or []):
+            if i * bs < num_computed:  # holds computed tokens: they move with it
+                self._copies.append((table[i], fresh))
+            self.pool.free([table[i]])
+            table[i] = fresh
+        if missing:
+            table.extend(self.pool.allocate(missing))
         return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child starts with the parent's blocks, shared (reference counts go up, nothing is copied)."""
         table = list(self._tables.get(parent_id, []))
         self.pool.share(table)
         self._tables[child_id] = table
+        self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
 
     def free(self, seq_id: str) -> None:
-        self.pool.free(self._tables.pop(seq_id, []))
+        self.pool.free(reversed(self._tables.pop(seq_id, [])))
+        self._num_registered.pop(seq_id, None)
 
     def slots(self, seq_id: str, start: int, count: int) -> np.ndarray:
         """Flat slots (block_id * block_size + offset) of positions [start, start + count)."""
         positions = np.arange(start, start + count, dtype=np.int32)
         table = np.asarray(self._tables[seq_id], np.int32)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    # -- prefix caching -------------------------------------------------------------------------
+
+    def take_cached_prefix(self, seq: HashedSequence) -> int:
+        """Hold the cached blocks that match seq's leading tokens; returns how many tokens they cover.
+
+        At least one token is always left to compute, since the step must produce the next token's logits.
+        """
+        if not self.pool.enable_caching or self._tables.get(seq.seq_id):
+            return 0
+        blocks = []
+        for block_hash in seq.block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            self.pool.acquire(block)
+        self._tables[seq.seq_id] = blocks
+        self._num_registered[seq.seq_id] = len(blocks)
+        return len(blocks) * self.block_size
+
+    def count_prefix_query(self, num_tokens: int, num_hit: int) -> None:
+        if self.pool.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit
+
+    def register_full_blocks(self, seq: HashedSequence) -> None:
+        """Blocks whose tokens are all computed become findable by later requests."""
+        if not self.pool.enable_caching:
+            return
+        table = self._tables.get(seq.seq_id, [])
+        done = self._num_registered.get(seq.seq_id, 0)
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if full <= done:
+            return
+        for block, block_hash in zip(table[done:full], seq.block_hashes(self.block_size, full)[done:]):
+            self.pool.register(block, block_hash)
+        self._num_registered[seq.seq_id] = full

@@ -25,7 +25,7 @@ from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
 from jaxpaged.sampler import SamplerOutput, SamplingMetadata, sample
 from models.loader import DTYPES, LoadedModel
 from models.weights import param_bytes
-from pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
+from pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, write_kv
 
 logger = logging.getLogger("jaxpaged.runner")
 
@@ -74,6 +74,8 @@ class ModelRunner:
         )
         self._step = jax.jit(self._step_impl)
         self._write = jax.jit(write_kv, donate_argnums=(0,))
+        self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
+        self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self._blank_history: dict[int, jax.Array] = {}
 
     # -- sizing -------------------------------------------------------------------------------
@@ -125,7 +127,18 @@ class ModelRunner:
             self._blank_history[rows] = jnp.asarray(smd.history)
         return self._blank_history[rows]
 
-    def execute(self, step: StepInputs) -> StepResult:
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: blocks src -> dst, in fixed-size batches so the copy never recompiles."""
+        for i in range(0, len(pairs), self.copy_width):
+            chunk = pairs[i : i + self.copy_width]
+            src = np.zeros(self.copy_width, np.int32)
+            dst = np.full(self.copy_width, self.num_blocks, np.int32)  # out of range: dropped
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
+            self.kv_cache = self._copy(self.kv_cache, src, dst)
+
+    def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
+        if copies:
+            self.copy(copies)
         smd = dataclasses.replace(step.sampling, history=self._history(step.sampling))
         out, new_kv = self._step(
             self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd
@@ -155,6 +168,9 @@ class ModelRunner:
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
             _, s = self.bucket_for(t)
             self.execute(self.blank_step(t, blank_sampling(s, self.history_width)))
+        self.kv_cache = self._copy(  # all padding: compiles the copy, copies nothing
+            self.kv_cache, np.zeros(self.copy_width, np.int32), np.full(self.copy_width, self.num_blocks, np.int32)
+        )
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - t0
         logger.info("compiled %d step buckets %s in %.1fs", len(self.buckets), self.buckets, elapsed)

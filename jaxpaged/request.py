@@ -11,6 +11,7 @@ import enum
 import itertools
 
 from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.kv_cache_manager import hash_block
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -47,6 +48,9 @@ class Request:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    hold_at: int | None = None  # n > 1: compute no further until the group's other samples fork from here
+    _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +66,19 @@ class Request:
     @property
     def num_pending_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        pending = self.num_pending_tokens
+        return pending if self.hold_at is None else min(pending, self.hold_at - self.num_computed_tokens)
+
+    def block_hashes(self, block_size: int, count: int) -> list[bytes]:
+        """Chained hashes of the first `count` full blocks of this sequence's tokens (append-only, so cached)."""
+        while len(self._block_hashes) < count:
+            i = len(self._block_hashes)
+            parent = self._block_hashes[-1] if i else None
+            self._block_hashes.append(hash_block(parent, self.tokens_at(i * block_size, block_size)))
+        return self._block_hashes[:count]
 
     @property
     def finished(self) -> bool:
@@ -90,6 +107,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     params: SamplingParams
     sequences: list[Request] = dataclasses.field(default_factory=list)
+    unforked: list[Request] = dataclasses.field(default_factory=list)  # samples waiting to fork from the first
 
     @property
     def finished(self) -> bool:
@@ -102,4 +120,5 @@ class RequestGroup:
             prompt_token_ids=list(self.prompt_token_ids),
             outputs=[seq.completion() for seq in self.sequences],
             finished=self.finished,
+            num_cached_tokens=self.sequences[0].num_cached_tokens,
         )

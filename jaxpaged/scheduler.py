@@ -5,7 +5,9 @@ ones (FIFO) while the token budget, the sequence cap and the KV pool allow. A pr
 the budget is prefilled in chunks across steps, mixed with other sequences' decode tokens. When
 the pool runs dry, the most recently admitted running sequence is preempted: its blocks are
 freed at once and it is recomputed from its tokens later (outputs are unchanged, since sampling
-depends only on a sequence's own tokens, seed and position).
+depends only on a sequence's own tokens, seed and position). With prefix caching, a sequence
+admitted with nothing computed starts after its longest cached prefix, so a preempted one
+usually finds most of its own blocks again.
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending_tokens, budget)
+            n = min(req.num_schedulable_tokens, budget)
+            if n <= 0:  # held for a fork that happens after this step's results
+                i += 1
+                continue
             while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -77,18 +82,35 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_pending_tokens, budget)
-            if not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
+            fresh = req.num_computed_tokens == 0 and not self.kv.block_table(req.seq_id)
+            hit = self.kv.take_cached_prefix(req) if fresh else 0
+            req.num_computed_tokens = hit if fresh else req.num_computed_tokens
+            n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
+            if n > 0 and not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
+                if fresh:  # hand back what the lookup took
+                    self.kv.free(req.seq_id)
+                    req.num_computed_tokens = 0
                 break
+            if fresh:
+                self.kv.count_prefix_query(req.num_tokens, hit)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
-            budget -= n
+            if n > 0:
+                scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
+                budget -= n
         # Single-token (decode) sequences first: the attention reads a mixed step's cached context in
         # two row groups split at the sequence slots, and prefill rows then skip decode rows' contexts.
         scheduled.sort(key=lambda item: item.num_tokens > 1)
         return SchedulerOutput(scheduled, preempted)
+
+    def add_forked(self, requests: list[Request]) -> None:
+        """Samples forked from a running sequence: first in line, already holding their shared blocks."""
+        for req in requests:
+            req.status = RequestStatus.WAITING
+        self.waiting.extendleft(reversed(requests))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.seq_id)

@@ -2,6 +2,7 @@
 
 from pallas_kernels.attention import (
     ATTENTION_BACKENDS,
+    copy_blocks,
     paged_attention,
     resolve_attention_backend,
     stack_new_kv,
@@ -12,6 +13,7 @@ from pallas_kernels.metadata import AttentionMetadata, kv_cache_shape
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionMetadata",
+    "copy_blocks",
     "kv_cache_shape",
     "paged_attention",
     "resolve_attention_backend",

@@ -49,6 +49,11 @@ def write_kv(kv_cache: jax.Array, new_kv: jax.Array, slot_mapping: jax.Array) ->
     return kv_cache.at[:, :, block, :, offset].set(new_kv.astype(kv_cache.dtype), mode="drop")
 
 
+def copy_blocks(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copy whole blocks (every layer, K and V) src[i] -> dst[i]; pairs with dst out of range are dropped."""
+    return kv_cache.at[:, :, dst].set(kv_cache[:, :, src], mode="drop")
+
+
 def stack_new_kv(per_layer: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     """[(k, v) each [T, H_kv, D]] per layer -> [T, L, 2, H_kv, D], write_kv's layout."""
     return jnp.stack([jnp.stack([k, v], axis=1) for k, v in per_layer], axis=1)

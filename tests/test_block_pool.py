@@ -96,3 +96,56 @@ def test_slots_follow_the_block_table():
     table = kv.block_table("a")
     want = [table[p // 4] * 4 + p % 4 for p in range(2, 9)]
     assert kv.slots("a", 2, 7).tolist() == want
+
+
+def test_first_write_into_a_shared_partial_block_copies_it():
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, block_size=4)
+    assert kv.allocate_slots("p", 0, 6)  # blocks [a, b], b holds positions 4-5
+    a, b = kv.block_table("p")
+    kv.fork("p", "c")
+    assert pool.ref_count(b) == 2
+    assert kv.allocate_slots("c", 6, 1)  # c writes position 6, inside the shared block b
+    c_table = kv.block_table("c")
+    assert c_table[0] == a and c_table[1] != b
+    assert kv.take_copies() == [(b, c_table[1])]  # b's computed positions move with it
+    assert pool.ref_count(b) == 1 and pool.ref_count(a) == 2
+    assert kv.allocate_slots("p", 6, 1)  # the last holder writes in place
+    assert kv.block_table("p") == [a, b] and kv.take_copies() == []
+
+
+def test_prefix_cache_lookup_register_and_eviction():
+    class Seq:
+        def __init__(self, seq_id, tokens):
+            self.seq_id, self.tokens, self.num_computed_tokens = seq_id, tokens, 0
+            self.num_tokens = len(tokens)
+
+        def block_hashes(self, block_size, count):
+            from jaxpaged.kv_cache_manager import hash_block
+
+            hashes = []
+            for i in range(count):
+                hashes.append(hash_block(hashes[-1] if hashes else None, self.tokens[i * block_size : (i + 1) * block_size]))
+            return hashes
+
+    pool = BlockPool(6)
+    kv = KVCacheManager(pool, block_size=2)
+    first = Seq("x", [1, 2, 3, 4, 5])
+    assert kv.take_cached_prefix(first) == 0
+    assert kv.allocate_slots("x", 0, 5)
+    first.num_computed_tokens = 5
+    kv.register_full_blocks(first)  # blocks [1,2] and [3,4] are full; [5] is not
+    assert pool.num_cached == 2
+    kv.free("x")
+    assert pool.num_free == 6  # cached blocks count as free
+    same_prefix = Seq("y", [1, 2, 3, 4, 9])
+    assert kv.take_cached_prefix(same_prefix) == 4
+    assert len(kv.block_table("y")) == 2 and pool.num_free == 4
+    other = Seq("z", [1, 7, 3, 4, 5])  # differs in the first block, so the chain breaks at once
+    assert kv.take_cached_prefix(other) == 0
+    kv.free("y")
+    kv.free("z")
+    assert kv.allocate_slots("w", 0, 12)  # takes every block: the cache is evicted
+    assert pool.num_cached == 0
+    kv.free("w")
+    assert kv.take_cached_prefix(Seq("v", [1, 2, 3, 4, 5])) == 0
