@@ -2,8 +2,18 @@
 
 __version__ = "0.1.0"
 
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from jaxpaged.llm import LLM  # noqa: E402
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from jaxpaged.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]

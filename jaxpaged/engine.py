@@ -25,7 +25,8 @@ from jaxpaged.model_runner import ModelRunner, StepInputs
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.request import Request, RequestGroup, RequestStatus
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
-from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxpaged.beam_search import BeamSearch
+from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from models.loader import LoadedModel, load_model
 from pallas_kernels import AttentionMetadata
@@ -75,6 +76,7 @@ class LLMEngine:
         )
         self.warmup_seconds = self.runner.warmup(self._blank_sampling)
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
+        self._beam_count = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
 
     def _eos_ids(self) -> list[int]:
@@ -133,6 +135,10 @@ class LLMEngine:
                 "raise num_kv_blocks or lower max_tokens"
             )
         group = RequestGroup(request_id, text, ids, params)
+        if params.use_beam_search:
+            self._add_beam_search(group, max_tokens)
+            self.groups[request_id] = group
+            return request_id
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63 - 1))
         # n > 1: the first sample computes the prompt but its last token, then the others fork from it and
         # share those blocks; each computes the last token itself (copying the shared partial block on write).
@@ -158,11 +164,59 @@ class LLMEngine:
         self.groups[request_id] = group
         return request_id
 
+    def _add_beam_search(self, group: RequestGroup, max_tokens: int) -> None:
+        params = group.params
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        search = BeamSearch(params.best_of, max_tokens, eos, params.length_penalty, params.early_stopping)
+        if search.num_candidates > MAX_LOGPROBS:
+            raise ValueError(
+                f"best_of (the beam width) must be at most {MAX_LOGPROBS // max(2, 1 + len(eos))} for this model: "
+                f"beam search ranks max(2, 1 + {len(eos)} EOS ids) x width candidates per beam (got {params.best_of})"
+            )
+        group.beam = search
+        if self.tokenizer is not None:
+            group.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        root = self._beam_sequence(group, 0, [], 0)
+        search.running = [root]
+        self.scheduler.add(root)
+
+    def _beam_sequence(self, group: RequestGroup, number: int, outputs: list[int], num_computed: int) -> Request:
+        """A running beam: a plain sequence asking for its next position's top candidates, never sampled from."""
+        search = group.beam
+        row_params = SamplingParams(temperature=0.0, max_tokens=search.max_tokens, logprobs=search.num_candidates,
+                                    ignore_eos=True)  # fmt: skip
+        return Request(
+            seq_id=f"{group.request_id}#beam{number}", group=group, index=0, prompt_token_ids=group.prompt_token_ids,
+            params=row_params, max_tokens=search.max_tokens, seed=0, detokenizer=None, output_token_ids=outputs,
+            num_computed_tokens=num_computed,
+        )  # fmt: skip
+
+    def _advance_beams(self, group: RequestGroup) -> None:
+        """Every running beam has its candidates: pick the next beams, fork them from their parents, free the rest."""
+        search = group.beam
+        parents = search.running
+        chosen = search.advance([p.beam_top for p in parents], [p.output_token_ids for p in parents])
+        children = []
+        for parent_index, token in chosen:
+            parent = parents[parent_index]
+            self._beam_count += 1
+            child = self._beam_sequence(group, self._beam_count, [*parent.output_token_ids, token],
+                                        parent.num_computed_tokens)  # fmt: skip
+            child._block_hashes = list(parent._block_hashes)
+            self.kv.fork(parent.seq_id, child.seq_id)  # before the parents let go of the shared blocks
+            children.append(child)
+        for parent in parents:
+            self.scheduler.finish(parent, RequestStatus.FINISHED_STOPPED)
+        search.running = children
+        self.scheduler.add_forked(children)
+
     def abort_request(self, request_id: str) -> bool:
         group = self.groups.pop(str(request_id), None)
         if group is None:
             return False
-        for seq in group.sequences:
+        if group.beam is not None:
+            group.beam.done = True
+        for seq in group.live_sequences:
             if not seq.finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         return True
@@ -234,6 +288,7 @@ class LLMEngine:
             return []
         result = self.runner.execute(self._pack(sched), self.kv.take_copies())
         touched: dict[str, RequestGroup] = {}
+        beam_groups: dict[str, RequestGroup] = {}
         for j, item in enumerate(sched.scheduled):
             req = item.request
             req.num_computed_tokens += item.num_tokens
@@ -241,8 +296,18 @@ class LLMEngine:
             self.kv.register_full_blocks(req)
             if not item.samples or req.finished:
                 continue
+            if req.group.beam is not None:
+                k = req.group.beam.num_candidates
+                req.beam_top = (result.top_ids[j, :k], result.top_logprobs[j, :k])
+                beam_groups[req.group.request_id] = req.group
+                continue
             self._append_token(req, int(result.tokens[j]), result, j)
             touched[req.group.request_id] = req.group
+        for group in beam_groups.values():
+            if all(seq.beam_top is not None for seq in group.beam.running):
+                self._advance_beams(group)
+                if group.beam.done:
+                    touched[group.request_id] = group
         outputs = []
         for group in touched.values():
             outputs.append(group.output())

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
     g.add_argument("--quiet", action="store_true", help="log warnings only")
     return p
 
@@ -58,6 +60,7 @@ class Session:
             args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size, attention_backend=args.attention_backend,
+            enable_prefix_caching=args.enable_prefix_caching,
             log_level="WARNING" if args.quiet else "INFO",
         )
         if self.llm.get_tokenizer() is None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine import LLMEngine, PromptType
 from jaxpaged.logging_utils import setup_logging
@@ -76,6 +77,31 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: every prompt's beam_width hypotheses, best first (transformers' semantics)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams (got {type(params).__name__})")
+        sampling = SamplingParams(
+            n=params.beam_width, best_of=params.beam_width, use_beam_search=True, temperature=0.0,
+            max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+        )  # fmt: skip
+        results = []
+        for out in self.generate(prompts, sampling, use_tqdm=use_tqdm):
+            sequences = [
+                BeamSearchSequence(
+                    tokens=out.prompt_token_ids + c.token_ids, output_token_ids=list(c.token_ids),
+                    cum_logprob=c.cumulative_logprob,
+                    score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
+                    text=c.text, finish_reason=c.finish_reason,
+                )
+                for c in out.outputs
+            ]  # fmt: skip
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def chat(
         self,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+from collections.abc import Callable
 
+from jaxpaged.beam_search import BeamSearch
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.kv_cache_manager import hash_block
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
@@ -51,6 +53,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     hold_at: int | None = None  # n > 1: compute no further until the group's other samples fork from here
     _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    beam_top: tuple | None = None  # beam search: (top ids, top logprobs) of the next position, once computed
 
     @property
     def num_tokens(self) -> int:
@@ -108,12 +111,27 @@ class RequestGroup:
     params: SamplingParams
     sequences: list[Request] = dataclasses.field(default_factory=list)
     unforked: list[Request] = dataclasses.field(default_factory=list)  # samples waiting to fork from the first
+    beam: BeamSearch | None = None  # use_beam_search: the search state; its running beams are the sequences
+    decode: Callable[[list[int]], str] | None = None  # beam search: final text of each hypothesis
+
+    @property
+    def live_sequences(self) -> list[Request]:
+        return self.beam.running if self.beam is not None else self.sequences
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(seq.finished for seq in self.sequences)
 
     def output(self) -> RequestOutput:
+        if self.beam is not None:
+            decode = self.decode or (lambda ids: "")
+            return RequestOutput(
+                request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_token_ids),
+                outputs=self.beam.completions(self.params.n, decode) if self.beam.done else [],
+                finished=self.beam.done,
+            )  # fmt: skip
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

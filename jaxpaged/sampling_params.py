@@ -22,7 +22,6 @@ MAX_SEED = 2**63
 # vLLM samples greedily below this temperature: dividing logits by it would overflow float32.
 _GREEDY_EPS = 1e-5
 
-_DECODING_ISSUE = "arrives with the decoding issue (parallel sampling and beam search)"
 
 
 class SamplingType(enum.IntEnum):
@@ -129,8 +128,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # older vLLM: beam width = best_of, the n best beams come back
     length_penalty: float = 1.0
+    early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -186,13 +186,31 @@ class SamplingParams:
         self.length_penalty = _float("length_penalty", self.length_penalty)
 
         if self.use_beam_search:
-            raise NotImplementedError(f"use_beam_search {_DECODING_ISSUE}")
-        if self.best_of is not None and self.best_of > self.n:
-            raise NotImplementedError(f"best_of > n {_DECODING_ISSUE}")
+            self._check_beam_search()
+        elif self.best_of is not None and self.best_of > self.n:
+            raise NotImplementedError("best_of > n is only supported with use_beam_search=True")
 
         if self.is_greedy:
             # As vLLM: truncation cannot change an argmax, and neutral values let the sampler skip its sort.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks by logprob alone: every knob that would change the distribution is refused."""
+        from jaxpaged.beam_search import check_early_stopping
+
+        check_early_stopping(self.early_stopping)
+        if self.temperature != 0:
+            raise ValueError(f"temperature must be 0 when use_beam_search=True (got {self.temperature!r})")
+        self.best_of = self.n if self.best_of is None else self.best_of
+        unsupported = {
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids, "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty != 1.0, "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }  # fmt: skip
+        for name, value in unsupported.items():
+            if value:
+                raise ValueError(f"{name} is not supported with use_beam_search=True")
 
     @property
     def is_greedy(self) -> bool:

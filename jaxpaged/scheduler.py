@@ -70,6 +70,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
+                if self._release_idle_holder(exclude=req):
+                    i = self.running.index(req)
+                    continue
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted.append(victim)
@@ -86,7 +89,10 @@ class Scheduler:
             hit = self.kv.take_cached_prefix(req) if fresh else 0
             req.num_computed_tokens = hit if fresh else req.num_computed_tokens
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
-            if n > 0 and not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
+            admitted = n <= 0 or self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
+            while not admitted and self._release_idle_holder(exclude=req):
+                admitted = self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
+            if not admitted:
                 if fresh:  # hand back what the lookup took
                     self.kv.free(req.seq_id)
                     req.num_computed_tokens = 0
@@ -111,6 +117,28 @@ class Scheduler:
         for req in requests:
             req.status = RequestStatus.WAITING
         self.waiting.extendleft(reversed(requests))
+
+    def _release_idle_holder(self, exclude: Request) -> bool:
+        """Free the blocks of one sequence that holds some but cannot progress now, before anything running is preempted.
+
+        First the last queued holder (a forked sample or beam not yet admitted), then a running sequence with
+        nothing to compute (a beam waiting for its siblings' candidates), which goes to the back of the queue.
+        Both are recomputed when next admitted, mostly from the prefix cache. Without this, sequences that are
+        waiting on each other could fill the pool while nothing runs.
+        """
+        for req in reversed(self.waiting):
+            if req is not exclude and self.kv.block_table(req.seq_id):
+                self.kv.free(req.seq_id)
+                req.num_computed_tokens = 0
+                return True
+        for req in reversed(self.running):
+            if req is not exclude and req.num_schedulable_tokens <= 0 and self.kv.block_table(req.seq_id):
+                self.running.remove(req)
+                self._preempt(req)
+                self.waiting.remove(req)
+                self.waiting.append(req)  # behind the sequences it is waiting for
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.seq_id)

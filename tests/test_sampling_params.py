@@ -235,7 +235,28 @@ def test_replace_revalidates():
         dataclasses.replace(p, top_p=2.0)
 
 
-@pytest.mark.parametrize("kwargs", [dict(use_beam_search=True), dict(n=2, best_of=3), dict(best_of=2)])
-def test_beam_search_and_best_of_not_yet(kwargs):
-    with pytest.raises(NotImplementedError, match="decoding issue"):
+@pytest.mark.parametrize("kwargs", [dict(n=2, best_of=3), dict(best_of=2)])
+def test_best_of_sampling_not_supported(kwargs):
+    with pytest.raises(NotImplementedError, match="use_beam_search"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(use_beam_search=True), "temperature"),
+        (dict(use_beam_search=True, temperature=0, early_stopping="sometimes"), "early_stopping"),
+        (dict(use_beam_search=True, temperature=0, stop=["x"]), "stop"),
+        (dict(use_beam_search=True, temperature=0, logprobs=2), "logprobs"),
+        (dict(use_beam_search=True, temperature=0, repetition_penalty=1.2), "repetition_penalty"),
+        (dict(use_beam_search=True, temperature=0, n=3, best_of=2), "best_of"),
+    ],
+)
+def test_beam_search_refuses_what_it_cannot_honour(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_beam_search_width_defaults_to_n():
+    p = SamplingParams(use_beam_search=True, temperature=0, n=3, length_penalty=0.5, early_stopping="never")
+    assert (p.best_of, p.length_penalty, p.early_stopping) == (3, 0.5, "never")

@@ -179,3 +179,26 @@ def test_cli_chat_answers_paris(ours, cache_dir):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "loaded SmolLM2" in result.stderr  # load time is logged
+
+
+def test_beam_search_best_beam_matches_transformers(llm, hf):
+    """Beam search on the real model, ending on <|im_end|>: transformers' best beam, token for token."""
+    from jaxpaged import BeamSearchParams
+
+    model, tokenizer = hf
+    eos = llm.engine.eos_token_ids
+    messages = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Name a primary color.")]
+    prompts = [chat_prompt_ids(tokenizer, m) for m in messages]
+    for width, length_penalty in ((3, 1.0), (2, 0.5)):
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                               BeamSearchParams(beam_width=width, max_tokens=32, length_penalty=length_penalty),
+                               use_tqdm=False)  # fmt: skip
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                want = model.generate(
+                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    num_beams=width, do_sample=False, max_new_tokens=32, length_penalty=length_penalty,
+                    eos_token_id=eos, pad_token_id=0,
+                )  # fmt: skip
+            assert out.sequences[0].output_token_ids == want[0, len(prompt) :].tolist()
+    assert outs[0].sequences[0].finish_reason == "stop" and "Paris" in outs[0].sequences[0].text
