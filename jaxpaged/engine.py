@@ -154,6 +154,7 @@ class LLMEngine:
                 seq_id=f"{request_id}#{index}", group=group, index=index, prompt_token_ids=ids, params=params,
                 max_tokens=max_tokens, seed=(base_seed + index) % 2**63, detokenizer=detok,
                 logprobs=[] if params.logprobs is not None else None,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
             )
             group.sequences.append(seq)
             if fork and index > 0:
@@ -236,6 +237,7 @@ class LLMEngine:
         seq_lens = np.zeros(s, np.int32)
         qsl = np.zeros(s + 1, np.int32)
         logit_rows = np.zeros(s, np.int32)
+        prompt_next = None
         rows = []
         cursor = 0
         for j, item in enumerate(sched.scheduled):
@@ -245,6 +247,11 @@ class LLMEngine:
             positions[cursor : cursor + n] = np.arange(start, start + n, dtype=np.int32)
             slots[cursor : cursor + n] = self.kv.slots(req.seq_id, start, n)
             tables[j, : len(table)] = table
+            prompt_len = len(req.prompt_token_ids)
+            if req.prompt_logprobs is not None and start < prompt_len - 1:
+                prompt_next = np.full(t, -1, np.int32) if prompt_next is None else prompt_next
+                stop = min(start + n, prompt_len - 1)  # rows that predict a prompt token
+                prompt_next[cursor : cursor + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
             seq_lens[j] = start + n
             cursor += n
             qsl[j + 1] = cursor
@@ -253,7 +260,7 @@ class LLMEngine:
         qsl[len(sched.scheduled) + 1 :] = cursor
         sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress)
         md = AttentionMetadata(slots, tables, seq_lens, qsl)
-        return StepInputs(ids, positions, md, logit_rows, sampling)
+        return StepInputs(ids, positions, md, logit_rows, sampling, prompt_next)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: returns the outputs of every request that progressed or finished."""
@@ -289,8 +296,12 @@ class LLMEngine:
         result = self.runner.execute(self._pack(sched), self.kv.take_copies())
         touched: dict[str, RequestGroup] = {}
         beam_groups: dict[str, RequestGroup] = {}
+        cursor = 0
         for j, item in enumerate(sched.scheduled):
             req = item.request
+            if result.prompt is not None and req.prompt_logprobs is not None:
+                self._record_prompt_logprobs(req, item.start, item.num_tokens, cursor, result.prompt)
+            cursor += item.num_tokens
             req.num_computed_tokens += item.num_tokens
             self.num_computed_tokens_total += item.num_tokens
             self.kv.register_full_blocks(req)
@@ -346,6 +357,21 @@ class LLMEngine:
             if req.detokenizer is not None:
                 req.detokenizer.flush()
             self.scheduler.finish(req, status)
+
+    def _record_prompt_logprobs(self, req: Request, start: int, count: int, row: int, prompt) -> None:
+        """Entries for the prompt tokens this chunk predicts (recomputed chunks after a preemption add nothing)."""
+        chosen, rank, top_ids, top_lps = prompt
+        wanted = req.params.prompt_logprobs
+        for offset in range(count):
+            position = start + offset + 1  # the prompt token row `row + offset` predicts
+            if position >= len(req.prompt_token_ids) or position < len(req.prompt_logprobs):
+                continue
+            token, r = req.prompt_token_ids[position], row + offset
+            entry = {token: Logprob(float(chosen[r]), int(rank[r]), self._decode_one(token))}
+            for rank_i, (tid, tlp) in enumerate(zip(top_ids[r, :wanted], top_lps[r, :wanted])):
+                if int(tid) != token:
+                    entry[int(tid)] = Logprob(float(tlp), rank_i + 1, self._decode_one(int(tid)))
+            req.prompt_logprobs.append(entry)
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None

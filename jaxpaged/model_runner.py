@@ -22,7 +22,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
-from jaxpaged.sampler import SamplerOutput, SamplingMetadata, sample
+from jaxpaged.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 from models.loader import DTYPES, LoadedModel
 from models.weights import param_bytes
 from pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, write_kv
@@ -47,6 +47,7 @@ class StepInputs:
     attention: AttentionMetadata  # numpy leaves
     logit_rows: np.ndarray  # [S] row of each sequence's last token
     sampling: SamplingMetadata  # numpy leaves
+    prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
 
 
 @dataclasses.dataclass
@@ -55,6 +56,7 @@ class StepResult:
     logprobs: np.ndarray  # [S] of the sampled tokens
     top_ids: np.ndarray | None  # [S, 20] when some row asked for logprobs
     top_logprobs: np.ndarray | None
+    prompt: tuple[np.ndarray, ...] | None = None  # prompt_logprobs per row: (logprob, rank, top ids, top logprobs)
 
 
 class ModelRunner:
@@ -77,6 +79,7 @@ class ModelRunner:
         self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self._blank_history: dict[int, jax.Array] = {}
+        self._blank_prompt_ids: dict[int, jax.Array] = {}
 
     # -- sizing -------------------------------------------------------------------------------
 
@@ -105,11 +108,18 @@ class ModelRunner:
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _step_impl(self, state, kv_cache, input_ids, positions, md, logit_rows, smd) -> tuple[SamplerOutput, jax.Array]:
+    def _step_impl(self, state, kv_cache, input_ids, positions, md, logit_rows, smd, prompt_next_ids):
         model = nnx.merge(self.graphdef, state)
         hidden, new_kv = model.forward(input_ids, positions, kv_cache, md)
         logits = model.compute_logits(hidden[logit_rows])
-        return sample(logits, smd), new_kv
+        t, k = input_ids.shape[0], NUM_TOP_LOGPROBS
+        blank = (jnp.zeros(t), jnp.zeros(t, jnp.int32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k)))
+        prompt = jax.lax.cond(  # every row's logits only when some request asked for prompt logprobs
+            jnp.any(prompt_next_ids >= 0),
+            lambda: prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids),
+            lambda: blank,
+        )
+        return sample(logits, smd), prompt, new_kv
 
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
         """(T, S) padded sizes for a step of num_tokens tokens."""
@@ -140,14 +150,23 @@ class ModelRunner:
         if copies:
             self.copy(copies)
         smd = dataclasses.replace(step.sampling, history=self._history(step.sampling))
-        out, new_kv = self._step(
-            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd
+        next_ids = step.prompt_next_ids
+        want_prompt = next_ids is not None and bool((next_ids >= 0).any())
+        if next_ids is None:
+            next_ids = self._no_prompt_ids(step.input_ids.shape[0])
+        out, prompt, new_kv = self._step(
+            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd, next_ids
         )
         self.kv_cache = self._write(self.kv_cache, new_kv, step.attention.slot_mapping)
         want_top = bool(step.sampling.want_logprobs)
         tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
         top_ids, top_lp = jax.device_get((out.top_ids, out.top_logprobs)) if want_top else (None, None)
-        return StepResult(tokens, logprobs, top_ids, top_lp)
+        return StepResult(tokens, logprobs, top_ids, top_lp, jax.device_get(prompt) if want_prompt else None)
+
+    def _no_prompt_ids(self, num_tokens: int) -> jax.Array:
+        if num_tokens not in self._blank_prompt_ids:
+            self._blank_prompt_ids[num_tokens] = jnp.full(num_tokens, -1, jnp.int32)
+        return self._blank_prompt_ids[num_tokens]
 
     # -- warm-up -----------------------------------------------------------------------------
 

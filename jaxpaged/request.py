@@ -49,6 +49,7 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; None for the first
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     hold_at: int | None = None  # n > 1: compute no further until the group's other samples fork from here
@@ -138,5 +139,6 @@ class RequestGroup:
             prompt_token_ids=list(self.prompt_token_ids),
             outputs=[seq.completion() for seq in self.sequences],
             finished=self.finished,
+            prompt_logprobs=self.sequences[0].prompt_logprobs,
             num_cached_tokens=self.sequences[0].num_cached_tokens,
         )

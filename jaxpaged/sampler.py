@@ -156,6 +156,15 @@ def _logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
     return (chosen, *_top_logprobs(raw_logprobs))
 
 
+def prompt_logprobs(logits: jax.Array, next_ids: jax.Array) -> tuple[jax.Array, ...]:
+    """Per row: logprob and 1-based rank of next_ids (the prompt's next token; < 0 for rows nobody asked about), and
+    the top-20 ids and logprobs, all under the raw model distribution."""
+    logprobs = _log_softmax(logits)
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(next_ids, 0)[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    return (chosen, rank, *_top_logprobs(logprobs))
+
+
 def _no_logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
     return (jnp.zeros(tokens.shape, jnp.float32), *_no_top_logprobs(raw_logits))
 

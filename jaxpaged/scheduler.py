@@ -86,7 +86,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             fresh = req.num_computed_tokens == 0 and not self.kv.block_table(req.seq_id)
-            hit = self.kv.take_cached_prefix(req) if fresh else 0
+            # prompt logprobs need every prompt position computed, so such a request skips the cache
+            hit = self.kv.take_cached_prefix(req) if fresh and req.prompt_logprobs is None else 0
             req.num_computed_tokens = hit if fresh else req.num_computed_tokens
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
             admitted = n <= 0 or self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
