@@ -30,6 +30,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto = the Pallas kernel on GPU/TPU, the pure-JAX reference on CPU
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    batch_invariant: bool = False  # a request's tokens never depend on the rest of the batch (one step shape)
     compilation_cache_dir: str | None = None  # persistent XLA cache; default under the jaxpaged cache root
     cache_dir: str | None = None  # GGUF conversion cache root
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
@@ -55,8 +56,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1] (got {self.kv_cache_memory_fraction})")
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool (got {self.enable_prefix_caching!r})")
+        for name in ("enable_prefix_caching", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -53,7 +53,8 @@ class LLMEngine:
         self.config = config
         _enable_compilation_cache(config)
         self.loaded = loaded or load_model(
-            config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir
+            config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
+            batch_invariant=config.batch_invariant,
         )
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens never depend on the rest of the batch (one step shape; slower)")
     g.add_argument("--quiet", action="store_true", help="log warnings only")
     return p
 
@@ -60,7 +62,7 @@ class Session:
             args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size, attention_backend=args.attention_backend,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant,
             log_level="WARNING" if args.quiet else "INFO",
         )
         if self.llm.get_tokenizer() is None:

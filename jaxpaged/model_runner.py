@@ -66,7 +66,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.table_width = -(-max_model_len // self.block_size)
         self.history_width = self.table_width * self.block_size
-        self.buckets = token_buckets(config.max_num_batched_tokens)
+        # batch-invariant: one step shape for everything, so no row's arithmetic depends on the step's size
+        self.buckets = [config.max_num_batched_tokens] if config.batch_invariant else token_buckets(config.max_num_batched_tokens)
         self.dtype = DTYPES[loaded.dtype]
         self.graphdef, self.state = nnx.split(loaded.model)
         self.num_blocks = self._pool_size(param_bytes(self.state))

@@ -54,11 +54,11 @@ def _progress(items: Iterable, total: int, desc: str) -> Iterator:
     return iter(tqdm(items, total=total, desc=desc, unit="tensor", leave=False))
 
 
-def _abstract_model(hf_config, dtype_name: str, attention_backend: str):
+def _abstract_model(hf_config, dtype_name: str, attention_backend: str, batch_invariant: bool = False):
     arch, cls = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     cfg = model_config_from_hf(hf_config, arch)
     dtype = DTYPES[dtype_name]
-    attention_backend = resolve_attention_backend(attention_backend, cfg.head_dim)
+    attention_backend = resolve_attention_backend(attention_backend, cfg.head_dim, batch_invariant=batch_invariant)
     logger.info("attention backend: %s", attention_backend)
     model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_backend=attention_backend))
     return cfg, model, cls.weight_specs(cfg)
@@ -123,7 +123,7 @@ def _load_tokenizer(folder: Path):
         raise ValueError(f"could not load the tokenizer in {folder}: {exc}") from exc
 
 
-def _load_hf_folder(folder: Path, dtype_name: str, backend: str):
+def _load_hf_folder(folder: Path, dtype_name: str, backend: dict):
     from transformers import AutoConfig
 
     config_file = folder / "config.json"
@@ -131,14 +131,14 @@ def _load_hf_folder(folder: Path, dtype_name: str, backend: str):
         hf_config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         raise ValueError(f"could not read {config_file}: {exc}") from exc
-    cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
     files = _safetensors_files(folder)
     tensors, total = _safetensors_tensors(files)
     load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name])
     return model, cfg, hf_config, _load_tokenizer(folder)
 
 
-def _load_gguf(path: Path, dtype_name: str, backend: str, cache_dir: str | None, use_cache: bool):
+def _load_gguf(path: Path, dtype_name: str, backend: dict, cache_dir: str | None, use_cache: bool):
     from transformers import AutoConfig, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -147,7 +147,7 @@ def _load_gguf(path: Path, dtype_name: str, backend: str, cache_dir: str | None,
         logger.info("loading converted %s from cache %s", path.name, entry)
         hf_config = AutoConfig.from_pretrained(str(entry))
         tokenizer = AutoTokenizer.from_pretrained(str(entry))
-        cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+        cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
         flat = convert_cache.load_entry_tensors(entry)
         items = ((name, array, str(entry)) for name, array in flat.items())
         load_tensors_into(model, specs, _progress(items, len(flat), "Loading cached weights"), DTYPES[dtype_name])
@@ -155,7 +155,7 @@ def _load_gguf(path: Path, dtype_name: str, backend: str, cache_dir: str | None,
     reader = gguf_io.open_gguf(str(path))
     hf_config = gguf_io.gguf_hf_config(reader, str(path))
     tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
-    cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
     np_dtype = np.dtype(DTYPES[dtype_name])
     converted = {
         name: array.astype(np_dtype)
@@ -169,7 +169,7 @@ def _load_gguf(path: Path, dtype_name: str, backend: str, cache_dir: str | None,
     return model, cfg, hf_config, tokenizer
 
 
-def _load_random(config_file: Path, dtype_name: str, backend: str):
+def _load_random(config_file: Path, dtype_name: str, backend: dict):
     """A bare config.json: random weights in its shapes, for benchmarks and tests."""
     from transformers import AutoConfig
 
@@ -178,7 +178,7 @@ def _load_random(config_file: Path, dtype_name: str, backend: str):
         hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"could not read model config {config_file}: {exc}") from exc
-    cfg, model, specs = _abstract_model(hf_config, dtype_name, backend)
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
     load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name])
     folder = config_file.parent
     return model, cfg, hf_config, _load_tokenizer(folder)
@@ -189,6 +189,7 @@ def load_model(
     *,
     dtype: str = "float32",
     attention_backend: str = "auto",
+    batch_invariant: bool = False,
     cache_dir: str | None = None,
     use_cache: bool = True,
 ) -> LoadedModel:
@@ -207,12 +208,13 @@ def load_model(
         if len(ggufs) != 1:
             raise FileNotFoundError(f"{path} has no config.json and {len(ggufs)} .gguf files; expected an HF folder or one .gguf")
         path = ggufs[0]
+    backend = {"attention_backend": attention_backend, "batch_invariant": batch_invariant}
     if path.is_dir():
-        result = _load_hf_folder(path, dtype_name, attention_backend)
+        result = _load_hf_folder(path, dtype_name, backend)
     elif path.suffix == ".gguf":
-        result = _load_gguf(path, dtype_name, attention_backend, cache_dir, use_cache)
+        result = _load_gguf(path, dtype_name, backend, cache_dir, use_cache)
     elif path.suffix == ".json":
-        result = _load_random(path, dtype_name, attention_backend)
+        result = _load_random(path, dtype_name, backend)
     else:
         raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
     module, cfg, hf_config, tokenizer = result

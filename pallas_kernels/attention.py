@@ -22,23 +22,29 @@ from pallas_kernels.tpu_attention import tpu_paged_attention
 ATTENTION_BACKENDS = ("reference", "pallas")
 
 
-def resolve_attention_backend(requested: str, head_dim: int, platform: str | None = None) -> str:
+def resolve_attention_backend(
+    requested: str, head_dim: int, platform: str | None = None, batch_invariant: bool = False
+) -> str:
     """auto -> the kernel on GPU/TPU when it supports the head dim, else the reference (fast on CPU).
 
     An explicit "pallas" with a head dim the kernel cannot take is an error, not a silent fallback.
+    batch_invariant picks the reference's batch-invariant variant ("reference_invariant"); the kernel
+    already is: a program's tile starts at its sequence's first token and walks keys from there.
     """
     platform = platform or jax.default_backend()
     if requested == "auto":
         try:
             check_head_dim(head_dim)
+            resolved = "pallas" if platform in ("gpu", "tpu") else "reference"
         except ValueError:
-            return "reference"
-        return "pallas" if platform in ("gpu", "tpu") else "reference"
-    if requested not in ATTENTION_BACKENDS:
+            resolved = "reference"
+    elif requested in ATTENTION_BACKENDS:
+        if requested == "pallas":
+            check_head_dim(head_dim)
+        resolved = requested
+    else:
         raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS} (got {requested!r})")
-    if requested == "pallas":
-        check_head_dim(head_dim)
-    return requested
+    return "reference_invariant" if batch_invariant and resolved == "reference" else resolved
 
 
 def write_kv(kv_cache: jax.Array, new_kv: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -74,8 +80,8 @@ def paged_attention(
 ) -> jax.Array:
     """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context -> out [T, H, D]."""
     kw = {"scale": scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
-    if backend == "reference":
-        return reference_paged_attention(q, k, v, kv_cache, layer, md, **kw)
+    if backend in ("reference", "reference_invariant"):
+        return reference_paged_attention(q, k, v, kv_cache, layer, md, batch_invariant=backend != "reference", **kw)
     if backend != "pallas":
         raise ValueError(f"attention backend {backend!r} is not available; choose from {ATTENTION_BACKENDS}")
     platform = jax.default_backend()

@@ -92,6 +92,7 @@ def reference_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
     """naive_paged_attention's result, with this step's K/V (k, v: [T, H_kv, D]) not yet in the cache.
 
@@ -102,6 +103,9 @@ def reference_paged_attention(
     engine packs decode tokens first, so the fresh-prompt rows of a mixed step, which have nothing
     cached, do not pay for the decode rows' long contexts.
     """
+    if batch_invariant:
+        return batch_invariant_attention(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
+                                         soft_cap=soft_cap)  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -132,15 +136,15 @@ def reference_paged_attention(
         pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
         return new_peak, denom * correction + jnp.sum(p, axis=key_axes), acc * correction[..., None] + pv
 
-    # This step's tokens: same sequence, not in the future.
-    new_mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
-    if sliding_window is not None:
-        new_mask &= pos[None, :] > pos[:, None] - sliding_window
     init = (
         jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
+    # This step's tokens: same sequence, not in the future; one [T, T] product.
+    new_mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
+    if sliding_window is not None:
+        new_mask &= pos[None, :] > pos[:, None] - sliding_window
     carry = merge(init, scores("tkgd,ukd->tkgu", qg, k, new_mask), "tkgu,ukd->tkgd", v)
 
     tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
@@ -170,5 +174,77 @@ def reference_paged_attention(
     groups = [slice(0, split)] + ([slice(split, num_tokens)] if split < num_tokens else [])
     parts = [cached_part(rows, tuple(c[rows] for c in carry)) for rows in groups]
     _, denom, acc = (jnp.concatenate(xs) for xs in zip(*parts))
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def batch_invariant_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: jax.Array,
+    layer: int,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """reference_paged_attention's result, with every row's arithmetic fixed by its own context alone.
+
+    The fast path folds this step's keys in first and the cached ones after, so a key's place in a
+    row's sums depends on how the prompt was cut into chunks, which depends on the rest of the batch.
+    Here one loop walks absolute positions [iC, (i + 1)C) of each row's context, taking each position
+    from the cache or, if it is one of this step's tokens, from k/v: the same folds in the same order
+    whatever the batch. Costs a gather of the whole chunk per row; used by LLM(batch_invariant=True).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    cols = max(1, CHUNK_TOKENS // block_size)
+    chunk = cols * block_size
+    width = md.block_tables.shape[1]
+    prec = _precision(q.dtype)
+
+    seq, pos, valid = token_layout(md, num_tokens)
+    q_start = md.query_start_loc[seq]
+    cached = md.seq_lens[seq] - (md.query_start_loc[seq + 1] - q_start)  # positions before this step's tokens
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]
+    k_new, v_new = (jnp.pad(x, ((0, chunk), (0, 0), (0, 0))) for x in (k, v))
+
+    def keys(i, kv: int, new):
+        blocks = jax.lax.dynamic_slice_in_dim(tables, i * cols, cols, axis=1)
+        from_cache = kv_cache[layer, kv][blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk, num_kv_heads, head_dim)
+        ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        idx = jnp.clip(q_start[:, None] + ctx_pos[None, :] - cached[:, None], 0, new.shape[0] - 1)
+        is_new = (ctx_pos[None, :] >= cached[:, None])[..., None, None]
+        return jnp.where(is_new, new[idx].astype(from_cache.dtype), from_cache)
+
+    def body(i, carry):
+        peak, denom, acc = carry
+        ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        mask = (ctx_pos[None, :] <= pos[:, None]) & valid[:, None]
+        if sliding_window is not None:
+            mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
+        kc, vc = keys(i, 0, k_new), keys(i, 1, v_new)
+        s = jnp.einsum("tkgd,tckd->tkgc", qg, kc, preferred_element_type=jnp.float32, precision=prec) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        new_peak = jnp.maximum(peak, jnp.max(s, axis=-1))
+        safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+        p = jnp.exp(s - safe[..., None])
+        correction = jnp.exp(peak - safe)
+        pv = jnp.einsum("tkgc,tckd->tkgd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32, precision=prec)
+        return new_peak, denom * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    trips = (jnp.max(jnp.where(valid, pos, -1)) + chunk) // chunk
+    _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
     out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
