@@ -6,12 +6,20 @@ afterwards. Writing layer by layer would interleave in-place updates with reads 
 buffer; XLA answers that with copies of the whole cache (measured: one per layer). Even one
 scatter at the end of the same jit kept two full copies (the read loops hold the buffer), so
 the runner writes in a second jitted call that donates the cache: no copies at all.
+
+Tensor parallelism: when the caller traces under a mesh with a "model" axis (`jax.set_mesh`),
+attention runs under `shard_map` over that axis, one slice of KV heads (and their query heads)
+per device. Heads never talk to each other in attention, so this needs no communication, and
+the Pallas kernels (which GSPMD cannot partition) run unchanged on each device's slice.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gpu_attention import check_head_dim, gpu_paged_attention
 from pallas_kernels.metadata import AttentionMetadata
@@ -20,6 +28,7 @@ from pallas_kernels.tpu_attention import tpu_paged_attention
 
 # "pallas": the Triton kernel on GPU (interpreted on CPU), the Mosaic kernel on TPU.
 ATTENTION_BACKENDS = ("reference", "pallas")
+TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 
 
 def resolve_attention_backend(
@@ -76,14 +85,43 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
     backend: str = "reference",
 ) -> jax.Array:
-    """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context -> out [T, H, D]."""
+    """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context -> out [T, H, D].
+
+    alibi_slopes: float32 [H], one per query head; adds slope * (key_pos - query_pos) to the scores
+    (after scale and soft-cap, before the causal/window mask), as BLOOM, MPT and Falcon-ALiBi do.
+    """
+    if backend not in (*ATTENTION_BACKENDS, "reference_invariant"):
+        raise ValueError(f"attention backend {backend!r} is not available; choose from {ATTENTION_BACKENDS}")
     kw = {"scale": scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    attend = functools.partial(_attend, layer=layer, backend=backend, **kw)
+    slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    n = tp_size()
+    if n > 1 and kv_cache.shape[3] % n == 0:
+        heads = P(None, TP_AXIS, None)
+        cache = P(None, None, None, TP_AXIS, None, None)
+        attend = jax.shard_map(
+            functools.partial(attend, use_alibi=alibi_slopes is not None),
+            in_specs=(heads, heads, heads, cache, P(), P(TP_AXIS)), out_specs=heads, check_vma=False,
+        )
+        return attend(q, k, v, kv_cache, md, slopes)
+    return attend(q, k, v, kv_cache, md, slopes, use_alibi=alibi_slopes is not None)
+
+
+def tp_size() -> int:
+    """Devices on the "model" axis of the mesh being traced under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TP_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[TP_AXIS])
+
+
+def _attend(q, k, v, kv_cache, md, slopes, *, layer, backend, use_alibi, **kw):
+    kw["alibi_slopes"] = slopes if use_alibi else None
     if backend in ("reference", "reference_invariant"):
         return reference_paged_attention(q, k, v, kv_cache, layer, md, batch_invariant=backend != "reference", **kw)
-    if backend != "pallas":
-        raise ValueError(f"attention backend {backend!r} is not available; choose from {ATTENTION_BACKENDS}")
     platform = jax.default_backend()
     if platform == "tpu":
         return tpu_paged_attention(q, k, v, kv_cache, layer, md, **kw)

@@ -51,9 +51,9 @@ def check_head_dim(head_dim: int) -> None:
 
 def _kernel(
     tile_seq_ref, tile_start_ref, tile_len_ref, qsl_ref, seq_lens_ref, tables_ref,
-    q_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, _zeros_ref, o_ref,
+    q_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, slope_ref, _zeros_ref, o_ref,
     *, group_pad, tokens_per_tile, pages_per_iter, new_per_iter, num_blocks, scale, sliding_window, soft_cap,
-    precision,
+    use_alibi, precision,
 ):  # fmt: skip
     tile = pl.program_id(0)
     n_tok = tile_len_ref[tile]
@@ -69,12 +69,15 @@ def _kernel(
         pos0 = cached + t0 - q_start  # position of the tile's first token
         q = q_ref[pl.ds(t0 * group_pad, rows), :]
         row_pos = pos0 + jnp.arange(rows, dtype=jnp.int32) // group_pad
+        slopes = slope_ref[...] if use_alibi else None  # [rows]: each row's query head's ALiBi slope
 
-        def fold(carry, k, v, mask):
+        def fold(carry, k, v, mask, key_pos):
             acc, peak, denom = carry
             s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
+            if use_alibi:
+                s = s + slopes[:, None] * (key_pos[None, :] - row_pos[:, None]).astype(jnp.float32)
             s = jnp.where(mask, s, MASK_VALUE)
             new_peak = jnp.maximum(peak, jnp.max(s, axis=1))
             p = jnp.where(mask, jnp.exp(s - new_peak[:, None]), 0.0)
@@ -92,7 +95,7 @@ def _kernel(
             mask = jnp.broadcast_to(key_pos[None, :] < cached, (rows, kv_tokens))
             if sliding_window is not None:
                 mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
-            return fold(carry, k, v, mask)
+            return fold(carry, k, v, mask, key_pos)
 
         carry = (
             jnp.zeros((rows, head_dim), jnp.float32),
@@ -112,7 +115,7 @@ def _kernel(
             mask = key_pos[None, :] <= row_pos[:, None]
             if sliding_window is not None:
                 mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
-            return fold(carry, k, v, mask)
+            return fold(carry, k, v, mask, key_pos)
 
         acc, _, denom = jax.lax.fori_loop(0, pl.cdiv(last_new - first_new, new_per_iter), new_iter, carry)
         out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
@@ -134,6 +137,7 @@ def gpu_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -159,9 +163,15 @@ def gpu_paged_attention(
     qg = jnp.pad(qg, ((0, tokens_per_tile), (0, 0), (0, group_pad - group), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     kn, vn = (jnp.pad(x, ((0, NEW_KEYS_PER_ITER), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
+    # Each query row's slope, [H_kv, rows]: row r of a tile is head r % G' of its KV head's group.
+    use_alibi = alibi_slopes is not None
+    slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    slopes = jnp.pad(slopes.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
+    slopes = jnp.tile(slopes, (1, tokens_per_tile))
 
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     per_head = lambda n: pl.BlockSpec((None, n, head_dim), lambda i, h: (h, 0, 0))
+    slope_spec = pl.BlockSpec((None, rows), lambda i, h: (h, 0))
     cache_spec = lambda kv: pl.BlockSpec(
         (None, None, num_blocks, None, block_size, head_dim), lambda i, h: (layer, kv, 0, h, 0, 0)
     )
@@ -169,7 +179,7 @@ def gpu_paged_attention(
     kernel = functools.partial(
         _kernel, group_pad=group_pad, tokens_per_tile=tokens_per_tile, pages_per_iter=pages_per_iter,
         new_per_iter=NEW_KEYS_PER_ITER, num_blocks=num_blocks, scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, precision=precision,
+        soft_cap=soft_cap, use_alibi=use_alibi, precision=precision,
     )  # fmt: skip
     out_rows = qg.shape[1]
     out = pl.pallas_call(
@@ -179,17 +189,17 @@ def gpu_paged_attention(
             whole(seq.shape), whole(start.shape), whole(length.shape),
             whole(md.query_start_loc.shape), whole(md.seq_lens.shape), whole(tables.shape),
             per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec(0), cache_spec(1),
-            per_head(out_rows),
+            slope_spec, per_head(out_rows),
         ],
         out_specs=per_head(out_rows),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype),
-        input_output_aliases={11: 0},  # start from zeros: rows no tile covers (padding) stay 0
+        input_output_aliases={12: 0},  # start from zeros: rows no tile covers (padding) stay 0
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_r{rows}_kv{pages_per_iter * block_size}",
     )(
         seq, start, length, md.query_start_loc, md.seq_lens, tables,
-        qg, kn, vn, kv_cache, kv_cache, jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype),
+        qg, kn, vn, kv_cache, kv_cache, slopes, jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype),
     )
     out = out.reshape(num_kv_heads, num_tokens + tokens_per_tile, group_pad, head_dim)[:, :num_tokens, :group]
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)

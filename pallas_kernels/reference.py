@@ -42,6 +42,17 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
+def alibi_bias(slopes: jax.Array, key_pos: jax.Array, query_pos: jax.Array, num_kv_heads: int) -> jax.Array:
+    """ALiBi: slope * (key_pos - query_pos), [T, H_kv, G, K] for slopes [H], key_pos [K], query_pos [T].
+
+    BLOOM adds slope * key_pos and MPT slope * (key_pos - last_pos); under softmax a per-row constant
+    does not matter, so all of them equal this relative form.
+    """
+    group = slopes.shape[0] // num_kv_heads
+    rel = key_pos[None, :] - query_pos[:, None]
+    return slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1) * rel[:, None, None, :].astype(jnp.float32)
+
+
 def naive_paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -51,8 +62,12 @@ def naive_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
-    """q: [T, H, D] -> [T, H, D]; causal attention over each token's paged context."""
+    """q: [T, H, D] -> [T, H, D]; causal attention over each token's paged context.
+
+    alibi_slopes [H] (float32), when given, adds slope * (key_pos - query_pos) to each score.
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -69,7 +84,10 @@ def naive_paged_attention(
     scores = jnp.einsum("tkgd,ktcd->tkgc", qg, k, preferred_element_type=jnp.float32, precision=prec) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    mask = _mask(jnp.arange(ctx, dtype=jnp.int32), pos, valid, sliding_window)
+    ctx_pos = jnp.arange(ctx, dtype=jnp.int32)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, ctx_pos, pos, num_kv_heads)
+    mask = _mask(ctx_pos, pos, valid, sliding_window)
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
 
     peak = jnp.max(scores, axis=-1, keepdims=True)
@@ -93,6 +111,7 @@ def reference_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     batch_invariant: bool = False,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """naive_paged_attention's result, with this step's K/V (k, v: [T, H_kv, D]) not yet in the cache.
 
@@ -105,7 +124,7 @@ def reference_paged_attention(
     """
     if batch_invariant:
         return batch_invariant_attention(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
-                                         soft_cap=soft_cap)  # fmt: skip
+                                         soft_cap=soft_cap, alibi_slopes=alibi_slopes)  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -119,10 +138,13 @@ def reference_paged_attention(
     cached = jnp.where(valid, md.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
 
-    def scores(spec, q_rows, keys, mask):
+    def scores(spec, q_rows, keys, mask, key_pos, query_pos):
         s = jnp.einsum(spec, q_rows, keys, preferred_element_type=jnp.float32, precision=prec) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
+        if alibi_slopes is not None:
+            bias = alibi_bias(alibi_slopes, key_pos, query_pos, num_kv_heads)
+            s = s + bias.reshape(bias.shape[:3] + s.shape[3:])
         return s if mask is None else jnp.where(mask[:, None, None, :], s, -jnp.inf)
 
     def merge(carry, s, spec, values):
@@ -145,7 +167,7 @@ def reference_paged_attention(
     new_mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
     if sliding_window is not None:
         new_mask &= pos[None, :] > pos[:, None] - sliding_window
-    carry = merge(init, scores("tkgd,ukd->tkgu", qg, k, new_mask), "tkgu,ukd->tkgd", v)
+    carry = merge(init, scores("tkgd,ukd->tkgu", qg, k, new_mask, pos, pos), "tkgu,ukd->tkgd", v)
 
     tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
 
@@ -163,7 +185,7 @@ def reference_paged_attention(
             mask = ctx_pos[None, :] < cached_rows[:, None]
             if sliding_window is not None:
                 mask &= ctx_pos[None, :] > pos_rows[:, None] - sliding_window
-            s = scores("tkgd,tckbd->tkgcb", q_rows, kc, None).reshape(n, num_kv_heads, group, chunk)
+            s = scores("tkgd,tckbd->tkgcb", q_rows, kc, None, ctx_pos, pos_rows).reshape(n, num_kv_heads, group, chunk)
             s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
             return merge(carry, s.reshape(n, num_kv_heads, group, cols, block_size), "tkgcb,tckbd->tkgd", vc)
 
@@ -189,6 +211,7 @@ def batch_invariant_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """reference_paged_attention's result, with every row's arithmetic fixed by its own context alone.
 
@@ -231,6 +254,8 @@ def batch_invariant_attention(
         s = jnp.einsum("tkgd,tckd->tkgc", qg, kc, preferred_element_type=jnp.float32, precision=prec) * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
+        if alibi_slopes is not None:
+            s = s + alibi_bias(alibi_slopes, ctx_pos, pos, num_kv_heads)
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
         new_peak = jnp.maximum(peak, jnp.max(s, axis=-1))
         safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)

@@ -42,10 +42,10 @@ def _div(a, b: int):
 def _kernel(
     tile_seq_ref, tile_start_ref, tile_len_ref, qsl_ref, seq_lens_ref, tables_ref,  # scalar prefetch (SMEM)
     q_ref, *refs,
-    group_pad, pages_per_iter, cached_steps, scale, sliding_window, soft_cap, precision,
+    group_pad, pages_per_iter, cached_steps, scale, sliding_window, soft_cap, use_alibi, precision,
 ):  # fmt: skip
     k_pages, v_pages = refs[:pages_per_iter], refs[pages_per_iter : 2 * pages_per_iter]
-    k_new_ref, v_new_ref, o_ref, acc_ref, peak_ref, denom_ref = refs[2 * pages_per_iter :]
+    k_new_ref, v_new_ref, slope_ref, o_ref, acc_ref, peak_ref, denom_ref = refs[2 * pages_per_iter :]
     tile, step = pl.program_id(0), pl.program_id(2)
     rows = q_ref.shape[0]
     block_size = k_pages[0].shape[0]
@@ -71,6 +71,8 @@ def _kernel(
         s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
+        if use_alibi:  # slope_ref: [rows, 1], each row's query head's slope
+            s = s + slope_ref[...] * (key_pos - row_pos).astype(jnp.float32)
         mask = key_pos <= row_pos
         if sliding_window is not None:
             mask &= key_pos > row_pos - sliding_window
@@ -147,6 +149,7 @@ def tpu_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D]."""
@@ -174,6 +177,11 @@ def tpu_paged_attention(
     q_tiles = qg[token].transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
     pad_new = -(-num_tokens // NEW_KEYS_PER_ITER) * NEW_KEYS_PER_ITER - num_tokens
     kn, vn = (jnp.pad(x, ((0, pad_new), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
+    # Each query row's ALiBi slope, [H_kv, rows, 1]: row r of a tile is head r % G' of its group.
+    use_alibi = alibi_slopes is not None
+    slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    slopes = jnp.pad(slopes.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
+    slopes = jnp.tile(slopes, (1, tokens_per_tile))[..., None]
 
     page, new_keys = _index_maps(
         layer, pages_per_iter, cached_steps, width, block_size, NEW_KEYS_PER_ITER, num_blocks
@@ -181,9 +189,10 @@ def tpu_paged_attention(
     page_spec = lambda kv, p: pl.BlockSpec((None, None, None, None, block_size, head_dim), page(kv, p))
     tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda i, h, j, *_: (i, h, 0, 0))
     new_spec = pl.BlockSpec((None, NEW_KEYS_PER_ITER, head_dim), new_keys)
+    slope_spec = pl.BlockSpec((None, rows, 1), lambda i, h, j, *_: (h, 0, 0))
     kernel = functools.partial(
         _kernel, group_pad=group_pad, pages_per_iter=pages_per_iter, cached_steps=cached_steps,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, use_alibi=use_alibi,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     out_tiles = pl.pallas_call(
@@ -194,7 +203,7 @@ def tpu_paged_attention(
             in_specs=[tile_spec]
             + [page_spec(0, p) for p in range(pages_per_iter)]
             + [page_spec(1, p) for p in range(pages_per_iter)]
-            + [new_spec, new_spec],
+            + [new_spec, new_spec, slope_spec],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((rows, head_dim), jnp.float32),
@@ -208,7 +217,7 @@ def tpu_paged_attention(
         name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}",
     )(
         seq, start, length, md.query_start_loc, md.seq_lens, tables,
-        q_tiles, *([kv_cache] * (2 * pages_per_iter)), kn, vn,
+        q_tiles, *([kv_cache] * (2 * pages_per_iter)), kn, vn, slopes,
     )  # fmt: skip
 
     # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.

@@ -81,6 +81,20 @@ def test_sliding_window_and_soft_cap(kernel, window, cap):
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("heads,window", [((8, 2), None), ((8, 1), 24), ((3, 3), None), ((6, 2), 7)])
+def test_alibi(kernel, heads, window):
+    """ALiBi slopes per query head, with GQA/MQA groups (padded when not a power of two) and windows."""
+    num_heads, num_kv_heads = heads
+    rng = np.random.default_rng(num_heads * 10 + num_kv_heads)
+    case = random_case(
+        rng, seq_lens=[150, 9, 70, 300], q_lens=[30, 9, 1, 17], num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=32, block_size=16,
+    )  # fmt: skip
+    slopes = jnp.asarray(2.0 ** -np.arange(1, num_heads + 1, dtype=np.float32) * 4)  # steep, so positions matter
+    _check(KERNELS[kernel], case, 1e-5, scale=32**-0.5, sliding_window=window, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_inputs_accumulate_in_float32(kernel, dtype):
     rng = np.random.default_rng(4)
@@ -134,7 +148,10 @@ def _export(kernel, platform, dtype, block_size, head_dim, **checks):
     md = AttentionMetadata(
         _sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32), _sd((seqs + 1,), jnp.int32)
     )
-    fn = jax.jit(lambda q, k, v, c, md: kernel(q, k, v, c, 1, md, scale=0.1, sliding_window=64, soft_cap=30.0))
+    alibi = jnp.linspace(0.5, 0.01, heads, dtype=jnp.float32) if block_size == 16 else None  # with and without
+    fn = jax.jit(
+        lambda q, k, v, c, md: kernel(q, k, v, c, 1, md, scale=0.1, sliding_window=64, soft_cap=30.0, alibi_slopes=alibi)
+    )
     exported = export.export(fn, platforms=[platform], **checks)(
         _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
         _sd((tokens, kv_heads, head_dim), dtype), _sd((2, 2, blocks, kv_heads, block_size, head_dim), dtype), md,

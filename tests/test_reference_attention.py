@@ -41,12 +41,15 @@ def test_reference_equals_naive(shape, block_size, heads):
     assert np.all(np.asarray(got[n:]) == 0)  # padding rows read nothing
 
 
-@pytest.mark.parametrize("window,cap", [(7, None), (None, 30.0), (64, 5.0)])
-def test_sliding_window_and_soft_cap(window, cap):
+@pytest.mark.parametrize(
+    "window,cap,alibi", [(7, None, False), (None, 30.0, False), (64, 5.0, False), (None, None, True), (16, None, True)]
+)
+def test_sliding_window_soft_cap_and_alibi(window, cap, alibi):
     rng = np.random.default_rng(3)
     case = random_case(rng, seq_lens=[200, 9, 70], q_lens=[30, 9, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
-    kw = dict(scale=0.25, sliding_window=window, soft_cap=cap)
+    slopes = jnp.asarray([0.5, 0.25, 0.0625, 0.01], jnp.float32) if alibi else None
+    kw = dict(scale=0.25, sliding_window=window, soft_cap=cap, alibi_slopes=slopes)
     want = naive_paged_attention(case.q, written, 0, case.md, **kw)
     got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.md, **kw)
     n = case.num_real_tokens
@@ -81,3 +84,24 @@ def test_write_kv_drops_padding_rows_and_fills_slots():
         np.testing.assert_array_equal(written[0, 1, block, :, offset], np.asarray(case.v[t]))
         before[0, :, block, :, offset] = written[0, :, block, :, offset]
     np.testing.assert_array_equal(written, before)  # nothing else changed
+
+
+def test_alibi_definition_matches_an_explicit_bias():
+    """naive_paged_attention with slopes equals softmax(scale * q.k + slope * (key_pos - query_pos)) by hand."""
+    rng = np.random.default_rng(6)
+    case = random_case(rng, seq_lens=[12], q_lens=[5], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
+                       padded_seqs=0, padded_tokens=0)  # fmt: skip
+    slopes = np.array([0.3, 0.07], np.float32)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    got = np.asarray(naive_paged_attention(case.q, written, 0, case.md, scale=0.5, alibi_slopes=jnp.asarray(slopes)))
+    table = np.asarray(case.md.block_tables[0])
+    cache = np.asarray(written)[0]
+    keys = np.concatenate([cache[0, b, 0] for b in table])[:12]  # [12, D], one KV head
+    values = np.concatenate([cache[1, b, 0] for b in table])[:12]
+    q = np.asarray(case.q)
+    for t in range(5):
+        pos = 7 + t
+        for h in range(2):
+            s = 0.5 * keys[: pos + 1] @ q[t, h] + slopes[h] * (np.arange(pos + 1) - pos)
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(got[t, h], (p / p.sum()) @ values[: pos + 1], atol=1e-5, rtol=0)
