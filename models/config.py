@@ -2,6 +2,10 @@
 
 HF configs differ across transformers releases (4.x keeps `rope_theta`/`rope_scaling`,
 5.x folds both into `rope_parameters`); this is the one place that smooths that over.
+One class serves every family: fields most families share are typed fields, and knobs only
+one family has (OPT's embedding projection, Falcon's layer-norm layout...) sit in `options`,
+so the config stays frozen and hashable (it is part of each port's static graph).
+Each port builds its own with `config_from_hf` (starting from `model_config_from_hf`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,25 @@ class ModelConfig:
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    attention_out_bias: bool | None = None  # o_proj bias; None: same as attention_bias (q/k/v)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; () means no layer has a window
+    layer_norm_eps: float = 1e-5
+    position_embedding: str = "rope"  # "rope", "learned" (absolute table) or "alibi"
+    rotary_dim: int | None = None  # partial rotary: rotate only the first rotary_dim of head_dim
+    rope_interleaved: bool = False  # GPT-J: rotate (even, odd) pairs rather than the two halves
+    lm_head_bias: bool = False
+    options: tuple[tuple[str, Any], ...] = ()  # family-specific knobs, see option()
+
+    def option(self, name: str, default=None):
+        return dict(self.options).get(name, default)
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def out_bias(self) -> bool:
+        return self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
 
 
 def _get(hf_config: Any, name: str, default=None):
@@ -74,17 +97,33 @@ def _eos_ids(hf_config: Any) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
-def model_config_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
+def sliding_windows_from_hf(hf_config: Any) -> tuple[int | None, ...]:
+    """Per-layer windows: Mistral windows every layer; Qwen2/3 only layers typed "sliding_attention"."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return ()
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        return (int(window),) * int(hf_config.num_hidden_layers)
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(windows) else ()
+
+
+def text_config(hf_config: Any) -> Any:
     text = getattr(hf_config, "get_text_config", None)
-    if text is not None:
-        hf_config = text()
+    return text() if text is not None else hf_config
+
+
+def model_config_from_hf(hf_config: Any, architecture: str, **overrides) -> ModelConfig:
+    """The fields Llama-style configs name the same way; ports override what their config spells differently."""
+    hf_config = text_config(hf_config)
     num_heads = int(hf_config.num_attention_heads)
     hidden = int(hf_config.hidden_size)
-    return ModelConfig(
+    fields = dict(
         architecture=architecture,
         vocab_size=int(hf_config.vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(hf_config.intermediate_size),
+        intermediate_size=int(_get(hf_config, "intermediate_size", 4 * hidden)),
         num_layers=int(hf_config.num_hidden_layers),
         num_heads=num_heads,
         num_kv_heads=int(_get(hf_config, "num_key_value_heads", num_heads)),
@@ -98,4 +137,10 @@ def model_config_from_hf(hf_config: Any, architecture: str) -> ModelConfig:
         hidden_act=str(_get(hf_config, "hidden_act", "silu")),
         eos_token_ids=_eos_ids(hf_config),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
+        sliding_windows=sliding_windows_from_hf(hf_config),
+        layer_norm_eps=float(_get(hf_config, "layer_norm_eps", _get(hf_config, "layer_norm_epsilon", 1e-5))),
     )
+    fields.update(overrides)
+    if isinstance(fields.get("options"), dict):
+        fields["options"] = tuple(sorted(fields["options"].items()))
+    return ModelConfig(**fields)

@@ -1,4 +1,10 @@
-"""Layers the model families share. Weights are created abstract and filled by the loader."""
+"""Layers the model families share. Weights are created abstract and filled by the loader.
+
+Ports name their parameters the same way whatever the checkpoint calls them (`embed_tokens`,
+`layers.N.self_attn.{q,k,v,o}_proj`, `layers.N.mlp.{gate,up,down}_proj`, `norm`, `lm_head`):
+`weight_specs` maps HF names onto these, and tensor parallelism (models/sharding.py) derives
+every parameter's sharding from them alone.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import RopeConfig
+from models.config import ModelConfig, RopeConfig
+from pallas_kernels import AttentionMetadata, paged_attention, stack_new_kv, write_kv
+
+# Flax >= 0.12 wants module lists wrapped so their arrays count as state.
+module_list = getattr(nnx, "List", list)
 
 
 def _param(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def _precision(x):
+    return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
 
 class Linear(nnx.Module):
@@ -24,8 +38,7 @@ class Linear(nnx.Module):
         self.bias = _param((out_features,), dtype) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        y = jnp.dot(x, self.kernel[...], precision=precision)
+        y = jnp.dot(x, self.kernel[...], precision=_precision(x))
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -40,8 +53,7 @@ class Embedding(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output projection: logits against the embedding table, in float32."""
-        precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-        return jnp.dot(x, self.embedding[...].T, precision=precision, preferred_element_type=jnp.float32)
+        return jnp.dot(x, self.embedding[...].T, precision=_precision(x), preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -53,6 +65,26 @@ class RMSNorm(nnx.Module):
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         return self.scale[...] * h.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """torch.nn.LayerNorm, statistics in float32; `bias=False` for MPT, `affine=False` for some OPTs."""
+
+    def __init__(self, features: int, *, eps: float, dtype, bias: bool = True, affine: bool = True):
+        self.scale = _param((features,), dtype) if affine else None
+        self.bias = _param((features,), dtype) if affine and bias else None
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        mean = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+        h = ((h - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        if self.scale is not None:
+            h = h * self.scale[...]
+        if self.bias is not None:
+            h = h + self.bias[...]
+        return h
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
@@ -73,15 +105,42 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (the HF layout) on x [T, H, D] at integer positions [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, *, interleaved: bool = False) -> jax.Array:
+    """RoPE on the first 2 * len(inv_freq) features of x [T, H, D] (the rest pass through) at positions [T].
+
+    Rotate-half pairs feature i with i + rot/2 (Llama, NeoX, Falcon); interleaved pairs 2i with 2i + 1 (GPT-J).
+    """
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    rot = 2 * inv_freq.shape[0]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.repeat(freqs, 2, axis=-1) if interleaved else jnp.concatenate([freqs, freqs], axis=-1)
     cos = jnp.cos(emb)[:, None, :].astype(x.dtype)
     sin = jnp.sin(emb)[:, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    xr, rest = x[..., :rot], x[..., rot:]
+    if interleaved:
+        pairs = xr.reshape(*xr.shape[:-1], rot // 2, 2)
+        rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(xr.shape)
+    else:
+        rotated = jnp.concatenate([-xr[..., rot // 2 :], xr[..., : rot // 2]], axis=-1)
+    out = xr * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes as BLOOM and Falcon compute them (geometric, interleaved past a power of two)."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = np.float32(2 ** (-(2 ** -(math.log2(closest) - 3))))
+    slopes = base ** np.arange(1, 1 + closest, dtype=np.float32)
+    if closest != num_heads:
+        extra = np.float32(2 ** (-(2 ** -(math.log2(2 * closest) - 3))))
+        remaining = min(closest, num_heads - closest)
+        slopes = np.concatenate([slopes, extra ** np.arange(1, 1 + 2 * remaining, 2, dtype=np.float32)])
+    return slopes.astype(np.float32)
+
+
+def bloom_gelu(x):
+    """BLOOM's tanh GELU with its own rounded constant (0.79788456, not sqrt(2/pi))."""
+    return x * 0.5 * (1.0 + jnp.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
 
 
 ACTIVATIONS = {
@@ -89,5 +148,138 @@ ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + jnp.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "bloom_gelu": bloom_gelu,
     "relu": jax.nn.relu,
 }
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
+    return ACTIVATIONS[name]
+
+
+class Attention(nnx.Module):
+    """q/k/v projections, optional q/k RMSNorm, RoPE (full, partial or interleaved) or ALiBi, paged attention, o_proj.
+
+    The KV-head count is read from k_proj's width at run time, not stored, so tensor parallelism can
+    widen k/v (replicating KV heads across devices) without rebuilding the module.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str, scale: float | None = None,
+        alibi: np.ndarray | None = None, clip_qkv: float | None = None,
+    ):  # fmt: skip
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(d, h * hd, bias=cfg.attention_bias, dtype=dtype)
+        self.k_proj = Linear(d, kv * hd, bias=cfg.attention_bias, dtype=dtype)
+        self.v_proj = Linear(d, kv * hd, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = Linear(h * hd, d, bias=cfg.out_bias, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.layer = layer
+        self.shape = (h, hd)
+        self.scale = hd**-0.5 if scale is None else scale
+        self.window = cfg.window(layer)
+        self.clip_qkv = clip_qkv
+        self.backend = attention_backend
+        self.inv_freq = None
+        if cfg.position_embedding == "rope":
+            self.inv_freq = tuple(rope_inv_freq(cfg.rope, cfg.rotary_dim or hd).tolist())
+        self.interleaved = cfg.rope_interleaved
+        self.alibi = None if alibi is None else tuple(float(s) for s in alibi)
+
+    def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
+        (h, hd), t = self.shape, x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
+        q, k, v = q.reshape(t, h, hd), k.reshape(t, -1, hd), v.reshape(t, -1, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.inv_freq is not None:
+            q = apply_rope(q, positions, self.inv_freq, interleaved=self.interleaved)
+            k = apply_rope(k, positions, self.inv_freq, interleaved=self.interleaved)
+        slopes = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
+        out = paged_attention(
+            q, k, v, kv_cache, self.layer, md, scale=self.scale, sliding_window=self.window, alibi_slopes=slopes,
+            backend=self.backend,
+        )  # fmt: skip
+        return self.o_proj(out.reshape(t, h * hd)), (k, v)
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): Llama, Mistral, Qwen."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, bias=cfg.mlp_bias, dtype=dtype)
+        self.up_proj = Linear(d, f, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLP(nnx.Module):
+    """down(act(up(x))): GPT-2, GPT-J, NeoX, OPT, Falcon, BLOOM, MPT."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.up_proj = Linear(d, f, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(f, d, bias=cfg.mlp_bias, dtype=dtype)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(activation(self.act)(self.up_proj(x)))
+
+
+class CausalLM(nnx.Module):
+    """What every port shares: embed -> decoder layers -> final norm, the KV plumbing, and the LM head.
+
+    A port sets `embed_tokens`, `layers`, `norm` (or overrides `final`), `lm_head` (None when tied,
+    then `lm_head_bias` may hold a separate bias), and overrides `embed` when positions enter there.
+    """
+
+    def init_head(self, cfg: ModelConfig, features: int, dtype) -> None:
+        tied, bias = cfg.tie_word_embeddings, cfg.lm_head_bias
+        self.lm_head = None if tied else Linear(features, cfg.vocab_size, bias=bias, dtype=dtype)
+        self.lm_head_bias = _param((cfg.vocab_size,), dtype) if tied and bias else None
+
+    def embed(self, input_ids, positions):
+        return self.embed_tokens(input_ids)
+
+    def final(self, x):
+        return self.norm(x)
+
+    def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata):
+        """input_ids, positions: [T] -> (final hidden states [T, D], this step's K/V [T, L, 2, H_kv, D]).
+
+        Reads the cache only; the runner writes the new K/V with write_kv in a second jitted call
+        that donates the cache (see pallas_kernels/attention.py for why).
+        """
+        x = self.embed(input_ids, positions)
+        new_kv = []
+        for layer in self.layers:
+            x, layer_kv = layer(x, positions, kv_cache, md)
+            new_kv.append(layer_kv)
+        return self.final(x), stack_new_kv(new_kv)
+
+    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata):
+        """-> (hidden [T, D], updated kv_cache): forward and write in one call."""
+        hidden, new_kv = self.forward(input_ids, positions, kv_cache, md)
+        return hidden, write_kv(kv_cache, new_kv, md.slot_mapping)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is not None:
+            return self.lm_head(hidden).astype(jnp.float32)
+        logits = self.embed_tokens.attend(hidden)
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias[...].astype(jnp.float32)
+        return logits

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from models import convert_cache, gguf_io
 from models.builtin import builtin_gguf_path
-from models.config import ModelConfig, model_config_from_hf
+from models.config import ModelConfig
 from models.registry import resolve_architecture
 from models.weights import load_tensors_into, param_bytes, random_tensors
 from pallas_kernels import resolve_attention_backend
@@ -56,7 +56,7 @@ def _progress(items: Iterable, total: int, desc: str) -> Iterator:
 
 def _abstract_model(hf_config, dtype_name: str, attention_backend: str, batch_invariant: bool = False):
     arch, cls = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
-    cfg = model_config_from_hf(hf_config, arch)
+    cfg = cls.config_from_hf(hf_config, arch)
     dtype = DTYPES[dtype_name]
     attention_backend = resolve_attention_backend(attention_backend, cfg.head_dim, batch_invariant=batch_invariant)
     logger.info("attention backend: %s", attention_backend)

@@ -1,4 +1,4 @@
-"""Which port serves which HF `architectures` entry."""
+"""Which port serves which HF `architectures` entry (and, for configs without one, which `model_type`)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,18 @@ from models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama + sliding window
+    "Qwen2ForCausalLM": LlamaForCausalLM,  # Llama + q/k/v bias
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # Llama + q/k norm
+}
+
+# Families vLLM serves whose transformers code lives on the hub (trust_remote_code); jaxpaged never runs it.
+REMOTE_CODE_ARCHITECTURES = {
+    "BaichuanForCausalLM": "Baichuan",
+    "InternLMForCausalLM": "InternLM",
+    "AquilaForCausalLM": "Aquila",
+    "AquilaModel": "Aquila",
+    "QWenLMHeadModel": "Qwen (1)",
 }
 
 
@@ -21,10 +33,20 @@ def resolve_architecture(architectures: list[str] | None, model_type: str | None
     for name in names:
         if name in MODEL_REGISTRY:
             return name, MODEL_REGISTRY[name]
+    remote = [REMOTE_CODE_ARCHITECTURES[n] for n in names if n in REMOTE_CODE_ARCHITECTURES]
+    hint = (
+        f" ({remote[0]} needs trust_remote_code in transformers, i.e. running code from the checkpoint; "
+        "jaxpaged has no port of it)" if remote else ""
+    )
     raise ValueError(
-        f"unsupported model architecture {', '.join(names) or '(none given)'}; "
+        f"unsupported model architecture {', '.join(names) or '(none given)'}{hint}; "
         f"supported architectures: {', '.join(supported_architectures())}"
     )
 
 
-MODEL_TYPE_TO_ARCHITECTURE = {"llama": "LlamaForCausalLM"}
+MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}

@@ -1,10 +1,16 @@
-"""Putting HF-named tensors into a port's parameters, with errors that name what is wrong."""
+"""Putting HF-named tensors into a port's parameters, with errors that name what is wrong.
+
+A spec maps one checkpoint tensor to one parameter, or, for fused projections (GPT-2's c_attn,
+NeoX's query_key_value, Falcon's and BLOOM's fused QKV, MPT's Wqkv), to several: the port keeps
+q, k and v separate so every family shares one attention layer and one set of sharding rules.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -15,13 +21,68 @@ from flax import nnx
 logger = logging.getLogger(__name__)
 
 # Buffers some checkpoints carry that no port needs.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.masked_bias", "attn.bias")
+IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq", "attn.masked_bias", "attn.bias", "attention.masked_bias", "attention.bias",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
-    path: str  # dotted attribute path of the nnx.Param in the port
+    path: str | tuple[str, ...]  # dotted attribute path(s) of the nnx.Param(s) in the port
     transpose: bool = False  # torch Linear weights are [out, in]; ports keep [in, out]
+    split: Callable | None = None  # fused tensor -> one array per path, split along its last (output) axis
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path,) if isinstance(self.path, str) else tuple(self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class QKVSplit:
+    """Split a fused QKV output axis into q [H*D], k [KV*D], v [KV*D].
+
+    "concat": q | k | v one after another (GPT-2, GPT-BigCode multi-query, MPT, Falcon's old multi-query).
+    "grouped": per KV head, its H/KV query heads then its k then its v, each D wide (NeoX and BLOOM,
+    [H, 3, D]; GPT-BigCode multi-head; Falcon's new architecture, [KV, H/KV + 2, D]).
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layout: str = "concat"
+
+    def __call__(self, x):
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        lead = x.shape[:-1]
+        if self.layout == "concat":
+            return x[..., : h * d], x[..., h * d : (h + kv) * d], x[..., (h + kv) * d :]
+        g = h // kv
+        y = x.reshape(*lead, kv, g + 2, d)
+        return y[..., :g, :].reshape(*lead, h * d), y[..., g, :].reshape(*lead, kv * d), y[..., g + 1, :].reshape(*lead, kv * d)
+
+
+def linear_specs(hf: str, ours: str, *, bias: bool, transpose: bool = True) -> dict[str, WeightSpec]:
+    """A torch Linear (transpose) or GPT-2 Conv1D (already [in, out]) and its optional bias."""
+    specs = {f"{hf}.weight": WeightSpec(f"{ours}.kernel", transpose=transpose)}
+    if bias:
+        specs[f"{hf}.bias"] = WeightSpec(f"{ours}.bias")
+    return specs
+
+
+def norm_specs(hf: str, ours: str, *, bias: bool = True) -> dict[str, WeightSpec]:
+    specs = {f"{hf}.weight": WeightSpec(f"{ours}.scale")}
+    if bias:
+        specs[f"{hf}.bias"] = WeightSpec(f"{ours}.bias")
+    return specs
+
+
+def fused_qkv_specs(hf: str, attn: str, split: QKVSplit, *, bias: bool, transpose: bool = True) -> dict[str, WeightSpec]:
+    """One fused HF projection -> the port's q_proj, k_proj, v_proj under `attn`."""
+    kernels = tuple(f"{attn}.{p}.kernel" for p in ("q_proj", "k_proj", "v_proj"))
+    specs = {f"{hf}.weight": WeightSpec(kernels, transpose=transpose, split=split)}
+    if bias:
+        specs[f"{hf}.bias"] = WeightSpec(tuple(f"{attn}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")), split=split)
+    return specs
 
 
 def _variable(model: nnx.Module, path: str) -> nnx.Variable:
@@ -38,6 +99,19 @@ def _set(var: nnx.Variable, value) -> None:
         var.value = value
 
 
+def checkpoint_name(model: nnx.Module, name: str, specs: dict[str, WeightSpec]) -> str:
+    """Map a checkpoint's spelling onto the spec's: a port's renames (Pythia's embed_out), then its base prefix.
+
+    Hub checkpoints of GPT-2 and BLOOM omit `transformer.`, some OPTs omit `model.`; transformers adds it back.
+    """
+    for pattern, repl in getattr(type(model), "CHECKPOINT_RENAMES", ()):
+        name = re.sub(pattern, repl, name)
+    prefix = getattr(type(model), "BASE_PREFIX", "")
+    if name not in specs and prefix and f"{prefix}{name}" in specs:
+        return f"{prefix}{name}"
+    return name
+
+
 def load_tensors_into(
     model: nnx.Module,
     specs: dict[str, WeightSpec],
@@ -47,21 +121,30 @@ def load_tensors_into(
     """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor."""
     filled: set[str] = set()
     for name, array, source in tensors:
+        name = checkpoint_name(model, name, specs)
         spec = specs.get(name)
         if spec is None:
             if not name.endswith(IGNORED_SUFFIXES):
                 logger.warning("ignoring tensor %s from %s: the port has no place for it", name, source)
             continue
-        var = _variable(model, spec.path)
         value = jnp.asarray(array)
         if spec.transpose:
             value = value.T
-        expected = tuple(var.shape)
-        if tuple(value.shape) != expected:
-            raise ValueError(
-                f"tensor {name} in {source} has shape {tuple(value.shape)}, but the config implies {expected}"
-            )
-        _set(var, value.astype(dtype))
+        variables = [_variable(model, path) for path in spec.paths]
+        expected = [tuple(var.shape) for var in variables]
+        if spec.split is not None:
+            fused = tuple(value.shape[:-1]) + (sum(shape[-1] for shape in expected),)
+            if tuple(value.shape) != fused:
+                raise ValueError(f"tensor {name} in {source} has shape {tuple(value.shape)}, but the config implies {fused}")
+            parts = spec.split(value)
+        else:
+            parts = (value,)
+        for var, part, shape in zip(variables, parts, expected):
+            if tuple(part.shape) != shape:
+                raise ValueError(
+                    f"tensor {name} in {source} has shape {tuple(part.shape)}, but the config implies {shape}"
+                )
+            _set(var, part.astype(dtype))
         filled.add(name)
     missing = sorted(set(specs) - filled)
     if missing:
@@ -70,15 +153,20 @@ def load_tensors_into(
 
 
 def random_tensors(specs: dict[str, WeightSpec], model: nnx.Module, seed: int = 0, std: float = 0.02):
-    """HF-named random weights in the model's shapes, for benchmarks on a bare config.json."""
+    """HF-named random weights in the model's shapes, for benchmarks on a bare config.json.
+
+    Norm scales are ones and biases zeros (told apart by the port's parameter names).
+    """
     rng = np.random.default_rng(seed)
     for name, spec in specs.items():
-        shape = tuple(_variable(model, spec.path).shape)
+        shapes = [tuple(_variable(model, path).shape) for path in spec.paths]
+        shape = shapes[0][:-1] + (sum(s[-1] for s in shapes),)
         if spec.transpose:
             shape = shape[::-1]
-        if name.endswith("norm.weight") or ".ln" in name:
+        path = spec.paths[0]
+        if path.endswith(".scale"):
             array = np.ones(shape, np.float32)
-        elif name.endswith(".bias"):
+        elif path.endswith("bias"):
             array = np.zeros(shape, np.float32)
         else:
             array = rng.normal(0.0, std, size=shape).astype(np.float32)
