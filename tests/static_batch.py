@@ -107,8 +107,13 @@ class StaticBatchRunner:
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         on_token: Callable[[int, int], None] | None = None,
-    ) -> list[list[int]]:
-        """Greedy (temperature 0) or sampled continuations; a sequence ends at a stop token or the limit."""
+        return_prompt_logits: bool = False,
+    ):
+        """Greedy (temperature 0) or sampled continuations; a sequence ends at a stop token or the limit.
+
+        With return_prompt_logits, also the float32 logits at every prompt position (from the same
+        prefill step, so a parity test compiles one prefill, not two): -> (outputs, logits per prompt).
+        """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
         if temperature < 0:
@@ -121,7 +126,14 @@ class StaticBatchRunner:
         key = jax.random.key(seed)
         ids, positions, md, _, qsl = self._prefill_inputs(prompts, width)
         key, sub = jax.random.split(key)
-        _, tokens, kv = self._forward(self.state, kv, ids, positions, md, jnp.asarray(qsl[1:] - 1), temperature, sub)
+        last = jnp.asarray(qsl[1:] - 1)
+        if return_prompt_logits:
+            rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
+            logits, tokens, kv = self._forward(self.state, kv, ids, positions, md, rows, temperature, sub)
+            logits, tokens = np.asarray(logits), tokens[last]
+            prompt_logits = [logits[qsl[i] : qsl[i + 1]] for i in range(n)]
+        else:
+            _, tokens, kv = self._forward(self.state, kv, ids, positions, md, last, temperature, sub)
 
         outputs: list[list[int]] = [[] for _ in range(n)]
         done = np.zeros(n, bool)
@@ -150,4 +162,4 @@ class StaticBatchRunner:
             )
             key, sub = jax.random.split(key)
             _, tokens, kv = self._forward(self.state, kv, tokens, jnp.asarray(pos), md, rows, temperature, sub)
-        return outputs
+        return (outputs, prompt_logits) if return_prompt_logits else outputs
