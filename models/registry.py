@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY = {
@@ -9,6 +10,8 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": LlamaForCausalLM,  # Llama + sliding window
     "Qwen2ForCausalLM": LlamaForCausalLM,  # Llama + q/k/v bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # Llama + q/k norm
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
 }
 
 # Families vLLM serves whose transformers code lives on the hub (trust_remote_code); jaxpaged never runs it.
@@ -49,4 +52,6 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
 }

@@ -23,6 +23,8 @@ LLAMA_LIKE = dict(
     rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=0,
 )  # fmt: skip
 
+GPT_LIKE = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_positions=256, bos_token_id=0, eos_token_id=1)
+
 # name -> (config class, kwargs, architecture the loader must pick)
 CASES = {
     "mistral-gqa2-window16": (
@@ -56,6 +58,21 @@ CASES = {
         transformers.Qwen3Config,
         dict(LLAMA_LIKE, num_attention_heads=4, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=False),
         "Qwen3ForCausalLM",
+    ),
+    "gpt2-tied": (transformers.GPT2Config, dict(GPT_LIKE, n_head=4), "GPT2LMHeadModel"),
+    "gpt2-untied-inner96-layer-scaled": (
+        transformers.GPT2Config,
+        dict(GPT_LIKE, n_head=8, n_inner=96, activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
+             tie_word_embeddings=False),
+        "GPT2LMHeadModel",
+    ),
+    "bigcode-mqa-tied": (
+        transformers.GPTBigCodeConfig, dict(GPT_LIKE, n_head=4, multi_query=True), "GPTBigCodeForCausalLM",
+    ),
+    "bigcode-mha-untied": (
+        transformers.GPTBigCodeConfig,
+        dict(GPT_LIKE, n_head=2, multi_query=False, tie_word_embeddings=False, activation_function="gelu_pytorch_tanh"),
+        "GPTBigCodeForCausalLM",
     ),
 }
 
