@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
+from models.gpt_neox import GPTNeoXForCausalLM
+from models.gptj import GPTJForCausalLM
 from models.llama import LlamaForCausalLM
+from models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -12,6 +15,9 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,  # Llama + q/k norm
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "GPTJForCausalLM": GPTJForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
 }
 
 # Families vLLM serves whose transformers code lives on the hub (trust_remote_code); jaxpaged never runs it.
@@ -54,4 +60,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "opt": "OPTForCausalLM",
 }

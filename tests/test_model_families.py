@@ -24,6 +24,14 @@ LLAMA_LIKE = dict(
 )  # fmt: skip
 
 GPT_LIKE = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_positions=256, bos_token_id=0, eos_token_id=1)
+NEOX_LIKE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256,
+    bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+OPT_LIKE = dict(
+    vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, max_position_embeddings=256,
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
 
 # name -> (config class, kwargs, architecture the loader must pick)
 CASES = {
@@ -73,6 +81,34 @@ CASES = {
         transformers.GPTBigCodeConfig,
         dict(GPT_LIKE, n_head=2, multi_query=False, tie_word_embeddings=False, activation_function="gelu_pytorch_tanh"),
         "GPTBigCodeForCausalLM",
+    ),
+    "gptj-untied-rotary8": (
+        transformers.GPTJConfig, dict(GPT_LIKE, n_head=4, rotary_dim=8, tie_word_embeddings=False), "GPTJForCausalLM",
+    ),
+    "gptj-tied-full-rotary": (
+        transformers.GPTJConfig, dict(GPT_LIKE, n_head=2, rotary_dim=32, tie_word_embeddings=True), "GPTJForCausalLM",
+    ),
+    "pythia-parallel-rotary25": (
+        transformers.GPTNeoXConfig,
+        dict(NEOX_LIKE, num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False),
+        "GPTNeoXForCausalLM",
+    ),
+    "neox-sequential-tied-nobias": (
+        transformers.GPTNeoXConfig,
+        dict(NEOX_LIKE, num_attention_heads=2, rotary_pct=1.0, use_parallel_residual=False, attention_bias=False,
+             tie_word_embeddings=True, hidden_act="gelu_new"),
+        "GPTNeoXForCausalLM",
+    ),
+    "opt350m-like-postnorm-projected": (
+        transformers.OPTConfig,
+        dict(OPT_LIKE, num_attention_heads=4, word_embed_proj_dim=32, do_layer_norm_before=False),
+        "OPTForCausalLM",
+    ),
+    "opt-untied-nobias-nonaffine": (
+        transformers.OPTConfig,
+        dict(OPT_LIKE, num_attention_heads=8, enable_bias=False, layer_norm_elementwise_affine=False,
+             tie_word_embeddings=False),
+        "OPTForCausalLM",
     ),
 }
 
