@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from models.bloom import BloomForCausalLM
+from models.falcon import FalconForCausalLM
 from models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from models.gpt_neox import GPTNeoXForCausalLM
 from models.gptj import GPTJForCausalLM
 from models.llama import LlamaForCausalLM
+from models.mpt import MptForCausalLM
 from models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
@@ -18,6 +21,9 @@ MODEL_REGISTRY = {
     "GPTJForCausalLM": GPTJForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "BloomForCausalLM": BloomForCausalLM,
+    "MptForCausalLM": MptForCausalLM,
 }
 
 # Families vLLM serves whose transformers code lives on the hub (trust_remote_code); jaxpaged never runs it.
@@ -63,4 +69,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "gptj": "GPTJForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "opt": "OPTForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "mpt": "MptForCausalLM",
 }

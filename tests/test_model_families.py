@@ -33,6 +33,12 @@ OPT_LIKE = dict(
     bos_token_id=0, eos_token_id=1, pad_token_id=0,
 )  # fmt: skip
 
+FALCON_LIKE = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+BLOOM_LIKE = dict(vocab_size=VOCAB, n_layer=2, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+MPT_LIKE = dict(vocab_size=VOCAB, n_layers=2, max_seq_len=256, bos_token_id=0, eos_token_id=1)
+
 # name -> (config class, kwargs, architecture the loader must pick)
 CASES = {
     "mistral-gqa2-window16": (
@@ -109,6 +115,42 @@ CASES = {
         dict(OPT_LIKE, num_attention_heads=8, enable_bias=False, layer_norm_elementwise_affine=False,
              tie_word_embeddings=False),
         "OPTForCausalLM",
+    ),
+    "falcon7b-like-mqa-parallel": (
+        transformers.FalconConfig,
+        dict(FALCON_LIKE, num_attention_heads=4, new_decoder_architecture=False, multi_query=True, parallel_attn=True),
+        "FalconForCausalLM",
+    ),
+    "falcon40b-like-gqa4-two-norms-untied": (
+        transformers.FalconConfig,
+        dict(FALCON_LIKE, num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True, tie_word_embeddings=False),
+        "FalconForCausalLM",
+    ),
+    "falcon2-like-mqa-one-norm-bias": (
+        transformers.FalconConfig,
+        dict(FALCON_LIKE, num_attention_heads=4, num_kv_heads=1, new_decoder_architecture=True,
+             num_ln_in_parallel_attn=1, bias=True),
+        "FalconForCausalLM",
+    ),
+    "falcon-rw-like-alibi-sequential": (
+        transformers.FalconConfig,
+        dict(FALCON_LIKE, num_attention_heads=8, new_decoder_architecture=False, multi_query=False,
+             parallel_attn=False, bias=True, alibi=True),
+        "FalconForCausalLM",
+    ),
+    "bloom-tied": (transformers.BloomConfig, dict(BLOOM_LIKE, hidden_size=64, n_head=4), "BloomForCausalLM"),
+    "bloom-6heads-residual-post-norm-untied": (
+        transformers.BloomConfig,
+        dict(BLOOM_LIKE, hidden_size=96, n_head=6, apply_residual_connection_post_layernorm=True,
+             tie_word_embeddings=False),
+        "BloomForCausalLM",
+    ),
+    "mpt-tied": (transformers.MptConfig, dict(MPT_LIKE, d_model=64, n_heads=4), "MptForCausalLM"),
+    "mpt-6heads-clip-scale-untied": (
+        transformers.MptConfig,
+        dict(MPT_LIKE, d_model=96, n_heads=6, tie_word_embeddings=False,
+             attn_config={"clip_qkv": 0.6, "softmax_scale": 0.2}),
+        "MptForCausalLM",
     ),
 }
 
