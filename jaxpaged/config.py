@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     batch_invariant: bool = False  # a request's tokens never depend on the rest of the batch (one step shape)
+    tensor_parallel_size: int = 1  # devices the model is split over (a "model" mesh axis); see docs/models.md
     compilation_cache_dir: str | None = None  # persistent XLA cache; default under the jaxpaged cache root
     cache_dir: str | None = None  # GGUF conversion cache root
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
@@ -46,7 +47,7 @@ class EngineConfig:
             self.max_num_batched_tokens = 2048 if accelerator else 256
         if self.kv_cache_memory_fraction is None and accelerator:
             self.kv_cache_memory_fraction = 0.9
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
         for name in ("num_kv_blocks", "max_model_len"):
             _positive_int(name, getattr(self, name), allow_none=True)

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 256 on CPU, 2048 on GPU/TPU)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices (default: 1)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
@@ -63,6 +64,7 @@ class Session:
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size, attention_backend=args.attention_backend,
             enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant,
+            tensor_parallel_size=args.tensor_parallel_size,
             log_level="WARNING" if args.quiet else "INFO",
         )
         if self.llm.get_tokenizer() is None:

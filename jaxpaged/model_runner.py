@@ -6,10 +6,16 @@ the full width W = blocks for max_model_len (attention loops only over live cont
 costs nothing but a small transfer). One jitted step per token bucket, all compiled at warm-up.
 The step only reads the cache; a second jitted call, donating the cache, writes the new K/V
 in place (see pallas_kernels/attention.py for why the two are separate).
+
+With tensor_parallel_size N > 1 the runner builds a mesh over N devices, places the parameters and the
+KV array with NamedShardings (models/sharding.py), and traces and runs both jitted calls under that
+mesh, so attention runs per device under shard_map and GSPMD partitions the rest. The scheduler and
+everything host-side are unchanged: one process drives all N devices.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -70,14 +76,33 @@ class ModelRunner:
         self.buckets = [config.max_num_batched_tokens] if config.batch_invariant else token_buckets(config.max_num_batched_tokens)
         self.dtype = DTYPES[loaded.dtype]
         self.graphdef, self.state = nnx.split(loaded.model)
+        self.tp = config.tensor_parallel_size
+        self.mesh = None
+        if self.tp > 1:
+            from models.sharding import make_mesh, shard_params
+
+            self.mesh = make_mesh(self.tp)
+            # KV heads may be widened to one per device, so the cache shape comes from the returned config.
+            self.state, self.model_config = shard_params(self.state, self.model_config, self.mesh)
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config
-        self.kv_cache = jnp.zeros(
-            kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim), self.dtype
-        )
-        self._step = jax.jit(self._step_impl)
-        self._write = jax.jit(write_kv, donate_argnums=(0,))
-        self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
+        shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+        if self.mesh is None:
+            self.kv_cache = jnp.zeros(shape, self.dtype)
+            self._step = jax.jit(self._step_impl)
+            self._write = jax.jit(write_kv, donate_argnums=(0,))
+            self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from models.sharding import kv_cache_sharding, new_kv_sharding
+
+            cache = kv_cache_sharding(self.mesh)
+            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=cache)()
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            self._step = jax.jit(self._step_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh)))
+            self._write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache)
+            self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache)
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self._blank_history: dict[int, jax.Array] = {}
         self._blank_prompt_ids: dict[int, jax.Array] = {}
@@ -104,8 +129,8 @@ class ModelRunner:
         limit = stats.get("bytes_limit")
         if not limit:
             raise ValueError("cannot read this device's memory size; pass num_kv_blocks explicitly")
-        free = limit - stats.get("bytes_in_use", weight_bytes)
-        return max(1, int(cfg.kv_cache_memory_fraction * free) // self.block_bytes)
+        free = limit - stats.get("bytes_in_use", weight_bytes // self.tp)
+        return max(1, int(cfg.kv_cache_memory_fraction * free) // (self.block_bytes // self.tp))  # per device
 
     # -- the jitted step ---------------------------------------------------------------------
 
@@ -138,6 +163,10 @@ class ModelRunner:
             self._blank_history[rows] = jnp.asarray(smd.history)
         return self._blank_history[rows]
 
+    def _on_mesh(self):
+        """Trace and run under the TP mesh, so attention sees it (shard_map); nothing without TP."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: blocks src -> dst, in fixed-size batches so the copy never recompiles."""
         for i in range(0, len(pairs), self.copy_width):
@@ -145,7 +174,8 @@ class ModelRunner:
             src = np.zeros(self.copy_width, np.int32)
             dst = np.full(self.copy_width, self.num_blocks, np.int32)  # out of range: dropped
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
-            self.kv_cache = self._copy(self.kv_cache, src, dst)
+            with self._on_mesh():
+                self.kv_cache = self._copy(self.kv_cache, src, dst)
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         if copies:
@@ -155,10 +185,12 @@ class ModelRunner:
         want_prompt = next_ids is not None and bool((next_ids >= 0).any())
         if next_ids is None:
             next_ids = self._no_prompt_ids(step.input_ids.shape[0])
-        out, prompt, new_kv = self._step(
-            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd, next_ids
-        )
-        self.kv_cache = self._write(self.kv_cache, new_kv, step.attention.slot_mapping)
+        with self._on_mesh():
+            out, prompt, new_kv = self._step(
+                self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd,
+                next_ids,
+            )
+            self.kv_cache = self._write(self.kv_cache, new_kv, step.attention.slot_mapping)
         want_top = bool(step.sampling.want_logprobs)
         tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
         top_ids, top_lp = jax.device_get((out.top_ids, out.top_logprobs)) if want_top else (None, None)
@@ -188,9 +220,10 @@ class ModelRunner:
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
             _, s = self.bucket_for(t)
             self.execute(self.blank_step(t, blank_sampling(s, self.history_width)))
-        self.kv_cache = self._copy(  # all padding: compiles the copy, copies nothing
-            self.kv_cache, np.zeros(self.copy_width, np.int32), np.full(self.copy_width, self.num_blocks, np.int32)
-        )
+        with self._on_mesh():  # as copy() runs it, so the cached executable is the one reused
+            self.kv_cache = self._copy(  # all padding: compiles the copy, copies nothing
+                self.kv_cache, np.zeros(self.copy_width, np.int32), np.full(self.copy_width, self.num_blocks, np.int32)
+            )
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - t0
         logger.info("compiled %d step buckets %s in %.1fs", len(self.buckets), self.buckets, elapsed)

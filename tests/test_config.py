@@ -20,6 +20,7 @@ from jaxpaged.config import EngineConfig
         ("kv_cache_memory_fraction", 0.0),
         ("attention_backend", "cuda"),
         ("seed", -3),
+        ("tensor_parallel_size", 0),
         ("dtype", "int8"),
     ],
 )

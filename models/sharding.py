@@ -1,0 +1,125 @@
+"""Tensor parallelism: a 1-D `jax.sharding.Mesh` over N devices (axis "model") and every parameter's
+NamedSharding, derived from its path alone in one place. The ports share parameter names
+(models/layers.py), so the rules below cover every family:
+
+- column-parallel (output features split): q_proj, k_proj, v_proj, gate_proj, up_proj, and their biases;
+- row-parallel (input features split): o_proj, down_proj; their biases are replicated (added once,
+  after GSPMD's all-reduce of the partial sums);
+- vocabulary-parallel: embed_tokens rows and lm_head columns, when the vocabulary divides by N;
+- everything else (norms, position tables, OPT's projections) is replicated.
+
+Attention heads split with q/k/v's columns; the KV-block array splits on its KV-head axis. A model
+with fewer KV heads than N has each KV head's k/v columns repeated N / H_kv times first, so every
+device still holds (and caches) exactly one KV head. GSPMD partitions the matmuls from these input
+shardings; attention itself runs under shard_map (pallas_kernels/attention.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+from pallas_kernels.attention import TP_AXIS
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} but only {len(devices)} {jax.default_backend()} device(s) "
+            "are visible (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def check_divisible(cfg: ModelConfig, n: int) -> None:
+    """A ValueError naming the first size that cannot be split n ways."""
+    problems = []
+    if cfg.num_heads % n:
+        problems.append(f"num_attention_heads={cfg.num_heads}")
+    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
+        problems.append(f"num_key_value_heads={cfg.num_kv_heads} (neither divisible by it nor dividing it)")
+    if cfg.intermediate_size % n:
+        problems.append(f"intermediate_size={cfg.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={n} does not divide this {cfg.architecture}'s {', '.join(problems)}; "
+            "choose a tensor_parallel_size that divides the head count"
+        )
+
+
+def partition_spec(path: str, shape: tuple[int, ...], n: int) -> P:
+    """The PartitionSpec of the parameter at dotted `path` (e.g. "layers.3.self_attn.q_proj.kernel")."""
+    parts = path.split(".")
+    leaf, module = parts[-1], parts[-2] if len(parts) > 1 else ""
+    if module in COLUMN_PARALLEL:
+        return P(None, TP_AXIS) if leaf == "kernel" else P(TP_AXIS)
+    if module in ROW_PARALLEL:
+        return P(TP_AXIS, None) if leaf == "kernel" else P()
+    if path == "embed_tokens.embedding" and shape[0] % n == 0:
+        return P(TP_AXIS, None)
+    if path == "lm_head.kernel" and shape[1] % n == 0:
+        return P(None, TP_AXIS)
+    if path in ("lm_head.bias", "lm_head_bias") and shape[0] % n == 0:
+        return P(TP_AXIS)
+    return P()
+
+
+def _dotted(keypath) -> str:
+    names = []
+    for key in keypath:
+        name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))
+        if name != "value":
+            names.append(str(name))
+    return ".".join(names)
+
+
+def replicate_kv_heads(state, cfg: ModelConfig, n: int):
+    """Repeat each KV head's k/v columns n / H_kv times, so n devices each get one: -> (state, cfg)."""
+    kv = cfg.num_kv_heads
+    if kv >= n:
+        return state, cfg
+    factor, hd = n // kv, cfg.head_dim
+
+    def widen(keypath, x):
+        path = _dotted(keypath)
+        if not path.endswith(("k_proj.kernel", "k_proj.bias", "v_proj.kernel", "v_proj.bias")):
+            return x
+        heads = x.reshape(*x.shape[:-1], kv, hd)
+        return jnp.repeat(heads, factor, axis=-2).reshape(*x.shape[:-1], n * hd)
+
+    return jax.tree_util.tree_map_with_path(widen, state), dataclasses.replace(cfg, num_kv_heads=n)
+
+
+def param_shardings(state, mesh: Mesh):
+    n = mesh.shape[TP_AXIS]
+    return jax.tree_util.tree_map_with_path(
+        lambda keypath, x: NamedSharding(mesh, partition_spec(_dotted(keypath), tuple(x.shape), n)), state
+    )
+
+
+def shard_params(state, cfg: ModelConfig, mesh: Mesh):
+    """Check the sizes split, widen KV heads if needed, and place every parameter: -> (state, cfg)."""
+    n = mesh.shape[TP_AXIS]
+    check_divisible(cfg, n)
+    state, cfg = replicate_kv_heads(state, cfg, n)
+    return jax.device_put(state, param_shardings(state, mesh)), cfg
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """[layers, 2, blocks, KV heads, block_size, head_dim]: split on the KV-head axis."""
+    return NamedSharding(mesh, P(None, None, None, TP_AXIS, None, None))
+
+
+def new_kv_sharding(mesh: Mesh) -> NamedSharding:
+    """A step's new K/V, [T, layers, 2, KV heads, head_dim]: split like the cache."""
+    return NamedSharding(mesh, P(None, None, None, TP_AXIS, None))

@@ -1,0 +1,162 @@
+"""Tensor parallelism on 4 CPU devices: TP=2 and TP=4 give TP=1's greedy tokens (and transformers'),
+each device holds 1/N of every sharded weight and of the KV array, and bad sizes are clear errors.
+
+The device count must be fixed before JAX starts, and the rest of the suite runs on one device, so
+in a normal run the first test re-runs this file in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=4; the others run only there (or when you run the
+file yourself with that flag).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+DEVICES = 4
+MULTI = jax.device_count() >= DEVICES and jax.default_backend() == "cpu"
+needs_devices = pytest.mark.skipif(not MULTI, reason="runs in the 4-device subprocess started by the first test")
+
+
+def test_tp_suite_on_four_cpu_devices():
+    if MULTI:
+        pytest.skip("this process has the devices: the tests below run here")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "1 skipped" in summary, summary  # only this launcher skips there
+
+
+def test_cli_has_the_flag():
+    from jaxpaged.generate import build_parser
+
+    assert build_parser().parse_args(["--tensor-parallel-size", "2", "hi"]).tensor_parallel_size == 2
+
+
+# -- below: only with 4 devices ------------------------------------------------------------------
+
+VOCAB = 256
+PROMPT_LENGTHS = [3, 11, 29, 40]
+MAX_TOKENS = 24
+
+
+def _llm(folder, n, backend="reference"):
+    from jaxpaged import LLM
+
+    return LLM(
+        str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+        tensor_parallel_size=n, attention_backend=backend, log_level="WARNING",
+    )  # fmt: skip
+
+
+def _greedy(llm, prompts):
+    from jaxpaged import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _families():
+    import transformers
+
+    from tests.hf_reference import tiny_llama_config
+
+    return {
+        # GQA with 2 KV heads: TP=4 replicates each KV head on two devices
+        "llama-gqa2": tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+        # multi-query (one KV head), fused QKV split at load time, parallel attention/MLP
+        "falcon-mqa": transformers.FalconConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+            new_decoder_architecture=False, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+        ),
+        # ALiBi: each device's heads keep their own slopes
+        "bloom-alibi": transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=0),
+    }  # fmt: skip
+
+
+_PREPARED: dict = {}
+
+
+def _prepare(name, tmp_path_factory):
+    """(checkpoint folder, prompts, transformers' greedy tokens), once per family."""
+    from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model
+
+    if name not in _PREPARED:
+        hf = random_hf_model(_families()[name])
+        folder = save_hf_model(hf, tmp_path_factory.mktemp(name))
+        prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)
+        _PREPARED[name] = folder, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    return _PREPARED[name]
+
+
+@pytest.fixture(scope="module", params=["llama-gqa2", "falcon-mqa", "bloom-alibi"])
+def family(request, tmp_path_factory):
+    return _prepare(request.param, tmp_path_factory)
+
+
+@needs_devices
+def test_tp2_and_tp4_equal_tp1_token_for_token(family):
+    folder, prompts, expected = family
+    single = _greedy(_llm(folder, 1), prompts)
+    assert single == expected  # and TP=1 is transformers'
+    for n in (2, 4):
+        llm = _llm(folder, n)
+        assert _greedy(llm, prompts) == single, f"tensor_parallel_size={n} differs"
+        assert llm.get_stats()["num_compiles_after_warmup"] == 0
+        _assert_split_1_over_n(llm.engine.runner, n)
+
+
+def _assert_split_1_over_n(runner, n):
+    """From the arrays' shardings: each device holds 1/n of every sharded weight and of the KV array."""
+    from models.sharding import TP_AXIS
+
+    sharded = replicated = 0
+    per_device = {d: 0 for d in runner.mesh.devices.flat}
+    for leaf in jax.tree_util.tree_leaves(runner.state):
+        assert len(leaf.addressable_shards) == n
+        split = TP_AXIS in jax.tree_util.tree_leaves(tuple(leaf.sharding.spec))
+        for shard in leaf.addressable_shards:
+            assert shard.data.size == (leaf.size // n if split else leaf.size)
+            if split:
+                per_device[shard.device] += shard.data.nbytes
+        if split:
+            sharded += leaf.nbytes
+        else:
+            replicated += leaf.nbytes
+    assert all(b == sharded // n for b in per_device.values())
+    assert replicated < 0.05 * (sharded + replicated)  # norms and position tables only
+    cache = runner.kv_cache
+    assert cache.shape[3] % n == 0
+    assert all(s.data.shape[3] == cache.shape[3] // n for s in cache.addressable_shards)
+
+
+@needs_devices
+def test_pallas_kernel_under_shard_map(tmp_path_factory):
+    """The kernel (interpret mode here) per device under shard_map, on BLOOM (so with ALiBi): same tokens."""
+    folder, prompts, expected = _prepare("bloom-alibi", tmp_path_factory)
+    assert _greedy(_llm(folder, 2, backend="pallas"), prompts) == expected
+
+
+@needs_devices
+def test_head_count_that_does_not_divide_is_a_clear_error(tmp_path):
+    from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
+
+    config = tiny_llama_config(hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
+    folder = save_hf_model(random_hf_model(config), tmp_path / "six-heads")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide .*num_attention_heads=6"):
+        _llm(folder, 4)
+    with pytest.raises(ValueError, match="only 4"):
+        _llm(folder, 8)
+    assert len(np.unique([d.id for d in jax.devices()])) == DEVICES
