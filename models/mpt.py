@@ -56,7 +56,7 @@ class MptForCausalLM(CausalLM):
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:
         hidden, heads = int(hf_config.hidden_size), int(hf_config.num_attention_heads)
         attn = hf_config.attn_config
-        get = (lambda k: attn.get(k)) if isinstance(attn, dict) else (lambda k: getattr(attn, k, None))  # noqa: E731
+        get = (lambda k: attn.get(k)) if isinstance(attn, dict) else (lambda k: getattr(attn, k, None))
         return model_config_from_hf(
             hf_config, architecture, intermediate_size=4 * hidden,  # transformers ignores expansion_ratio
             num_kv_heads=heads, head_dim=hidden // heads, hidden_act="gelu", position_embedding="alibi",

@@ -85,7 +85,7 @@ class OPTForCausalLM(CausalLM):
     @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         affine = cfg.option("affine_norms", True)
-        norm = lambda hf, ours: norm_specs(hf, ours) if affine else {}  # noqa: E731
+        norm = lambda hf, ours: norm_specs(hf, ours) if affine else {}
         m = "model.decoder"
         specs = {
             f"{m}.embed_tokens.weight": WeightSpec("embed_tokens.embedding"),

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
-
-import transformers  # noqa: E402  (after hf_reference, which skips the module without torch)
+import transformers
 
 from models.loader import load_model
+from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
 from tests.static_batch import StaticBatchRunner
 
 VOCAB = 256
@@ -182,3 +180,52 @@ def test_greedy_64_tokens_match_transformers(run):
     ours, theirs = run
     for (_, got), (_, want) in zip(ours, theirs):
         assert got == want
+
+
+def _resave(folder, rename):
+    """Rewrite model.safetensors with names changed by `rename` (None drops the tensor)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = {rename(k): v for k, v in load_file(str(path)).items()}
+    save_file({k: v for k, v in tensors.items() if k is not None}, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "name,config,rename",
+    [
+        # openai-community/gpt2 and bigscience/bloom-*: no "transformer." prefix
+        ("gpt2", transformers.GPT2Config(**GPT_LIKE, n_head=4), lambda k: k.removeprefix("transformer.")),
+        ("bloom", transformers.BloomConfig(**BLOOM_LIKE, hidden_size=64, n_head=4), lambda k: k.removeprefix("transformer.")),
+        # Pythia on the hub says embed_out; a transformers-5 save may say lm_head
+        ("neox", transformers.GPTNeoXConfig(**NEOX_LIKE, num_attention_heads=4, tie_word_embeddings=False),
+         lambda k: k.replace("embed_out.", "lm_head.")),
+        # some OPT checkpoints: "decoder.*" without "model."; GPT-style buffers are ignored
+        ("opt", transformers.OPTConfig(**OPT_LIKE, num_attention_heads=4), lambda k: k.removeprefix("model.")),
+    ],
+)
+def test_checkpoint_spellings_found_on_the_hub_load(name, config, rename, tmp_path):
+    hf = random_hf_model(config)
+    folder = save_hf_model(hf, tmp_path / name)
+    _resave(folder, rename)
+    prompt = random_prompts(VOCAB, [12])[0]
+    got = StaticBatchRunner(load_model(str(folder), dtype="float32")).prompt_logits([prompt])[0]
+    np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["falcon40b-like-gqa4-two-norms-untied", "gpt2-tied", "mpt-tied", "opt350m-like-postnorm-projected"])
+def test_bare_config_json_gets_random_weights_in_every_fused_layout(case, tmp_path):
+    config_cls, kwargs, arch = CASES[case]
+    config_cls(**kwargs).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path / "config.json"), dtype="float32")
+    assert loaded.config.architecture == arch
+    out = StaticBatchRunner(loaded).generate([[5, 6, 7]], 4)
+    assert len(out[0]) == 4
+
+
+def test_remote_code_families_are_refused_with_the_reason():
+    from models.registry import resolve_architecture
+
+    for arch in ("BaichuanForCausalLM", "InternLMForCausalLM", "AquilaForCausalLM", "QWenLMHeadModel"):
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            resolve_architecture([arch])

@@ -31,7 +31,7 @@ def test_tp_suite_on_four_cpu_devices():
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        cwd=root, env=env, capture_output=True, text=True, timeout=1800,
+        check=False, cwd=root, env=env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     summary = proc.stdout.strip().splitlines()[-1]
