@@ -51,9 +51,10 @@ def test_sliding_window_soft_cap_and_alibi(window, cap, alibi):
     slopes = jnp.asarray([0.5, 0.25, 0.0625, 0.01], jnp.float32) if alibi else None
     kw = dict(scale=0.25, sliding_window=window, soft_cap=cap, alibi_slopes=slopes)
     want = naive_paged_attention(case.q, written, 0, case.md, **kw)
-    got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.md, **kw)
     n = case.num_real_tokens
-    np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
+    for batch_invariant in (False, True):  # the fast path and the batch-invariant one
+        got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.md, batch_invariant=batch_invariant, **kw)
+        np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
 
 
 def test_bfloat16_inputs_accumulate_in_float32():
