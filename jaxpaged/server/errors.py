@@ -63,8 +63,8 @@ def _param(loc: tuple) -> str:
     """The field a pydantic error points at: `messages.2.role`, or the top-level name (not union branch tags)."""
     if not loc:
         return ""
-    if loc[0] == "messages" and len(loc) >= 3 and isinstance(loc[1], int):
-        return f"messages.{loc[1]}.{loc[2]}"
+    if loc[0] == "messages" and len(loc) >= 2 and isinstance(loc[1], int):
+        return ".".join(str(part) for part in loc[:3])
     return str(loc[0])
 
 
