@@ -144,6 +144,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         self._timing: dict[str, _Timing] = {}
         self._pending = IterationStats(engine={})
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         self._preemptions = engine.scheduler.num_preemptions
         self._stats: dict[str, Any] = engine.get_stats()
 
@@ -248,6 +249,8 @@ class AsyncLLMEngine:
                 self._drain(block=not self.engine.has_unfinished_requests())
                 if self._stopping:
                     break
+                if self._outbox:  # aborts: their final outputs (and freed blocks) go out before the next step
+                    self._publish()
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                 self._publish()
@@ -255,7 +258,7 @@ class AsyncLLMEngine:
             logger.exception("the engine loop died")
             self._die(exc)
             return
-        self._die(EngineDeadError("the engine was shut down"), log=False)
+        self._die(EngineDeadError("the engine was shut down"))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -302,6 +305,8 @@ class AsyncLLMEngine:
     def _add(self, requests, streams, loop, done) -> None:
         added: list[str] = []
         try:
+            if self.max_waiting is not None and len(requests) > self.max_waiting:
+                raise ValueError(f"prompt: {len(requests)} prompts in one request exceed the waiting queue ({self.max_waiting})")
             if self.max_waiting is not None and self._waiting_requests() + len(requests) > self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
             for (rid, prompt, params), stream in zip(requests, streams):
@@ -312,14 +317,14 @@ class AsyncLLMEngine:
         except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller; the loop goes on
             for rid in added:
                 self.engine.abort_request(rid)
-            loop.call_soon_threadsafe(_settle, done, exc)
+            _call_soon(loop, _settle, done, exc)
             return
         now = time.monotonic()
         for stream in streams:
             self._streams[stream.request_id] = (stream, loop)
             self._timing[stream.request_id] = _Timing(now)
             self._pending.prompt_tokens += len(stream.prompt_token_ids)
-        loop.call_soon_threadsafe(_settle, done, None)
+        _call_soon(loop, _settle, done, None)
 
     def _abort(self, request_id: str) -> None:
         group = self.engine.groups.get(request_id)
@@ -329,7 +334,6 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         stats = self._pending
         for out in outputs:
             rid = out.request_id
@@ -351,11 +355,10 @@ class AsyncLLMEngine:
                 self._streams.pop(rid, None)
                 self._timing.pop(rid, None)
             if entry is not None:
-                by_loop.setdefault(entry[1], []).append((entry[0], out))
-        for loop, items in by_loop.items():
-            _call_soon(loop, _deliver, items)
+                self._outbox.setdefault(entry[1], []).append((entry[0], out))
 
     def _publish(self) -> None:
+        """Refresh the stats snapshot, then hand this pass's outputs over: whoever sees an output sees its stats."""
         self._stats = self.engine.get_stats()
         stats, self._pending = self._pending, IterationStats(engine={})
         stats.engine = self._stats
@@ -366,8 +369,11 @@ class AsyncLLMEngine:
                 self.stats_listener(stats)
             except Exception:
                 logger.exception("stats listener failed")
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            _call_soon(loop, _deliver, items)
 
-    def _die(self, exc: BaseException, log: bool = True) -> None:
+    def _die(self, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine loop has died: {exc!r}")
         error.__cause__ = None if error is exc else exc
         with self._lock:
@@ -378,6 +384,9 @@ class AsyncLLMEngine:
                     pending.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            _call_soon(loop, _deliver, items)
         for command in pending:
             if command[0] == "add":
                 _call_soon(command[3], _settle, command[4], error)
@@ -389,6 +398,10 @@ class AsyncLLMEngine:
                 logger.debug("could not abort %s after the loop died", rid, exc_info=True)
         self._streams.clear()
         self._timing.clear()
+        try:
+            self._stats = self.engine.get_stats()
+        except Exception:
+            logger.debug("no stats after the loop died", exc_info=True)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

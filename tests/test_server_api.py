@@ -106,7 +106,7 @@ def test_n_and_seeds(client):
 
 
 def test_seeded_stream_equals_seeded_response(client):
-    kwargs = dict(model=CYCLE_MODEL, prompt="seeded", max_tokens=16, temperature=0.9, top_p=0.9, seed=123)
+    kwargs = {"model": CYCLE_MODEL, "prompt": "seeded", "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 123}
     whole = client.completions.create(**kwargs).choices[0].text
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == whole
 

@@ -103,19 +103,18 @@ def test_full_waiting_queue_is_503_with_retry_after(keyed_server):
     url, headers = f"{keyed_server.url}/v1/completions", keyed_server.headers
     fill = {"model": CYCLE_MODEL, "prompt": "a", "max_tokens": LONG, "n": 32, "temperature": 0, "stream": True}
     wait = {**fill, "n": 1}
-    with httpx.Client(timeout=30, headers=headers) as http:
-        with http.stream("POST", url, json=fill) as running:
-            lines = running.iter_lines()  # keep the iterator: dropping it closes the connection (and aborts)
-            next(lines)  # admitted: the batch is full
-            with http.stream("POST", url, json=wait) as waiting:
-                assert waiting.status_code == 200
-                deadline = time.monotonic() + 5
-                while keyed_server.metrics()["jaxpaged:num_requests_waiting"] < 1 and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                r = http.post(url, json={**wait, "stream": False})
-                assert r.status_code == 503, r.text
-                assert r.headers["Retry-After"] == "1"
-                assert r.json()["error"]["code"] == "queue_full"
+    with httpx.Client(timeout=30, headers=headers) as http, http.stream("POST", url, json=fill) as running:
+        lines = running.iter_lines()  # keep the iterator: dropping it closes the connection (and aborts)
+        next(lines)  # admitted: the batch is full
+        with http.stream("POST", url, json=wait) as waiting:
+            assert waiting.status_code == 200
+            deadline = time.monotonic() + 5
+            while keyed_server.metrics()["jaxpaged:num_requests_waiting"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            r = http.post(url, json={**wait, "stream": False})
+            assert r.status_code == 503, r.text
+            assert r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
     m = keyed_server.wait_metrics(_idle)
     assert _idle(m)
     ok = httpx.post(url, headers=headers, json={"model": CYCLE_MODEL, "prompt": "a", "max_tokens": 2})
