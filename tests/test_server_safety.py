@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -11,6 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import API_KEY, CYCLE_MODEL
+from tests.server_harness import REPO
 
 LONG = 480  # tokens a request would generate if nobody stopped it
 
@@ -119,3 +123,27 @@ def test_full_waiting_queue_is_503_with_retry_after(keyed_server):
     assert _idle(m)
     ok = httpx.post(url, headers=headers, json={"model": CYCLE_MODEL, "prompt": "a", "max_tokens": 2})
     assert ok.status_code == 200  # served again once the queue drained
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "jaxpaged.serve", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_help_names_the_server_flags():
+    out = _serve("--help")
+    assert out.returncode == 0
+    for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--dtype", "--max-num-seqs",
+                 "--max-waiting", "--max-model-len", "--num-kv-blocks"):
+        assert flag in out.stdout
+
+
+def test_pickle_checkpoint_is_refused_before_serving(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    out = _serve("--model", str(tmp_path), "--port", "1")
+    assert out.returncode == 2 and "pickle" in out.stderr
