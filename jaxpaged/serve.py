@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: 0)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
     return p
 
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            attention_backend=args.attention_backend, seed=args.seed,
+            attention_backend=args.attention_backend, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         )
         engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
     except (ValueError, FileNotFoundError) as exc:

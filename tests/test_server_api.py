@@ -72,7 +72,7 @@ def test_raw_sse_framing_ends_with_done(server):
     assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
 
 
-def test_chat_non_streaming_and_streaming_agree(client):
+def test_chat_non_streaming_and_streaming_agree(client, server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sag etwas auf Japanisch: 日本"}]
     r = client.chat.completions.create(model=CYCLE_MODEL, messages=messages, max_completion_tokens=25, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
@@ -86,6 +86,8 @@ def test_chat_non_streaming_and_streaming_agree(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+    m = server.metrics()  # the second request found the first one's prompt blocks
+    assert 0 < m["jaxpaged:prefix_cache_hits_total"] <= m["jaxpaged:prefix_cache_queries_total"]
 
 
 def test_n_and_seeds(client):

@@ -1,14 +1,14 @@
 """Prometheus metrics (vLLM's names under `jaxpaged:`), fed by the engine loop and read at scrape time.
 
-Gauges are read from the engine's last stats snapshot when /metrics is scraped, so they cost
-nothing per step; counters and histograms are updated from each loop pass's IterationStats.
+Gauges (and the engine's own running totals) are read from its last stats snapshot when /metrics
+is scraped, so they cost nothing per step; counters and histograms are updated from each loop pass's IterationStats.
 Each server owns its registry, so several apps in one process (tests) do not collide.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxpaged.async_engine import AsyncLLMEngine, IterationStats
 
@@ -38,8 +38,17 @@ class _EngineGauges:
             ),
             "engine_alive": ("1 while the engine loop runs, 0 once it has died.", 0.0 if self.engine.errored else 1.0),
         }
+        if "kv_blocks_cached" in stats:
+            values["kv_blocks_cached"] = ("Free KV-cache blocks still holding a reusable prompt prefix.", stats["kv_blocks_cached"])
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(f"jaxpaged:{name}", doc, value=float(value))
+        counters = {
+            "prefix_cache_queries": "Prompt blocks looked up in the prefix cache.",
+            "prefix_cache_hits": "Prompt blocks found in the prefix cache (not recomputed).",
+        }
+        for name, doc in counters.items():
+            if name in stats:
+                yield CounterMetricFamily(f"jaxpaged:{name}", doc, value=float(stats[name]))
 
 
 class ServerMetrics:
