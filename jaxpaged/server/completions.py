@@ -26,7 +26,7 @@ async def create_completion(serving: Serving, http_request: Request):
     engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p, "prompt": None} for p in prompts]
     request_id, run = await serving.submit(http_request, "cmpl", engine_prompts, params, FIELDS, "prompt")
     meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
-    echoes = [_echo(serving, p) for p in prompts] if body.echo else None
+    echoes = [_echo(serving, p) for p in prompts] if body.echo else None  # after submit: token ids are validated
     if body.stream:
         return StreamingResponse(_stream(run, body, meta, echoes), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
