@@ -63,6 +63,7 @@ BAD_JSON_BODIES = [
     (C, _c(prompt=[1, 2, 264]), "prompt"),
     (C, _c(prompt=[[1], [-1]]), "prompt"),
     (C, _c(prompt=[True]), "prompt"),
+    (C, _c(prompt=[-5], echo=True), "prompt"),
     (C, _c(prompt=[7] * 600), "prompt"),
     (C, _c(prompt=[7] * 500, max_tokens=20), "max_tokens"),
     (C, _c(prompt=[7] * 512, max_tokens=None), "prompt"),
