@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: 0)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's logprobs never depend on the rest of the batch (one step shape; slower)")
     return p
 
 
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+            batch_invariant=args.batch_invariant,
         )
         engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
     except (ValueError, FileNotFoundError) as exc:
