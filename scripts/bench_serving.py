@@ -163,7 +163,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 
 def print_summary(name: str, s: dict) -> None:
-    print(f"== {name}: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.1f}s")
+    load = s.get("loadavg_1min", {})
+    print(f"== {name}: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.1f}s "
+          f"(1-min load average {load.get('before', 0):.2f} before, {load.get('after', 0):.2f} after)")
     print(f"   requests/s {s['request_throughput']:.3f}   output tok/s {s['output_throughput']:.1f}   "
           f"total tok/s {s['total_token_throughput']:.1f}   (in {s['input_tokens']}, out {s['output_tokens']} tokens)")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -224,8 +226,11 @@ class Launched:
 
 def bench(args, base_url: str, name: str) -> dict:
     model = args.model or first_model(base_url, args.api_key)
+    load_before = os.getloadavg()[0]
     results, duration = asyncio.run(run_load(args, base_url, model, make_prompts(args)))
     summary = summarize(results, duration)
+    # other work on the machine skews both systems, and not equally: record it next to the figures
+    summary["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     print_summary(name, summary)
     return summary
 
