@@ -1,0 +1,425 @@
+"""AsyncLLMEngine: one background thread steps the engine; asyncio callers add, stream and abort.
+
+`LLMEngine.step()` is a blocking JAX call, so it never runs on the event loop. A dedicated thread
+owns the engine: every mutation (add, abort, step) happens there, fed by a command queue, so the
+engine needs no locks. Outputs go back to the loop with one `call_soon_threadsafe` per step.
+
+A request's outputs are cumulative (as vLLM's), so its stream keeps only the latest one: a slow
+reader skips intermediate outputs instead of queueing them, and memory stays bounded.
+
+If a step raises, the thread dies: every caller waiting on a stream gets `EngineDeadError`,
+`errored` becomes True and every later call fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from jaxpaged.engine import LLMEngine, PromptType
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.text import chat_prompt_ids
+
+logger = logging.getLogger("jaxpaged.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has died; the engine serves nothing more."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds `max_waiting` requests; try again later."""
+
+
+@dataclasses.dataclass
+class ChatPrompt:
+    """A conversation, turned into token ids on the engine thread (the tokenizer is used from one thread only)."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What one pass of the loop did, for metrics (observed on the engine thread)."""
+
+    engine: dict[str, Any]  # LLMEngine.get_stats() after the pass
+    prompt_tokens: int = 0  # of requests admitted in this pass
+    generation_tokens: int = 0
+    time_to_first_token: list[float] = dataclasses.field(default_factory=list)
+    inter_token_latency: list[float] = dataclasses.field(default_factory=list)
+    e2e_latency: list[float] = dataclasses.field(default_factory=list)
+    finished_reasons: list[str] = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+
+
+@dataclasses.dataclass
+class _Timing:
+    arrival: float
+    tokens: int = 0
+    last: float | None = None
+
+
+class RequestStream:
+    """The latest output of one request, readable from the event loop.
+
+    Streams of one HTTP request may share `event`, so one reader can wait on all of them at once
+    (one reader per event: a reader clears it before waiting).
+    """
+
+    def __init__(self, request_id: str, event: asyncio.Event):
+        self.request_id = request_id
+        self.event = event
+        self.finished = False
+        self.error: BaseException | None = None
+        self.prompt_token_ids: list[int] = []
+        self._latest: RequestOutput | None = None
+
+    def _put(self, output: RequestOutput) -> None:
+        if self.finished:
+            return
+        self._latest = output
+        self.finished = output.finished
+        self.event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if self.finished:
+            return
+        self.error, self.finished = error, True
+        self.event.set()
+
+    @property
+    def pending(self) -> bool:
+        """Something arrived that take() has not returned yet."""
+        return self._latest is not None or self.error is not None
+
+    def take(self) -> RequestOutput | None:
+        """The output that arrived since the last take (None if none); raises the loop's error."""
+        if self.error is not None:
+            raise self.error
+        out, self._latest = self._latest, None
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            out = self.take()
+            if out is not None:
+                yield out
+                if out.finished:
+                    return
+                continue
+            self.event.clear()
+            if not self.pending:
+                await self.event.wait()
+
+
+class AsyncLLMEngine:
+    """Many asyncio callers share one continuous batch stepped on a background thread."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting: int | None = None,
+        stats_listener: Callable[[IterationStats], None] | None = None,
+    ):
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1):
+            raise ValueError(f"max_waiting must be None or a positive integer (got {max_waiting!r})")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stats_listener = stats_listener
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # orders "is it dead?" checks against the death itself
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # engine-thread state
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        self._timing: dict[str, _Timing] = {}
+        self._pending = IterationStats(engine={})
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        self._preemptions = engine.scheduler.num_preemptions
+        self._stats: dict[str, Any] = engine.get_stats()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop; unfinished requests are aborted and their callers get EngineDeadError."""
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def get_stats(self) -> dict[str, Any]:
+        """The engine's stats as of the last loop pass (a snapshot: safe from any thread)."""
+        return dict(self._stats)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # -- the caller's side (event loop) -----------------------------------------------------------
+
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine loop has died: {self._dead!r}")
+            if self._stopping:
+                raise EngineDeadError("the engine is shutting down")
+            self._commands.put(command)
+        self.start()
+
+    async def add_requests(
+        self, requests: Sequence[tuple[str, PromptType | ChatPrompt, SamplingParams]], event: asyncio.Event | None = None
+    ) -> list[RequestStream]:
+        """Queue requests, all or none: the first bad one raises its ValueError and none stays queued.
+
+        Raises ValueError (bad input, naming the parameter), QueueFullError or EngineDeadError.
+        """
+        loop = asyncio.get_running_loop()
+        event = event or asyncio.Event()
+        streams = [RequestStream(str(rid), event) for rid, _, _ in requests]
+        done: asyncio.Future = loop.create_future()
+        self._submit(("add", list(requests), streams, loop, done))
+        try:
+            await done
+        except asyncio.CancelledError:
+            for stream in streams:  # the add may still land: make sure nothing runs for nobody
+                self.abort(stream.request_id)
+            raise
+        return streams
+
+    async def add_request(self, request_id: str, prompt: PromptType | ChatPrompt, params: SamplingParams) -> RequestStream:
+        return (await self.add_requests([(request_id, prompt, params)]))[0]
+
+    async def generate(
+        self, prompt: PromptType | ChatPrompt, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as they grow; leaving early (or being cancelled) aborts it."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request from any thread; its blocks return after the step in flight."""
+        try:
+            self._submit(("abort", str(request_id)))
+        except EngineDeadError:
+            pass  # nothing runs any more
+
+    # -- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._stopping:
+                    break
+                if self._outbox:  # aborts: their final outputs (and freed blocks) go out before the next step
+                    self._publish()
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self._publish()
+        except BaseException as exc:
+            logger.exception("the engine loop died")
+            self._die(exc)
+            return
+        self._die(EngineDeadError("the engine was shut down"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _resolve(self, prompt: PromptType | ChatPrompt, params: SamplingParams) -> tuple[PromptType, SamplingParams]:
+        if isinstance(prompt, ChatPrompt):
+            if self.engine.tokenizer is None:
+                raise ValueError("messages: this model has no tokenizer, so it has no chat template")
+            try:
+                ids = chat_prompt_ids(self.engine.tokenizer, prompt.messages, prompt.add_generation_prompt)
+            except ValueError:
+                raise
+            except Exception as exc:  # a template's own raise_exception(), or a message it cannot render
+                raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
+            prompt = {"prompt_token_ids": ids, "prompt": None}
+        if params.max_tokens is None:
+            # "as many as fit": what the context and the whole KV pool leave after the prompt
+            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) and "prompt_token_ids" in prompt else None
+            if ids is None and isinstance(prompt, str) and self.engine.tokenizer is not None:
+                ids = self.engine.tokenizer.encode(prompt)
+                prompt = {"prompt_token_ids": ids, "prompt": prompt}
+            if ids:
+                capacity = min(self.engine.max_model_len, self.engine.pool.num_blocks * self.engine.config.block_size)
+                if capacity - len(ids) >= 1:
+                    params = dataclasses.replace(params, max_tokens=capacity - len(ids))
+        return prompt, params
+
+    def _waiting_requests(self) -> int:
+        return len({seq.group.request_id for seq in self.engine.scheduler.waiting})
+
+    def _add(self, requests, streams, loop, done) -> None:
+        added: list[str] = []
+        try:
+            if self.max_waiting is not None and len(requests) > self.max_waiting:
+                raise ValueError(f"prompt: {len(requests)} prompts in one request exceed the waiting queue ({self.max_waiting})")
+            if self.max_waiting is not None and self._waiting_requests() + len(requests) > self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+            for (rid, prompt, params), stream in zip(requests, streams):
+                prompt, params = self._resolve(prompt, params)
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+                stream.prompt_token_ids = list(self.engine.groups[rid].prompt_token_ids)
+        except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller; the loop goes on
+            for rid in added:
+                self.engine.abort_request(rid)
+            _call_soon(loop, _settle, done, exc)
+            return
+        now = time.monotonic()
+        for stream in streams:
+            self._streams[stream.request_id] = (stream, loop)
+            self._timing[stream.request_id] = _Timing(now)
+            self._pending.prompt_tokens += len(stream.prompt_token_ids)
+        _call_soon(loop, _settle, done, None)
+
+    def _abort(self, request_id: str) -> None:
+        group = self.engine.groups.get(request_id)
+        if group is None or not self.engine.abort_request(request_id):
+            return
+        self._dispatch([group.output()])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        stats = self._pending
+        for out in outputs:
+            rid = out.request_id
+            entry = self._streams.get(rid)
+            timing = self._timing.get(rid)
+            if timing is not None:
+                tokens = sum(len(c.token_ids) for c in out.outputs)
+                if tokens > timing.tokens:
+                    stats.generation_tokens += tokens - timing.tokens
+                    if timing.last is None:
+                        stats.time_to_first_token.append(now - timing.arrival)
+                    else:
+                        stats.inter_token_latency.append(now - timing.last)
+                    timing.tokens, timing.last = tokens, now
+                if out.finished:
+                    stats.e2e_latency.append(now - timing.arrival)
+                    stats.finished_reasons.extend(c.finish_reason or "abort" for c in out.outputs)
+            if out.finished:
+                self._streams.pop(rid, None)
+                self._timing.pop(rid, None)
+            if entry is not None:
+                self._outbox.setdefault(entry[1], []).append((entry[0], out))
+
+    def _publish(self) -> None:
+        """Refresh the stats snapshot, then hand this pass's outputs over: whoever sees an output sees its stats."""
+        self._stats = self.engine.get_stats()
+        stats, self._pending = self._pending, IterationStats(engine={})
+        stats.engine = self._stats
+        stats.preemptions = self._stats["num_preemptions"] - self._preemptions
+        self._preemptions = self._stats["num_preemptions"]
+        if self.stats_listener is not None:
+            try:
+                self.stats_listener(stats)
+            except Exception:
+                logger.exception("stats listener failed")
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            _call_soon(loop, _deliver, items)
+
+    def _die(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine loop has died: {exc!r}")
+        error.__cause__ = None if error is exc else exc
+        with self._lock:
+            self._dead = error
+            pending = []
+            while True:
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            _call_soon(loop, _deliver, items)
+        for command in pending:
+            if command[0] == "add":
+                _call_soon(command[3], _settle, command[4], error)
+        for rid, (stream, loop) in list(self._streams.items()):
+            _call_soon(loop, stream._fail, error)
+            try:
+                self.engine.abort_request(rid)  # give the blocks back if the engine still can
+            except Exception:
+                logger.debug("could not abort %s after the loop died", rid, exc_info=True)
+        self._streams.clear()
+        self._timing.clear()
+        try:
+            self._stats = self.engine.get_stats()
+        except Exception:
+            logger.debug("no stats after the loop died", exc_info=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass  # that caller's event loop is closed: nobody is listening
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._put(out)

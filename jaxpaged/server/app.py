@@ -1,0 +1,89 @@
+"""The FastAPI app: routes, error handlers, middleware, and the engine's lifetime."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from jaxpaged.async_engine import AsyncLLMEngine
+from jaxpaged.server import errors
+from jaxpaged.server.chat import create_chat_completion
+from jaxpaged.server.completions import create_completion
+from jaxpaged.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxpaged.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from jaxpaged.server.serving import ServerSettings, Serving
+
+logger = logging.getLogger("jaxpaged.server")
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    """An app serving `engine`; it starts the engine loop and shuts it down with the app."""
+    metrics = ServerMetrics(engine)
+    engine.stats_listener = metrics.observe
+    serving = Serving(engine, settings)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="jaxpaged", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+
+    @app.exception_handler(errors.APIError)
+    async def _api_error(request: Request, exc: errors.APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return errors.APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):  # a bug: say so in OpenAI's shape, keep serving
+        logger.exception("unexpected error on %s", request.url.path)
+        return JSONResponse(errors.APIError(500, f"internal error: {exc!r}", type="server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if engine.errored:
+            return errors.engine_dead(f"the engine loop has died: {engine.dead_error}").response()
+        return JSONResponse({"status": "ok"})
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "jaxpaged", "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        if name not in settings.served_model_names:
+            raise errors.model_not_found(name, settings.served_model_names)
+        return model_card(name)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(serving, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(serving, request)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)  # added last: runs first
+    return app

@@ -1,0 +1,85 @@
+"""POST /v1/chat/completions: the conversation through the model's chat template, n choices."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from jaxpaged.async_engine import ChatPrompt, EngineDeadError
+from jaxpaged.server import errors
+from jaxpaged.server.logprobs import chat_logprobs
+from jaxpaged.server.protocol import ChatCompletionRequest
+from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, usage
+from jaxpaged.server.streaming import SSE_DONE, Deltas, RequestRun, sse
+
+
+def _fields(body: ChatCompletionRequest) -> dict[str, str]:
+    return {
+        **SAMPLING_FIELDS, "prompt": "messages", "prompt_token_ids": "messages", "messages": "messages",
+        "max_tokens": body.max_tokens_field, "logprobs": "top_logprobs",
+    }
+
+
+async def create_chat_completion(serving: Serving, http_request: Request):
+    body: ChatCompletionRequest = await serving.parse(http_request, ChatCompletionRequest)
+    fields = _fields(body)
+    params = serving.sampling_params(body, fields)
+    prompt = ChatPrompt(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+    request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages")
+    meta = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
+    if body.stream:
+        return StreamingResponse(
+            _stream(serving, run, body, meta), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    try:
+        (final,) = await run.final()
+    except EngineDeadError as exc:
+        raise errors.engine_dead(str(exc)) from None
+    if run.disconnected:  # nobody reads this answer
+        return JSONResponse({}, status_code=499)
+    top = body.top_logprobs or 0
+    choices = []
+    for c in final.outputs:
+        logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids), top, serving.token_bytes)} if body.logprobs else None
+        choices.append({
+            "index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+        })
+    generated = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)})
+
+
+async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[str]:
+    meta = {**meta, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if body.include_usage else {}
+    deltas = Deltas(body.n)
+    top = body.top_logprobs or 0
+    generated = 0
+    for index in range(body.n):  # OpenAI opens every choice with the role
+        delta = {"role": "assistant", "content": ""}
+        yield sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
+    try:
+        async for batch in run.updates():
+            for _, out in batch:
+                for c in out.outputs:
+                    text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
+                    if not text and c.finish_reason is None and (not body.logprobs or start == end):
+                        continue
+                    logprobs = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)} if body.logprobs else None
+                    delta = {"content": text} if text else {}
+                    choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
+                    yield sse({**meta, "choices": [choice], **extra})
+                    if c.finish_reason is not None:
+                        generated += len(c.token_ids)
+    except EngineDeadError as exc:
+        yield sse(errors.engine_dead(str(exc)).body())
+        yield SSE_DONE
+        return
+    if run.disconnected:
+        return
+    if body.include_usage:
+        yield sse({**meta, "choices": [], "usage": usage(run.prompt_tokens, generated)})
+    yield SSE_DONE

@@ -1,0 +1,207 @@
+"""Request bodies of the OpenAI API, as pydantic models.
+
+Types are strict (a string is not a number, 2.0 is not an int) because a silently coerced
+field is a request the client did not mean. Value ranges are not checked here: `SamplingParams`
+owns them, and the server turns its ValueErrors into 400s. Fields OpenAI has but this engine
+does not implement are refused when set, rather than ignored; unknown fields are ignored, as
+vLLM does, so clients that send extras keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from jaxpaged.sampling_params import SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_PROMPTS = 128  # prompts in one completions request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Any = None  # SamplingParams checks its type, count and lengths
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Any = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams' arguments; None means the default, as in OpenAI's API."""
+        values = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "seed": self.seed, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens, "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value):
+        err = ValueError
+        if isinstance(value, str):
+            if not value:
+                raise err("must not be empty")
+            return value
+        if not isinstance(value, list) or not value:
+            raise err("must be a non-empty string, list of strings, list of token ids, or list of token-id lists")
+        if len(value) > MAX_PROMPTS and not all(_is_token(t) for t in value):
+            raise err(f"may hold at most {MAX_PROMPTS} prompts (got {len(value)})")
+        if all(_is_token(t) for t in value):
+            return [int(t) for t in value]
+        if all(isinstance(p, str) for p in value):
+            if not all(value):
+                raise err("strings must not be empty")
+            return list(value)
+        if all(isinstance(p, list) for p in value):
+            for p in value:
+                if not p or not all(_is_token(t) for t in p):
+                    raise err("token-id lists must be non-empty lists of integers")
+            return [[int(t) for t in p] for p in value]
+        raise err("must be a string, a list of strings, a list of token ids, or a list of token-id lists")
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the engine does not compute prompt logprobs)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, best_of=self.best_of, **self.sampling_kwargs())
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[dict] | None
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        if value not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)} (got {value!r})")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value):
+        if value is None:
+            raise ValueError("content must be a string or a list of text parts")
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("content parts must be {'type': 'text', 'text': str}; other kinds are not supported")
+                texts.append(part["text"])
+            return "".join(texts)
+        return value
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value):
+        if not value:
+            raise ValueError("messages must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format other than text is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def conversation(self) -> list[dict]:
+        out = []
+        for m in self.messages:
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            if m.name:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.sampling_kwargs())

@@ -1,0 +1,98 @@
+"""What both generation endpoints share: settings, body parsing, sampling params, submission."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from jaxpaged.async_engine import AsyncLLMEngine, ChatPrompt, EngineDeadError, QueueFullError
+from jaxpaged.engine import PromptType
+from jaxpaged.sampling_params import MAX_N, SamplingParams
+from jaxpaged.server import errors
+from jaxpaged.server.logprobs import TokenBytes
+from jaxpaged.server.streaming import RequestRun
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_n: int = MAX_N  # cap on n (SamplingParams' own cap is the ceiling)
+    max_request_bytes: int = 4 << 20
+    retry_after_seconds: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n must be in [1, {MAX_N}] (got {self.max_n})")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024 (got {self.max_request_bytes})")
+
+
+class Serving:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    async def parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        body = await request.body()
+        try:
+            parsed = model.model_validate_json(body)
+        except ValidationError as exc:
+            raise errors.from_validation_error(exc) from None
+        if parsed.model not in self.settings.served_model_names:
+            raise errors.model_not_found(parsed.model, self.settings.served_model_names)
+        return parsed
+
+    def sampling_params(self, body, fields: dict[str, str]) -> SamplingParams:
+        """SamplingParams from the body; its ValueError (naming the field) becomes a 400 on that field."""
+        if isinstance(body.n, int) and not 1 <= body.n <= self.settings.max_n:
+            raise errors.bad_request(f"n must be in [1, {self.settings.max_n}] (got {body.n})", param="n")
+        try:
+            return body.sampling_params()
+        except (ValueError, NotImplementedError) as exc:
+            raise errors.from_value_error(exc, fields) from None
+
+    async def submit(
+        self, http_request: Request, prefix: str, prompts: list[PromptType | ChatPrompt], params: SamplingParams,
+        fields: dict[str, str], prompt_field: str,
+    ) -> tuple[str, RequestRun]:
+        """Queue one engine request per prompt (all or none) and return the HTTP request's id and run."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        batch = [(f"{request_id}-{i}", p, params) for i, p in enumerate(prompts)]
+        try:
+            streams = await self.engine.add_requests(batch)
+        except QueueFullError as exc:
+            raise errors.queue_full(str(exc), self.settings.retry_after_seconds) from None
+        except EngineDeadError as exc:
+            raise errors.engine_dead(str(exc)) from None
+        except ValueError as exc:
+            raise errors.from_value_error(exc, fields, default=prompt_field) from None
+        return request_id, RequestRun(self.engine, streams, http_request)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+SAMPLING_FIELDS = {
+    name: name
+    for name in (
+        "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+        "skip_special_tokens", "include_stop_str_in_output",
+    )
+}

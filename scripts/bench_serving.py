@@ -1,0 +1,308 @@
+"""Online serving benchmark against any OpenAI-compatible server, or jaxpaged against transformers in one run.
+
+Every request streams (with `stream_options.include_usage`), so the client times the first token
+(TTFT), the gaps between chunks (ITL), the time per output token after the first (TPOT) and the
+whole request (E2E); throughput is completed requests and tokens over the run's wall time. Load
+comes at a fixed concurrency (each client sends its next request when the last one finishes) or
+as a Poisson process (`--request-rate`). Prompts are seeded random words; `ignore_eos` makes every
+request generate exactly its output length on servers that honour it (vLLM, jaxpaged, hf_server).
+
+    # one server that is already running
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 64 --concurrency 64
+    # jaxpaged and the transformers baseline (scripts/hf_server.py), one after the other, same workload
+    python scripts/bench_serving.py --compare --num-prompts 64 --concurrency 64 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "river", "garden", "music", "story", "light", "water", "city", "question", "reason", "paper", "history", "money", "market", "future", "energy", "system", "island", "language", "forest", "bridge", "winter"]
+
+
+@dataclasses.dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def make_prompts(args) -> list[tuple[str, int]]:
+    rng = random.Random(args.seed)
+    prompts = []
+    for _ in range(args.num_prompts):
+        words = rng.randint(*args.input_len)
+        prompts.append((" ".join(rng.choice(WORDS) for _ in range(words)), rng.randint(*args.output_len)))
+    return prompts
+
+
+async def one_request(client, args, model: str, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    result = RequestResult(ok=False)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    result.error = str(data["error"])
+                    return result
+                if data.get("usage"):
+                    result.prompt_tokens = data["usage"]["prompt_tokens"]
+                    result.output_tokens = data["usage"]["completion_tokens"]
+                for choice in data.get("choices", []):
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if text:
+                        now = time.perf_counter()
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = repr(exc)
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = result.output_tokens > 0
+    return result
+
+
+async def run_load(args, base_url: str, model: str, prompts) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=max(args.concurrency or 0, 256), max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
+        for _ in range(args.warmup):
+            await one_request(client, args, model, prompts[0][0], 4)
+        start = time.perf_counter()
+        if args.request_rate is None:
+            queue = list(prompts)
+            results: list[RequestResult] = []
+
+            async def client_loop():
+                while queue:
+                    prompt, n = queue.pop(0)
+                    results.append(await one_request(client, args, model, prompt, n))
+
+            await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
+        else:
+            rng = np.random.default_rng(args.seed)
+            gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+            async def send(prompt, n):
+                if gate is None:
+                    return await one_request(client, args, model, prompt, n)
+                async with gate:
+                    return await one_request(client, args, model, prompt, n)
+
+            tasks = []
+            for prompt, n in prompts:
+                tasks.append(asyncio.create_task(send(prompt, n)))
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+            results = list(await asyncio.gather(*tasks))
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def stats(values) -> dict:
+        values = [v for v in values if v is not None]
+        if not values:
+            return {"mean": None, "p50": None, "p99": None}
+        a = np.asarray(values) * 1000.0
+        return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": stats(r.ttft for r in ok), "tpot_ms": stats(r.tpot for r in ok),
+        "itl_ms": stats(v for r in ok for v in r.itl), "e2e_ms": stats(r.e2e for r in ok),
+    }
+
+
+def print_summary(name: str, s: dict) -> None:
+    load = s.get("loadavg_1min", {})
+    print(f"== {name}: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.1f}s "
+          f"(1-min load average {load.get('before', 0):.2f} before, {load.get('after', 0):.2f} after)")
+    print(f"   requests/s {s['request_throughput']:.3f}   output tok/s {s['output_throughput']:.1f}   "
+          f"total tok/s {s['total_token_throughput']:.1f}   (in {s['input_tokens']}, out {s['output_tokens']} tokens)")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        m = s[key]
+        if m["mean"] is not None:
+            print(f"   {key[:-3].upper():5s} ms  mean {m['mean']:9.1f}   p50 {m['p50']:9.1f}   p99 {m['p99']:9.1f}")
+    for err in s["errors"]:
+        print(f"   error: {err}")
+
+
+def first_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
+class Launched:
+    """A server subprocess on a free port, stopped on exit."""
+
+    def __init__(self, cmd: list[str], name: str, log_dir: Path, timeout: float = 900):
+        import socket
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in __exit__
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    self.startup_s = time.perf_counter() - t0
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise RuntimeError(f"{name} not healthy after {timeout}s; see {self.log.name}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def bench(args, base_url: str, name: str) -> dict:
+    model = args.model or first_model(base_url, args.api_key)
+    load_before = os.getloadavg()[0]
+    results, duration = asyncio.run(run_load(args, base_url, model, make_prompts(args)))
+    summary = summarize(results, duration)
+    # other work on the machine skews both systems, and not equally: record it next to the figures
+    summary["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
+    print_summary(name, summary)
+    return summary
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor(),
+           "cpus": os.cpu_count(), "platform": platform.platform()}
+    for mod in ("jax", "torch", "transformers", "fastapi", "uvicorn"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--compare", action="store_true", help="launch jaxpaged and scripts/hf_server.py in turn and bench both")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=64, help="clients in flight (with --request-rate: a cap, 0 = none)")
+    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead of fixed concurrency")
+    p.add_argument("--input-len", type=int, nargs=2, default=(48, 80), metavar=("LO", "HI"), help="prompt words (default 48 80)")
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 32), metavar=("LO", "HI"), help="max_tokens (default 32 32)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end requests early")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests first (default 1)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout in seconds")
+    p.add_argument("--server-args", default="", help="with --compare: extra arguments for python -m jaxpaged.serve")
+    p.add_argument("--skip-hf", action="store_true", help="with --compare: bench jaxpaged only")
+    p.add_argument("--json", metavar="PATH", help="write the workload, results and machine info here")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.concurrency < 0 or (args.request_rate is None and args.concurrency < 1):
+        p.error("--num-prompts must be >= 1 and --concurrency >= 1 (or >= 0 with --request-rate)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = {"date": datetime.date.today().isoformat(), "argv": sys.argv[1:], "versions": versions(), "results": {}}
+    if args.base_url:
+        report["results"]["server"] = bench(args, args.base_url.rstrip("/"), args.base_url)
+    else:
+        log_dir = Path(tempfile.mkdtemp(prefix="bench_serving-"))
+        print(f"-- server logs in {log_dir}", file=sys.stderr)
+        servers = [("jaxpaged", [sys.executable, "-m", "jaxpaged.serve", "--log-level", "WARNING", *args.server_args.split()])]
+        if not args.skip_hf:
+            servers.append(("transformers", [sys.executable, str(REPO / "scripts" / "hf_server.py")]))
+        for name, cmd in servers:
+            print(f"-- starting {name}: {' '.join(cmd)}", file=sys.stderr)
+            with Launched(cmd, name, log_dir) as server:
+                print(f"-- {name} healthy after {server.startup_s:.1f}s", file=sys.stderr)
+                report["results"][name] = bench(args, server.url, name)
+                report["results"][name]["startup_s"] = server.startup_s
+        if "transformers" in report["results"]:
+            ours, base = report["results"]["jaxpaged"], report["results"]["transformers"]
+            report["ratios"] = {
+                "output_throughput": ours["output_throughput"] / base["output_throughput"],
+                "ttft_p50": ours["ttft_ms"]["p50"] / base["ttft_ms"]["p50"],
+            }
+            r = report["ratios"]
+            print(f"== jaxpaged / transformers: output throughput {r['output_throughput']:.2f}x (target >= 5), "
+                  f"TTFT p50 {r['ttft_p50']:.3f} of the baseline's (target <= 0.2)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**report, "args": vars(args)}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

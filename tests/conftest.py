@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny cycle model and the server processes that serve it (started once per session)."""
+
+from __future__ import annotations
+
+import pytest
+
+CYCLE_MODEL = "cycle"
+API_KEY = "test-key-123"
+# One config for both servers and the in-process engine, so the persistent XLA cache compiles each shape once.
+ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "64", "--block-size", "8",
+               "--num-kv-blocks", "1024", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="session")
+def cycle_model_dir(tmp_path_factory):
+    from tests.cycle_model import write_cycle_model
+
+    return write_cycle_model(tmp_path_factory.mktemp("cycle-model"))
+
+
+@pytest.fixture(scope="session")
+def server(cycle_model_dir, tmp_path_factory):
+    from tests.server_harness import ServerProcess
+
+    proc = ServerProcess(
+        ["--model", str(cycle_model_dir), "--served-model-name", CYCLE_MODEL, "other-name", *ENGINE_ARGS],
+        tmp_path_factory.mktemp("server") / "server.log",
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(cycle_model_dir, tmp_path_factory):
+    """API key, a 1-request waiting queue and a 4 KiB body limit."""
+    from tests.server_harness import ServerProcess
+
+    proc = ServerProcess(
+        ["--model", str(cycle_model_dir), "--served-model-name", CYCLE_MODEL, "--max-waiting", "1",
+         "--max-request-bytes", "4096", *ENGINE_ARGS],
+        tmp_path_factory.mktemp("keyed-server") / "server.log", api_key=API_KEY,
+    )
+    yield proc
+    proc.stop()

@@ -1,0 +1,231 @@
+"""AsyncLLMEngine in-process: shared batch, abort, cancellation, bad input, queue limit, loop death."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+import httpx
+import pytest
+
+from jaxpaged import SamplingParams
+from jaxpaged.async_engine import AsyncLLMEngine, ChatPrompt, EngineDeadError, QueueFullError
+from jaxpaged.config import EngineConfig
+from jaxpaged.engine import LLMEngine
+from tests.cycle_model import greedy_text
+
+
+@pytest.fixture(scope="module")
+def llm_engine(cycle_model_dir):
+    # the servers' configuration (tests/conftest.py), so the persistent XLA cache already holds its steps
+    config = EngineConfig(model=str(cycle_model_dir), dtype="float32", max_model_len=512, max_num_seqs=32,
+                          max_num_batched_tokens=64, block_size=8, num_kv_blocks=1024)
+    return LLMEngine(config)
+
+
+@pytest.fixture
+def make_engine(llm_engine):
+    made = []
+
+    def make(**kwargs) -> AsyncLLMEngine:
+        engine = AsyncLLMEngine(llm_engine, **kwargs)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.shutdown()
+    stats = llm_engine.get_stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert not llm_engine.groups
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+async def _collect(engine: AsyncLLMEngine, prompt, params, rid):
+    outs = [out async for out in engine.generate(prompt, params, rid)]
+    return outs
+
+
+def test_concurrent_callers_share_one_batch(make_engine):
+    running = []
+    engine = make_engine(stats_listener=lambda s: running.append(s.engine["num_running"]))
+
+    async def main():
+        return await asyncio.gather(*(
+            _collect(engine, {"prompt_token_ids": [65 + i]}, _greedy(10 + i), f"r{i}") for i in range(20)
+        ))
+
+    results = asyncio.run(main())
+    for i, outs in enumerate(results):
+        final = outs[-1]
+        assert final.finished and all(not o.finished for o in outs[:-1])
+        assert final.outputs[0].text == greedy_text(65 + i, 10 + i)
+        assert len(final.outputs[0].token_ids) == 10 + i
+        # outputs are cumulative: each extends the one before
+        assert all(b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids for a, b in itertools.pairwise(outs))
+    assert max(running) == 20  # all twenty decoded in the same steps
+
+
+def test_chat_prompt_is_templated_on_the_engine_thread(make_engine):
+    engine = make_engine()
+    outs = asyncio.run(_collect(engine, ChatPrompt([{"role": "user", "content": "hi"}]), _greedy(6), "chat"))
+    assert outs[-1].outputs[0].text == greedy_text(ord("\n"), 6)
+    assert outs[-1].prompt_token_ids[-1] == ord("\n")
+
+
+def test_abort_ends_the_stream_and_frees_blocks_at_once(make_engine, llm_engine):
+    engine = make_engine()
+
+    async def main():
+        seen = []
+        async for out in engine.generate({"prompt_token_ids": [5]}, _greedy(480), "long"):
+            seen.append(out)
+            if len(seen) == 3:
+                engine.abort("long")
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    assert len(seen[-1].outputs[0].token_ids) < 480
+    assert engine.get_stats()["kv_blocks_used"] == 0 and "long" not in llm_engine.groups
+
+
+def test_cancelled_caller_aborts_its_request(make_engine, llm_engine):
+    engine = make_engine()
+
+    async def main():
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate({"prompt_token_ids": [5]}, _greedy(480), "cancel-me"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the abort lands after the step in flight
+            if "cancel-me" not in llm_engine.groups:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert "cancel-me" not in llm_engine.groups
+
+
+def test_bad_requests_raise_and_the_loop_goes_on(make_engine):
+    engine = make_engine()
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            await engine.add_request("bad", {"prompt_token_ids": [10_000]}, _greedy(4))
+        with pytest.raises(ValueError, match="max_tokens"):
+            await engine.add_request("long", {"prompt_token_ids": [1] * 500}, _greedy(100))
+        with pytest.raises(ValueError, match="messages"):
+            await engine.add_request("tmpl", ChatPrompt([1]), _greedy(4))
+        # all or none: the good first request of a failing batch is not left queued
+        with pytest.raises(ValueError):
+            await engine.add_requests([("ok", {"prompt_token_ids": [3]}, _greedy(4)), ("bad2", {"prompt_token_ids": []}, _greedy(4))])
+        return await _collect(engine, {"prompt_token_ids": [3]}, _greedy(4), "ok")
+
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].text == greedy_text(3, 4)
+
+
+def test_max_tokens_none_fills_what_is_left(make_engine):
+    engine = make_engine()
+    outs = asyncio.run(_collect(engine, {"prompt_token_ids": [1] * 500}, SamplingParams(temperature=0, max_tokens=None), "fill"))
+    assert len(outs[-1].outputs[0].token_ids) == 12 and outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_full_waiting_queue_refuses(make_engine, llm_engine, monkeypatch):
+    engine = make_engine(max_waiting=2)
+    gate, stepping = threading.Event(), threading.Event()
+    real_step = llm_engine.step
+
+    def gated_step():  # hold the loop inside a step so the adds below queue up behind it
+        stepping.set()
+        gate.wait(10)
+        return real_step()
+
+    monkeypatch.setattr(llm_engine, "step", gated_step)
+    prompt = {"prompt_token_ids": [3]}
+
+    async def main():
+        with pytest.raises(ValueError, match="waiting queue"):
+            await engine.add_requests([(f"x{i}", prompt, _greedy(4)) for i in range(3)])
+        blocker = await engine.add_request("blocker", prompt, _greedy(4))
+        await asyncio.get_running_loop().run_in_executor(None, stepping.wait, 10)
+        two = asyncio.ensure_future(engine.add_requests([(f"q{i}", prompt, _greedy(4)) for i in range(2)]))
+        one = asyncio.ensure_future(engine.add_request("q2", prompt, _greedy(4)))
+        await asyncio.sleep(0.05)
+        gate.set()
+        streams = await two
+        with pytest.raises(QueueFullError):
+            await one
+        for stream in [blocker, *streams]:
+            outs = [out async for out in stream]
+            assert outs[-1].outputs[0].finish_reason == "length"
+
+    asyncio.run(main())
+    monkeypatch.undo()
+
+
+def test_loop_death_fails_every_caller_and_marks_the_engine_dead(make_engine, llm_engine, monkeypatch):
+    engine = make_engine()
+    real_step = llm_engine.step
+    calls = 0
+
+    def failing_step():
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    monkeypatch.setattr(llm_engine, "step", failing_step)
+
+    async def main():
+        results = await asyncio.gather(
+            *(_collect(engine, {"prompt_token_ids": [7]}, _greedy(100), f"d{i}") for i in range(4)), return_exceptions=True
+        )
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "device fell over" in str(results[0])
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("late", {"prompt_token_ids": [7]}, _greedy(4))
+
+    asyncio.run(main())
+    assert engine.errored and not engine.is_running
+    monkeypatch.undo()
+
+
+def test_health_and_requests_are_503_once_the_loop_is_dead(make_engine, llm_engine, monkeypatch):
+    from jaxpaged.server import ServerSettings, build_app
+
+    engine = make_engine()
+    app = build_app(engine, ServerSettings(["m"]))
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm_engine, "step", broken_step)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 200
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": [5], "max_tokens": 3})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            health = await client.get("/health")
+            assert health.status_code == 503 and "boom" in health.json()["error"]["message"]
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": [5], "max_tokens": 3})
+            assert r.status_code == 503
+            metrics = (await client.get("/metrics")).text
+            assert "jaxpaged:engine_alive 0.0" in metrics
+
+    asyncio.run(main())
+    monkeypatch.undo()

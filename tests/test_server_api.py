@@ -1,0 +1,173 @@
+"""The server through the official openai client: completions, chat, streaming, n, seeds, logprobs, load."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import CYCLE_MODEL
+from tests.cycle_model import CYCLE_TEXT, greedy_bytes, greedy_text
+
+NL = ord("\n")  # the chat template ends with "assistant\n"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _last_token(prompt: str) -> int:
+    return prompt.encode("utf-8")[-1]  # the cycle model's tokens are bytes
+
+
+def test_models_lists_every_served_name(client):
+    assert [m.id for m in client.models.list().data] == [CYCLE_MODEL, "other-name"]
+
+
+def test_completion_greedy_text_usage_and_ids(client):
+    r = client.completions.create(model=CYCLE_MODEL, prompt="hello", max_tokens=20, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.created > 0 and r.model == CYCLE_MODEL
+    (choice,) = r.choices
+    assert choice.text == greedy_text(_last_token("hello"), 20)
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 20, 25)
+
+
+def test_second_served_name_works_and_token_id_prompts(client):
+    r = client.completions.create(model="other-name", prompt=[[104, 105], [7]], max_tokens=5, temperature=0)
+    assert [c.text for c in r.choices] == [greedy_text(105, 5), greedy_text(7, 5)]
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 10
+
+
+def test_stop_string_and_echo(client):
+    r = client.completions.create(model=CYCLE_MODEL, prompt="xy", max_tokens=30, temperature=0, stop=["🚀"], echo=True)
+    assert r.choices[0].text == "xy" + "é日" and r.choices[0].finish_reason == "stop"
+
+
+def test_streaming_keeps_multibyte_characters_whole(client):
+    """Tokens are single bytes, so every character above U+007F spans 2-4 tokens; no chunk may cut one."""
+    want = greedy_text(_last_token("stream me"), 37)
+    stream = client.completions.create(
+        model=CYCLE_MODEL, prompt="stream me", max_tokens=37, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(pieces) == want
+    assert CYCLE_TEXT in want and "\ufffd" not in "".join(pieces[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 37
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_sse_framing_ends_with_done(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={
+        "model": CYCLE_MODEL, "prompt": "a", "max_tokens": 3, "temperature": 0, "stream": True,
+    }, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+
+
+def test_chat_non_streaming_and_streaming_agree(client, server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sag etwas auf Japanisch: 日本"}]
+    r = client.chat.completions.create(model=CYCLE_MODEL, messages=messages, max_completion_tokens=25, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == greedy_text(NL, 25) and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 25 and r.usage.prompt_tokens > 25
+    chunks = list(client.chat.completions.create(
+        model=CYCLE_MODEL, messages=messages, max_tokens=25, temperature=0, stream=True, stream_options={"include_usage": True}
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    m = server.metrics()  # the second request found the first one's prompt blocks
+    assert 0 < m["jaxpaged:prefix_cache_hits_total"] <= m["jaxpaged:prefix_cache_queries_total"]
+
+
+def test_n_and_seeds(client):
+    def sample(seed, n=3, prompt=("p", "q")):
+        r = client.completions.create(model=CYCLE_MODEL, prompt=list(prompt), max_tokens=12, temperature=1.0, n=n, seed=seed)
+        assert [c.index for c in r.choices] == list(range(len(prompt) * n))
+        assert 0 < r.usage.completion_tokens <= len(prompt) * n * 12  # a sampled EOS may end a choice early
+        return [c.text for c in r.choices]
+
+    first = sample(7)
+    assert first == sample(7)  # a seed makes sampling reproducible
+    assert len(set(first[:3])) > 1  # the n samples of one prompt differ (seed + i each)
+    assert first != sample(8)
+    chat = [client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                           temperature=1.0, seed=3, max_tokens=8) for _ in range(2)]
+    assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
+    assert len(chat[0].choices) == 2
+
+
+def test_seeded_stream_equals_seeded_response(client):
+    kwargs = {"model": CYCLE_MODEL, "prompt": "seeded", "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 123}
+    whole = client.completions.create(**kwargs).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == whole
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=CYCLE_MODEL, prompt="ab", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and chosen == pytest.approx(max(top.values()))  # greedy picks the most likely
+    assert lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_bytes_rebuild_the_text(client):
+    r = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=9,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 9 and all(len(t.top_logprobs) == 2 for t in content)
+    assert bytes(b for t in content for b in t.bytes) == greedy_bytes(NL, 9)
+    assert r.choices[0].message.content == greedy_text(NL, 9)
+
+
+def test_vllm_extras_are_honoured(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={
+        "model": CYCLE_MODEL, "prompt": "q", "max_tokens": 10, "min_tokens": 10, "ignore_eos": True, "top_k": 1,
+        "min_p": 0.1, "repetition_penalty": 1.0, "temperature": 0.7, "stop_token_ids": [1000 % 256],
+    }, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 10
+    assert r.json()["choices"][0]["text"] == greedy_text(ord("q"), 10)  # top_k=1 is greedy
+
+
+async def _one_stream(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, int, str]:
+    max_tokens = 8 + i % 24
+    stream = await client.completions.create(
+        model=CYCLE_MODEL, prompt=f"client {i}", max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage, reason = [], None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return max_tokens, "".join(text), usage, reason
+
+
+def test_64_concurrent_streaming_clients(server):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(_one_stream(client, i) for i in range(64)))
+
+    before = server.metrics()["jaxpaged:generation_tokens_total"]
+    results = asyncio.run(main())
+    for i, (max_tokens, text, usage, reason) in enumerate(results):
+        assert usage == max_tokens and reason == "length", i
+        assert text == greedy_text(ord(str(i)[-1]), max_tokens), i
+    expected = before + sum(r[0] for r in results)
+    after = server.wait_metrics(lambda m: m["jaxpaged:generation_tokens_total"] >= expected)
+    assert after["jaxpaged:generation_tokens_total"] == expected
+    assert after["jaxpaged:kv_blocks_used"] == 0 and after["jaxpaged:num_requests_running"] == 0
