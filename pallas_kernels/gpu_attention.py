@@ -29,16 +29,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.tiles import query_tiles
+from pallas_kernels.tiles import query_tiles, tile_shape
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so fully masked rows never make NaN
 MIN_ROWS = 16  # tl.dot's smallest M, N and K
 KV_TOKENS_PER_ITER = 64  # cached tokens per inner iteration (whole blocks)
 NEW_KEYS_PER_ITER = 32  # this step's keys per inner iteration
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -146,13 +142,9 @@ def gpu_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_head_dim(head_dim)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads
-    group_pad = _pow2(group)
-    tokens_per_tile = max(1, MIN_ROWS // group_pad)
-    rows = tokens_per_tile * group_pad
-    pages_per_iter = max(1, KV_TOKENS_PER_ITER // block_size)
+    shape = tile_shape(num_heads, num_kv_heads, block_size, MIN_ROWS, KV_TOKENS_PER_ITER)
+    group, group_pad, tokens_per_tile = shape.group, shape.group_pad, shape.tokens_per_tile
+    rows, pages_per_iter = shape.rows, shape.pages_per_iter
 
     seq, start, length = query_tiles(md.query_start_loc, num_tokens, tokens_per_tile)
     width = md.block_tables.shape[1]

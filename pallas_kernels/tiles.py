@@ -8,6 +8,8 @@ number of tiles any step of this shape can need; tiles past the real ones have l
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -29,3 +31,28 @@ def query_tiles(query_start_loc: jax.Array, num_tokens: int, tokens_per_tile: in
     start = query_start_loc[seq] + (tile - (ends[seq] - per_seq[seq])) * tokens_per_tile
     length = jnp.where(tile < ends[-1], jnp.minimum(tokens_per_tile, query_start_loc[seq + 1] - start), 0)
     return seq, start.astype(jnp.int32), length.astype(jnp.int32)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class TileShape:
+    """How a kernel cuts one step: query rows per program and KV blocks per inner iteration."""
+
+    group: int  # query heads per KV head
+    group_pad: int  # ... rounded up to a power of two
+    tokens_per_tile: int  # a tile's tokens: rows_target // group_pad (at least 1)
+    rows: int  # tokens_per_tile * group_pad query rows per program
+    pages_per_iter: int  # KV blocks per inner iteration
+
+
+def tile_shape(num_heads: int, num_kv_heads: int, block_size: int, rows_target: int, kv_tokens_per_iter: int) -> TileShape:
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    group_pad = _pow2(group)
+    tokens_per_tile = max(1, rows_target // group_pad)
+    return TileShape(group, group_pad, tokens_per_tile, tokens_per_tile * group_pad,
+                     max(1, kv_tokens_per_iter // block_size))  # fmt: skip

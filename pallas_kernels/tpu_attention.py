@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.gpu_attention import MASK_VALUE, _pow2, check_head_dim
+from pallas_kernels.gpu_attention import MASK_VALUE, check_head_dim
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.tiles import query_tiles
+from pallas_kernels.tiles import query_tiles, tile_shape
 
 ROWS = 16  # query rows per program: tokens x padded group
 KV_TOKENS_PER_ITER = 64
@@ -156,13 +156,9 @@ def tpu_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_head_dim(head_dim)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    group = num_heads // num_kv_heads
-    group_pad = _pow2(group)
-    tokens_per_tile = max(1, ROWS // group_pad)
-    rows = tokens_per_tile * group_pad
-    pages_per_iter = max(1, KV_TOKENS_PER_ITER // block_size)
+    shape = tile_shape(num_heads, num_kv_heads, block_size, ROWS, KV_TOKENS_PER_ITER)
+    group, group_pad, tokens_per_tile = shape.group, shape.group_pad, shape.tokens_per_tile
+    rows, pages_per_iter = shape.rows, shape.pages_per_iter
 
     seq, start, length = query_tiles(md.query_start_loc, num_tokens, tokens_per_tile)
     num_tiles = seq.shape[0]
