@@ -12,8 +12,8 @@ from jaxpaged.async_engine import ChatPrompt, EngineDeadError
 from jaxpaged.server import errors
 from jaxpaged.server.logprobs import chat_logprobs
 from jaxpaged.server.protocol import ChatCompletionRequest
-from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, usage
-from jaxpaged.server.streaming import SSE_DONE, Deltas, RequestRun, sse
+from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
+from jaxpaged.server.streaming import Deltas, RequestRun, sse
 
 
 def _fields(body: ChatCompletionRequest) -> dict[str, str]:
@@ -57,29 +57,17 @@ async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest
     extra = {"usage": None} if body.include_usage else {}
     deltas = Deltas(body.n)
     top = body.top_logprobs or 0
-    generated = 0
     for index in range(body.n):  # OpenAI opens every choice with the role
         delta = {"role": "assistant", "content": ""}
         yield sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
-    try:
-        async for batch in run.updates():
-            for _, out in batch:
-                for c in out.outputs:
-                    text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
-                    if not text and c.finish_reason is None and (not body.logprobs or start == end):
-                        continue
-                    logprobs = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)} if body.logprobs else None
-                    delta = {"content": text} if text else {}
-                    choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
-                    yield sse({**meta, "choices": [choice], **extra})
-                    if c.finish_reason is not None:
-                        generated += len(c.token_ids)
-    except EngineDeadError as exc:
-        yield sse(errors.engine_dead(str(exc)).body())
-        yield SSE_DONE
-        return
-    if run.disconnected:
-        return
-    if body.include_usage:
-        yield sse({**meta, "choices": [], "usage": usage(run.prompt_tokens, generated)})
-    yield SSE_DONE
+
+    def chunk_for(_, c) -> dict | None:
+        text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
+        if not text and c.finish_reason is None and (not body.logprobs or start == end):
+            return None
+        logprobs = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)} if body.logprobs else None
+        delta = {"content": text} if text else {}
+        return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    async for chunk in stream_choices(run, meta, body.include_usage, chunk_for):
+        yield chunk

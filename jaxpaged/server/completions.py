@@ -13,8 +13,8 @@ from jaxpaged.outputs import CompletionOutput
 from jaxpaged.server import errors
 from jaxpaged.server.logprobs import completion_logprobs
 from jaxpaged.server.protocol import CompletionRequest
-from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, usage
-from jaxpaged.server.streaming import SSE_DONE, Deltas, RequestRun, sse
+from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
+from jaxpaged.server.streaming import Deltas, RequestRun
 
 FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt"}
 
@@ -51,29 +51,13 @@ def _echo(serving: Serving, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else serving.decode(prompt)
 
 
-async def _stream(run: RequestRun, body: CompletionRequest, meta: dict, echoes: list[str] | None) -> AsyncIterator[str]:
+def _stream(run: RequestRun, body: CompletionRequest, meta: dict, echoes: list[str] | None) -> AsyncIterator[str]:
     n = body.n
     deltas = Deltas(len(run.streams) * n)
-    extra = {"usage": None} if body.include_usage else {}
-    generated = 0
-    try:
-        async for batch in run.updates():
-            for i, out in batch:
-                for c in out.outputs:
-                    chunk = _choice_chunk(deltas, i * n + c.index, c, body, echoes[i] if echoes else "")
-                    if chunk is not None:
-                        yield sse({**meta, "choices": [chunk], **extra})
-                    if c.finish_reason is not None:
-                        generated += len(c.token_ids)
-    except EngineDeadError as exc:
-        yield sse(errors.engine_dead(str(exc)).body())
-        yield SSE_DONE
-        return
-    if run.disconnected:
-        return
-    if body.include_usage:
-        yield sse({**meta, "choices": [], "usage": usage(run.prompt_tokens, generated)})
-    yield SSE_DONE
+    return stream_choices(
+        run, meta, body.include_usage,
+        lambda i, c: _choice_chunk(deltas, i * n + c.index, c, body, echoes[i] if echoes else ""),
+    )  # fmt: skip
 
 
 def _choice_chunk(deltas: Deltas, index: int, c: CompletionOutput, body: CompletionRequest, echo: str) -> dict | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -13,7 +14,7 @@ from jaxpaged.engine import PromptType
 from jaxpaged.sampling_params import MAX_N, SamplingParams
 from jaxpaged.server import errors
 from jaxpaged.server.logprobs import TokenBytes
-from jaxpaged.server.streaming import RequestRun
+from jaxpaged.server.streaming import SSE_DONE, RequestRun, sse
 
 
 @dataclasses.dataclass
@@ -86,6 +87,31 @@ class Serving:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def stream_choices(run: RequestRun, meta: dict, include_usage: bool, chunk_for) -> AsyncIterator[str]:
+    """The SSE both endpoints send after their openers: chunk_for(prompt index, CompletionOutput) -> a choice or
+    None, per update; then the usage chunk when asked and [DONE]. A dead engine ends the stream with its error."""
+    extra = {"usage": None} if include_usage else {}
+    generated = 0
+    try:
+        async for batch in run.updates():
+            for i, out in batch:
+                for c in out.outputs:
+                    choice = chunk_for(i, c)
+                    if choice is not None:
+                        yield sse({**meta, "choices": [choice], **extra})
+                    if c.finish_reason is not None:
+                        generated += len(c.token_ids)
+    except EngineDeadError as exc:
+        yield sse(errors.engine_dead(str(exc)).body())
+        yield SSE_DONE
+        return
+    if run.disconnected:
+        return
+    if include_usage:
+        yield sse({**meta, "choices": [], "usage": usage(run.prompt_tokens, generated)})
+    yield SSE_DONE
 
 
 SAMPLING_FIELDS = {
