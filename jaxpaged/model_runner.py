@@ -170,12 +170,16 @@ class ModelRunner:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: blocks src -> dst, in fixed-size batches so the copy never recompiles."""
         for i in range(0, len(pairs), self.copy_width):
-            chunk = pairs[i : i + self.copy_width]
-            src = np.zeros(self.copy_width, np.int32)
-            dst = np.full(self.copy_width, self.num_blocks, np.int32)  # out of range: dropped
-            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
-            with self._on_mesh():
-                self.kv_cache = self._copy(self.kv_cache, src, dst)
+            self._copy_batch(pairs[i : i + self.copy_width])
+
+    def _copy_batch(self, pairs: list[tuple[int, int]]) -> None:
+        """At most copy_width pairs, padded with pairs whose out-of-range dst drops them."""
+        src = np.zeros(self.copy_width, np.int32)
+        dst = np.full(self.copy_width, self.num_blocks, np.int32)
+        if pairs:
+            src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
+        with self._on_mesh():
+            self.kv_cache = self._copy(self.kv_cache, src, dst)
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         if copies:
@@ -220,10 +224,7 @@ class ModelRunner:
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
             _, s = self.bucket_for(t)
             self.execute(self.blank_step(t, blank_sampling(s, self.history_width)))
-        with self._on_mesh():  # as copy() runs it, so the cached executable is the one reused
-            self.kv_cache = self._copy(  # all padding: compiles the copy, copies nothing
-                self.kv_cache, np.zeros(self.copy_width, np.int32), np.full(self.copy_width, self.num_blocks, np.int32)
-            )
+        self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - t0
         logger.info("compiled %d step buckets %s in %.1fs", len(self.buckets), self.buckets, elapsed)
