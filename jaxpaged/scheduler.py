@@ -88,7 +88,8 @@ class Scheduler:
             fresh = req.num_computed_tokens == 0 and not self.kv.block_table(req.seq_id)
             # prompt logprobs need every prompt position computed, so such a request skips the cache
             hit = self.kv.take_cached_prefix(req) if fresh and req.prompt_logprobs is None else 0
-            req.num_computed_tokens = hit if fresh else req.num_computed_tokens
+            if fresh:
+                req.num_computed_tokens = hit
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
             admitted = n <= 0 or self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
             while not admitted and self._release_idle_holder(exclude=req):
