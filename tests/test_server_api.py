@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 import openai
 import pytest
 
 from tests.conftest import CYCLE_MODEL
-from tests.cycle_model import CYCLE_TEXT, greedy_bytes, greedy_text
+from tests.cycle_model import CYCLE_TEXT, MARGIN, VOCAB, greedy_bytes, greedy_text
 
 NL = ord("\n")  # the chat template ends with "assistant\n"
 
@@ -120,6 +121,52 @@ def test_completion_logprobs(client):
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and chosen == pytest.approx(max(top.values()))  # greedy picks the most likely
     assert lp.text_offset[0] == 0
+
+
+# The cycle model's logits: 0, and MARGIN for the successor, shrunk by RMSNorm's eps (1e-6) on a one-hot of width VOCAB.
+_LOGIT = MARGIN / math.sqrt(1 + VOCAB * 1e-6)
+LOG_Z = math.log(math.exp(_LOGIT) + VOCAB - 1)
+SUCCESSOR, OTHER = _LOGIT - LOG_Z, -LOG_Z
+
+
+def test_echo_with_logprobs_scores_the_prompt_then_the_answer(client):
+    """'y'->'x'->' ' are not cycle steps, ' '->'a' and 'a'->'b' are: their logprobs are known exactly."""
+    r = client.completions.create(model=CYCLE_MODEL, prompt="yx a", max_tokens=1, temperature=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == "yx ab"
+    lp = c.logprobs
+    assert lp.tokens == ["y", "x", " ", "a", "b"] and lp.text_offset == [0, 1, 2, 3, 4]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([OTHER, OTHER, SUCCESSOR, SUCCESSOR], abs=1e-4)
+    assert list(lp.top_logprobs[3])[0] == "a" and len(lp.top_logprobs[3]) == 2
+    assert lp.top_logprobs[3]["a"] == pytest.approx(SUCCESSOR, abs=1e-4)
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 1
+
+
+def test_echo_with_max_tokens_0_only_scores_the_prompt(client):
+    r = client.completions.create(model=CYCLE_MODEL, prompt=[[121, 32, 97], [32, 97]], max_tokens=0, echo=True, logprobs=0)
+    assert [c.text for c in r.choices] == ["y a", " a"]
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    assert r.choices[0].logprobs.token_logprobs == [None, pytest.approx(OTHER, abs=1e-4), pytest.approx(SUCCESSOR, abs=1e-4)]
+    assert r.choices[0].logprobs.top_logprobs[1:] == [{}, {}]
+    assert r.choices[1].logprobs.tokens == [" ", "a"]
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 5
+
+
+def test_streamed_echo_logprobs_equal_the_whole_response(client):
+    kwargs = {"model": CYCLE_MODEL, "prompt": "yx a", "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 2,
+              "echo": True, "logprobs": 3}
+    whole = client.completions.create(**kwargs)
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kwargs) if ch.choices]
+    for choice in whole.choices:
+        mine = [ch for ch in chunks if ch.index == choice.index]
+        assert "".join(ch.text for ch in mine) == choice.text and choice.text.startswith("yx a")
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for ch in mine for v in getattr(ch.logprobs, key)] == getattr(choice.logprobs, key), key
+        assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == 4 + 6
+    for ch in client.completions.create(stream=True, **{**kwargs, "max_tokens": 0}):
+        assert ch.choices[0].text == "yx a" and ch.choices[0].finish_reason == "length"
+        assert ch.choices[0].logprobs.token_logprobs[1:] == pytest.approx([OTHER, OTHER, SUCCESSOR], abs=1e-4)
 
 
 def test_chat_logprobs_bytes_rebuild_the_text(client):

@@ -52,7 +52,9 @@ BAD_JSON_BODIES = [
     (C, _c(stream=False, stream_options={"include_usage": True}), "stream_options"),
     (C, _c(best_of=3), "best_of"),
     (C, _c(logit_bias={"5": 1.0}), "logit_bias"),
-    (C, _c(echo=True, logprobs=1), "echo"),
+    (C, _c(echo=True, logprobs=21), "logprobs"),
+    (C, _c(max_tokens=0), "max_tokens"),  # 0 is for scoring a prompt, with echo
+    (C, _c(echo=True, max_tokens=0, min_tokens=2), "min_tokens"),
     (C, _c(prompt=""), "prompt"),
     (C, _c(prompt=[]), "prompt"),
     (C, _c(prompt=[[]]), "prompt"),

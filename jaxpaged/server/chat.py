@@ -61,7 +61,7 @@ async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest
         delta = {"role": "assistant", "content": ""}
         yield sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
 
-    def chunk_for(_, c) -> dict | None:
+    def chunk_for(_i, _out, c) -> dict | None:
         text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
         if not text and c.finish_reason is None and (not body.logprobs or start == end):
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -9,14 +10,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from jaxpaged.async_engine import EngineDeadError
-from jaxpaged.outputs import CompletionOutput
+from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.server import errors
-from jaxpaged.server.logprobs import completion_logprobs
+from jaxpaged.server.logprobs import completion_logprobs, join_logprobs, prompt_completion_logprobs
 from jaxpaged.server.protocol import CompletionRequest
 from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.server.streaming import Deltas, RequestRun
 
-FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt"}
+FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
 
 
 async def create_completion(serving: Serving, http_request: Request):
@@ -28,7 +29,8 @@ async def create_completion(serving: Serving, http_request: Request):
     meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
     echoes = [_echo(serving, p) for p in prompts] if body.echo else None  # after submit: token ids are validated
     if body.stream:
-        return StreamingResponse(_stream(run, body, meta, echoes), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        stream = _stream(serving, run, body, meta, echoes)
+        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         finals = await run.final()
     except EngineDeadError as exc:
@@ -37,12 +39,12 @@ async def create_completion(serving: Serving, http_request: Request):
     if run.disconnected:  # nobody reads this answer
         return JSONResponse({}, status_code=499)
     for i, out in enumerate(finals):
-        for c in out.outputs:
+        for c in _shown(out, body):
             generated += len(c.token_ids)
             prefix = echoes[i] if echoes else ""
             logprobs = None
             if body.logprobs is not None:
-                logprobs, _ = completion_logprobs(c, 0, len(c.token_ids), body.logprobs, 0)
+                logprobs, _ = _logprobs(serving, body, out, c, 0, len(c.token_ids), 0, first=True)
             choices.append({"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     return JSONResponse({**meta, "choices": choices, "usage": usage(run.prompt_tokens, generated)})
 
@@ -51,24 +53,50 @@ def _echo(serving: Serving, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else serving.decode(prompt)
 
 
-def _stream(run: RequestRun, body: CompletionRequest, meta: dict, echoes: list[str] | None) -> AsyncIterator[str]:
+def _shown(out: RequestOutput, body: CompletionRequest) -> list[CompletionOutput]:
+    """The choices as the client sees them: with echo and max_tokens 0, the one generated token is dropped."""
+    if not body.prompt_only:
+        return out.outputs
+    return [
+        dataclasses.replace(
+            c, text="", token_ids=[], cumulative_logprob=None, logprobs=[] if c.logprobs is not None else None,
+            finish_reason="length" if c.finish_reason is not None else None, stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+
+
+def _logprobs(
+    serving: Serving, body: CompletionRequest, out: RequestOutput, c: CompletionOutput, start: int, end: int, offset: int,
+    first: bool,
+) -> tuple[dict, int]:
+    """Logprobs of tokens [start, end) of a choice; its first piece, with echo, starts with the prompt's."""
+    if not (first and body.echo and out.prompt_logprobs):
+        return completion_logprobs(c, start, end, body.logprobs, offset)
+    ids = out.prompt_token_ids
+    head, offset = prompt_completion_logprobs(ids, out.prompt_logprobs, body.logprobs, serving.decode(ids[:1]))
+    tail, offset = completion_logprobs(c, start, end, body.logprobs, offset)
+    return join_logprobs(head, tail), offset
+
+
+def _stream(
+    serving: Serving, run: RequestRun, body: CompletionRequest, meta: dict, echoes: list[str] | None
+) -> AsyncIterator[str]:
     n = body.n
     deltas = Deltas(len(run.streams) * n)
-    return stream_choices(
-        run, meta, body.include_usage,
-        lambda i, c: _choice_chunk(deltas, i * n + c.index, c, body, echoes[i] if echoes else ""),
-    )  # fmt: skip
 
+    def chunk_for(i: int, out: RequestOutput, c: CompletionOutput) -> dict | None:
+        index = i * n + c.index
+        first = not deltas.started[index]
+        deltas.started[index] = True
+        text, start, end = deltas.advance(index, c.text, len(c.token_ids))
+        if first and echoes:
+            text = echoes[i] + text
+        if not text and c.finish_reason is None and (body.logprobs is None or start == end):
+            return None
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, deltas.offsets[index] = _logprobs(serving, body, out, c, start, end, deltas.offsets[index], first)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-def _choice_chunk(deltas: Deltas, index: int, c: CompletionOutput, body: CompletionRequest, echo: str) -> dict | None:
-    first = not deltas.started[index]
-    deltas.started[index] = True
-    text, start, end = deltas.advance(index, c.text, len(c.token_ids))
-    if first and echo:
-        text = echo + text
-    if not text and c.finish_reason is None and (body.logprobs is None or start == end):
-        return None
-    logprobs = None
-    if body.logprobs is not None:
-        logprobs, deltas.offsets[index] = completion_logprobs(c, start, end, body.logprobs, deltas.offsets[index])
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    return stream_choices(run, meta, body.include_usage, chunk_for, lambda out: _shown(out, body))

@@ -37,22 +37,42 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
+def _completion_lists() -> dict[str, list]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _add_token(lists: dict, token_id: int, entry: dict[int, Logprob], top: int, offset: int) -> int:
+    chosen = entry[token_id]
+    lists["tokens"].append(_text(chosen))
+    lists["token_logprobs"].append(chosen.logprob)
+    lists["top_logprobs"].append({_text(lp): lp.logprob for _, lp in _ranked(entry, top)})
+    lists["text_offset"].append(offset)
+    return offset + len(_text(chosen))
+
+
 def completion_logprobs(c: CompletionOutput, start: int, end: int, top: int, offset: int) -> tuple[dict, int]:
     """Completions' shape for tokens [start, end) of a choice, and the offset after them.
 
-    `text_offset` adds up the tokens' own texts from `offset` (0 at the first generated token).
+    `text_offset` adds up the tokens' own texts from `offset` (0 at the first generated token, or at the
+    first prompt token with echo).
     """
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    lists = _completion_lists()
     for k in range(start, end):
-        entry = c.logprobs[k]
-        chosen = entry[c.token_ids[k]]
-        tokens.append(_text(chosen))
-        token_logprobs.append(chosen.logprob)
-        top_logprobs.append({_text(lp): lp.logprob for _, lp in _ranked(entry, top)})
-        text_offset.append(offset)
-        offset += len(_text(chosen))
-    lists = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+        offset = _add_token(lists, c.token_ids[k], c.logprobs[k], top, offset)
     return lists, offset
+
+
+def prompt_completion_logprobs(token_ids: list[int], entries: list, top: int, first_text: str) -> tuple[dict, int]:
+    """Completions' shape for an echoed prompt: as in OpenAI's API, the first token has no logprob or alternatives."""
+    lists = {"tokens": [first_text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    offset = len(first_text)
+    for token_id, entry in zip(token_ids[1:], entries[1:]):
+        offset = _add_token(lists, token_id, entry, top, offset)
+    return lists, offset
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int, token_bytes: TokenBytes) -> list[dict]:

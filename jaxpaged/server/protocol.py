@@ -114,9 +114,12 @@ class CompletionRequest(_SamplingRequest):
     def _unsupported(self):
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the engine does not compute prompt logprobs)")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 scores the prompt (as vLLM allows): one token is generated and dropped."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -124,7 +127,11 @@ class CompletionRequest(_SamplingRequest):
         return list(self.prompt)
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, best_of=self.best_of, **self.sampling_kwargs())
+        prompt_logprobs = self.logprobs if self.echo else None  # echo lists the prompt tokens' logprobs too
+        return SamplingParams(
+            max_tokens=1 if self.prompt_only else self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
+            best_of=self.best_of, **self.sampling_kwargs(),
+        )
 
 
 def _is_token(value) -> bool:

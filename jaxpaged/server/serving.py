@@ -89,16 +89,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def stream_choices(run: RequestRun, meta: dict, include_usage: bool, chunk_for) -> AsyncIterator[str]:
-    """The SSE both endpoints send after their openers: chunk_for(prompt index, CompletionOutput) -> a choice or
-    None, per update; then the usage chunk when asked and [DONE]. A dead engine ends the stream with its error."""
+async def stream_choices(
+    run: RequestRun, meta: dict, include_usage: bool, chunk_for, shown=lambda out: out.outputs
+) -> AsyncIterator[str]:
+    """The SSE both endpoints send after their openers: chunk_for(prompt index, RequestOutput, CompletionOutput)
+    -> a choice or None, for each of `shown(RequestOutput)` per update; then the usage chunk when asked and
+    [DONE]. A dead engine ends the stream with its error."""
     extra = {"usage": None} if include_usage else {}
     generated = 0
     try:
         async for batch in run.updates():
             for i, out in batch:
-                for c in out.outputs:
-                    choice = chunk_for(i, c)
+                for c in shown(out):
+                    choice = chunk_for(i, out, c)
                     if choice is not None:
                         yield sse({**meta, "choices": [choice], **extra})
                     if c.finish_reason is not None:
