@@ -115,7 +115,7 @@ def test_dataclass_tables_match_the_fields(heading):
     for name, field in fields.items():
         literal = _literal(field.default)
         if literal is not None:
-            assert f"`{literal}`" in documented[name], f"{heading}: the row of {name} should give its default `{literal}`"
+            assert f"`{literal}`" in documented[name], f"{heading}: {name}'s row should give its default `{literal}`"
 
 
 def test_llm_table_matches_the_constructor():
@@ -133,7 +133,7 @@ def test_llm_table_matches_the_constructor():
         assert name in fields, f"LLM's {name} is not an EngineConfig field"
         literal = _literal(p.default)
         if literal is not None:
-            assert f"`{literal}`" in documented[name], f"LLM(...): the row of {name} should give its default `{literal}`"
+            assert f"`{literal}`" in documented[name], f"LLM(...): {name}'s row should give its default `{literal}`"
     # **kwargs is documented as taking every EngineConfig field LLM does not name
     kwargs_row = documented["**kwargs"]
     for name in sorted(fields - set(params)):
@@ -153,7 +153,7 @@ def test_cli_tables_match_the_parsers(heading):
             continue  # its default is read from $JAXPAGED_API_KEY
         literal = _literal(action.default, cli=True)
         if literal is not None and action.default is not argparse.SUPPRESS:
-            assert f"`{literal}`" in documented[flag], f"{heading}: the row of {flag} should give its default `{literal}`"
+            assert f"`{literal}`" in documented[flag], f"{heading}: {flag}'s row should give its default `{literal}`"
 
 
 # -- links -------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
 def _without_fences(text: str) -> str:
-    return re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.M | re.S)
+    return re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.MULTILINE | re.DOTALL)
 
 
 def _prose(text: str) -> str:
@@ -196,7 +196,7 @@ def _markdown_files() -> list[Path]:
 def test_relative_links_point_at_existing_files(path):
     broken = []
     for target in LINK.findall(_prose(path.read_text(encoding="utf-8"))):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
             continue  # http:, https:, mailto: ...
         file_part, _, anchor = target.partition("#")
         resolved = (path.parent / file_part).resolve() if file_part else path
