@@ -24,7 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory_fraction
-    kv_cache_memory_fraction: float | None = None  # of device memory left after the weights (GPU/TPU)
+    kv_cache_memory_fraction: float | None = None  # of device memory left after the weights; on CPU, of free RAM
     max_num_seqs: int | None = None  # default 256 on GPU/TPU, 64 on CPU
     max_num_batched_tokens: int | None = None  # token budget per step; default 2048 on GPU/TPU, 256 on CPU
     attention_backend: str = "auto"  # auto = the Pallas kernel on GPU/TPU, the pure-JAX reference on CPU

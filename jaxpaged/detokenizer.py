@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         stop: str | Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         prompt_token_ids: Sequence[int] | None = None,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -40,6 +41,8 @@ class IncrementalDetokenizer:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens  # as vLLM: no stop string can end the output before min_tokens + 1 tokens
+        self._num_tokens = 0
         self.finished = False
         self.stop_reason: str | None = None
         # transformers may "clean up" spaces before punctuation, which would differ between a
@@ -77,6 +80,7 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""  # a token sampled in the same step as the stop string is dropped
         self._ids.append(int(token_id))
+        self._num_tokens += 1
         return self._accept(self._decode_new(final=False), final=False)
 
     def flush(self) -> str:
@@ -109,7 +113,7 @@ class IncrementalDetokenizer:
         if not new and not final:
             return ""
         search = self._tail + new
-        hit = self._find_stop(search, len(self._tail))
+        hit = self._find_stop(search, len(self._tail)) if self._num_tokens > self.min_tokens else None
         if hit is not None:
             start, end, stop = hit
             cut = end if self.include_stop_str_in_output else start

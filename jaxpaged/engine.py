@@ -150,6 +150,7 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
                     include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids,
+                    min_tokens=params.min_tokens,
                 )
             seq = Request(
                 seq_id=f"{request_id}#{index}", group=group, index=index, prompt_token_ids=ids, params=params,

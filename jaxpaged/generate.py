@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from jaxpaged.engine_args import add_engine_args, engine_kwargs
 from jaxpaged.logging_utils import setup_logging
 
 
@@ -17,9 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts-file to run many in one batch, or nothing on a terminal for an interactive session.",
     )
     p.add_argument("prompt", nargs="?", help="the prompt text (with --chat, the user's message)")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="local HF folder, .gguf file, or config.json (random weights); default: the built-in model")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)")
+    add_engine_args(p)
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
@@ -31,18 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message for --chat")
     g.add_argument("--prompts-file", default=None, help="run every line of this file as a prompt, in one batch; results as JSON lines")
     g.add_argument("--output", default=None, help="with --prompts-file: write the JSON lines here instead of stdout")
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + answer (default: the model's context)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 256 on CPU, 2048 on GPU/TPU)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from memory)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices (default: 1)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="a request's tokens never depend on the rest of the batch (one step shape; slower)")
+    g = p.add_argument_group("output")
     g.add_argument("--quiet", action="store_true", help="log warnings only")
     return p
 
@@ -59,14 +47,7 @@ class Session:
         from jaxpaged.sampling_params import SamplingParams
 
         self.args = args
-        self.llm = LLM(
-            args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-            block_size=args.block_size, attention_backend=args.attention_backend,
-            enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant,
-            tensor_parallel_size=args.tensor_parallel_size,
-            log_level="WARNING" if args.quiet else "INFO",
-        )
+        self.llm = LLM(**engine_kwargs(args), log_level="WARNING" if args.quiet else "INFO")
         if self.llm.get_tokenizer() is None:
             raise ValueError("this model has no tokenizer, so it cannot take text prompts")
         self.params = SamplingParams(

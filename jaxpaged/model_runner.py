@@ -31,7 +31,7 @@ from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
 from jaxpaged.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 from models.loader import DTYPES, LoadedModel
 from models.weights import param_bytes
-from pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, write_kv
+from pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, kv_storage_dtype, write_kv
 
 logger = logging.getLogger("jaxpaged.runner")
 
@@ -87,8 +87,9 @@ class ModelRunner:
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config
         shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+        kv_dtype = kv_storage_dtype(self.dtype, config.platform)
         if self.mesh is None:
-            self.kv_cache = jnp.zeros(shape, self.dtype)
+            self.kv_cache = jnp.zeros(shape, kv_dtype)
             self._step = jax.jit(self._step_impl)
             self._write = jax.jit(write_kv, donate_argnums=(0,))
             self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
@@ -98,7 +99,7 @@ class ModelRunner:
             from models.sharding import kv_cache_sharding, new_kv_sharding
 
             cache = kv_cache_sharding(self.mesh)
-            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=cache)()
+            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=cache)()
             replicated = NamedSharding(self.mesh, PartitionSpec())
             self._step = jax.jit(self._step_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh)))
             self._write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache)

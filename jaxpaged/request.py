@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
 from collections.abc import Callable
 
 from jaxpaged.beam_search import BeamSearch
@@ -17,7 +16,6 @@ from jaxpaged.kv_cache_manager import hash_block
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
-_arrivals = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +40,6 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
     seed: int  # this sequence's sampling seed
     detokenizer: IncrementalDetokenizer | None
-    arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING

@@ -184,6 +184,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search"):
             setattr(self, name, _bool(name, getattr(self, name)))
         self.length_penalty = _float("length_penalty", self.length_penalty)
+        from jaxpaged.beam_search import check_early_stopping
+
+        check_early_stopping(self.early_stopping)  # checked even without beam search: a typo is an error, not a no-op
 
         if self.use_beam_search:
             self._check_beam_search()
@@ -196,9 +199,6 @@ class SamplingParams:
 
     def _check_beam_search(self) -> None:
         """Beam search ranks by logprob alone: every knob that would change the distribution is refused."""
-        from jaxpaged.beam_search import check_early_stopping
-
-        check_early_stopping(self.early_stopping)
         if self.temperature != 0:
             raise ValueError(f"temperature must be 0 when use_beam_search=True (got {self.temperature!r})")
         self.best_of = self.n if self.best_of is None else self.best_of

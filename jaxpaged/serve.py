@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from jaxpaged.engine_args import add_engine_args, engine_kwargs
 from jaxpaged.logging_utils import setup_logging
 
 
@@ -29,21 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body in bytes; larger get 413 (default: 4 MiB)")
     g.add_argument("--log-level", default="INFO", help="jaxpaged log level (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
-    g = p.add_argument_group("model and engine (as in python -m jaxpaged.generate)")
-    g.add_argument("--model", default=None, help="local HF folder, .gguf file, or config.json (random weights); default: the built-in model")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + answer (default: the model's context)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 256 on CPU, 2048 on GPU/TPU)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: sized from memory)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=None, help="share of free device memory for the KV cache (GPU/TPU)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
-    g.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: 0)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="a request's logprobs never depend on the rest of the batch (one step shape; slower)")
+    add_engine_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: 0)")
     return p
 
 
@@ -72,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             served_model_names=served_names(args), api_key=args.api_key or None, max_n=args.max_n,
             max_request_bytes=args.max_request_bytes,
         )
-        config = EngineConfig(
-            model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            attention_backend=args.attention_backend, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-            batch_invariant=args.batch_invariant,
-        )
+        config = EngineConfig(**engine_kwargs(args), seed=args.seed)
         engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

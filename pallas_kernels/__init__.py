@@ -3,6 +3,7 @@
 from pallas_kernels.attention import (
     ATTENTION_BACKENDS,
     copy_blocks,
+    kv_storage_dtype,
     paged_attention,
     resolve_attention_backend,
     stack_new_kv,
@@ -15,6 +16,7 @@ __all__ = [
     "AttentionMetadata",
     "copy_blocks",
     "kv_cache_shape",
+    "kv_storage_dtype",
     "paged_attention",
     "resolve_attention_backend",
     "stack_new_kv",

@@ -38,6 +38,13 @@ def _mask(ctx_pos, pos, valid, sliding_window):
     return mask
 
 
+def cached_blocks(kv_cache: jax.Array, layer: int, kv: int, blocks: jax.Array, dtype) -> jax.Array:
+    """K (kv=0) or V (kv=1) blocks of one layer, as `dtype`: a uint16 cache holds 16-bit floats' bits
+    (see kv_storage_dtype), reinterpreted here on the gathered blocks only."""
+    gathered = kv_cache[layer, kv][blocks]
+    return jax.lax.bitcast_convert_type(gathered, dtype) if gathered.dtype == jnp.uint16 else gathered
+
+
 def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
@@ -76,8 +83,8 @@ def naive_paged_attention(
     seq, pos, valid = token_layout(md, num_tokens)
     tables = md.block_tables[seq]  # [T, W]
     # [T, W, H_kv, bs, D] -> [H_kv, T, W * bs, D]
-    k = kv_cache[layer, 0][tables].transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
-    v = kv_cache[layer, 1][tables].transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
+    k = cached_blocks(kv_cache, layer, 0, tables, q.dtype).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
+    v = cached_blocks(kv_cache, layer, 1, tables, q.dtype).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     prec = _precision(q.dtype)
@@ -179,8 +186,8 @@ def reference_paged_attention(
             blocks = jax.lax.dynamic_slice_in_dim(tables_rows, i * cols, cols, axis=1)  # [n, cols]
             # Whole blocks, [n, cols, H_kv, bs, D], used as gathered: transposing to [n, H_kv, cols * bs, D]
             # first costs a copy.
-            kc = kv_cache[layer, 0][blocks]
-            vc = kv_cache[layer, 1][blocks]
+            kc = cached_blocks(kv_cache, layer, 0, blocks, q.dtype)
+            vc = cached_blocks(kv_cache, layer, 1, blocks, q.dtype)
             ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
             mask = ctx_pos[None, :] < cached_rows[:, None]
             if sliding_window is not None:
@@ -238,7 +245,7 @@ def batch_invariant_attention(
 
     def keys(i, kv: int, new):
         blocks = jax.lax.dynamic_slice_in_dim(tables, i * cols, cols, axis=1)
-        from_cache = kv_cache[layer, kv][blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk, num_kv_heads, head_dim)
+        from_cache = cached_blocks(kv_cache, layer, kv, blocks, q.dtype).transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk, num_kv_heads, head_dim)
         ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
         idx = jnp.clip(q_start[:, None] + ctx_pos[None, :] - cached[:, None], 0, new.shape[0] - 1)
         is_new = (ctx_pos[None, :] >= cached[:, None])[..., None, None]

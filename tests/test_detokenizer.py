@@ -311,6 +311,16 @@ def test_stop_at_the_very_start(byte_level, include):
     assert detok.finished and detok.stop_reason == "The q"
 
 
+def test_no_stop_string_before_min_tokens(byte_level):
+    """As vLLM: a stop string completed by one of the first min_tokens tokens does not end the output."""
+    ids = encode(byte_level, SENTENCE)
+    through_dot = next(k for k in range(1, len(ids) + 1) if "." in byte_level.decode(ids[:k]))
+    for min_tokens, want in ((0, ""), (1, SENTENCE[: SENTENCE.index(".")]), (through_dot, SENTENCE[: SENTENCE.index("END")])):
+        detok = IncrementalDetokenizer(byte_level, stop=["The", ".", "END"], min_tokens=min_tokens)
+        pieces = stream(detok, ids)
+        assert detok.finished and detok.text == want == "".join(pieces), min_tokens
+
+
 def test_earliest_stop_wins(byte_level):
     ids = encode(byte_level, SENTENCE)
     for stops in (["END", "lazy"], ["lazy", "END"], ["more", "END", "fox j"]):

@@ -88,6 +88,7 @@ INVALID = [
     ("max_tokens", 1.5),
     ("max_tokens", True),
     ("max_tokens", "16"),
+    ("early_stopping", "bogus"),  # refused even without beam search
     ("min_tokens", -1),
     ("min_tokens", 17),  # above the default max_tokens=16
     ("min_tokens", 1.0),

@@ -63,6 +63,19 @@ def test_streaming_keeps_multibyte_characters_whole(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_count_tokens_in_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    completions = client.completions.create(model=CYCLE_MODEL, prompt="count", max_tokens=12, temperature=0, n=2,
+                                            stream=True, stream_options=options)  # fmt: skip
+    chat = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=12,
+                                          temperature=0, stream=True, stream_options=options)  # fmt: skip
+    for chunks, total in ((list(completions), 24), (list(chat), 12)):
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert len(counts) > 3 and counts == sorted(counts) and counts[0] < total and counts[-1] == total
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + total
+
+
 def test_raw_sse_framing_ends_with_done(server):
     with httpx.stream("POST", f"{server.url}/v1/completions", json={
         "model": CYCLE_MODEL, "prompt": "a", "max_tokens": 3, "temperature": 0, "stream": True,

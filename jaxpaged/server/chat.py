@@ -54,7 +54,7 @@ async def create_chat_completion(serving: Serving, http_request: Request):
 
 async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[str]:
     meta = {**meta, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if body.include_usage else {}
+    extra = {"usage": usage(run.prompt_tokens, 0) if body.continuous_usage else None} if body.include_usage else {}
     deltas = Deltas(body.n)
     top = body.top_logprobs or 0
     for index in range(body.n):  # OpenAI opens every choice with the role
@@ -69,5 +69,5 @@ async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest
         delta = {"content": text} if text else {}
         return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-    async for chunk in stream_choices(run, meta, body.include_usage, chunk_for):
+    async for chunk in stream_choices(run, meta, body, chunk_for):
         yield chunk

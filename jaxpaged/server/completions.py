@@ -99,4 +99,4 @@ def _stream(
             logprobs, deltas.offsets[index] = _logprobs(serving, body, out, c, start, end, deltas.offsets[index], first)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-    return stream_choices(run, meta, body.include_usage, chunk_for, lambda out: _shown(out, body))
+    return stream_choices(run, meta, body, chunk_for, lambda out: _shown(out, body))

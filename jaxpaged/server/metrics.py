@@ -43,8 +43,8 @@ class _EngineGauges:
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(f"jaxpaged:{name}", doc, value=float(value))
         counters = {
-            "prefix_cache_queries": "Prompt blocks looked up in the prefix cache.",
-            "prefix_cache_hits": "Prompt blocks found in the prefix cache (not recomputed).",
+            "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+            "prefix_cache_hits": "Prompt tokens found in the prefix cache (not recomputed).",
         }
         for name, doc in counters.items():
             if name in stats:

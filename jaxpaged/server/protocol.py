@@ -76,6 +76,11 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far (with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: Any

@@ -89,31 +89,33 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def stream_choices(
-    run: RequestRun, meta: dict, include_usage: bool, chunk_for, shown=lambda out: out.outputs
-) -> AsyncIterator[str]:
+async def stream_choices(run: RequestRun, meta: dict, body, chunk_for, shown=lambda out: out.outputs) -> AsyncIterator[str]:
     """The SSE both endpoints send after their openers: chunk_for(prompt index, RequestOutput, CompletionOutput)
     -> a choice or None, for each of `shown(RequestOutput)` per update; then the usage chunk when asked and
     [DONE]. A dead engine ends the stream with its error."""
-    extra = {"usage": None} if include_usage else {}
-    generated = 0
+    tokens: dict[tuple[int, int], int] = {}  # (prompt, choice) -> tokens generated so far
+
+    def extra() -> dict:
+        if body.continuous_usage:
+            return {"usage": usage(run.prompt_tokens, sum(tokens.values()))}
+        return {"usage": None} if body.include_usage else {}
+
     try:
         async for batch in run.updates():
             for i, out in batch:
                 for c in shown(out):
+                    tokens[i, c.index] = len(c.token_ids)
                     choice = chunk_for(i, out, c)
                     if choice is not None:
-                        yield sse({**meta, "choices": [choice], **extra})
-                    if c.finish_reason is not None:
-                        generated += len(c.token_ids)
+                        yield sse({**meta, "choices": [choice], **extra()})
     except EngineDeadError as exc:
         yield sse(errors.engine_dead(str(exc)).body())
         yield SSE_DONE
         return
     if run.disconnected:
         return
-    if include_usage:
-        yield sse({**meta, "choices": [], "usage": usage(run.prompt_tokens, generated)})
+    if body.include_usage:
+        yield sse({**meta, "choices": [], "usage": usage(run.prompt_tokens, sum(tokens.values()))})
     yield SSE_DONE
 
 
