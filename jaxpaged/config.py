@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     batch_invariant: bool = False  # a request's tokens never depend on the rest of the batch (one step shape)
+    async_scheduling: bool = True  # schedule and pack step N+1 while the device runs step N; same outputs
     tensor_parallel_size: int = 1  # devices the model is split over (a "model" mesh axis); see docs/models.md
     compilation_cache_dir: str | None = None  # persistent XLA cache; default under the jaxpaged cache root
     cache_dir: str | None = None  # GGUF conversion cache root
@@ -57,7 +58,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1] (got {self.kv_cache_memory_fraction})")
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
-        for name in ("enable_prefix_caching", "batch_invariant"):
+        for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

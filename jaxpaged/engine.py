@@ -7,6 +7,7 @@ keeps being served.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -21,9 +22,9 @@ from jaxpaged.block_pool import BlockPool
 from jaxpaged.config import EngineConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
 from jaxpaged.kv_cache_manager import KVCacheManager, blocks_for
-from jaxpaged.model_runner import ModelRunner, StepInputs
+from jaxpaged.model_runner import DispatchedStep, ModelRunner, StepInputs
 from jaxpaged.outputs import Logprob, RequestOutput
-from jaxpaged.request import Request, RequestGroup, RequestStatus
+from jaxpaged.request import PLACEHOLDER, Request, RequestGroup, RequestStatus
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
 from jaxpaged.beam_search import BeamSearch
 from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
@@ -32,6 +33,15 @@ from models.loader import LoadedModel, load_model
 from pallas_kernels import AttentionMetadata
 
 logger = logging.getLogger("jaxpaged.engine")
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A step dispatched to the device whose results the host has not read yet."""
+
+    sched: SchedulerOutput
+    dispatched: DispatchedStep
+    sampled_rows: dict[Request, int]  # sequences that sample in it -> their row of its sampled tokens
 
 PromptType = str | Sequence[int] | dict
 
@@ -79,6 +89,8 @@ class LLMEngine:
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
+        self._in_flight: InFlightStep | None = None  # async scheduling: the step the device is running
+        self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
 
     def _eos_ids(self) -> list[int]:
         ids = set(self.loaded.config.eos_token_ids)
@@ -225,11 +237,11 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step ------------------------------------------------------------------------------
 
-    def _pack(self, sched: SchedulerOutput) -> StepInputs:
+    def _pack(self, sched: SchedulerOutput, in_flight_rows: dict[Request, int]) -> StepInputs:
         total = sched.num_tokens
         t, s = self.runner.bucket_for(total)
         ids = np.zeros(t, np.int32)
@@ -239,13 +251,16 @@ class LLMEngine:
         seq_lens = np.zeros(s, np.int32)
         qsl = np.zeros(s + 1, np.int32)
         logit_rows = np.zeros(s, np.int32)
-        prompt_next = None
+        prompt_next = prev_rows = None
         rows = []
         cursor = 0
         for j, item in enumerate(sched.scheduled):
             req, start, n = item.request, item.start, item.num_tokens
             table = self.kv.block_table(req.seq_id)
             ids[cursor : cursor + n] = req.tokens_at(start, n)
+            if req.num_in_flight and start + n == req.num_tokens:  # its last token is the previous step's output
+                prev_rows = np.full(t, -1, np.int32) if prev_rows is None else prev_rows
+                prev_rows[cursor + n - 1] = in_flight_rows[req]
             positions[cursor : cursor + n] = np.arange(start, start + n, dtype=np.int32)
             slots[cursor : cursor + n] = self.kv.slots(req.seq_id, start, n)
             tables[j, : len(table)] = table
@@ -262,7 +277,7 @@ class LLMEngine:
         qsl[len(sched.scheduled) + 1 :] = cursor
         sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress)
         md = AttentionMetadata(slots, tables, seq_lens, qsl)
-        return StepInputs(ids, positions, md, logit_rows, sampling, prompt_next)
+        return StepInputs(ids, positions, md, logit_rows, sampling, prompt_next, prev_rows)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: returns the outputs of every request that progressed or finished."""
@@ -287,27 +302,66 @@ class LLMEngine:
         return forked
 
     def _step(self) -> list[RequestOutput]:
+        """Read back the step in flight (or run one), after dispatching the next one when that is safe.
+
+        With async scheduling the host schedules and packs step N+1 and queues it on the device before it
+        waits for step N's tokens: the inputs N+1 takes from N never leave the device (PLACEHOLDER on the
+        host until read). Sequences that end in step N cost N+1 one wasted row, whose results are dropped.
+        """
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            step = self._launch(None)
+            if step is None:
+                return []
+        if self.config.async_scheduling and self._can_overlap(step):
+            self._in_flight = self._launch(step)
+            self.num_overlapped_steps += self._in_flight is not None
+        return self._finish(step)
+
+    def _can_overlap(self, step: InFlightStep) -> bool:
+        """The next step can be formed without this one's results: no beam search (the host picks the next beams)
+        and no penalties on a sequence whose next input is still on the device (they read the token history)."""
+        if any(group.beam is not None for group in self.groups.values()):
+            return False
+        return not any(req.params.has_penalties for req in step.sampled_rows)
+
+    def _launch(self, prev: InFlightStep | None) -> InFlightStep | None:
+        """Schedule, pack and dispatch one step; None when nothing can run."""
         self._fork_ready()
         sched = self.scheduler.schedule()
         if not sched.scheduled and self._fork_ready():  # a held sample was admitted with its prefix all cached
             sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.has_unfinished() and not sched.preempted:  # admission checks make this unreachable
+            if prev is None and self.scheduler.has_unfinished() and not sched.preempted:  # admission checks prevent it
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
-            return []
-        result = self.runner.execute(self._pack(sched), self.kv.take_copies())
+            return None
+        rows = prev.sampled_rows if prev is not None else {}
+        dispatched = self.runner.dispatch(self._pack(sched, rows), self.kv.take_copies(), prev.dispatched if prev else None)
+        sampled_rows = {}
+        for j, item in enumerate(sched.scheduled):
+            req = item.request
+            req.num_computed_tokens += item.num_tokens
+            if item.samples and req.group.beam is None:
+                req.output_token_ids.append(PLACEHOLDER)
+                req.num_in_flight += 1
+                sampled_rows[req] = j
+        return InFlightStep(sched, dispatched, sampled_rows)
+
+    def _finish(self, step: InFlightStep) -> list[RequestOutput]:
+        result = step.dispatched.fetch()
         touched: dict[str, RequestGroup] = {}
         beam_groups: dict[str, RequestGroup] = {}
         cursor = 0
-        for j, item in enumerate(sched.scheduled):
-            req = item.request
-            if result.prompt is not None and req.prompt_logprobs is not None:
-                self._record_prompt_logprobs(req, item.start, item.num_tokens, cursor, result.prompt)
+        for j, item in enumerate(step.sched.scheduled):
+            req, row = item.request, cursor
             cursor += item.num_tokens
-            req.num_computed_tokens += item.num_tokens
             self.num_computed_tokens_total += item.num_tokens
-            self.kv.register_full_blocks(req)
-            if not item.samples or req.finished:
+            if req.finished:  # ended by an earlier step, or aborted, while this one ran: its row is dropped
+                continue
+            if result.prompt is not None and req.prompt_logprobs is not None:
+                self._record_prompt_logprobs(req, item.start, item.num_tokens, row, result.prompt)
+            self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)
+            if not item.samples:
                 continue
             if req.group.beam is not None:
                 k = req.group.beam.num_candidates
@@ -329,7 +383,10 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, req: Request, token: int, result, row: int) -> None:
-        req.output_token_ids.append(token)
+        """Fill in the oldest in-flight output token, then detokenize and check the stop conditions."""
+        n_out = req.num_sampled_tokens + 1
+        req.output_token_ids[n_out - 1] = token
+        req.num_in_flight -= 1
         params = req.params
         if req.logprobs is not None:
             lp = float(result.logprobs[row])
@@ -345,7 +402,6 @@ class LLMEngine:
             req.logprobs.append(entry)
         if req.detokenizer is not None:
             req.detokenizer.push(token)
-        n_out = len(req.output_token_ids)
         status = None
         if req.detokenizer is not None and req.detokenizer.finished:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, req.detokenizer.stop_reason
@@ -353,9 +409,11 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED
         elif n_out >= params.min_tokens and token in params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        elif n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
+            del req.output_token_ids[n_out:]  # a token the next step sampled for it (async) is dropped
+            req.num_in_flight = 0
             if req.detokenizer is not None:
                 req.detokenizer.flush()
             self.scheduler.finish(req, status)
@@ -400,6 +458,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles_after_warmup": self.num_compiles_after_warmup,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "kv_token_utilization": stored / slots if slots else 0.0,
             "warmup_seconds": self.warmup_seconds,
         }

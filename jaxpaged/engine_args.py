@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs never depend on the rest of the batch (one step shape; slower)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -34,4 +36,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory_fraction": args.kv_cache_memory_fraction, "block_size": args.block_size,
         "tensor_parallel_size": args.tensor_parallel_size, "attention_backend": args.attention_backend,
         "enable_prefix_caching": args.enable_prefix_caching, "batch_invariant": args.batch_invariant,
+        "async_scheduling": args.async_scheduling,
     }

@@ -116,13 +116,15 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit
 
-    def register_full_blocks(self, seq: HashedSequence) -> None:
-        """Blocks whose tokens are all computed become findable by later requests."""
+    def register_full_blocks(self, seq: HashedSequence, num_known: int | None = None) -> None:
+        """Blocks whose tokens are all computed (and, of those, the first `num_known`: a token still on the
+        device has no value to hash yet) become findable by later requests."""
         if not self.pool.enable_caching:
             return
         table = self._tables.get(seq.seq_id, [])
         done = self._num_registered.get(seq.seq_id, 0)
-        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        computed = seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known)
+        full = min(computed // self.block_size, len(table))
         if full <= done:
             return
         for block, block_hash in zip(table[done:full], seq.block_hashes(self.block_size, full)[done:]):

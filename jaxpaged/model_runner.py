@@ -54,6 +54,22 @@ class StepInputs:
     logit_rows: np.ndarray  # [S] row of each sequence's last token
     sampling: SamplingMetadata  # numpy leaves
     prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
+    prev_rows: np.ndarray | None = None  # [T] row of the previous step whose sampled token is this input, else -1
+
+
+@dataclasses.dataclass
+class DispatchedStep:
+    """A step handed to the device: its outputs are futures until fetch() reads them back."""
+
+    out: object  # the sampler's output (device arrays)
+    prompt: tuple | None  # prompt logprobs (device arrays), when some row wants them
+    sampled: jax.Array  # [max_num_seqs] the sampled tokens, padded: the next step's inputs, never leaving the device
+    want_top: bool
+
+    def fetch(self) -> StepResult:
+        tokens, logprobs = jax.device_get((self.out.tokens, self.out.logprobs))
+        top_ids, top_lp = jax.device_get((self.out.top_ids, self.out.top_logprobs)) if self.want_top else (None, None)
+        return StepResult(tokens, logprobs, top_ids, top_lp, jax.device_get(self.prompt) if self.prompt is not None else None)
 
 
 @dataclasses.dataclass
@@ -101,12 +117,15 @@ class ModelRunner:
             cache = kv_cache_sharding(self.mesh)
             self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=cache)()
             replicated = NamedSharding(self.mesh, PartitionSpec())
-            self._step = jax.jit(self._step_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh)))
+            self._step = jax.jit(
+                self._step_impl, out_shardings=(replicated, replicated, replicated, new_kv_sharding(self.mesh))
+            )
             self._write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache)
             self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache)
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self._blank_history: dict[int, jax.Array] = {}
         self._blank_prompt_ids: dict[int, jax.Array] = {}
+        self._no_sampled = jnp.zeros(config.max_num_seqs, jnp.int32)  # "previous step" of a step that needs none
 
     # -- sizing -------------------------------------------------------------------------------
 
@@ -135,7 +154,9 @@ class ModelRunner:
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _step_impl(self, state, kv_cache, input_ids, positions, md, logit_rows, smd, prompt_next_ids):
+    def _step_impl(self, state, kv_cache, input_ids, positions, md, logit_rows, smd, prompt_next_ids, prev_sampled, prev_rows):
+        # Inputs sampled by the previous step come from its device output: the host never waited for them.
+        input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
         hidden, new_kv = model.forward(input_ids, positions, kv_cache, md)
         logits = model.compute_logits(hidden[logit_rows])
@@ -146,7 +167,9 @@ class ModelRunner:
             lambda: prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids),
             lambda: blank,
         )
-        return sample(logits, smd), prompt, new_kv
+        out = sample(logits, smd)
+        sampled = jnp.zeros(prev_sampled.shape, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
+        return out, prompt, sampled, new_kv
 
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
         """(T, S) padded sizes for a step of num_tokens tokens."""
@@ -182,26 +205,29 @@ class ModelRunner:
         with self._on_mesh():
             self.kv_cache = self._copy(self.kv_cache, src, dst)
 
-    def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
+    def dispatch(self, step: StepInputs, copies: list[tuple[int, int]] = (), prev: DispatchedStep | None = None) -> DispatchedStep:
+        """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at."""
         if copies:
             self.copy(copies)
         smd = dataclasses.replace(step.sampling, history=self._history(step.sampling))
         next_ids = step.prompt_next_ids
         want_prompt = next_ids is not None and bool((next_ids >= 0).any())
+        t = step.input_ids.shape[0]
         if next_ids is None:
-            next_ids = self._no_prompt_ids(step.input_ids.shape[0])
+            next_ids = self._all_minus_one(t)
+        prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
         with self._on_mesh():
-            out, prompt, new_kv = self._step(
+            out, prompt, sampled, new_kv = self._step(
                 self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd,
-                next_ids,
+                next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
             )
             self.kv_cache = self._write(self.kv_cache, new_kv, step.attention.slot_mapping)
-        want_top = bool(step.sampling.want_logprobs)
-        tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
-        top_ids, top_lp = jax.device_get((out.top_ids, out.top_logprobs)) if want_top else (None, None)
-        return StepResult(tokens, logprobs, top_ids, top_lp, jax.device_get(prompt) if want_prompt else None)
+        return DispatchedStep(out, prompt if want_prompt else None, sampled, bool(step.sampling.want_logprobs))
 
-    def _no_prompt_ids(self, num_tokens: int) -> jax.Array:
+    def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
+        return self.dispatch(step, copies).fetch()
+
+    def _all_minus_one(self, num_tokens: int) -> jax.Array:
         if num_tokens not in self._blank_prompt_ids:
             self._blank_prompt_ids[num_tokens] = jnp.full(num_tokens, -1, jnp.int32)
         return self._blank_prompt_ids[num_tokens]

@@ -30,6 +30,9 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+PLACEHOLDER = -1  # an output token sampled by a step still running on the device
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     seq_id: str
@@ -52,6 +55,12 @@ class Request:
     hold_at: int | None = None  # n > 1: compute no further until the group's other samples fork from here
     _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     beam_top: tuple | None = None  # beam search: (top ids, top logprobs) of the next position, once computed
+    num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens known on the host."""
+        return len(self.output_token_ids) - self.num_in_flight
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +79,8 @@ class Request:
 
     @property
     def num_schedulable_tokens(self) -> int:
+        if len(self.output_token_ids) >= self.max_tokens:  # its last token is sampled (in flight): nothing to feed
+            return 0
         pending = self.num_pending_tokens
         return pending if self.hold_at is None else min(pending, self.hold_at - self.num_computed_tokens)
 
@@ -93,7 +104,7 @@ class Request:
         return CompletionOutput(
             index=self.index,
             text=self.text(),
-            token_ids=list(self.output_token_ids),
+            token_ids=self.output_token_ids[: self.num_sampled_tokens],
             cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
             logprobs=self.logprobs,
             finish_reason=self.status.value if self.finished else None,

@@ -24,11 +24,10 @@ class ScheduledSequence:
     request: Request
     start: int  # first position fed this step (== num_computed_tokens at scheduling)
     num_tokens: int
+    samples: bool = dataclasses.field(init=False)  # reaches the end of the sequence's tokens: yields the next one
 
-    @property
-    def samples(self) -> bool:
-        """This step reaches the end of the sequence's known tokens, so it yields the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens  # fixed when scheduled
 
 
 @dataclasses.dataclass
@@ -134,7 +133,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 return True
         for req in reversed(self.running):
-            if req is not exclude and req.num_schedulable_tokens <= 0 and self.kv.block_table(req.seq_id):
+            idle = req.num_schedulable_tokens <= 0 and not req.num_in_flight  # not merely awaiting its last token
+            if req is not exclude and idle and self.kv.block_table(req.seq_id):
                 self.running.remove(req)
                 self._preempt(req)
                 self.waiting.remove(req)
