@@ -61,7 +61,8 @@ class Session:
 
         return {"prompt_token_ids": chat_prompt_ids(self.llm.get_tokenizer(), _messages(self.args.system, history or [], text)), "prompt": text}
 
-    def stream(self, text: str, history: list[dict] | None = None, out=sys.stdout) -> str:
+    def stream(self, text: str, history: list[dict] | None = None, out=None) -> str:
+        out = out or sys.stdout  # looked up per call: a default bound at import would keep a replaced stream
         engine = self.llm.engine
         rid = engine.add_request(None, self.prompt_input(text, history), self.params)
         shown = 0
