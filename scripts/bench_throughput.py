@@ -8,8 +8,9 @@ systems do the same useful work. Progress goes to stderr, the table to stdout.
     python scripts/bench_throughput.py --num-requests 64 --hf-single-limit 8 --json out.json
 
 With --output-lens 32,64,128 the same prompts run once per fixed output length on every system
-(one model load each); the JSON then also holds `output_len_sweep`, one entry per length, which
-scripts/plot_benchmarks.py draws as output speed against output length.
+(one model load each; jaxpaged's prefix caching off, so no length reuses another's prefill); the JSON
+then also holds `output_len_sweep`, one entry per length, which scripts/plot_benchmarks.py draws as
+output speed against output length.
 """
 
 from __future__ import annotations
@@ -121,9 +122,11 @@ def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
     from jaxpaged import LLM, SamplingParams
 
     opts = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks") if getattr(args, k) is not None}
+    if len(workloads) > 1:  # a sweep repeats its prompts: cached prefixes would skip the prefill transformers does
+        opts["enable_prefix_caching"] = False
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, **opts)
-    extra = {"warmup_seconds": time.perf_counter() - t0}
+    extra = {"warmup_seconds": time.perf_counter() - t0, "enable_prefix_caching": opts.get("enable_prefix_caching", True)}
     log.info("jaxpaged: constructed in %.1fs", extra["warmup_seconds"])
 
     def generate(reqs):
@@ -294,6 +297,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     log.setLevel(logging.INFO)
+    load_before = os.getloadavg()[0]  # other work on a shared machine skews the systems unequally
     src = model_source(args.model)
     workload = make_workload(args, hf_config(src).vocab_size)
     # a sweep keeps the prompts and replaces every drawn output length by each fixed one in turn
@@ -331,6 +335,7 @@ def main(argv=None) -> None:
             "workload": {k: v for k, v in vars(args).items() if k not in ("json",)} | {"prompt_tokens": in_tok, "output_tokens": out_tok, "model_path": str(src)},
             "results": result_dicts(results),
             "ratios": ratio, "jaxpaged": extra, "machine": machine_info(),
+            "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
         } | ({"output_len_sweep": sweep} if sweep else {})
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
         log.info("wrote %s", args.json)
