@@ -115,7 +115,11 @@ def serving_points(reports: dict | Iterable[dict]) -> tuple[str, dict[str, list[
 def footer(report: dict) -> str:
     """Where the numbers came from, in one line: software versions, CPU count or device, date."""
     info = report.get("machine") or report.get("versions") or {}
-    parts = [f"{name} {info[key]}" for name, key in (("JAX", "jax"), ("torch", "torch"), ("transformers", "transformers")) if key in info]
+    parts = [
+        f"{name} {info[key]}"
+        for name, key in (("JAX", "jax"), ("torch", "torch"), ("transformers", "transformers"))
+        if key in info
+    ]
     device = info.get("torch_device") or (f"{info['cpu_count']} CPUs" if "cpu_count" in info else None)
     device = device or (f"{info['cpus']} CPUs" if "cpus" in info else None)
     date = str(info.get("date") or report.get("date") or "")[:10]

@@ -23,9 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--throughput", metavar="JSON", help="a bench_throughput.py --output-lens report: output_speed.png")
-    p.add_argument("--serving", metavar="JSON", nargs="+", default=[],
-                   help="bench_serving.py report(s), a --concurrency sweep or single runs at different loads: "
-                        "throughput_vs_concurrency.png and ttft_vs_load.png")
+    p.add_argument(
+        "--serving",
+        metavar="JSON",
+        nargs="+",
+        default=[],
+        help="bench_serving.py report(s), a --concurrency sweep or single runs at different loads: "
+        "throughput_vs_concurrency.png and ttft_vs_load.png",
+    )
     p.add_argument("--out-dir", default="docs/img", help="where the PNGs go (default: docs/img)")
     p.add_argument("--tag", default="", help="suffix for the file names, e.g. cpu_2026-11-22")
     args = p.parse_args(argv)
@@ -36,7 +41,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jaxpaged.plots import BenchmarkDataError, load_report, plot_output_speed, plot_throughput_vs_concurrency, plot_ttft
+    from jaxpaged.plots import (
+        BenchmarkDataError,
+        load_report,
+        plot_output_speed,
+        plot_throughput_vs_concurrency,
+        plot_ttft,
+    )
 
     out, suffix = Path(args.out_dir), f"_{args.tag}" if args.tag else ""
     try:

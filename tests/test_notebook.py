@@ -55,7 +55,7 @@ def stdout(nb, tag: str) -> str:
 
 def quoted_after(text: str, label: str) -> list[str]:
     """The Python string literals printed after `label` (the notebook prints generated text with !r)."""
-    values = [ast.literal_eval(m) for m in re.findall(rf"{re.escape(label)}(\'.*\'|\".*\")$", text, re.M)]
+    values = [ast.literal_eval(m) for m in re.findall(rf"{re.escape(label)}(\'.*\'|\".*\")$", text, re.MULTILINE)]
     assert values, f"no {label!r} line in:\n{text}"
     return values
 
@@ -76,7 +76,7 @@ def test_offline_generate_and_chat(executed):
         assert quoted_after(stdout(executed, "generate"), f"sample {i}: ")[0].strip()
     chat = stdout(executed, "chat")
     assert quoted_after(chat, "chat -> ")[0].strip()
-    assert re.search(r"num_compiles_after_warmup: 0$", chat, re.M)  # get_stats() printed, nothing recompiled
+    assert re.search(r"num_compiles_after_warmup: 0$", chat, re.MULTILINE)  # get_stats() printed, nothing recompiled
 
 
 def test_server_answered_the_openai_client(executed):
@@ -91,7 +91,11 @@ def test_server_answered_the_openai_client(executed):
 def test_benchmark_ran_and_plots_shown(executed):
     points = re.findall(r"concurrency\s+(\d+):\s+([\d.]+) output tok/s", stdout(executed, "plot"))
     assert [int(c) for c, _ in points] == [1, 2, 4, 8] and all(float(v) > 0 for _, v in points)
-    images = [o.data["image/png"] for o in cell(executed, "plot").outputs if o.output_type == "display_data" and "image/png" in o.data]
+    images = [
+        o.data["image/png"]
+        for o in cell(executed, "plot").outputs
+        if o.output_type == "display_data" and "image/png" in o.data
+    ]
     assert len(images) == 2
     for image in images:
         data = base64.b64decode(image)

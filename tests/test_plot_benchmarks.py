@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from jaxpaged.plots import BenchmarkDataError, load_report, output_speed_points, plot_output_speed, serving_points  # noqa: E402
+from jaxpaged.plots import BenchmarkDataError, load_report, output_speed_points, plot_output_speed, serving_points
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "plot_benchmarks.py"
@@ -28,8 +28,11 @@ def throughput_report() -> dict:
     """What bench_throughput.py --output-lens 16,32,64 --json writes (4 requests)."""
     sweep = []
     for n, (jp, single, batch) in zip((16, 32, 64), ((1.0, 4.0, 2.0), (1.5, 8.0, 3.5), (2.5, 16.0, 6.0))):
-        results = {"jaxpaged": _result("jaxpaged", 4 * n, jp), "hf-single": _result("hf-single", 2 * n, single, "first 2 of 4, extrapolated"),
-                   "hf-batch": _result("hf-batch", 4 * n, batch, "batch 4, 0% padding waste")}
+        results = {
+            "jaxpaged": _result("jaxpaged", 4 * n, jp),
+            "hf-single": _result("hf-single", 2 * n, single, "first 2 of 4, extrapolated"),
+            "hf-batch": _result("hf-batch", 4 * n, batch, "batch 4, 0% padding waste"),
+        }
         sweep.append({"output_len": n, "results": results,
                       "ratios": {"jaxpaged/hf-single": results["jaxpaged"]["tok_s"] / results["hf-single"]["tok_s"]}})
     return {
@@ -44,7 +47,8 @@ def _summary(concurrency: int | None, tok_s: float, ttft_p50_ms: float, ttft_p99
     stats = {"mean": 1.0, "p50": 1.0, "p99": 2.0}
     summary = {"completed": 8, "failed": 0, "duration_s": 256 / tok_s, "errors": [], "input_tokens": 500,
                "output_tokens": 256, "request_throughput": tok_s / 32, "output_throughput": tok_s,
-               "total_token_throughput": tok_s * 3, "ttft_ms": {"mean": ttft_p50_ms, "p50": ttft_p50_ms, "p99": ttft_p99_ms},
+               "total_token_throughput": tok_s * 3,
+               "ttft_ms": {"mean": ttft_p50_ms, "p50": ttft_p50_ms, "p99": ttft_p99_ms},
                "tpot_ms": stats, "itl_ms": stats, "e2e_ms": stats, "loadavg_1min": {"before": 0.5, "after": 1.0}}
     return summary if concurrency is None else summary | {"concurrency": concurrency, "request_rate": rate}
 
@@ -63,6 +67,11 @@ def single_run_report(concurrency: int, tok_s: float) -> dict:
     """A single bench_serving.py --base-url run in the older shape (the load only in `args`)."""
     return {"date": "2026-11-21", "versions": {"jax": "0.10.2"}, "results": {"server": _summary(None, tok_s, 200, 400)},
             "args": {"concurrency": concurrency, "request_rate": None}}
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPT), *map(str, args)]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
 
 
 def _write(path: Path, data) -> Path:
@@ -90,7 +99,8 @@ def test_points_come_from_the_reports():
 
     # single runs in several files join into one series, sorted by load
     axis, points = serving_points([single_run_report(16, 90.0), single_run_report(1, 15.0), single_run_report(4, 40.0)])
-    assert axis == "concurrency" and [(p["x"], p["output_throughput"]) for p in points["server"]] == [(1, 15.0), (4, 40.0), (16, 90.0)]
+    assert axis == "concurrency"
+    assert [(p["x"], p["output_throughput"]) for p in points["server"]] == [(1, 15.0), (4, 40.0), (16, 90.0)]
 
     # Poisson runs are drawn against the request rate
     rated = single_run_report(0, 50.0)
@@ -103,8 +113,7 @@ def test_cli_writes_three_pngs(tmp_path):
     sv = _write(tmp_path / "sv.json", serving_sweep_report())
     extra = _write(tmp_path / "single.json", single_run_report(2, 33.0))
     out = tmp_path / "img"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--throughput", str(tp), "--serving", str(sv), str(extra),
-                           "--out-dir", str(out), "--tag", "test"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = run_cli("--throughput", tp, "--serving", sv, extra, "--out-dir", out, "--tag", "test")
     assert proc.returncode == 0, proc.stderr
     names = {"output_speed_test.png", "throughput_vs_concurrency_test.png", "ttft_vs_load_test.png"}
     assert {p.name for p in out.iterdir()} == names
@@ -125,7 +134,10 @@ def test_function_writes_png_and_creates_folders(tmp_path):
         ("{not json", "not valid JSON"),
         ("[1, 2]", "not a benchmark report"),
         ({"results": {}}, "no 'output_len_sweep'"),
-        ({"results": {}, "output_len_sweep": [{"output_len": 16, "results": {"jaxpaged": {"seconds": 1}}}]}, "missing field 'jaxpaged.tok_s'"),
+        (
+            {"results": {}, "output_len_sweep": [{"output_len": 16, "results": {"jaxpaged": {"seconds": 1}}}]},
+            "missing field 'jaxpaged.tok_s'",
+        ),
         ({"results": {}, "output_len_sweep": [{"output_len": "long", "results": {}}]}, "'output_len' must be a number"),
     ],
 )
@@ -138,20 +150,20 @@ def test_malformed_throughput_report_is_a_clear_error(tmp_path, content, message
 
 
 def test_malformed_serving_report_via_cli(tmp_path):
-    bad = _write(tmp_path / "bad.json", {"results": {"jaxpaged": {"output_throughput": 5.0}}, "args": {"concurrency": 4}})
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--serving", str(bad), "--out-dir", str(tmp_path / "img")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    no_ttft = {"results": {"jaxpaged": {"output_throughput": 5.0}}, "args": {"concurrency": 4}}
+    bad = _write(tmp_path / "bad.json", no_ttft)
+    proc = run_cli("--serving", bad, "--out-dir", tmp_path / "img")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {bad}: missing field 'ttft_ms.p50'"  # one line, no traceback
     assert not (tmp_path / "img").exists()
 
     missing = tmp_path / "nope.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--serving", str(missing)], capture_output=True, text=True, timeout=120)
+    proc = run_cli("--serving", missing)
     assert proc.returncode == 2 and f"error: {missing}: cannot read it" in proc.stderr
 
 
 def test_help_and_no_inputs():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    proc = run_cli("--help")
     assert proc.returncode == 0 and "--throughput" in proc.stdout and "--serving" in proc.stdout
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    proc = run_cli()
     assert proc.returncode == 2 and "give --throughput and/or --serving" in proc.stderr
