@@ -11,6 +11,8 @@ request generate exactly its output length on servers that honour it (vLLM, jaxp
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 64 --concurrency 64
     # jaxpaged and the transformers baseline (scripts/hf_server.py), one after the other, same workload
     python scripts/bench_serving.py --compare --num-prompts 64 --concurrency 64 --json out.json
+    # a sweep: the same workload at each concurrency, one JSON (`sweep`) for scripts/plot_benchmarks.py
+    python scripts/bench_serving.py --compare --num-prompts 32 --concurrency 1,4,16,32 --json sweep.json
 """
 
 from __future__ import annotations
@@ -231,8 +233,26 @@ def bench(args, base_url: str, name: str) -> dict:
     summary = summarize(results, duration)
     # other work on the machine skews both systems, and not equally: record it next to the figures
     summary["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
-    print_summary(name, summary)
+    summary |= {"concurrency": args.concurrency, "request_rate": args.request_rate}  # the load, for plots
+    rate = f", {args.request_rate} req/s" if args.request_rate else ""
+    print_summary(f"{name} (concurrency {args.concurrency}{rate})", summary)
     return summary
+
+
+def bench_sweep(args, base_url: str, name: str) -> list[dict]:
+    """One summary per --concurrency value, each a whole run of the workload (with its own warm-up)."""
+    return [bench(argparse.Namespace(**{**vars(args), "concurrency": c}), base_url, name) for c in args.concurrency]
+
+
+def concurrency_list(text: str) -> list[int]:
+    """'64' -> [64]; '1,4,16,64' -> a sweep."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one concurrency")
+    return values
 
 
 def versions() -> dict:
@@ -255,7 +275,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=64, help="clients in flight (with --request-rate: a cap, 0 = none)")
+    p.add_argument("--concurrency", type=concurrency_list, default=[64],
+                   help="clients in flight (with --request-rate: a cap, 0 = none); a list such as 1,4,16,64 runs the "
+                        "workload once per value and records every point in the JSON's `sweep`")
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead of fixed concurrency")
     p.add_argument("--input-len", type=int, nargs=2, default=(48, 80), metavar=("LO", "HI"), help="prompt words (default 48 80)")
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 32), metavar=("LO", "HI"), help="max_tokens (default 32 32)")
@@ -268,7 +290,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="with --compare: bench jaxpaged only")
     p.add_argument("--json", metavar="PATH", help="write the workload, results and machine info here")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.concurrency < 0 or (args.request_rate is None and args.concurrency < 1):
+    if args.num_prompts < 1 or min(args.concurrency) < 0 or (args.request_rate is None and min(args.concurrency) < 1):
         p.error("--num-prompts must be >= 1 and --concurrency >= 1 (or >= 0 with --request-rate)")
     return args
 
@@ -276,8 +298,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = {"date": datetime.date.today().isoformat(), "argv": sys.argv[1:], "versions": versions(), "results": {}}
+    sweep = report["sweep"] = {}  # every point; `results` keeps the last one, in the single-run format
     if args.base_url:
-        report["results"]["server"] = bench(args, args.base_url.rstrip("/"), args.base_url)
+        sweep["server"] = bench_sweep(args, args.base_url.rstrip("/"), args.base_url)
+        report["results"]["server"] = sweep["server"][-1]
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="bench_serving-"))
         print(f"-- server logs in {log_dir}", file=sys.stderr)
@@ -288,8 +312,8 @@ def main(argv=None) -> int:
             print(f"-- starting {name}: {' '.join(cmd)}", file=sys.stderr)
             with Launched(cmd, name, log_dir) as server:
                 print(f"-- {name} healthy after {server.startup_s:.1f}s", file=sys.stderr)
-                report["results"][name] = bench(args, server.url, name)
-                report["results"][name]["startup_s"] = server.startup_s
+                sweep[name] = bench_sweep(args, server.url, name)
+                report["results"][name] = sweep[name][-1] | {"startup_s": server.startup_s}
         if "transformers" in report["results"]:
             ours, base = report["results"]["jaxpaged"], report["results"]["transformers"]
             report["ratios"] = {
@@ -297,10 +321,15 @@ def main(argv=None) -> int:
                 "ttft_p50": ours["ttft_ms"]["p50"] / base["ttft_ms"]["p50"],
             }
             r = report["ratios"]
-            print(f"== jaxpaged / transformers: output throughput {r['output_throughput']:.2f}x (target >= 5), "
+            where = f" at concurrency {args.concurrency[-1]}" if len(args.concurrency) > 1 else ""
+            print(f"== jaxpaged / transformers{where}: output throughput {r['output_throughput']:.2f}x (target >= 5), "
                   f"TTFT p50 {r['ttft_p50']:.3f} of the baseline's (target <= 0.2)")
+    args_out = vars(args)
+    if len(args.concurrency) == 1:  # a single run's JSON keeps the shape it always had
+        del report["sweep"]
+        args_out = args_out | {"concurrency": args.concurrency[0]}
     if args.json:
-        Path(args.json).write_text(json.dumps({**report, "args": vars(args)}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({**report, "args": args_out}, indent=1, default=str))
     return 0
 
 

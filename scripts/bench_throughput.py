@@ -6,6 +6,11 @@ Every request is greedy with EOS ignored, so each produces exactly its drawn out
 systems do the same useful work. Progress goes to stderr, the table to stdout.
 
     python scripts/bench_throughput.py --num-requests 64 --hf-single-limit 8 --json out.json
+
+With --output-lens 32,64,128 the same prompts run once per fixed output length on every system
+(one model load each; jaxpaged's prefix caching off, so no length reuses another's prefill); the JSON
+then also holds `output_len_sweep`, one entry per length, which scripts/plot_benchmarks.py draws as
+output speed against output length.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-jaxpaged", action="store_true", help="do not run jaxpaged")
     p.add_argument("--skip-hf-single", action="store_true", help="do not run transformers one request at a time")
     p.add_argument("--skip-hf-batch", action="store_true", help="do not run transformers static batches")
+    p.add_argument("--output-lens", type=_len_list, metavar="L1,L2,...", help="sweep: the same prompts at each fixed output length (overrides the drawn output lengths)")
     p.add_argument("--json", metavar="PATH", help="write workload, results, ratios and machine info to PATH")
     args = p.parse_args(argv)
     args.input_len_range = tuple(args.input_len_range or (args.min_len, args.max_len))
@@ -56,6 +62,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_requests < 1 or args.hf_batch_size < 1 or (args.hf_single_limit is not None and args.hf_single_limit < 1):
         p.error("--num-requests, --hf-batch-size and --hf-single-limit must be >= 1")
     return args
+
+
+def _len_list(text: str) -> list[int]:
+    """'32,64,128' -> [32, 64, 128]: the output lengths of a sweep."""
+    try:
+        lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not lens or min(lens) < 1:
+        raise argparse.ArgumentTypeError(f"output lengths must be >= 1 (got {text!r})")
+    return lens
 
 
 @dataclasses.dataclass
@@ -100,14 +117,16 @@ def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
     return [(rng.integers(10, vocab_size - 10, int(i)).tolist(), int(o)) for i, o in zip(in_lens, out_lens)]
 
 
-def run_jaxpaged(args, workload) -> tuple[Result, dict]:
-    """Construct (warm-up/compile, reported but untimed), one tiny untimed generate, then the timed generate."""
+def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
+    """Construct (warm-up/compile, reported but untimed), one tiny untimed generate, then each workload timed."""
     from jaxpaged import LLM, SamplingParams
 
     opts = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks") if getattr(args, k) is not None}
+    if len(workloads) > 1:  # a sweep repeats its prompts: cached prefixes would skip the prefill transformers does
+        opts["enable_prefix_caching"] = False
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, **opts)
-    extra = {"warmup_seconds": time.perf_counter() - t0}
+    extra = {"warmup_seconds": time.perf_counter() - t0, "enable_prefix_caching": opts.get("enable_prefix_caching", True)}
     log.info("jaxpaged: constructed in %.1fs", extra["warmup_seconds"])
 
     def generate(reqs):
@@ -115,16 +134,20 @@ def run_jaxpaged(args, workload) -> tuple[Result, dict]:
         params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs]
         return llm.generate(prompts, params, use_tqdm=False)
 
-    generate([(ids[:8], 4) for ids, _ in workload[:2]])
-    t0 = time.perf_counter()
-    outputs = generate(workload)
-    elapsed = time.perf_counter() - t0
-    got, want = sum(len(o.outputs[0].token_ids) for o in outputs), sum(o for _, o in workload)
-    if got != want:
-        raise RuntimeError(f"jaxpaged produced {got} output tokens, expected {want}")
+    generate([(ids[:8], 4) for ids, _ in workloads[0][:2]])
+    results = []
+    for workload in workloads:
+        t0 = time.perf_counter()
+        outputs = generate(workload)
+        elapsed = time.perf_counter() - t0
+        got, want = sum(len(o.outputs[0].token_ids) for o in outputs), sum(o for _, o in workload)
+        if got != want:
+            raise RuntimeError(f"jaxpaged produced {got} output tokens, expected {want}")
+        results.append(Result("jaxpaged", got, elapsed))
+        log.info("jaxpaged: %.1f tok/s", results[-1].tok_s)
     if hasattr(llm, "get_stats"):
         extra["stats"] = dict(llm.get_stats())
-    return Result("jaxpaged", got, elapsed), extra
+    return results, extra
 
 
 def load_hf(args, src: Path):
@@ -152,25 +175,28 @@ def load_hf(args, src: Path):
     return model, device
 
 
-def run_hf(args, src: Path, workload) -> dict[str, Result]:
-    """Both transformers systems on one loaded model; the model is freed (GPU cache too) on return."""
+def run_hf(args, src: Path, workloads) -> list[dict[str, Result]]:
+    """Both transformers systems on one loaded model, per workload; the model is freed (GPU cache too) on return."""
     import gc
 
     import torch
 
     model, device = load_hf(args, src)
-    results = {}
-    if not args.skip_hf_single:
-        results["hf-single"] = run_hf_single(model, device, workload, args.hf_single_limit)
-        log.info("hf-single: %.1f tok/s", results["hf-single"].tok_s)
-    if not args.skip_hf_batch:
-        results["hf-batch"] = run_hf_batch(model, device, workload, args.hf_batch_size)
-        log.info("hf-batch: %.1f tok/s", results["hf-batch"].tok_s)
+    per_workload = []
+    for workload in workloads:
+        results = {}
+        if not args.skip_hf_single:
+            results["hf-single"] = run_hf_single(model, device, workload, args.hf_single_limit)
+            log.info("hf-single: %.1f tok/s", results["hf-single"].tok_s)
+        if not args.skip_hf_batch:
+            results["hf-batch"] = run_hf_batch(model, device, workload, args.hf_batch_size)
+            log.info("hf-batch: %.1f tok/s", results["hf-batch"].tok_s)
+        per_workload.append(results)
     del model
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()  # so jaxpaged sizes its KV pool from a GPU torch no longer holds
-    return results
+    return per_workload
 
 
 def hf_generate(model, device, prompts: list[list[int]], new_tokens: int) -> int:
@@ -253,15 +279,32 @@ def _gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+def sweep_totals(per_len: list[dict[str, Result]], lens: list[int]) -> dict[str, Result]:
+    """A sweep's top-level `results`: each system's tokens and seconds summed over the lengths."""
+    totals = {}
+    for name in per_len[0]:
+        notes = {p[name].note for p in per_len}  # kept when every length shares it (hf-single's extrapolation)
+        note = "sum over output lengths " + ",".join(map(str, lens)) + (f"; {notes.pop()}" if notes != {""} and len(notes) == 1 else "")
+        totals[name] = Result(name, sum(p[name].output_tokens for p in per_len), sum(p[name].seconds for p in per_len), note)
+    return totals
+
+
+def result_dicts(results: dict[str, Result]) -> dict[str, dict]:
+    return {n: dataclasses.asdict(r) | {"tok_s": r.tok_s} for n, r in results.items()}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     log.setLevel(logging.INFO)
+    load_before = os.getloadavg()[0]  # other work on a shared machine skews the systems unequally
     src = model_source(args.model)
     workload = make_workload(args, hf_config(src).vocab_size)
-    in_tok, out_tok = sum(len(i) for i, _ in workload), sum(o for _, o in workload)
+    # a sweep keeps the prompts and replaces every drawn output length by each fixed one in turn
+    workloads = [[(ids, n) for ids, _ in workload] for n in args.output_lens] if args.output_lens else [workload]
+    in_tok, out_tok = sum(len(i) for i, _ in workload), sum(o for w in workloads for _, o in w)
     log.info("workload: %d requests, %d prompt tokens, %d output tokens, model %s", len(workload), in_tok, out_tok, src.name)
-    results: dict[str, Result] = {}
+    per_workload: list[dict[str, Result]] = [{} for _ in workloads]
     extra: dict = {}
     # On a GPU transformers goes first, since jaxpaged then claims most of the memory for its KV cache.
     # On a CPU jaxpaged goes first: torch's idle worker threads keep spinning for a while after its
@@ -269,21 +312,31 @@ def main(argv=None) -> None:
     hf_first = _gpu_available()
     run_both_hf = not (args.skip_hf_single and args.skip_hf_batch)
     if run_both_hf and hf_first:
-        results.update(run_hf(args, src, workload))
+        for results, hf in zip(per_workload, run_hf(args, src, workloads)):
+            results.update(hf)
     if not args.skip_jaxpaged:
-        jp, extra = run_jaxpaged(args, workload)
-        results = {"jaxpaged": jp} | results
-        log.info("jaxpaged: %.1f tok/s", results["jaxpaged"].tok_s)
+        jp, extra = run_jaxpaged(args, workloads)
+        per_workload = [{"jaxpaged": r} | results for r, results in zip(jp, per_workload)]
     if run_both_hf and not hf_first:
-        results.update(run_hf(args, src, workload))
+        for results, hf in zip(per_workload, run_hf(args, src, workloads)):
+            results.update(hf)
+    sweep = []
+    if args.output_lens:
+        for n, results in zip(args.output_lens, per_workload):
+            print(f"-- output length {n}")
+            print_table(results, ratios(results), {})
+            sweep.append({"output_len": n, "results": result_dicts(results), "ratios": ratios(results)})
+        print("-- all output lengths")
+    results = sweep_totals(per_workload, args.output_lens) if args.output_lens else per_workload[0]
     ratio = ratios(results)
     print_table(results, ratio, extra)
     if args.json:
         report = {
             "workload": {k: v for k, v in vars(args).items() if k not in ("json",)} | {"prompt_tokens": in_tok, "output_tokens": out_tok, "model_path": str(src)},
-            "results": {n: dataclasses.asdict(r) | {"tok_s": r.tok_s} for n, r in results.items()},
+            "results": result_dicts(results),
             "ratios": ratio, "jaxpaged": extra, "machine": machine_info(),
-        }
+            "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        } | ({"output_len_sweep": sweep} if sweep else {})
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
         log.info("wrote %s", args.json)
 
