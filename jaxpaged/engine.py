@@ -1,4 +1,4 @@
-"""LLMEngine.step(): schedule -> pack -> run the jitted step -> append tokens, stop, free.
+"""LLMEngine.step(): schedule -> pack -> dispatch the jitted step (the next one before this one is read) -> append tokens, stop, free.
 
 Requests are validated at the door (a request that could never fit is refused at once, with a
 ValueError naming the parameter), so a bad one never reaches the step loop and everyone else
@@ -34,6 +34,8 @@ from pallas_kernels import AttentionMetadata
 
 logger = logging.getLogger("jaxpaged.engine")
 
+PromptType = str | Sequence[int] | dict
+
 
 @dataclasses.dataclass
 class InFlightStep:
@@ -42,8 +44,6 @@ class InFlightStep:
     sched: SchedulerOutput
     dispatched: DispatchedStep
     sampled_rows: dict[Request, int]  # sequences that sample in it -> their row of its sampled tokens
-
-PromptType = str | Sequence[int] | dict
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:

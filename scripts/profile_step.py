@@ -80,14 +80,13 @@ def instrumented(engine, timer: PhaseTimer):
         del engine._finish
 
 
-def device_step_seconds(engine, batch: int, repeats: int = 10) -> float:
+def device_step_seconds(engine, batch: int, ctx: int, repeats: int = 10) -> float:
     """One decode step of `batch` rows on the device alone: the same jitted call, back to back, blocked."""
     runner = engine.runner
     t, s = runner.bucket_for(batch)
     step = runner.blank_step(batch, engine._blank_sampling(s, runner.history_width))
     # a realistic decode: every row reads a context of ~ the workload's length
     md = step.attention
-    ctx = engine._profile_context
     blocks = -(-ctx // runner.block_size)
     md.block_tables[:batch, :blocks] = np.arange(batch * blocks).reshape(batch, blocks) % runner.num_blocks
     md.seq_lens[:batch] = ctx
@@ -121,12 +120,11 @@ def profile(llm: LLM, batch: int, prompt_len: int, steps: int, async_scheduling:
             t0 = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t0)
-    engine._profile_context = prompt_len + steps
     for i in range(batch):
         engine.abort_request(f"p{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    device = device_step_seconds(engine, batch)
+    device = device_step_seconds(engine, batch, ctx=prompt_len + steps)
     wall = sum(walls) / steps
     per_step = {k: v / steps for k, v in timer.totals.items()}
     host = sum(v for k, v in per_step.items() if k != "wait")
