@@ -1,4 +1,4 @@
-"""LLMEngine.step(): schedule -> pack -> dispatch the jitted step (the next one before this one is read) -> append tokens, stop, free.
+"""LLMEngine.step(): schedule -> pack -> dispatch the jitted step -> read back, append tokens, stop, free.
 
 Requests are validated at the door (a request that could never fit is refused at once, with a
 ValueError naming the parameter), so a bad one never reaches the step loop and everyone else
