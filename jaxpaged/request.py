@@ -17,7 +17,6 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from jaxpaged import LLM, SamplingParams  # noqa: E402
-from jaxpaged.model_runner import DispatchedStep  # noqa: E402
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.model_runner import DispatchedStep
 
 PHASES = ("schedule", "pack", "dispatch", "wait", "process")
 
@@ -83,7 +83,7 @@ def instrumented(engine, timer: PhaseTimer):
 def device_step_seconds(engine, batch: int, ctx: int, repeats: int = 10) -> float:
     """One decode step of `batch` rows on the device alone: the same jitted call, back to back, blocked."""
     runner = engine.runner
-    t, s = runner.bucket_for(batch)
+    _, s = runner.bucket_for(batch)
     step = runner.blank_step(batch, engine._blank_sampling(s, runner.history_width))
     # a realistic decode: every row reads a context of ~ the workload's length
     md = step.attention
