@@ -125,7 +125,11 @@ class ModelRunner:
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self._blank_history: dict[int, jax.Array] = {}
         self._blank_prompt_ids: dict[int, jax.Array] = {}
-        self._no_sampled = jnp.zeros(config.max_num_seqs, jnp.int32)  # "previous step" of a step that needs none
+        # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
+        # under TP), so both kinds of step hit the one compiled executable
+        self._no_sampled = jnp.zeros(config.max_num_seqs, jnp.int32)
+        if self.mesh is not None:
+            self._no_sampled = jax.device_put(self._no_sampled, replicated)
 
     # -- sizing -------------------------------------------------------------------------------
 
