@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas")
+ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the pool is sized to fit comfortably in RAM, not to fill it
 
 
@@ -27,7 +27,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None  # of device memory left after the weights; on CPU, of free RAM
     max_num_seqs: int | None = None  # default 256 on GPU/TPU, 64 on CPU
     max_num_batched_tokens: int | None = None  # token budget per step; default 2048 on GPU/TPU, 256 on CPU
-    attention_backend: str = "auto"  # auto = the Pallas kernel on GPU/TPU, the pure-JAX reference on CPU
+    attention_backend: str = "auto"  # auto = the Pallas kernel on GPU/TPU, the native kernel on CPU
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     batch_invariant: bool = False  # a request's tokens never depend on the rest of the batch (one step shape)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from jaxpaged.config import ATTENTION_BACKEND_CHOICES
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -19,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share of free memory for the KV cache (default: 0.9 on GPU/TPU; on CPU a 2 GiB budget, or this share of free RAM)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices (default: 1)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"], help="attention implementation (default: auto)")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_CHOICES), help="attention implementation (default: auto: the Pallas kernel on GPU/TPU, the native kernel on CPU)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
     g.add_argument("--batch-invariant", action="store_true",

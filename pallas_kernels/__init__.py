@@ -1,5 +1,6 @@
 """Paged attention over the KV-block array: the public entry point, its metadata and its reference."""
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.attention import (
     ATTENTION_BACKENDS,
     copy_blocks,
@@ -15,6 +16,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionMetadata",
     "copy_blocks",
+    "cpu_attention",
     "kv_cache_shape",
     "kv_storage_dtype",
     "paged_attention",

@@ -21,39 +21,49 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.gpu_attention import check_head_dim, gpu_paged_attention
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import reference_paged_attention
 from pallas_kernels.tpu_attention import tpu_paged_attention
 
 # "pallas": the Triton kernel on GPU (interpreted on CPU), the Mosaic kernel on TPU.
-ATTENTION_BACKENDS = ("reference", "pallas")
+# "native": the C++ kernel for CPUs (cpu_attention.cc), built on first use.
+ATTENTION_BACKENDS = ("reference", "pallas", "native")
 TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 
 
 def resolve_attention_backend(
     requested: str, head_dim: int, platform: str | None = None, batch_invariant: bool = False
 ) -> str:
-    """auto -> the kernel on GPU/TPU when it supports the head dim, else the reference (fast on CPU).
+    """auto -> the Pallas kernel on GPU/TPU when it supports the head dim, else the reference; on CPU
+    the native kernel when it builds here, else the reference.
 
-    An explicit "pallas" with a head dim the kernel cannot take is an error, not a silent fallback.
-    batch_invariant picks the reference's batch-invariant variant ("reference_invariant"); the kernel
-    already is: a program's tile starts at its sequence's first token and walks keys from there.
+    An explicit "pallas" with a head dim the kernel cannot take, or "native" off the CPU or where it
+    cannot be built, is an error, not a silent fallback. batch_invariant picks the reference's
+    batch-invariant variant ("reference_invariant") on CPU; the Pallas kernel already is: a program's
+    tile starts at its sequence's first token and walks keys from there.
     """
     platform = platform or jax.default_backend()
     if requested == "auto":
-        try:
-            check_head_dim(head_dim)
-            resolved = "pallas" if platform in ("gpu", "tpu") else "reference"
-        except ValueError:
-            resolved = "reference"
+        if platform == "cpu":
+            resolved = "native" if cpu_attention.available() else "reference"
+        else:
+            try:
+                check_head_dim(head_dim)
+                resolved = "pallas"
+            except ValueError:
+                resolved = "reference"
     elif requested in ATTENTION_BACKENDS:
         if requested == "pallas":
             check_head_dim(head_dim)
+        if requested == "native" and (platform != "cpu" or not cpu_attention.available()):
+            where = "it could not be built (see the warning above)" if platform == "cpu" else f"this is {platform}"
+            raise ValueError(f"attention_backend='native' is the CPU kernel, and {where}")
         resolved = requested
     else:
         raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_BACKENDS} (got {requested!r})")
-    return "reference_invariant" if batch_invariant and resolved == "reference" else resolved
+    return "reference_invariant" if batch_invariant and resolved in ("reference", "native") else resolved
 
 
 def kv_storage_dtype(dtype, platform: str | None = None):
@@ -138,6 +148,8 @@ def _attend(q, k, v, kv_cache, md, slopes, *, layer, backend, use_alibi, **kw):
     kw["alibi_slopes"] = slopes if use_alibi else None
     if backend in ("reference", "reference_invariant"):
         return reference_paged_attention(q, k, v, kv_cache, layer, md, batch_invariant=backend != "reference", **kw)
+    if backend == "native":
+        return cpu_attention.cpu_paged_attention(q, k, v, kv_cache, layer, md, **kw)
     if kv_cache.dtype == jnp.uint16:  # the kernels read floats: a full copy, only when run interpreted on CPU
         kv_cache = jax.lax.bitcast_convert_type(kv_cache, q.dtype)
     platform = jax.default_backend()

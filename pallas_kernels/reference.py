@@ -139,42 +139,14 @@ def reference_paged_attention(
     chunk = cols * block_size
     width = md.block_tables.shape[1]
     prec = _precision(q.dtype)
+    kw = {"scale": scale, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
 
     seq, pos, valid = token_layout(md, num_tokens)
     q_lens = md.query_start_loc[seq + 1] - md.query_start_loc[seq]
     cached = jnp.where(valid, md.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-
-    def scores(spec, q_rows, keys, mask, key_pos, query_pos):
-        s = jnp.einsum(spec, q_rows, keys, preferred_element_type=jnp.float32, precision=prec) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        if alibi_slopes is not None:
-            bias = alibi_bias(alibi_slopes, key_pos, query_pos, num_kv_heads)
-            s = s + bias.reshape(bias.shape[:3] + s.shape[3:])
-        return s if mask is None else jnp.where(mask[:, None, None, :], s, -jnp.inf)
-
-    def merge(carry, s, spec, values):
-        """Online softmax: fold scores s [n, H_kv, G, keys...] over `values` into (peak, denom, acc)."""
-        peak, denom, acc = carry
-        key_axes = tuple(range(3, s.ndim))
-        new_peak = jnp.maximum(peak, jnp.max(s, axis=key_axes))
-        safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-        p = jnp.exp(s - safe.reshape(safe.shape + (1,) * len(key_axes)))
-        correction = jnp.exp(peak - safe)
-        pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
-        return new_peak, denom * correction + jnp.sum(p, axis=key_axes), acc * correction[..., None] + pv
-
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    # This step's tokens: same sequence, not in the future; one [T, T] product.
-    new_mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
-    if sliding_window is not None:
-        new_mask &= pos[None, :] > pos[:, None] - sliding_window
-    carry = merge(init, scores("tkgd,ukd->tkgu", qg, k, new_mask, pos, pos), "tkgu,ukd->tkgd", v)
+    carry = fresh_token_softmax(q, k, v, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                alibi_slopes=alibi_slopes)  # fmt: skip
 
     tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
 
@@ -192,9 +164,9 @@ def reference_paged_attention(
             mask = ctx_pos[None, :] < cached_rows[:, None]
             if sliding_window is not None:
                 mask &= ctx_pos[None, :] > pos_rows[:, None] - sliding_window
-            s = scores("tkgd,tckbd->tkgcb", q_rows, kc, None, ctx_pos, pos_rows).reshape(n, num_kv_heads, group, chunk)
+            s = _scores("tkgd,tckbd->tkgcb", q_rows, kc, None, ctx_pos, pos_rows, **kw).reshape(n, num_kv_heads, group, chunk)
             s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-            return merge(carry, s.reshape(n, num_kv_heads, group, cols, block_size), "tkgcb,tckbd->tkgd", vc)
+            return _fold(carry, s.reshape(n, num_kv_heads, group, cols, block_size), "tkgcb,tckbd->tkgd", vc, prec)
 
         trips = (jnp.max(cached_rows) + chunk - 1) // chunk
         return jax.lax.fori_loop(0, trips, body, carry)
@@ -202,9 +174,65 @@ def reference_paged_attention(
     split = min(md.block_tables.shape[0], num_tokens)
     groups = [slice(0, split)] + ([slice(split, num_tokens)] if split < num_tokens else [])
     parts = [cached_part(rows, tuple(c[rows] for c in carry)) for rows in groups]
-    _, denom, acc = (jnp.concatenate(xs) for xs in zip(*parts))
+    return normalized(tuple(jnp.concatenate(xs) for xs in zip(*parts)), q.dtype)
+
+
+def _scores(spec, q_rows, keys, mask, key_pos, query_pos, *, scale, soft_cap, alibi_slopes, num_kv_heads, prec):
+    s = jnp.einsum(spec, q_rows, keys, preferred_element_type=jnp.float32, precision=prec) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, key_pos, query_pos, num_kv_heads)
+        s = s + bias.reshape(bias.shape[:3] + s.shape[3:])
+    return s if mask is None else jnp.where(mask[:, None, None, :], s, -jnp.inf)
+
+
+def _fold(carry, s, spec, values, prec):
+    """Online softmax: fold scores s [n, H_kv, G, keys...] over `values` into (peak, denom, acc)."""
+    peak, denom, acc = carry
+    key_axes = tuple(range(3, s.ndim))
+    new_peak = jnp.maximum(peak, jnp.max(s, axis=key_axes))
+    safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+    p = jnp.exp(s - safe.reshape(safe.shape + (1,) * len(key_axes)))
+    correction = jnp.exp(peak - safe)
+    pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
+    return new_peak, denom * correction + jnp.sum(p, axis=key_axes), acc * correction[..., None] + pv
+
+
+def fresh_token_softmax(q, k, v, md: AttentionMetadata, *, scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
+    """The partial softmax (peak, denom, acc), [T, H_kv, G] and [T, H_kv, G, D] float32, of each row over
+    this step's own keys: same sequence, not in the future; one [T, T] product."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    prec = _precision(q.dtype)
+    seq, pos, valid = token_layout(md, num_tokens)
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
+    if sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    kw = {"scale": scale, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
+    return _fold(init, _scores("tkgd,ukd->tkgu", qg, k, mask, pos, pos, **kw), "tkgu,ukd->tkgd", v, prec)
+
+
+def combine_softmax(a, b):
+    """Two partial softmaxes (peak, denom, acc) over disjoint keys -> the one over both."""
+    peak = jnp.maximum(a[0], b[0])
+    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    wa, wb = jnp.exp(a[0] - safe), jnp.exp(b[0] - safe)
+    return peak, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
+
+
+def normalized(carry, dtype) -> jax.Array:
+    """(peak, denom, acc) -> attention output [T, H, D]; rows that saw nothing are 0."""
+    _, denom, acc = carry
     out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return out.reshape(out.shape[0], -1, out.shape[-1]).astype(dtype)
 
 
 def batch_invariant_attention(

@@ -1,4 +1,5 @@
-"""The Pallas kernels (GPU/Triton and TPU/Mosaic, both run in interpret mode here) equal the definition.
+"""The kernels equal the definition: the Pallas ones (GPU/Triton and TPU/Mosaic, both run in interpret
+mode here) and the native CPU one.
 
 Every case is a ragged step over a paged cache built by tests/attention_cases.py: decode rows,
 prefill chunks on top of cached context, fresh prompts, contexts up to 2,000 tokens ending
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels import AttentionMetadata, resolve_attention_backend, stack_new_kv, write_kv
+from pallas_kernels import AttentionMetadata, cpu_attention, resolve_attention_backend, stack_new_kv, write_kv
 from pallas_kernels.gpu_attention import gpu_paged_attention
 from pallas_kernels.reference import naive_paged_attention
 from pallas_kernels.tpu_attention import tpu_paged_attention
@@ -25,7 +26,17 @@ from tests.attention_cases import random_case
 KERNELS = {
     "gpu": functools.partial(gpu_paged_attention, interpret=True),
     "tpu": functools.partial(tpu_paged_attention, interpret=True),
+    "native": cpu_attention.cpu_paged_attention,
 }
+
+
+@pytest.fixture(autouse=True)
+def _native_needs_a_compiler(request):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("kernel") == "native":
+        if cpu_attention.compiler() is None:
+            pytest.skip("no C++ compiler to build the native kernel")
+        assert cpu_attention.available()  # a compiler, so it must build
 
 # (seq_lens, q_lens): decode only; mixed prefill + decode over partial blocks; long contexts; fresh prompts.
 SHAPES = [
@@ -114,7 +125,19 @@ def test_head_dim_256_and_block_size_64(kernel):
     _check(KERNELS[kernel], case, 1e-5, scale=256**-0.5)
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", ["native"])
+@pytest.mark.parametrize("head_dim,block_size", [(80, 8), (96, 16), (48, 32), (40, 16)])
+def test_native_kernel_takes_any_head_dim(kernel, head_dim, block_size):
+    """Head dims without a specialised build (and below one vector) take the generic loops."""
+    rng = np.random.default_rng(head_dim)
+    case = random_case(
+        rng, seq_lens=[77, 5, 300], q_lens=[1, 5, 70], num_heads=6, num_kv_heads=2, head_dim=head_dim,
+        block_size=block_size,
+    )  # fmt: skip
+    _check(KERNELS[kernel], case, 1e-5, scale=head_dim**-0.5, sliding_window=50, soft_cap=20.0)
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 def test_unsupported_head_dim_is_a_clear_error(kernel):
     case = random_case(np.random.default_rng(0), seq_lens=[4], q_lens=[4], num_heads=2, num_kv_heads=1, head_dim=80,
                        block_size=8)  # fmt: skip
@@ -125,7 +148,12 @@ def test_unsupported_head_dim_is_a_clear_error(kernel):
 def test_backend_resolution():
     assert resolve_attention_backend("auto", 128, "gpu") == "pallas"
     assert resolve_attention_backend("auto", 128, "tpu") == "pallas"
-    assert resolve_attention_backend("auto", 128, "cpu") == "reference"
+    native = "native" if cpu_attention.available() else "reference"
+    assert resolve_attention_backend("auto", 128, "cpu") == native
+    assert resolve_attention_backend("auto", 80, "cpu") == native  # any head dim
+    assert resolve_attention_backend("auto", 64, "cpu", batch_invariant=True) == "reference_invariant"
+    with pytest.raises(ValueError, match="native"):
+        resolve_attention_backend("native", 64, "gpu")
     assert resolve_attention_backend("auto", 80, "gpu") == "reference"  # the kernel can't take it: fall back
     assert resolve_attention_backend("pallas", 64, "cpu") == "pallas"  # interpret mode
     with pytest.raises(ValueError, match="head_dim=96"):

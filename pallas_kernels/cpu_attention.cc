@@ -1,0 +1,400 @@
+// Paged attention over the cached context, for CPUs: an XLA FFI custom call.
+//
+// Why native code: XLA:CPU materialises every gather of context blocks before the small batched
+// matmuls consume it, so the pure-JAX path moves each K/V byte several times through memory (about
+// half of a SmolLM2 decode step at batch 64). Here each (sequence, KV head) reads its blocks once,
+// straight from the cache, with an online softmax, and the work is split over the cores.
+//
+// Only positions cached before this step are read: this step's own keys are attended in XLA (one
+// [T, T] product) and the two partial softmaxes are merged there. Outputs, per row and query head:
+//   peak  = max score, denom = sum exp(score - peak), acc = sum exp(score - peak) * value
+// with peak = -inf, denom = 0, acc = 0 where a row sees nothing cached (padding rows included).
+//
+// Layout (pallas_kernels/metadata.py): cache[L, 2, num_blocks, H_kv, block_size, D], float32, or
+// uint16 holding bfloat16 / float16 bits (kv_storage_dtype). q is float32 [T, H_kv * G, D].
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Storage : int64_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &word, sizeof(out));
+  return out;
+}
+
+inline float f16_to_float(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return static_cast<float>(h);
+}
+
+struct Problem {
+  const float* q;            // [T, H, D]
+  const void* cache;         // [L, 2, NB, H_kv, bs, D]
+  const int32_t* tables;     // [S, W]
+  const int32_t* seq_lens;   // [S]
+  const int32_t* starts;     // [S + 1]
+  const float* slopes;       // [H]
+  float* peak;               // [T, H]
+  float* denom;              // [T, H]
+  float* acc;                // [T, H, D]
+  int64_t num_tokens, num_seqs, width, num_blocks, num_kv_heads, group, block_size, head_dim, layer;
+  int64_t storage, window;   // window 0: none
+  float scale, soft_cap;     // soft_cap 0: none
+  bool alibi;
+};
+
+// Sixteen floats, lowered to whatever vector registers the CPU has.
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline Vec load_vec(const float* from) {
+  Vec v;
+  std::memcpy(&v, from, sizeof(v));
+  return v;
+}
+
+typedef int32_t IntVec __attribute__((vector_size(64)));
+
+// exp for x <= 0, lane by lane (Cephes' polynomial, ~1 ulp); exactly 0 below -87, so -inf (a
+// masked score) gives 0.
+inline Vec exp_nonpositive(Vec x) {
+  const IntVec dead = x < -87.0f;
+  x = dead ? Vec{} - 87.0f : x;
+  const Vec n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const Vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec y = Vec{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const IntVec scale = (__builtin_convertvector(n, IntVec) + 127) << 23;
+  return reinterpret_cast<Vec>(reinterpret_cast<IntVec>(y * reinterpret_cast<Vec>(scale)) & ~dead);
+}
+
+inline float max_lanes(Vec v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float sum_lanes(Vec v) {
+  typedef float Half __attribute__((vector_size(32)));
+  typedef float Quarter __attribute__((vector_size(16)));
+  const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// scores[c] = scale * q . k[c] for the n keys of a [bs, D] tile.
+template <int64_t kD>
+inline void block_scores(const float* __restrict q, const float* __restrict k, int64_t n, int64_t D, float scale,
+                         float* __restrict scores) {
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    constexpr int64_t nv = kD / kLanes;
+    Vec qv[nv];
+    for (int64_t j = 0; j < nv; ++j) qv[j] = load_vec(q + j * kLanes);
+    for (int64_t c = 0; c < n; ++c) {
+      Vec acc = qv[0] * load_vec(k + c * kD);
+      for (int64_t j = 1; j < nv; ++j) acc += qv[j] * load_vec(k + c * kD + j * kLanes);
+      scores[c] = sum_lanes(acc) * scale;
+    }
+  } else {
+    for (int64_t c = 0; c < n; ++c) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * k[c * D + d];
+      scores[c] = dot * scale;
+    }
+  }
+}
+
+// acc = acc * correction + sum_c w[c] * v[c] over the n values of a [bs, D] tile.
+template <int64_t kD>
+inline void block_values(const float* __restrict w, const float* __restrict v, int64_t n, int64_t D, float correction,
+                         float* __restrict acc) {
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    constexpr int64_t nv = kD / kLanes;
+    Vec a[nv];
+    for (int64_t j = 0; j < nv; ++j) a[j] = load_vec(acc + j * kLanes) * correction;
+    for (int64_t c = 0; c < n; ++c) {
+      const Vec wc = Vec{} + w[c];
+      for (int64_t j = 0; j < nv; ++j) a[j] += wc * load_vec(v + c * kD + j * kLanes);
+    }
+    std::memcpy(acc, a, sizeof(a));
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+    for (int64_t c = 0; c < n; ++c) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += w[c] * v[c * D + d];
+    }
+  }
+}
+
+// Asks for a block's K and V (all KV heads: two contiguous runs) while the one before is worked on:
+// a sequence's blocks lie anywhere in the cache, on pages of their own, where the hardware
+// prefetcher stops.
+inline void prefetch_block(const Problem& p, int64_t block) {
+  if (block < 0 || block >= p.num_blocks) return;
+  const int64_t bytes = p.num_kv_heads * p.block_size * p.head_dim * (p.storage == kFloat32 ? 4 : 2);
+  const char* k = static_cast<const char*>(p.cache) + ((p.layer * 2) * p.num_blocks + block) * bytes;
+  const char* v = k + p.num_blocks * bytes;
+  for (int64_t i = 0; i < bytes; i += 64) {
+    __builtin_prefetch(k + i);
+    __builtin_prefetch(v + i);
+  }
+}
+
+// Rows [row0, row0 + rows) of sequence `seq`, every query head: each row sees the positions
+// [0, cached) (less any outside its sliding window). Blocks are read once, all KV heads together.
+// kD > 0 fixes the head dim at compile time.
+template <int64_t kD, typename Tile>
+void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t cached, Tile tile,
+            std::vector<float>& scratch) {
+  const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, bs = p.block_size, H_kv = p.num_kv_heads;
+  const int64_t H = H_kv * G;
+  const int64_t R = rows * H;  // query vectors, in output order (row, head)
+  const int64_t padded = (bs + kLanes - 1) / kLanes * kLanes;  // scores per block, in whole vectors
+  scratch.resize(2 * bs * D + padded + 2 * R + R * D);
+  float* const k_buf = scratch.data();
+  float* const v_buf = k_buf + bs * D;
+  float* const sr = v_buf + bs * D;  // [padded] one query's scores over one block
+  float* const m = sr + padded;      // [R] running peak
+  float* const l = m + R;            // [R] running denominator
+  float* const a = l + R;            // [R, D] running numerator
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::fill(m, m + R, neg_inf);
+  std::fill(l, l + R + R * D, 0.0f);
+  const int64_t start = p.starts[seq];  // a row's absolute position is cached + (row - start)
+  const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, (cached + row0 - start + 1 - p.window) / bs) : 0;
+  const int64_t blocks = std::min((cached + bs - 1) / bs, p.width);
+  const int64_t tile_size = bs * D;
+  const bool plain = p.soft_cap <= 0.0f && !p.alibi && p.window <= 0;
+  const int32_t* table = p.tables + seq * p.width;
+
+  for (int64_t b = first_block; b < blocks; ++b) {
+    const int64_t block = table[b];
+    if (block < 0 || block >= p.num_blocks) continue;  // never for a well-formed table; no stray reads
+    if (b + 1 < blocks) prefetch_block(p, table[b + 1]);
+    const int64_t n = std::min(bs, cached - b * bs);  // keys of this block that are cached
+    for (int64_t kv_head = 0; kv_head < H_kv; ++kv_head) {
+      const int64_t k_off = (((p.layer * 2) * p.num_blocks + block) * H_kv + kv_head) * tile_size;
+      const float* __restrict k = tile(k_off, tile_size, k_buf);
+      const float* __restrict v = tile(k_off + p.num_blocks * H_kv * tile_size, tile_size, v_buf);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t h = kv_head * G; h < (kv_head + 1) * G; ++h) {
+          const int64_t r = i * H + h;
+          block_scores<kD>(p.q + ((row0 + i) * H + h) * D, k, n, D, p.scale, sr);
+          if (!plain) {
+            const int64_t pos = cached + row0 + i - start;
+            for (int64_t c = 0; c < n; ++c) {
+              const int64_t key = b * bs + c;
+              float score = sr[c];
+              if (p.soft_cap > 0.0f) score = p.soft_cap * std::tanh(score / p.soft_cap);
+              if (p.alibi) score += p.slopes[h] * static_cast<float>(key - pos);
+              if (p.window > 0 && key <= pos - p.window) score = neg_inf;
+              sr[c] = score;
+            }
+          }
+          for (int64_t c = n; c < padded; ++c) sr[c] = neg_inf;
+          Vec peaks = load_vec(sr);
+          for (int64_t c = kLanes; c < padded; c += kLanes) {
+            const Vec x = load_vec(sr + c);
+            peaks = x > peaks ? x : peaks;
+          }
+          const float block_peak = max_lanes(peaks);
+          if (block_peak == neg_inf) continue;  // nothing visible in this block
+          const float new_peak = std::max(m[r], block_peak);
+          const float correction = m[r] == neg_inf ? 0.0f : std::exp(m[r] - new_peak);
+          Vec sums = Vec{};
+          for (int64_t c = 0; c < padded; c += kLanes) {
+            const Vec w = exp_nonpositive(load_vec(sr + c) - new_peak);
+            std::memcpy(sr + c, &w, sizeof(w));
+            sums += w;
+          }
+          block_values<kD>(sr, v, n, D, correction, a + r * D);
+          l[r] = l[r] * correction + sum_lanes(sums);
+          m[r] = new_peak;
+        }
+      }
+    }
+  }
+  const int64_t out = row0 * H;
+  std::memcpy(p.peak + out, m, R * sizeof(float));
+  std::memcpy(p.denom + out, l, R * sizeof(float));
+  std::memcpy(p.acc + out * D, a, R * D * sizeof(float));
+}
+
+struct Item {
+  int64_t seq, row0, rows, cached, cost;
+};
+
+// Work items: (sequence, a run of at most kRowsPerItem of its rows), so that one long prompt
+// chunk still spreads over the cores.
+constexpr int64_t kRowsPerItem = 32;
+
+template <int64_t kD, typename Tile>
+void run(const Problem& p, Tile tile) {
+  const int64_t H = p.num_kv_heads * p.group;
+  std::fill(p.peak, p.peak + p.num_tokens * H, -std::numeric_limits<float>::infinity());
+  std::fill(p.denom, p.denom + p.num_tokens * H, 0.0f);
+  std::fill(p.acc, p.acc + p.num_tokens * H * p.head_dim, 0.0f);
+
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
+    const int64_t start = p.starts[seq], q_len = p.starts[seq + 1] - start;
+    const int64_t cached = p.seq_lens[seq] - q_len;
+    if (q_len <= 0 || cached <= 0 || start + q_len > p.num_tokens) continue;
+    for (int64_t row0 = start; row0 < start + q_len; row0 += kRowsPerItem) {
+      const int64_t rows = std::min(kRowsPerItem, start + q_len - row0);
+      const int64_t cost = cached * (rows * H + 2 * p.num_kv_heads);
+      items.push_back({seq, row0, rows, cached, cost});
+      total += cost;
+    }
+  }
+  if (items.empty()) return;
+
+  auto work = [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      attend<kD>(p, it.seq, it.row0, it.rows, it.cached, tile, scratch);
+    }
+  };
+  // Contiguous runs of about equal cost, one per core; small problems stay on this thread.
+  static const int64_t cores = [] {
+    const char* env = std::getenv("JAXPAGED_CPU_ATTENTION_THREADS");
+    return std::max<int64_t>(1, env ? std::atoi(env) : std::thread::hardware_concurrency());
+  }();
+  const int64_t threads = std::min<int64_t>({cores, static_cast<int64_t>(items.size()), 1 + total / (1 << 16)});
+  if (threads <= 1) {
+    work(0, items.size());
+    return;
+  }
+  std::vector<int64_t> bounds{0};
+  int64_t running = 0, next = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()) && next < threads; ++i) {
+    running += items[i].cost;
+    if (running * threads >= total * next) {
+      bounds.push_back(i + 1);
+      ++next;
+    }
+  }
+  bounds.push_back(items.size());
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t + 1 < bounds.size(); ++t) pool.emplace_back(work, bounds[t], bounds[t + 1]);
+  work(bounds[0], bounds[1]);
+  for (auto& th : pool) th.join();
+}
+
+// The common head dims get code compiled for their size.
+template <typename Tile>
+void dispatch(const Problem& p, Tile tile) {
+  switch (p.head_dim) {
+    case 64: return run<64>(p, tile);
+    case 128: return run<128>(p, tile);
+    default: return run<0>(p, tile);
+  }
+}
+
+ffi::Error PagedAttentionCachedImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> tables,
+                                    ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> starts,
+                                    ffi::Buffer<ffi::F32> slopes, ffi::ResultBuffer<ffi::F32> peak,
+                                    ffi::ResultBuffer<ffi::F32> denom, ffi::ResultBuffer<ffi::F32> acc,
+                                    int64_t layer, int64_t storage, int64_t window, float scale, float soft_cap,
+                                    bool alibi) {
+  const auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || cd.size() != 6 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], the cache 6-d, tables [S, W]");
+  }
+  Problem p;
+  p.num_tokens = qd[0];
+  p.num_kv_heads = cd[3];
+  p.group = qd[1] / cd[3];
+  p.head_dim = qd[2];
+  p.num_blocks = cd[2];
+  p.block_size = cd[4];
+  p.num_seqs = td[0];
+  p.width = td[1];
+  p.layer = layer;
+  p.storage = storage;
+  p.window = window;
+  p.scale = scale;
+  p.soft_cap = soft_cap;
+  p.alibi = alibi;
+  if (qd[1] % cd[3] != 0 || cd[5] != qd[2] || layer < 0 || layer >= cd[0]) {
+    return ffi::Error::InvalidArgument("paged attention: q's heads or head dim do not match the cache");
+  }
+  const bool f32 = cache.element_type() == ffi::DataType::F32;
+  if ((storage == kFloat32) != f32 || (!f32 && cache.element_type() != ffi::DataType::U16)) {
+    return ffi::Error::InvalidArgument("paged attention: the cache must be float32, or uint16 16-bit float bits");
+  }
+  p.q = q.typed_data();
+  p.cache = cache.untyped_data();
+  p.tables = tables.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  p.starts = starts.typed_data();
+  p.slopes = slopes.typed_data();
+  p.peak = peak->typed_data();
+  p.denom = denom->typed_data();
+  p.acc = acc->typed_data();
+
+  if (storage == kFloat32) {
+    const float* base = static_cast<const float*>(p.cache);
+    dispatch(p, [base](int64_t offset, int64_t, float*) { return base + offset; });
+  } else if (storage == kBFloat16) {
+    const uint16_t* base = static_cast<const uint16_t*>(p.cache);
+    dispatch(p, [base](int64_t offset, int64_t n, float* out) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(base[offset + i]);
+      return static_cast<const float*>(out);
+    });
+  } else {
+    const uint16_t* base = static_cast<const uint16_t*>(p.cache);
+    dispatch(p, [base](int64_t offset, int64_t n, float* out) {
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(base[offset + i]);
+      return static_cast<const float*>(out);
+    });
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionCached, PagedAttentionCachedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query start loc
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // alibi slopes
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // peak
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // denom
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // acc
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("storage")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("alibi"));

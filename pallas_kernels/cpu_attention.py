@@ -1,0 +1,135 @@
+"""The CPU attention kernel: native code (cpu_attention.cc) behind an XLA FFI custom call.
+
+The shared library is compiled on first use with the system's C++ compiler (`CXX`, else `c++`,
+`g++` or `clang++`), tuned for this CPU, and kept under the jaxpaged cache root keyed by the source,
+the JAX version and the CPU, so later starts only load it. Without a compiler, `available()` is
+False and attention_backend="auto" keeps the pure-JAX reference on CPU.
+
+The kernel reads the positions cached before this step; this step's own keys go through the
+reference's [T, T] product, and the two partial softmaxes are merged in XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.reference import combine_softmax, fresh_token_softmax, normalized
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.cc")
+TARGET = "jaxpaged_paged_attention_cached_cpu"
+CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-pthread")
+STORAGE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its instruction-set flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def library_path(cache_dir: str | None = None) -> Path:
+    from models.convert_cache import cache_root  # the one cache root for everything jaxpaged keeps
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), jax.__version__.encode(), " ".join(CXXFLAGS).encode(), _cpu_signature().encode()):
+        key.update(part)
+    return cache_root(cache_dir) / "native" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: str | None = None) -> Path:
+    """Compile the kernel unless a build for this source, JAX and CPU is cached; the path of the library."""
+    out = library_path(cache_dir)
+    if out.exists():
+        return out
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    logger.info("compiling the CPU attention kernel: %s", " ".join(cmd))
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Builds (once per machine) and registers the kernel; False, with a warning, where that fails."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttentionCached), platform="cpu")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure means: use the reference
+        logger.warning("the native CPU attention kernel is unavailable, using the pure-JAX reference: %s", e)
+        return False
+
+
+def cached_softmax(q, kv_cache, layer: int, md: AttentionMetadata, *, scale, sliding_window=None, soft_cap=None,
+                   alibi_slopes=None):  # fmt: skip
+    """The partial softmax (peak, denom, acc) of each row over its sequence's cached positions, from the kernel."""
+    if not available():
+        raise RuntimeError("the native CPU attention kernel could not be built; see the warning logged above")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if kv_cache.dtype in (jnp.bfloat16, jnp.float16):  # the kernel reads 16-bit floats as their bits
+        kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
+    storage = 0 if kv_cache.dtype == jnp.float32 else STORAGE[jnp.dtype(q.dtype)]
+    slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    stats = jax.ShapeDtypeStruct((num_tokens, num_heads), jnp.float32)
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (stats, stats, jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), jnp.float32)),
+        vmap_method="sequential",
+    )
+    peak, denom, acc = call(
+        q.astype(jnp.float32), kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, slopes,
+        layer=layer, storage=storage, window=sliding_window or 0, scale=np.float32(scale),
+        soft_cap=np.float32(soft_cap or 0.0), alibi=alibi_slopes is not None,
+    )  # fmt: skip
+    shape = (num_tokens, num_kv_heads, group)
+    return peak.reshape(shape), denom.reshape(shape), acc.reshape(*shape, head_dim)
+
+
+def cpu_paged_attention(q, k, v, kv_cache, layer: int, md: AttentionMetadata, *, scale, sliding_window=None,
+                        soft_cap=None, alibi_slopes=None) -> jax.Array:  # fmt: skip
+    """reference_paged_attention's result: this step's keys in XLA, the cached ones in the kernel."""
+    kw = {"scale": scale, "sliding_window": sliding_window, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes}
+    fresh = fresh_token_softmax(q, k, v, md, **kw)
+    cached = cached_softmax(q, kv_cache, layer, md, **kw)
+    return normalized(combine_softmax(fresh, cached), q.dtype)

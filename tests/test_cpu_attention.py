@@ -1,0 +1,79 @@
+"""The native CPU kernel's plumbing: built once per machine, and reading the KV cache where it lies.
+
+Its arithmetic is checked against the definition with the other kernels in test_pallas_attention.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import AttentionMetadata, cpu_attention, kv_cache_shape, paged_attention
+from pallas_kernels.reference import reference_paged_attention
+
+pytestmark = pytest.mark.skipif(cpu_attention.compiler() is None, reason="no C++ compiler to build the native kernel")
+
+
+def test_built_once_and_cached_by_source_jax_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXPAGED_CACHE_DIR", str(tmp_path))
+    path = cpu_attention.build()
+    assert path.exists() and path.parent == tmp_path / "native"
+    stamp = path.stat().st_mtime_ns
+    assert cpu_attention.build() == path and path.stat().st_mtime_ns == stamp  # not rebuilt
+    # another source would be another library, next to this one
+    monkeypatch.setattr(cpu_attention, "CXXFLAGS", (*cpu_attention.CXXFLAGS, "-DJAXPAGED_TEST_VARIANT"))
+    assert cpu_attention.library_path() != path
+
+
+def test_a_build_failure_names_the_compiler_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXPAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        cpu_attention, "CXXFLAGS", (*cpu_attention.CXXFLAGS, "-DJAXPAGED_TEST_VARIANT", "-include", "no_such_header.h")
+    )
+    with pytest.raises(RuntimeError, match="no_such_header"):
+        cpu_attention.build()
+    assert not list((tmp_path / "native").glob("*.so"))  # no half-written library left to load
+
+
+def test_the_cache_is_read_in_place():
+    """The kernel takes the whole cache as an operand: the compiled layers must not copy or convert it."""
+    shape = kv_cache_shape(4, 2, 512, 16, 64)
+    tokens, seqs, width = 64, 64, 32
+    md = AttentionMetadata(
+        *(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((tokens,), (seqs, width), (seqs,), (seqs + 1,)))
+    )
+    q = jax.ShapeDtypeStruct((tokens, 4, 64), jnp.float32)
+    kv = jax.ShapeDtypeStruct((tokens, 2, 64), jnp.float32)
+
+    def layers(q, k, v, cache, md):
+        for layer in range(shape[0]):
+            q = paged_attention(q, k, v, cache, layer, md, scale=0.125, backend="native")
+        return q
+
+    cache = jax.ShapeDtypeStruct(shape, jnp.float32)
+    hlo = jax.jit(layers).lower(q, kv, kv, cache, md).compile().as_text()
+    full = "f32[" + ",".join(map(str, shape)) + "]"
+    assert hlo.count(cpu_attention.TARGET) >= shape[0]
+    made = [line for line in hlo.splitlines() if "=" in line and line.split("=", 1)[1].strip().startswith(full)]
+    assert all("parameter(" in line for line in made), made
+
+
+def test_decode_batch_equals_the_reference_through_paged_attention():
+    """Many sequences, long contexts, blocks scattered over the pool: the shape of a real decode step."""
+    rng = np.random.default_rng(0)
+    layers, kv_heads, heads, num_blocks, bs, dim, seqs = 3, 3, 9, 1200, 16, 64, 40
+    cache = jnp.asarray(rng.normal(size=kv_cache_shape(layers, kv_heads, num_blocks, bs, dim)), jnp.float32)
+    lens = rng.integers(1, 400, seqs).astype(np.int32)
+    width = int(-(-lens.max() // bs))
+    tables = rng.permutation(num_blocks)[: seqs * width].reshape(seqs, width).astype(np.int32)
+    md = AttentionMetadata(
+        jnp.zeros(seqs, jnp.int32), jnp.asarray(tables), jnp.asarray(lens), jnp.arange(seqs + 1, dtype=jnp.int32)
+    )
+    q = jnp.asarray(rng.normal(size=(seqs, heads, dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(seqs, kv_heads, dim)), jnp.float32) for _ in range(2))
+    for layer in range(layers):
+        got = paged_attention(q, k, v, cache, layer, md, scale=0.125, backend="native")
+        want = reference_paged_attention(q, k, v, cache, layer, md, scale=0.125)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=0)
