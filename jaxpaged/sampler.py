@@ -124,12 +124,23 @@ def apply_top_k_top_p_min_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Arra
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def _gumbel_argmax(logits: jax.Array, seeds: jax.Array, step_index: jax.Array) -> jax.Array:
-    def one_row(row_logits, seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jnp.argmax(row_logits + jax.random.gumbel(key, row_logits.shape, row_logits.dtype))
+def first_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first maximum; a NaN counts as the maximum), as int32.
 
-    return jax.vmap(one_row)(logits, seeds, step_index).astype(jnp.int32)
+    Written as a max and a min over plain arrays: XLA:CPU runs argmax's paired (value, index)
+    reduction unvectorised, 3x slower over a [64, 49152] batch of logits (7.6 against 2.2 ms).
+    """
+    nan = jnp.isnan(x)
+    peak = jnp.max(jnp.where(nan, -jnp.inf, x), axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == peak) | nan, index, x.shape[-1] - 1), axis=-1)
+
+
+def _gumbel_argmax(logits: jax.Array, seeds: jax.Array, step_index: jax.Array) -> jax.Array:
+    def noise(seed, step):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), logits.shape[1:], logits.dtype)
+
+    return first_argmax(logits + jax.vmap(noise)(seeds, step_index))
 
 
 def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -181,7 +192,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         jnp.any(md.suppress_ids >= 0), lambda x: apply_suppression(x, md.suppress_ids), lambda x: x, raw
     )
     logits = jax.lax.cond(md.any_penalty, apply_penalties, lambda x, _: x, logits, md)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = first_argmax(logits)
 
     greedy = md.temperature < _GREEDY_EPS
 

@@ -19,6 +19,7 @@ from jaxpaged.sampler import (
     apply_penalties,
     apply_top_k_top_p_min_p,
     build_sampling_metadata,
+    first_argmax,
     sample,
 )
 from jaxpaged.sampling_params import SamplingParams
@@ -426,3 +427,18 @@ def test_compiles_once_for_any_parameter_values():
         out = jitted(logits, build_sampling_metadata(rows, num_rows=4, history_width=16))
         assert out.tokens.shape == (4,)
     assert jitted._cache_size() == 1
+
+
+def test_first_argmax_is_jnp_argmax_with_ties_nan_and_masked_rows():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 1000)).astype(np.float32)
+    x[1, [5, 700]] = 10.0  # a tie: the first wins
+    x[2, :] = -np.inf  # every token suppressed
+    x[3, [40, 90]] = np.nan  # NaN counts as the maximum, the first one
+    x[4, :] = 3.0  # all equal
+    x[5, 999] = np.inf
+    x[6] = np.round(x[6])  # many ties
+    got = jax.jit(first_argmax)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert list(np.asarray(got)[1:6]) == [5, 0, 40, 0, 999]
