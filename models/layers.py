@@ -49,13 +49,22 @@ class Linear(nnx.Module):
 class Embedding(nnx.Module):
     def __init__(self, num_embeddings: int, features: int, *, dtype):
         self.embedding = _param((num_embeddings, features), dtype)
+        self.output_kernel = nnx.data(None)  # [features, num_embeddings] copy of the table where one pays (add_output_kernel)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output projection: logits against the embedding table, in float32."""
+        if self.output_kernel is not None:
+            return jnp.dot(x, self.output_kernel[...], precision=_precision(x), preferred_element_type=jnp.float32)
         return jnp.dot(x, self.embedding[...].T, precision=_precision(x), preferred_element_type=jnp.float32)
+
+    def add_output_kernel(self) -> None:
+        """Keep the table transposed too, for `attend`. XLA:CPU runs a 16-bit `x @ E.T` by converting E to
+        float32 on every call (2 x 19 ms a step for SmolLM2's [49152, 576] table); with the weight laid out
+        [in, out] it takes its native 16-bit path, 6x faster. Costs the table's size again in memory."""
+        self.output_kernel = nnx.Param(jnp.asarray(self.embedding[...].T))
 
 
 class RMSNorm(nnx.Module):

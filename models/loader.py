@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -218,6 +219,8 @@ def load_model(
     else:
         raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
     module, cfg, hf_config, tokenizer = result
+    if jax.default_backend() == "cpu" and dtype_name != "float32" and getattr(module, "lm_head", True) is None:
+        module.embed_tokens.add_output_kernel()  # a tied 16-bit head: see Embedding.add_output_kernel
     size = param_bytes(nnx.state(module, nnx.Param))
     logger.info(
         "loaded %s (%s, %.1f MB of %s weights) in %.1fs",

@@ -75,3 +75,31 @@ def test_bf16_engine_gives_the_same_bits_with_either_storage(tmp_path, monkeypat
     float_dtype, as_floats = run()
     assert (bits_dtype, float_dtype) == (jnp.uint16, jnp.bfloat16)
     assert as_bits == as_floats
+
+
+@pytest.mark.parametrize("dtype,tied", [("bfloat16", True), ("bfloat16", False), ("float32", True)])
+def test_tied_16_bit_head_on_cpu_keeps_a_transposed_table(tmp_path, dtype, tied):
+    """XLA:CPU converts the table of a 16-bit `x @ E.T` to float32 on every call; a tied 16-bit head on CPU
+    reads a transposed copy instead, with the same logits."""
+    from flax import nnx
+
+    from models.loader import load_model
+    from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
+
+    model_dir = save_hf_model(random_hf_model(tiny_llama_config(tie_word_embeddings=tied)), tmp_path / "m")
+    model = load_model(str(model_dir), dtype=dtype).model
+    emb = model.embed_tokens
+    assert (emb.output_kernel is not None) == (tied and dtype != "float32")
+    hidden = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64)), dtype)
+    logits = nnx.jit(lambda m, h: m.compute_logits(h))(model, hidden)
+    assert logits.dtype == jnp.float32
+    if emb.output_kernel is not None:
+        table = emb.embedding[...]
+        np.testing.assert_array_equal(np.asarray(emb.output_kernel[...]), np.asarray(table.T))
+        want = jnp.dot(hidden, table.T, preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+        def compiled(fn, weight):
+            return jax.jit(lambda h, w: jnp.dot(h, fn(w), preferred_element_type=jnp.float32)).lower(hidden, weight).compile().as_text()
+
+        assert "f32[256,64]" in compiled(lambda w: w.T, table)  # the problem: E converted to float32
+        assert "f32[64,256]" not in compiled(lambda w: w, emb.output_kernel[...])  # [in, out]: no float32 copy
