@@ -199,6 +199,15 @@ def _fold(carry, s, spec, values, prec):
     return new_peak, denom * correction + jnp.sum(p, axis=key_axes), acc * correction[..., None] + pv
 
 
+def _empty_softmax(num_tokens: int, num_kv_heads: int, group: int, head_dim: int):
+    """(peak, denom, acc) of rows that have seen no key yet."""
+    return (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+
+
 def fresh_token_softmax(q, k, v, md: AttentionMetadata, *, scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
     """The partial softmax (peak, denom, acc), [T, H_kv, G] and [T, H_kv, G, D] float32, of each row over
     this step's own keys: same sequence, not in the future; one [T, T] product."""
@@ -207,11 +216,7 @@ def fresh_token_softmax(q, k, v, md: AttentionMetadata, *, scale, sliding_window
     group = num_heads // num_kv_heads
     prec = _precision(q.dtype)
     seq, pos, valid = token_layout(md, num_tokens)
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
+    init = _empty_softmax(num_tokens, num_kv_heads, group, head_dim)
     mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
     if sliding_window is not None:
         mask &= pos[None, :] > pos[:, None] - sliding_window
@@ -279,32 +284,17 @@ def batch_invariant_attention(
         is_new = (ctx_pos[None, :] >= cached[:, None])[..., None, None]
         return jnp.where(is_new, new[idx].astype(from_cache.dtype), from_cache)
 
+    kw = {"scale": scale, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
+
     def body(i, carry):
-        peak, denom, acc = carry
         ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = (ctx_pos[None, :] <= pos[:, None]) & valid[:, None]
         if sliding_window is not None:
             mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
         kc, vc = keys(i, 0, k_new), keys(i, 1, v_new)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, kc, preferred_element_type=jnp.float32, precision=prec) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        if alibi_slopes is not None:
-            s = s + alibi_bias(alibi_slopes, ctx_pos, pos, num_kv_heads)
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        new_peak = jnp.maximum(peak, jnp.max(s, axis=-1))
-        safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-        p = jnp.exp(s - safe[..., None])
-        correction = jnp.exp(peak - safe)
-        pv = jnp.einsum("tkgc,tckd->tkgd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32, precision=prec)
-        return new_peak, denom * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+        s = _scores("tkgd,tckd->tkgc", qg, kc, mask, ctx_pos, pos, **kw)
+        return _fold(carry, s, "tkgc,tckd->tkgd", vc, prec)
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
     trips = (jnp.max(jnp.where(valid, pos, -1)) + chunk) // chunk
-    _, denom, acc = jax.lax.fori_loop(0, trips, body, init)
-    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    carry = jax.lax.fori_loop(0, trips, body, _empty_softmax(num_tokens, num_kv_heads, group, head_dim))
+    return normalized(carry, q.dtype)
