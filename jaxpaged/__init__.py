@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from jaxpaged.host_malloc import tune_malloc  # noqa: E402
+
+tune_malloc()  # before anything starts XLA's threads: see host_malloc.py
+
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from jaxpaged.llm import LLM  # noqa: E402
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402

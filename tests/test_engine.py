@@ -230,3 +230,20 @@ def test_pallas_kernel_backend_gives_the_same_greedy_tokens(model_dir, mixed_wor
     assert _run(kernel, prompts[:12], max_tokens[:12]) == expected[:12]
     assert kernel.get_stats()["num_compiles_after_warmup"] == 0
     _assert_all_blocks_back(kernel)
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs", [(256, 64), (2048, 256), (32, 8), (128, 32), (100, 64), (8, 8)])
+def test_token_buckets_are_fine_in_the_decode_range_and_end_at_the_budget(max_tokens, max_seqs):
+    from jaxpaged.model_runner import token_buckets
+
+    buckets = token_buckets(max_tokens, max_seqs)
+    assert buckets[-1] == max_tokens and buckets == sorted(set(buckets))
+    assert buckets[0] == min(16, max_tokens)
+    decode = [b for b in buckets if b <= max_seqs]
+    if buckets[0] <= max_seqs <= max_tokens:
+        assert max_seqs in buckets  # a full decode batch pads nothing
+    for small, big in zip(decode, decode[1:]):
+        assert big % 8 == 0 and big <= 1.5 * small  # a shrinking decode batch never pads by more than a third
+    above = [b for b in buckets if b > max_seqs]
+    for small, big in zip(above, above[1:]):
+        assert big <= 2 * small
