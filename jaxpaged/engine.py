@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxpaged import compile_monitor
+from jaxpaged.beam_search import BeamSearch
 from jaxpaged.block_pool import BlockPool
 from jaxpaged.config import EngineConfig
 from jaxpaged.detokenizer import IncrementalDetokenizer
@@ -26,7 +27,6 @@ from jaxpaged.model_runner import DispatchedStep, ModelRunner, StepInputs
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.request import PLACEHOLDER, Request, RequestGroup, RequestStatus
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
-from jaxpaged.beam_search import BeamSearch
 from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from models.loader import LoadedModel, load_model

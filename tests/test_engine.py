@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
-
 from jaxpaged import LLM, SamplingParams
+from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
 VOCAB = 256
 
