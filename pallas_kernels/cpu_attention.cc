@@ -107,14 +107,16 @@ inline float sum_lanes(Vec v) {
 // Asks for row c of a tile that is `ahead` (the same KV head's tile in the sequence's next block), so
 // that the next block arrives while this one is worked on: blocks lie anywhere in the cache, where the
 // hardware prefetcher cannot guess them, and asking for a whole block at once overflows the queue of
-// misses in flight, so the requests are spread over the keys of the current tile.
+// misses in flight, so the requests are spread over the keys of the current tile. They ask for L2, not
+// L1 (locality hint 1): L1 holds few misses in flight and the tile is read from L2 soon enough; a batch-64
+// decode read its context ~15% faster so (45-51 against 54-61 ms for SmolLM2's 30 layers at context 300).
 // The vector paths inline the same loop with a compile-time bound: written as a call there, it cost
 // a third of the prefetch's gain (measured).
 template <int64_t kRowBytes>
 inline void prefetch_row(const char* ahead, int64_t c, int64_t row_bytes) {
   if (ahead == nullptr) return;
   const int64_t bytes = kRowBytes > 0 ? kRowBytes : row_bytes;
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + c * bytes + i);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + c * bytes + i, 0, 1);
 }
 
 // scores[c] = scale * q . k[c] for the n keys of a [bs, D] tile.
@@ -126,7 +128,7 @@ inline void block_scores(const float* __restrict q, const float* __restrict k, i
     Vec qv[nv];
     for (int64_t j = 0; j < nv; ++j) qv[j] = load_vec(q + j * kLanes);
     for (int64_t c = 0; c < n; ++c) {
-      if (ahead) for (int64_t j = 0; j < kD * kElem; j += 64) __builtin_prefetch(ahead + c * kD * kElem + j);
+      if (ahead) for (int64_t j = 0; j < kD * kElem; j += 64) __builtin_prefetch(ahead + c * kD * kElem + j, 0, 1);
       Vec acc = qv[0] * load_vec(k + c * kD);
       for (int64_t j = 1; j < nv; ++j) acc += qv[j] * load_vec(k + c * kD + j * kLanes);
       scores[c] = sum_lanes(acc) * scale;
@@ -151,7 +153,7 @@ inline void block_values(const float* __restrict w, const float* __restrict v, i
     Vec a[nv];
     for (int64_t j = 0; j < nv; ++j) a[j] = load_vec(acc + j * kLanes) * correction;
     for (int64_t c = 0; c < n; ++c) {
-      if (ahead) for (int64_t j = 0; j < kD * kElem; j += 64) __builtin_prefetch(ahead + c * kD * kElem + j);
+      if (ahead) for (int64_t j = 0; j < kD * kElem; j += 64) __builtin_prefetch(ahead + c * kD * kElem + j, 0, 1);
       const Vec wc = Vec{} + w[c];
       for (int64_t j = 0; j < nv; ++j) a[j] += wc * load_vec(v + c * kD + j * kLanes);
     }
