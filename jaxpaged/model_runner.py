@@ -1,6 +1,6 @@
 """The device side: parameters, the KV-block array, bucketed inputs and the jitted step.
 
-A step's tokens are flattened and padded to a token bucket T (`token_buckets`: ~25% apart up to
+A step's tokens are flattened and padded to a token bucket T (`token_buckets`: 4, 8, 16, then ~25% apart up to
 max_num_seqs, then powers of two up to the token budget); its sequence slots are padded to
 S = min(T, max_num_seqs); block tables always have the full width W = blocks for max_model_len
 (attention loops only over live context, so width costs nothing but a small transfer). One jitted step per token bucket, all compiled at warm-up.
@@ -36,11 +36,14 @@ from pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, kv_st
 logger = logging.getLogger("jaxpaged.runner")
 
 
-def token_buckets(max_tokens: int, max_seqs: int | None = None, smallest: int = 16) -> list[int]:
-    """Step sizes T that steps are padded to: about 25% apart (multiples of 8) up to max_seqs, where
-    decode-only steps fall and the batch shrinks one finished request at a time, then powers of two
-    up to max_tokens, the last bucket (prefill steps mostly fill it). Powers of two throughout padded
-    a draining decode batch to ~77% full; this spacing keeps it ~90% full for a few more compiles."""
+def token_buckets(max_tokens: int, max_seqs: int | None = None, smallest: int = 4) -> list[int]:
+    """Step sizes T that steps are padded to: 4, 8, 16, then about 25% apart (multiples of 8) up to
+    max_seqs, where decode-only steps fall and the batch shrinks one finished request at a time, then
+    powers of two up to max_tokens, the last bucket (prefill steps mostly fill it). Powers of two
+    throughout padded a draining decode batch to ~77% full; this spacing keeps it ~90% full for a few
+    more compiles. The small buckets are for the last few requests and for a lone one: on the 2-core
+    CPU a step of 2 rows costs ~44 ms padded to 4 against ~64 ms padded to 16 (every step streams all
+    the weights, but the matmuls' cost still grows with the rows)."""
     buckets, b = [], min(smallest, max_tokens)
     while b < max_tokens:
         buckets.append(b)
