@@ -257,6 +257,38 @@ def machine_info() -> dict:
     return info | ({"torch_device": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {})
 
 
+def calibrate(repeats: int = 10) -> dict:
+    """This machine's speed today, measured in the same run: float32 matmul rates (2048^3, jax and torch)
+    and a large read (jnp.sum of 256 MB). The hosts this runs on differ by 30% and more from day to day,
+    and jaxpaged's matmul-bound steps follow the matmul rate while transformers' overhead-bound loop does
+    not, so a figure without these cannot be compared with another day's."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    n, flops = 2048, 2 * 2048**3
+    a = jnp.ones((n, n), jnp.float32)
+    dot = jax.jit(lambda x: jnp.dot(x, x, precision="highest"))
+    big = jnp.ones((64 << 20,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    t = torch.ones(n, n, device="cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    return {
+        "f32_matmul_gflops_jax": flops / best(lambda: dot(a).block_until_ready()) / 1e9,
+        "f32_matmul_gflops_torch": flops / best(lambda: (torch.mm(t, t), sync())) / 1e9,
+        "read_gb_s_jax": big.nbytes / best(lambda: total(big).block_until_ready()) / 1e9,
+    }
+
+
 def ratios(results: dict[str, Result]) -> dict[str, float]:
     jp = results.get("jaxpaged")
     return {f"jaxpaged/{name}": jp.tok_s / r.tok_s for name, r in results.items() if jp and name != "jaxpaged"}
@@ -330,11 +362,13 @@ def main(argv=None) -> None:
     results = sweep_totals(per_workload, args.output_lens) if args.output_lens else per_workload[0]
     ratio = ratios(results)
     print_table(results, ratio, extra)
+    speed = calibrate()  # last: torch's threads would slow jaxpaged, and the systems' runs are what matter
+    print("this machine: " + ", ".join(f"{k} {v:.1f}" for k, v in speed.items()))
     if args.json:
         report = {
             "workload": {k: v for k, v in vars(args).items() if k not in ("json",)} | {"prompt_tokens": in_tok, "output_tokens": out_tok, "model_path": str(src)},
             "results": result_dicts(results),
-            "ratios": ratio, "jaxpaged": extra, "machine": machine_info(),
+            "ratios": ratio, "jaxpaged": extra, "machine": machine_info() | speed,
             "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
         } | ({"output_len_sweep": sweep} if sweep else {})
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
