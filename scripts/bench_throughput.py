@@ -257,7 +257,7 @@ def machine_info() -> dict:
     return info | ({"torch_device": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {})
 
 
-def calibrate(repeats: int = 10) -> dict:
+def calibrate(iters: int = 10) -> dict:
     """This machine's speed today, measured in the same run: float32 matmul rates (2048^3, jax and torch)
     and a large read (jnp.sum of 256 MB). The hosts this runs on differ by 30% and more from day to day,
     and jaxpaged's matmul-bound steps follow the matmul rate while transformers' overhead-bound loop does
@@ -265,27 +265,22 @@ def calibrate(repeats: int = 10) -> dict:
     import jax
     import jax.numpy as jnp
     import torch
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+    from bench_attention import _time  # its sibling script: warm once, then the median of `iters` runs
 
     n, flops = 2048, 2 * 2048**3
     a = jnp.ones((n, n), jnp.float32)
-    dot = jax.jit(lambda x: jnp.dot(x, x, precision="highest"))
     big = jnp.ones((64 << 20,), jnp.float32)
-    total = jax.jit(jnp.sum)
     t = torch.ones(n, n, device="cuda" if torch.cuda.is_available() else "cpu")
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def torch_matmul() -> None:
+        torch.mm(t, t)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     return {
-        "f32_matmul_gflops_jax": flops / best(lambda: dot(a).block_until_ready()) / 1e9,
-        "f32_matmul_gflops_torch": flops / best(lambda: (torch.mm(t, t), sync())) / 1e9,
-        "read_gb_s_jax": big.nbytes / best(lambda: total(big).block_until_ready()) / 1e9,
+        "f32_matmul_gflops_jax": flops / _time(jax.jit(lambda x: jnp.dot(x, x, precision="highest")), a, iters=iters) / 1e9,
+        "f32_matmul_gflops_torch": flops / _time(torch_matmul, iters=iters) / 1e9,
+        "read_gb_s_jax": big.nbytes / _time(jax.jit(jnp.sum), big, iters=iters) / 1e9,
     }
 
 
