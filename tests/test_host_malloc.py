@@ -14,6 +14,8 @@ from jaxpaged.host_malloc import _libc
 pytestmark = pytest.mark.skipif(_libc() is None, reason="glibc only")
 
 # A jitted program whose temporaries (two 64 MiB cumsums) are allocated by XLA's threads on every run.
+# Tuned, a run faults 0 pages once the heap has grown to fit them, but while it settles a run can still
+# fault 35-51k (seen on 2-core VMs: in up to 4 of 20 runs), so the test compares medians, not means.
 FAULTS_PER_RUN = textwrap.dedent(
     """
     import resource
@@ -22,10 +24,13 @@ FAULTS_PER_RUN = textwrap.dedent(
     x = jnp.ones((2048, 8192), jnp.float32)
     f = jax.jit(lambda x: (jnp.cumsum(x, axis=1) * 2.0 + jnp.cumsum(x, axis=0)).max())
     f(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults = []
     for _ in range(20):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         f(x).block_until_ready()
-    print(jaxpaged.host_malloc.applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    # the median: while the heap settles, a few early runs still land on fresh pages
+    print(jaxpaged.host_malloc.applied, sorted(faults)[len(faults) // 2])
     """
 )
 
