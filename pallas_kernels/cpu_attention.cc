@@ -1,17 +1,19 @@
-// Paged attention over the cached context, for CPUs: an XLA FFI custom call.
+// Paged attention for CPUs: an XLA FFI custom call.
 //
 // Why native code: XLA:CPU materialises every gather of context blocks before the small batched
 // matmuls consume it, so the pure-JAX path moves each K/V byte several times through memory (about
 // half of a SmolLM2 decode step at batch 64). Here each (sequence, KV head) reads its blocks once,
 // straight from the cache, with an online softmax, and the work is split over the cores.
 //
-// Only positions cached before this step are read: this step's own keys are attended in XLA (one
-// [T, T] product) and the two partial softmaxes are merged there. Outputs, per row and query head:
-//   peak  = max score, denom = sum exp(score - peak), acc = sum exp(score - peak) * value
-// with peak = -inf, denom = 0, acc = 0 where a row sees nothing cached (padding rows included).
+// Each row sees its sequence's positions cached before this step, read from the cache, then this
+// step's own keys (k_new / v_new, not yet written to the cache) up to its own position: one online
+// softmax over both, normalised here. XLA's [T, T] product over this step's keys computed every pair
+// of the step's rows, most of them masked (other sequences, the future): ~20% of a 256-token step.
+// Rows outside every sequence (padding) come out 0.
 //
 // Layout (pallas_kernels/metadata.py): cache[L, 2, num_blocks, H_kv, block_size, D], float32, or
-// uint16 holding bfloat16 / float16 bits (kv_storage_dtype). q is float32 [T, H_kv * G, D].
+// uint16 holding bfloat16 / float16 bits (kv_storage_dtype). q is float32 [T, H_kv * G, D], k_new and
+// v_new float32 [T, H_kv, D], out float32 [T, H, D].
 
 #include <algorithm>
 #include <cmath>
@@ -45,14 +47,14 @@ inline float f16_to_float(uint16_t bits) {
 
 struct Problem {
   const float* q;            // [T, H, D]
+  const float* k_new;        // [T, H_kv, D] this step's keys
+  const float* v_new;        // [T, H_kv, D]
   const void* cache;         // [L, 2, NB, H_kv, bs, D]
   const int32_t* tables;     // [S, W]
   const int32_t* seq_lens;   // [S]
   const int32_t* starts;     // [S + 1]
   const float* slopes;       // [H]
-  float* peak;               // [T, H]
-  float* denom;              // [T, H]
-  float* acc;                // [T, H, D]
+  float* out;                // [T, H, D]
   int64_t num_tokens, num_seqs, width, num_blocks, num_kv_heads, group, block_size, head_dim, layer;
   int64_t storage, window;   // window 0: none
   float scale, soft_cap;     // soft_cap 0: none
@@ -169,33 +171,74 @@ inline void block_values(const float* __restrict w, const float* __restrict v, i
   }
 }
 
+// Folds the first n keys of one K/V tile, at absolute positions key0, key0 + 1, ..., into one query
+// vector's running softmax (peak m, denominator l, numerator a): the query of head h in the row at
+// absolute position pos. next_k / next_v: tiles to prefetch while this one is worked on (or null).
+template <int64_t kD, int64_t kElem>
+inline void fold_tile(const Problem& p, const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                      int64_t n, int64_t key0, int64_t pos, int64_t h, float* __restrict sr, float& m, float& l,
+                      float* __restrict a, const char* next_k, const char* next_v) {
+  const int64_t D = kD > 0 ? kD : p.head_dim, row_bytes = D * kElem;
+  const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes;  // scores per tile, in whole vectors
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  block_scores<kD, kElem>(q, k, n, D, p.scale, sr, next_k, row_bytes);
+  if (p.soft_cap > 0.0f || p.alibi || p.window > 0) {
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t key = key0 + c;
+      float score = sr[c];
+      if (p.soft_cap > 0.0f) score = p.soft_cap * std::tanh(score / p.soft_cap);
+      if (p.alibi) score += p.slopes[h] * static_cast<float>(key - pos);
+      if (p.window > 0 && key <= pos - p.window) score = neg_inf;
+      sr[c] = score;
+    }
+  }
+  for (int64_t c = n; c < padded; ++c) sr[c] = neg_inf;
+  Vec peaks = load_vec(sr);
+  for (int64_t c = kLanes; c < padded; c += kLanes) {
+    const Vec x = load_vec(sr + c);
+    peaks = x > peaks ? x : peaks;
+  }
+  const float block_peak = max_lanes(peaks);
+  if (block_peak == neg_inf) return;  // nothing visible in this tile
+  const float new_peak = std::max(m, block_peak);
+  const float correction = m == neg_inf ? 0.0f : std::exp(m - new_peak);
+  Vec sums = Vec{};
+  for (int64_t c = 0; c < padded; c += kLanes) {
+    const Vec w = exp_nonpositive(load_vec(sr + c) - new_peak);
+    std::memcpy(sr + c, &w, sizeof(w));
+    sums += w;
+  }
+  block_values<kD, kElem>(sr, v, n, D, correction, a, next_v, row_bytes);
+  l = l * correction + sum_lanes(sums);
+  m = new_peak;
+}
+
 // Rows [row0, row0 + rows) of sequence `seq`, every query head: each row sees the positions
-// [0, cached) (less any outside its sliding window). Blocks are read once, all KV heads together.
-// kD > 0 fixes the head dim at compile time.
+// [0, cached) from the cache (less any outside its sliding window), then this step's keys of its
+// sequence up to its own. Cached blocks are read once, all KV heads together. kD > 0 fixes the head
+// dim at compile time.
 template <int64_t kD, int64_t kElem, typename Tile>
 void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t cached, Tile tile,
             std::vector<float>& scratch) {
   const int64_t D = kD > 0 ? kD : p.head_dim, G = p.group, bs = p.block_size, H_kv = p.num_kv_heads;
   const int64_t H = H_kv * G;
   const int64_t R = rows * H;  // query vectors, in output order (row, head)
-  const int64_t padded = (bs + kLanes - 1) / kLanes * kLanes;  // scores per block, in whole vectors
+  const int64_t padded = (bs + kLanes - 1) / kLanes * kLanes;
   scratch.resize(2 * bs * D + padded + 2 * R + R * D);
   float* const k_buf = scratch.data();
   float* const v_buf = k_buf + bs * D;
-  float* const sr = v_buf + bs * D;  // [padded] one query's scores over one block
+  float* const sr = v_buf + bs * D;  // [padded] one query's scores over one tile
   float* const m = sr + padded;      // [R] running peak
   float* const l = m + R;            // [R] running denominator
   float* const a = l + R;            // [R, D] running numerator
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::fill(m, m + R, neg_inf);
+  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
   std::fill(l, l + R + R * D, 0.0f);
-  const int64_t start = p.starts[seq];  // a row's absolute position is cached + (row - start)
-  const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, (cached + row0 - start + 1 - p.window) / bs) : 0;
+  const int64_t first = row0 - p.starts[seq];  // the item's first row, counted among its sequence's new tokens
+  const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, (cached + first + 1 - p.window) / bs) : 0;
   const int64_t blocks = std::min((cached + bs - 1) / bs, p.width);
-  const int64_t tile_size = bs * D;
-  const int64_t row_bytes = D * kElem, tile_bytes = bs * row_bytes;
-  const bool plain = p.soft_cap <= 0.0f && !p.alibi && p.window <= 0;
+  const int64_t tile_size = bs * D, tile_bytes = tile_size * kElem;
   const int32_t* table = p.tables + seq * p.width;
+  auto query = [&](int64_t i, int64_t h) { return p.q + ((row0 + i) * H + h) * D; };
 
   for (int64_t b = first_block; b < blocks; ++b) {
     const int64_t block = table[b];
@@ -216,46 +259,43 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
       for (int64_t i = 0; i < rows; ++i) {
         for (int64_t h = kv_head * G; h < (kv_head + 1) * G; ++h) {
           const int64_t r = i * H + h;
-          const bool first = i == 0 && h == kv_head * G;
-          block_scores<kD, kElem>(p.q + ((row0 + i) * H + h) * D, k, n, D, p.scale, sr, first ? next_k : nullptr, row_bytes);
-          if (!plain) {
-            const int64_t pos = cached + row0 + i - start;
-            for (int64_t c = 0; c < n; ++c) {
-              const int64_t key = b * bs + c;
-              float score = sr[c];
-              if (p.soft_cap > 0.0f) score = p.soft_cap * std::tanh(score / p.soft_cap);
-              if (p.alibi) score += p.slopes[h] * static_cast<float>(key - pos);
-              if (p.window > 0 && key <= pos - p.window) score = neg_inf;
-              sr[c] = score;
-            }
-          }
-          for (int64_t c = n; c < padded; ++c) sr[c] = neg_inf;
-          Vec peaks = load_vec(sr);
-          for (int64_t c = kLanes; c < padded; c += kLanes) {
-            const Vec x = load_vec(sr + c);
-            peaks = x > peaks ? x : peaks;
-          }
-          const float block_peak = max_lanes(peaks);
-          if (block_peak == neg_inf) continue;  // nothing visible in this block
-          const float new_peak = std::max(m[r], block_peak);
-          const float correction = m[r] == neg_inf ? 0.0f : std::exp(m[r] - new_peak);
-          Vec sums = Vec{};
-          for (int64_t c = 0; c < padded; c += kLanes) {
-            const Vec w = exp_nonpositive(load_vec(sr + c) - new_peak);
-            std::memcpy(sr + c, &w, sizeof(w));
-            sums += w;
-          }
-          block_values<kD, kElem>(sr, v, n, D, correction, a + r * D, first ? next_v : nullptr, row_bytes);
-          l[r] = l[r] * correction + sum_lanes(sums);
-          m[r] = new_peak;
+          const bool lead = i == 0 && h == kv_head * G;
+          fold_tile<kD, kElem>(p, query(i, h), k, v, n, b * bs, cached + first + i, h, sr, m[r], l[r], a + r * D,
+                               lead ? next_k : nullptr, lead ? next_v : nullptr);
         }
       }
     }
   }
-  const int64_t out = row0 * H;
-  std::memcpy(p.peak + out, m, R * sizeof(float));
-  std::memcpy(p.denom + out, l, R * sizeof(float));
-  std::memcpy(p.acc + out * D, a, R * D * sizeof(float));
+
+  // This step's keys, bs at a time, copied out of k_new / v_new ([T, H_kv, D]) into a tile.
+  const int64_t seen = first + rows;  // the item's last row sees this step's keys [0, seen)
+  const int64_t start = p.starts[seq];
+  for (int64_t j0 = 0; j0 < seen; j0 += bs) {
+    const int64_t n = std::min(bs, seen - j0);
+    if (p.window > 0 && j0 + n - 1 <= first - p.window) continue;  // outside every row's window
+    for (int64_t kv_head = 0; kv_head < H_kv; ++kv_head) {
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t from = ((start + j0 + c) * H_kv + kv_head) * D;
+        std::memcpy(k_buf + c * D, p.k_new + from, D * sizeof(float));
+        std::memcpy(v_buf + c * D, p.v_new + from, D * sizeof(float));
+      }
+      for (int64_t i = std::max<int64_t>(0, j0 - first); i < rows; ++i) {
+        const int64_t visible = std::min(n, first + i - j0 + 1);  // not the row's future
+        for (int64_t h = kv_head * G; h < (kv_head + 1) * G; ++h) {
+          const int64_t r = i * H + h;
+          fold_tile<kD, kElem>(p, query(i, h), k_buf, v_buf, visible, cached + j0, cached + first + i, h, sr, m[r],
+                               l[r], a + r * D, nullptr, nullptr);
+        }
+      }
+    }
+  }
+
+  float* const out = p.out + row0 * H * D;
+  for (int64_t r = 0; r < R; ++r) {
+    const float denom = l[r] == 0.0f ? 1.0f : l[r];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = a[r * D + d] / denom;
+  }
 }
 
 struct Item {
@@ -269,19 +309,17 @@ constexpr int64_t kRowsPerItem = 32;
 template <int64_t kD, int64_t kElem, typename Tile>
 void run(const Problem& p, Tile tile) {
   const int64_t H = p.num_kv_heads * p.group;
-  std::fill(p.peak, p.peak + p.num_tokens * H, -std::numeric_limits<float>::infinity());
-  std::fill(p.denom, p.denom + p.num_tokens * H, 0.0f);
-  std::fill(p.acc, p.acc + p.num_tokens * H * p.head_dim, 0.0f);
+  std::fill(p.out, p.out + p.num_tokens * H * p.head_dim, 0.0f);  // padding rows stay 0
 
   std::vector<Item> items;
   int64_t total = 0;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
     const int64_t start = p.starts[seq], q_len = p.starts[seq + 1] - start;
     const int64_t cached = p.seq_lens[seq] - q_len;
-    if (q_len <= 0 || cached <= 0 || start + q_len > p.num_tokens) continue;
+    if (q_len <= 0 || cached < 0 || start < 0 || start + q_len > p.num_tokens) continue;
     for (int64_t row0 = start; row0 < start + q_len; row0 += kRowsPerItem) {
       const int64_t rows = std::min(kRowsPerItem, start + q_len - row0);
-      const int64_t cost = cached * (rows * H + 2 * p.num_kv_heads);
+      const int64_t cost = (cached + row0 - start + rows) * (rows * H + 2 * p.num_kv_heads);
       items.push_back({seq, row0, rows, cached, cost});
       total += cost;
     }
@@ -331,15 +369,19 @@ void dispatch(const Problem& p, Tile tile) {
   }
 }
 
-ffi::Error PagedAttentionCachedImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> tables,
-                                    ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> starts,
-                                    ffi::Buffer<ffi::F32> slopes, ffi::ResultBuffer<ffi::F32> peak,
-                                    ffi::ResultBuffer<ffi::F32> denom, ffi::ResultBuffer<ffi::F32> acc,
-                                    int64_t layer, int64_t storage, int64_t window, float scale, float soft_cap,
-                                    bool alibi) {
-  const auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
+ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                              ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> slopes,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t storage, int64_t window,
+                              float scale, float soft_cap, bool alibi) {
+  const auto qd = q.dimensions(), kd = k_new.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || cd.size() != 6 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], the cache 6-d, tables [S, W]");
+  }
+  const auto vd = v_new.dimensions();
+  if (kd.size() != 3 || kd[0] != qd[0] || kd[1] != cd[3] || kd[2] != qd[2] ||
+      vd.size() != 3 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
+    return ffi::Error::InvalidArgument("paged attention: this step's k and v must be [T, H_kv, D]");
   }
   Problem p;
   p.num_tokens = qd[0];
@@ -364,14 +406,14 @@ ffi::Error PagedAttentionCachedImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cach
     return ffi::Error::InvalidArgument("paged attention: the cache must be float32, or uint16 16-bit float bits");
   }
   p.q = q.typed_data();
+  p.k_new = k_new.typed_data();
+  p.v_new = v_new.typed_data();
   p.cache = cache.untyped_data();
   p.tables = tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.starts = starts.typed_data();
   p.slopes = slopes.typed_data();
-  p.peak = peak->typed_data();
-  p.denom = denom->typed_data();
-  p.acc = acc->typed_data();
+  p.out = out->typed_data();
 
   if (storage == kFloat32) {
     const float* base = static_cast<const float*>(p.cache);
@@ -395,17 +437,17 @@ ffi::Error PagedAttentionCachedImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cach
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionCached, PagedAttentionCachedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // this step's k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // this step's v
                                   .Arg<ffi::AnyBuffer>()         // cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query start loc
                                   .Arg<ffi::Buffer<ffi::F32>>()  // alibi slopes
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // peak
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // denom
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // acc
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("storage")
                                   .Attr<int64_t>("window")

@@ -5,8 +5,8 @@ The shared library is compiled on first use with the system's C++ compiler (`CXX
 the JAX version and the CPU, so later starts only load it. Without a compiler, `available()` is
 False and attention_backend="auto" keeps the pure-JAX reference on CPU.
 
-The kernel reads the positions cached before this step; this step's own keys go through the
-reference's [T, T] product, and the two partial softmaxes are merged in XLA.
+The kernel attends each row over its sequence's cached positions and this step's own keys (passed
+beside the cache, since the runner writes them after the step) in one online softmax.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import combine_softmax, fresh_token_softmax, normalized
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
-TARGET = "jaxpaged_paged_attention_cached_cpu"
+TARGET = "jaxpaged_paged_attention_cpu"
 CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-pthread")
 STORAGE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 
@@ -92,44 +91,27 @@ def available() -> bool:
     """Builds (once per machine) and registers the kernel; False, with a warning, where that fails."""
     try:
         lib = ctypes.CDLL(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttentionCached), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttention), platform="cpu")
         return True
     except Exception as e:  # noqa: BLE001 - any failure means: use the reference
         logger.warning("the native CPU attention kernel is unavailable, using the pure-JAX reference: %s", e)
         return False
 
 
-def cached_softmax(q, kv_cache, layer: int, md: AttentionMetadata, *, scale, sliding_window=None, soft_cap=None,
-                   alibi_slopes=None):  # fmt: skip
-    """The partial softmax (peak, denom, acc) of each row over its sequence's cached positions, from the kernel."""
+def cpu_paged_attention(q, k, v, kv_cache, layer: int, md: AttentionMetadata, *, scale, sliding_window=None,
+                        soft_cap=None, alibi_slopes=None) -> jax.Array:  # fmt: skip
+    """reference_paged_attention's result, from the kernel: q [T, H, D], this step's k/v [T, H_kv, D]."""
     if not available():
         raise RuntimeError("the native CPU attention kernel could not be built; see the warning logged above")
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
     if kv_cache.dtype in (jnp.bfloat16, jnp.float16):  # the kernel reads 16-bit floats as their bits
         kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
     storage = 0 if kv_cache.dtype == jnp.float32 else STORAGE[jnp.dtype(q.dtype)]
-    slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
-    stats = jax.ShapeDtypeStruct((num_tokens, num_heads), jnp.float32)
-    call = jax.ffi.ffi_call(
-        TARGET,
-        (stats, stats, jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), jnp.float32)),
-        vmap_method="sequential",
-    )
-    peak, denom, acc = call(
-        q.astype(jnp.float32), kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, slopes,
+    slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    f32 = lambda x: x.astype(jnp.float32)
+    out = call(
+        f32(q), f32(k), f32(v), kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, slopes,
         layer=layer, storage=storage, window=sliding_window or 0, scale=np.float32(scale),
         soft_cap=np.float32(soft_cap or 0.0), alibi=alibi_slopes is not None,
     )  # fmt: skip
-    shape = (num_tokens, num_kv_heads, group)
-    return peak.reshape(shape), denom.reshape(shape), acc.reshape(*shape, head_dim)
-
-
-def cpu_paged_attention(q, k, v, kv_cache, layer: int, md: AttentionMetadata, *, scale, sliding_window=None,
-                        soft_cap=None, alibi_slopes=None) -> jax.Array:  # fmt: skip
-    """reference_paged_attention's result: this step's keys in XLA, the cached ones in the kernel."""
-    kw = {"scale": scale, "sliding_window": sliding_window, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes}
-    fresh = fresh_token_softmax(q, k, v, md, **kw)
-    cached = cached_softmax(q, kv_cache, layer, md, **kw)
-    return normalized(combine_softmax(fresh, cached), q.dtype)
+    return out.astype(q.dtype)
