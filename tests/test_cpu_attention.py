@@ -38,7 +38,8 @@ def test_a_build_failure_names_the_compiler_error(tmp_path, monkeypatch):
 
 
 def test_the_cache_is_read_in_place():
-    """The kernel takes the whole cache as an operand: the compiled layers must not copy or convert it."""
+    """The kernel takes the whole cache as an operand: the compiled layers must not copy or convert it, and
+    attention is all in the kernel (no matmul in XLA)."""
     shape = kv_cache_shape(4, 2, 512, 16, 64)
     tokens, seqs, width = 64, 64, 32
     md = AttentionMetadata(
@@ -58,6 +59,8 @@ def test_the_cache_is_read_in_place():
     assert hlo.count(cpu_attention.TARGET) >= shape[0]
     made = [line for line in hlo.splitlines() if "=" in line and line.split("=", 1)[1].strip().startswith(full)]
     assert all("parameter(" in line for line in made), made
+    # this step's own keys are attended inside the kernel too: no [T, T] product left to XLA
+    assert " dot(" not in hlo and "dot_general" not in hlo
 
 
 def test_decode_batch_equals_the_reference_through_paged_attention():
