@@ -225,14 +225,6 @@ def fresh_token_softmax(q, k, v, md: AttentionMetadata, *, scale, sliding_window
     return _fold(init, _scores("tkgd,ukd->tkgu", qg, k, mask, pos, pos, **kw), "tkgu,ukd->tkgd", v, prec)
 
 
-def combine_softmax(a, b):
-    """Two partial softmaxes (peak, denom, acc) over disjoint keys -> the one over both."""
-    peak = jnp.maximum(a[0], b[0])
-    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    wa, wb = jnp.exp(a[0] - safe), jnp.exp(b[0] - safe)
-    return peak, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
-
-
 def normalized(carry, dtype) -> jax.Array:
     """(peak, denom, acc) -> attention output [T, H, D]; rows that saw nothing are 0."""
     _, denom, acc = carry
