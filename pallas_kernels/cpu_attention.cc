@@ -233,7 +233,8 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
   float* const a = l + R;            // [R, D] running numerator
   std::fill(m, m + R, -std::numeric_limits<float>::infinity());
   std::fill(l, l + R + R * D, 0.0f);
-  const int64_t first = row0 - p.starts[seq];  // the item's first row, counted among its sequence's new tokens
+  const int64_t start = p.starts[seq];
+  const int64_t first = row0 - start;  // the item's first row, counted among its sequence's new tokens
   const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, (cached + first + 1 - p.window) / bs) : 0;
   const int64_t blocks = std::min((cached + bs - 1) / bs, p.width);
   const int64_t tile_size = bs * D, tile_bytes = tile_size * kElem;
@@ -269,7 +270,6 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
 
   // This step's keys, bs at a time, copied out of k_new / v_new ([T, H_kv, D]) into a tile.
   const int64_t seen = first + rows;  // the item's last row sees this step's keys [0, seen)
-  const int64_t start = p.starts[seq];
   for (int64_t j0 = 0; j0 < seen; j0 += bs) {
     const int64_t n = std::min(bs, seen - j0);
     if (p.window > 0 && j0 + n - 1 <= first - p.window) continue;  // outside every row's window
