@@ -7,6 +7,7 @@ import dataclasses
 import jax
 
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
+MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the pool is sized to fit comfortably in RAM, not to fill it
 
 
@@ -28,6 +29,7 @@ class EngineConfig:
     max_num_seqs: int | None = None  # default 256 on GPU/TPU, 64 on CPU
     max_num_batched_tokens: int | None = None  # token budget per step; default 2048 on GPU/TPU, 256 on CPU
     attention_backend: str = "auto"  # auto = the Pallas kernel on GPU/TPU, the native kernel on CPU
+    matmul_backend: str = "auto"  # auto = native (weights packed at load) for float32 on one CPU device, else XLA's dot
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     batch_invariant: bool = False  # a request's tokens never depend on the rest of the batch (one step shape)
@@ -58,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1] (got {self.kv_cache_memory_fraction})")
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
+        if self.matmul_backend not in MATMUL_BACKEND_CHOICES:
+            raise ValueError(f"matmul_backend must be one of {MATMUL_BACKEND_CHOICES} (got {self.matmul_backend!r})")
         for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")

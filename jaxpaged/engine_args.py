@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jaxpaged.config import ATTENTION_BACKEND_CHOICES
+from jaxpaged.config import ATTENTION_BACKEND_CHOICES, MATMUL_BACKEND_CHOICES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over this many devices (default: 1)")
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_CHOICES), help="attention implementation (default: auto: the Pallas kernel on GPU/TPU, the native kernel on CPU)")
+    g.add_argument("--matmul-backend", default="auto", choices=list(MATMUL_BACKEND_CHOICES),
+                   help="matmul implementation (default: auto: native, with weights packed at load, for float32 on one CPU device; else XLA's dot)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before (default: on)")
     g.add_argument("--batch-invariant", action="store_true",
@@ -37,6 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_memory_fraction": args.kv_cache_memory_fraction, "block_size": args.block_size,
         "tensor_parallel_size": args.tensor_parallel_size, "attention_backend": args.attention_backend,
+        "matmul_backend": args.matmul_backend,
         "enable_prefix_caching": args.enable_prefix_caching, "batch_invariant": args.batch_invariant,
         "async_scheduling": args.async_scheduling,
     }

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig, RopeConfig
-from pallas_kernels import AttentionMetadata, paged_attention, stack_new_kv, write_kv
+from pallas_kernels import AttentionMetadata, cpu_matmul, paged_attention, stack_new_kv, write_kv
 
 # Flax >= 0.12 wants module lists wrapped so their arrays count as state.
 module_list = getattr(nnx, "List", list)
@@ -31,31 +31,45 @@ def _precision(x):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out], the transpose of torch's weight."""
+    """y = x @ kernel (+ bias); kernel is [in, out], the transpose of torch's weight, or its panels once
+    pack_for_cpu_matmul has packed it (3-d)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype):
         self.kernel = _param((in_features, out_features), dtype)
         self.bias = _param((out_features,), dtype) if bias else None
+        self.out_features = out_features
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # Accumulate in float32 and round once, as torch does for 16-bit matmuls. Asked for a 16-bit result
-        # directly, XLA:CPU converts the whole weight to float32 on every call (2x slower than float32).
-        y = jnp.dot(x, self.kernel[...], precision=_precision(x), preferred_element_type=jnp.float32).astype(x.dtype)
+        kernel = self.kernel[...]
+        if kernel.ndim == 3:
+            y = cpu_matmul.packed_matmul(x, kernel, self.out_features)
+        else:
+            # Accumulate in float32 and round once, as torch does for 16-bit matmuls. Asked for a 16-bit result
+            # directly, XLA:CPU converts the whole weight to float32 on every call (2x slower than float32).
+            y = jnp.dot(x, kernel, precision=_precision(x), preferred_element_type=jnp.float32)
+        y = y.astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
 
 
 class Embedding(nnx.Module):
+    """A [num_embeddings, features] table, or its panels (3-d) once pack_for_cpu_matmul has packed a tied head."""
+
     def __init__(self, num_embeddings: int, features: int, *, dtype):
         self.embedding = _param((num_embeddings, features), dtype)
         self.output_kernel = nnx.data(None)  # [features, num_embeddings] copy of the table where one pays (add_output_kernel)
+        self.num_embeddings = num_embeddings
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        if self.embedding[...].ndim == 3:
+            return cpu_matmul.packed_rows(self.embedding[...], ids)
         return jnp.take(self.embedding[...], ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output projection: logits against the embedding table, in float32."""
+        if self.embedding[...].ndim == 3:
+            return cpu_matmul.packed_matmul(x, self.embedding[...], self.num_embeddings)
         if self.output_kernel is not None:
             return jnp.dot(x, self.output_kernel[...], precision=_precision(x), preferred_element_type=jnp.float32)
         return jnp.dot(x, self.embedding[...].T, precision=_precision(x), preferred_element_type=jnp.float32)
@@ -65,6 +79,23 @@ class Embedding(nnx.Module):
         float32 on every call (2 x 19 ms a step for SmolLM2's [49152, 576] table); with the weight laid out
         [in, out] it takes its native 16-bit path, 6x faster. Costs the table's size again in memory."""
         self.output_kernel = nnx.Param(jnp.asarray(self.embedding[...].T))
+
+
+def pack_for_cpu_matmul(model: nnx.Module) -> int:
+    """Repack, in place, every float32 Linear's kernel and a tied head's table into cpu_matmul's panels,
+    so each step streams every weight once (see pallas_kernels/cpu_matmul.py); the count packed.
+    In place, so the weights are never held twice: the ModelRunner calls it on the loaded module."""
+    count = 0
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Linear) and module.kernel[...].ndim == 2 and module.kernel[...].dtype == jnp.float32:
+            module.kernel = nnx.Param(cpu_matmul.pack(module.kernel[...]))
+            count += 1
+    head = getattr(model, "embed_tokens", None)
+    tied = getattr(model, "lm_head", True) is None and isinstance(head, Embedding) and head.output_kernel is None
+    if tied and head.embedding[...].ndim == 2 and head.embedding[...].dtype == jnp.float32:
+        head.embedding = nnx.Param(cpu_matmul.pack_rows(head.embedding[...]))
+        count += 1
+    return count
 
 
 class RMSNorm(nnx.Module):

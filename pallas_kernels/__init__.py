@@ -1,6 +1,7 @@
-"""Paged attention over the KV-block array: the public entry point, its metadata and its reference."""
+"""Paged attention over the KV-block array (the public entry point, its metadata and its reference) and the
+native CPU kernels."""
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, cpu_matmul
 from pallas_kernels.attention import (
     ATTENTION_BACKENDS,
     copy_blocks,
@@ -17,6 +18,7 @@ __all__ = [
     "AttentionMetadata",
     "copy_blocks",
     "cpu_attention",
+    "cpu_matmul",
     "kv_cache_shape",
     "kv_storage_dtype",
     "paged_attention",

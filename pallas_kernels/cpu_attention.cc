@@ -21,7 +21,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <thread>
+#include <atomic>
+#include <memory>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -121,7 +122,25 @@ inline void prefetch_row(const char* ahead, int64_t c, int64_t row_bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + c * bytes + i, 0, 1);
 }
 
-// scores[c] = scale * q . k[c] for the n keys of a [bs, D] tile.
+// Lane c of the result: the sum of p[c]'s lanes. Four rounds of pairing halves: 45 vector operations
+// for sixteen dot products, where reducing each on its own took ~10 dependent ones apiece.
+inline Vec sum_lanes16(const Vec* p) {
+  Vec x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// scores[c] = scale * q . k[c] for the n keys of a [bs, D] tile; with kD fixed, scores[n, padded) are
+// written too (as 0).
 template <int64_t kD, int64_t kElem>
 inline void block_scores(const float* __restrict q, const float* __restrict k, int64_t n, int64_t D, float scale,
                          float* __restrict scores, const char* ahead, int64_t row_bytes) {
@@ -129,11 +148,20 @@ inline void block_scores(const float* __restrict q, const float* __restrict k, i
     constexpr int64_t nv = kD / kLanes;
     Vec qv[nv];
     for (int64_t j = 0; j < nv; ++j) qv[j] = load_vec(q + j * kLanes);
-    for (int64_t c = 0; c < n; ++c) {
-      if (ahead) for (int64_t j = 0; j < kD * kElem; j += 64) __builtin_prefetch(ahead + c * kD * kElem + j, 0, 1);
-      Vec acc = qv[0] * load_vec(k + c * kD);
-      for (int64_t j = 1; j < nv; ++j) acc += qv[j] * load_vec(k + c * kD + j * kLanes);
-      scores[c] = sum_lanes(acc) * scale;
+    for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+      Vec part[kLanes];
+      for (int64_t c = c0; c < c0 + kLanes; ++c) {
+        if (c >= n) {
+          part[c - c0] = Vec{};
+          continue;
+        }
+        if (ahead) for (int64_t j = 0; j < kD * kElem; j += 64) __builtin_prefetch(ahead + c * kD * kElem + j, 0, 1);
+        Vec acc = qv[0] * load_vec(k + c * kD);
+        for (int64_t j = 1; j < nv; ++j) acc += qv[j] * load_vec(k + c * kD + j * kLanes);
+        part[c - c0] = acc;
+      }
+      const Vec s = sum_lanes16(part) * scale;
+      std::memcpy(scores + c0, &s, sizeof(s));
     }
   } else {
     for (int64_t c = 0; c < n; ++c) {
@@ -306,12 +334,44 @@ struct Item {
 // chunk still spreads over the cores.
 constexpr int64_t kRowsPerItem = 32;
 
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Items are handed out, costliest first, from a shared counter to this thread and to helpers on XLA's
+// own CPU thread pool (starting a thread per call cost more than a small decode's attention gained).
+// The calling thread works too and, once the counter runs dry, waits only for items others have
+// taken: a helper the pool starts late finds nothing left and returns, so waiting never depends on
+// the pool having a free thread.
 template <int64_t kD, int64_t kElem, typename Tile>
-void run(const Problem& p, Tile tile) {
+struct Work {
+  Problem p;
+  Tile tile;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0}, done{0};
+  Work(const Problem& problem, Tile t) : p(problem), tile(t) {}
+  void drain() {
+    std::vector<float> scratch;
+    const int64_t n = static_cast<int64_t>(items.size());
+    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+      const Item& it = items[i];
+      attend<kD, kElem>(p, it.seq, it.row0, it.rows, it.cached, tile, scratch);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <int64_t kD, int64_t kElem, typename Tile>
+void run(const Problem& p, Tile tile, ffi::ThreadPool& pool) {
   const int64_t H = p.num_kv_heads * p.group;
   std::fill(p.out, p.out + p.num_tokens * H * p.head_dim, 0.0f);  // padding rows stay 0
 
-  std::vector<Item> items;
+  auto work = std::make_shared<Work<kD, kElem, Tile>>(p, tile);
+  std::vector<Item>& items = work->items;
   int64_t total = 0;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
     const int64_t start = p.starts[seq], q_len = p.starts[seq + 1] - start;
@@ -325,51 +385,30 @@ void run(const Problem& p, Tile tile) {
     }
   }
   if (items.empty()) return;
-
-  auto work = [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = items[i];
-      attend<kD, kElem>(p, it.seq, it.row0, it.rows, it.cached, tile, scratch);
-    }
-  };
-  // Contiguous runs of about equal cost, one per core; small problems stay on this thread.
-  static const int64_t cores = [] {
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  // Small problems stay on this thread; JAXPAGED_CPU_ATTENTION_THREADS caps the threads.
+  static const int64_t cap = [] {
     const char* env = std::getenv("JAXPAGED_CPU_ATTENTION_THREADS");
-    return std::max<int64_t>(1, env ? std::atoi(env) : std::thread::hardware_concurrency());
+    return env ? std::max(1, std::atoi(env)) : std::numeric_limits<int>::max();
   }();
-  const int64_t threads = std::min<int64_t>({cores, static_cast<int64_t>(items.size()), 1 + total / (1 << 16)});
-  if (threads <= 1) {
-    work(0, items.size());
-    return;
-  }
-  std::vector<int64_t> bounds{0};
-  int64_t running = 0, next = 1;
-  for (int64_t i = 0; i < static_cast<int64_t>(items.size()) && next < threads; ++i) {
-    running += items[i].cost;
-    if (running * threads >= total * next) {
-      bounds.push_back(i + 1);
-      ++next;
-    }
-  }
-  bounds.push_back(items.size());
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t + 1 < bounds.size(); ++t) pool.emplace_back(work, bounds[t], bounds[t + 1]);
-  work(bounds[0], bounds[1]);
-  for (auto& th : pool) th.join();
+  const int64_t threads = std::min<int64_t>({cap, std::max<int64_t>(1, pool.num_threads()),
+                                             static_cast<int64_t>(items.size()), 1 + total / (1 << 16)});
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < static_cast<int64_t>(items.size())) spin_pause();
 }
 
 // The common head dims get code compiled for their size.
 template <int64_t kElem, typename Tile>
-void dispatch(const Problem& p, Tile tile) {
+void dispatch(const Problem& p, Tile tile, ffi::ThreadPool& pool) {
   switch (p.head_dim) {
-    case 64: return run<64, kElem>(p, tile);
-    case 128: return run<128, kElem>(p, tile);
-    default: return run<0, kElem>(p, tile);
+    case 64: return run<64, kElem>(p, tile, pool);
+    case 128: return run<128, kElem>(p, tile, pool);
+    default: return run<0, kElem>(p, tile, pool);
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                               ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> slopes,
                               ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t storage, int64_t window,
@@ -417,20 +456,20 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_n
 
   if (storage == kFloat32) {
     const float* base = static_cast<const float*>(p.cache);
-    dispatch<4>(p, [base](int64_t offset, int64_t, float*) { return base + offset; });
+    dispatch<4>(p, [base](int64_t offset, int64_t, float*) { return base + offset; }, pool);
   } else if (storage == kBFloat16) {
     const uint16_t* base = static_cast<const uint16_t*>(p.cache);
     dispatch<2>(p, [base](int64_t offset, int64_t n, float* out) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(base[offset + i]);
       return static_cast<const float*>(out);
-    });
+    }, pool);
   } else {
     const uint16_t* base = static_cast<const uint16_t*>(p.cache);
     dispatch<2>(p, [base](int64_t offset, int64_t n, float* out) {
       for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(base[offset + i]);
       return static_cast<const float*>(out);
-    });
+    }, pool);
   }
   return ffi::Error::Success();
 }
@@ -439,6 +478,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_n
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // this step's k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // this step's v

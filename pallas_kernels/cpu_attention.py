@@ -1,8 +1,6 @@
 """The CPU attention kernel: native code (cpu_attention.cc) behind an XLA FFI custom call.
 
-The shared library is compiled on first use with the system's C++ compiler (`CXX`, else `c++`,
-`g++` or `clang++`), tuned for this CPU, and kept under the jaxpaged cache root keyed by the source,
-the JAX version and the CPU, so later starts only load it. Without a compiler, `available()` is
+The shared library is built once per machine (native_build.py). Without a compiler, `available()` is
 False and attention_backend="auto" keeps the pure-JAX reference on CPU.
 
 The kernel attends each row over its sequence's cached positions and this step's own keys (passed
@@ -13,77 +11,32 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import native_build
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.native_build import compiler  # noqa: F401 - part of this module's interface
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "jaxpaged_paged_attention_cpu"
-CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-pthread")
+CXXFLAGS = native_build.CXXFLAGS
 STORAGE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
-
-
-def compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its instruction-set flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {flags}"
-
-
-def library_path(cache_dir: str | None = None) -> Path:
-    from models.convert_cache import cache_root  # the one cache root for everything jaxpaged keeps
-
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jax.__version__.encode(), " ".join(CXXFLAGS).encode(), _cpu_signature().encode()):
-        key.update(part)
-    return cache_root(cache_dir) / "native" / f"cpu_attention-{key.hexdigest()[:16]}.so"
 
 
 def build(cache_dir: str | None = None) -> Path:
     """Compile the kernel unless a build for this source, JAX and CPU is cached; the path of the library."""
-    out = library_path(cache_dir)
-    if out.exists():
-        return out
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-    logger.info("compiling the CPU attention kernel: %s", " ".join(cmd))
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr[-4000:]}")
-    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
-    return out
+    return native_build.build(SOURCE, CXXFLAGS, cache_dir)
+
+
+def library_path(cache_dir: str | None = None) -> Path:
+    return native_build.library_path(SOURCE, CXXFLAGS, cache_dir)
 
 
 @functools.cache

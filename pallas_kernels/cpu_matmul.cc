@@ -1,0 +1,147 @@
+// y = x @ w for float32 on CPUs, w packed once at load time: an XLA FFI custom call.
+//
+// Why native code: XLA:CPU's dot takes the weight as it lies ([in, out]) and, for more than ~50 rows,
+// repacks all of it on every call before multiplying (13% of a SmolLM2 serving workload on 2 cores:
+// the whole model's weights read, written and read again each step). Below ~50 rows it reads the
+// weight once per 5-row strip instead. Packed once, the weight is one sequential stream that each
+// step reads exactly once, at any row count.
+//
+// Packing: w [K, N] becomes panels [P = ceil(N / 32), K, 32]: panel p holds columns [32p, 32p + 32),
+// row k of it the 32 weights that row k of w has there (zero past N). A micro-kernel keeps a strip of
+// up to 12 rows by one panel in 24 vector registers and walks k once.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kPanel = 32;  // columns per panel: two vectors
+// Rows per micro-tile: the accumulators (two vectors a row) and a panel row fill the registers
+// (32 of 16 floats with AVX-512; with 8-float registers each vector takes two, of 16).
+#if defined(__AVX512F__)
+constexpr int64_t kStrip = 12;
+#else
+constexpr int64_t kStrip = 3;
+#endif
+
+inline Vec load_vec(const float* from) {
+  Vec v;
+  std::memcpy(&v, from, sizeof(v));
+  return v;
+}
+
+// c[0:MR, 0:cols] = a[0:MR, :] @ panel, a with row stride lda, c with row stride ldc.
+template <int64_t MR>
+inline void strip(const float* __restrict a, int64_t lda, const float* __restrict panel, int64_t K,
+                  float* __restrict c, int64_t ldc, int64_t cols) {
+  Vec lo[MR], hi[MR];
+  for (int64_t i = 0; i < MR; ++i) lo[i] = hi[i] = Vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec b0 = load_vec(panel + k * kPanel), b1 = load_vec(panel + k * kPanel + 16);
+    for (int64_t i = 0; i < MR; ++i) {
+      const float s = a[i * lda + k];
+      lo[i] += s * b0;
+      hi[i] += s * b1;
+    }
+  }
+  for (int64_t i = 0; i < MR; ++i) {
+    if (cols == kPanel) {
+      std::memcpy(c + i * ldc, &lo[i], sizeof(Vec));
+      std::memcpy(c + i * ldc + 16, &hi[i], sizeof(Vec));
+    } else {
+      float row[kPanel];
+      std::memcpy(row, &lo[i], sizeof(Vec));
+      std::memcpy(row + 16, &hi[i], sizeof(Vec));
+      std::memcpy(c + i * ldc, row, cols * sizeof(float));
+    }
+  }
+}
+
+template <int64_t MR = kStrip>
+inline void strip_any(int64_t rows, const float* a, int64_t lda, const float* panel, int64_t K, float* c, int64_t ldc,
+                      int64_t cols) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return strip<MR>(a, lda, panel, K, c, ldc, cols);
+    return strip_any<MR - 1>(rows, a, lda, panel, K, c, ldc, cols);
+  }
+}
+
+struct Problem {
+  const float* x;  // [M, K]
+  const float* w;  // [P, K, 32]
+  float* y;        // [M, N]
+  int64_t M, K, N, P;
+};
+
+// Panels [p0, p1): every strip of rows against each panel while the panel is in cache.
+void panels(const Problem& p, int64_t p0, int64_t p1) {
+  for (int64_t q = p0; q < p1; ++q) {
+    const float* panel = p.w + q * p.K * kPanel;
+    const int64_t col = q * kPanel, cols = std::min(kPanel, p.N - col);
+    for (int64_t r = 0; r < p.M; r += kStrip) {
+      strip_any(std::min(kStrip, p.M - r), p.x + r * p.K, p.K, panel, p.K, p.y + r * p.N + col, p.N, cols);
+    }
+  }
+}
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Work is handed out in chunks of panels from a shared counter. The calling thread works too and,
+// once the counter runs dry, waits only for chunks other threads have taken: a helper the pool
+// starts late (its threads busy with another op) finds nothing left and returns, so waiting never
+// depends on the pool having a free thread.
+struct Shared {
+  Problem p;
+  int64_t chunk, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+  void drain() {
+    for (int64_t i; (i = next.fetch_add(1)) < chunks;) {
+      panels(p, i * chunk, std::min(p.P, (i + 1) * chunk));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel || wd[1] != xd[1] || yd[0] != xd[0] ||
+      yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("packed matmul: x must be [M, K], w [ceil(N / 32), K, 32], y [M, N]");
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->p = {x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1], wd[0]};
+  if (shared->p.M == 0) return ffi::Error::Success();
+  // Chunks of ~1 MFLOP or more: enough to spread, few enough that the counter costs nothing.
+  const int64_t per_panel = shared->p.M * shared->p.K * kPanel;
+  shared->chunk = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, per_panel));
+  shared->chunks = (shared->p.P + shared->chunk - 1) / shared->chunk;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->drain(); });
+  shared->drain();
+  while (shared->done.load(std::memory_order_acquire) < shared->chunks) spin_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, PackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [P, K, 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

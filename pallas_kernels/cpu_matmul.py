@@ -1,0 +1,90 @@
+"""float32 matmuls on CPU against weights packed once (cpu_matmul.cc behind an XLA FFI custom call).
+
+XLA:CPU repacks a weight on every dot of more than ~50 rows and streams it several times for fewer;
+packed at load time into 32-column panels, each step reads every weight once, in order. Used for
+every Linear and a tied LM head when serving float32 on one CPU device (`pack_model`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import native_build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+TARGET = "jaxpaged_packed_matmul_cpu"
+PANEL = 32  # columns per panel (cpu_matmul.cc's kPanel)
+
+
+def build(cache_dir: str | None = None) -> Path:
+    return native_build.build(SOURCE, native_build.CXXFLAGS, cache_dir)
+
+
+@functools.cache
+def available() -> bool:
+    """Builds (once per machine) and registers the kernel; False, with a warning, where that fails."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedPackedMatmul), platform="cpu")
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure means: XLA's dot
+        logger.warning("the native CPU matmul is unavailable, using XLA's dot: %s", e)
+        return False
+
+
+def pack(kernel: jax.Array) -> jax.Array:
+    """[K, N] -> panels [ceil(N / 32), K, 32], zero past column N."""
+    k, n = kernel.shape
+    panels = -(-n // PANEL)
+    padded = jnp.pad(kernel, ((0, 0), (0, panels * PANEL - n)))
+    return padded.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def pack_rows(table: jax.Array) -> jax.Array:
+    """pack(table.T) for a [N, K] table (a tied LM head's embedding), without a transposed copy."""
+    n, k = table.shape
+    panels = -(-n // PANEL)
+    padded = jnp.pad(table, ((0, panels * PANEL - n), (0, 0)))
+    return padded.reshape(panels, PANEL, k).transpose(0, 2, 1)
+
+
+def unpack(packed: jax.Array, n: int) -> jax.Array:
+    """pack's inverse: [K, n]."""
+    panels, k, _ = packed.shape
+    return packed.transpose(1, 0, 2).reshape(k, panels * PANEL)[:, :n]
+
+
+def packed_rows(packed: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of the [N, K] table that pack_rows packed: [..., K]."""
+    return packed[ids // PANEL, :, ids % PANEL]
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+    """x [..., K] float32 @ the [K, n] weight that `pack` packed: [..., n] float32."""
+    if not available():
+        raise RuntimeError("the native CPU matmul could not be built; see the warning logged above")
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(rows, packed).reshape(*lead, n)
+
+
+def resolve_matmul_backend(requested: str, *, platform: str, dtype, tensor_parallel_size: int) -> str:
+    """ "auto" -> "native" where it applies (float32, one CPU device) and the kernel builds, else "xla"."""
+    applies = platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and tensor_parallel_size == 1
+    if requested == "auto":
+        return "native" if applies and available() else "xla"
+    if requested == "native" and not (applies and available()):
+        why = "it does not build here" if applies else "it serves float32 on one CPU device only"
+        raise ValueError(f"matmul_backend='native' is the packed float32 CPU matmul, and {why}")
+    if requested not in ("xla", "native"):
+        raise ValueError(f"matmul_backend must be 'auto', 'xla' or 'native' (got {requested!r})")
+    return requested

@@ -1,0 +1,73 @@
+"""Building the native CPU kernels (XLA FFI custom calls in C++) once per machine.
+
+Each kernel's shared library is compiled on first use with the system's C++ compiler (`CXX`, else
+`c++`, `g++` or `clang++`), tuned for this CPU (-march=native), and kept under the jaxpaged cache root
+keyed by the source, the flags, the JAX version and the CPU, so later starts only load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno", "-pthread")
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its instruction-set flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def library_path(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> Path:
+    from models.convert_cache import cache_root  # the one cache root for everything jaxpaged keeps
+
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), jax.__version__.encode(), " ".join(flags).encode(), _cpu_signature().encode()):
+        key.update(part)
+    return cache_root(cache_dir) / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def build(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> Path:
+    """Compile `source` unless a build for it, these flags, JAX and this CPU is cached; the library's path."""
+    out = library_path(source, flags, cache_dir)
+    if out.exists():
+        return out
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    logger.info("compiling %s: %s", source.name, " ".join(cmd))
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {source.name} failed:\n{result.stderr[-4000:]}")
+    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    return out
