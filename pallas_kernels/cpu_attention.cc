@@ -25,6 +25,7 @@
 #include <memory>
 #include <vector>
 
+#include "native_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -333,14 +334,6 @@ struct Item {
 // Work items: (sequence, a run of at most kRowsPerItem of its rows), so that one long prompt
 // chunk still spreads over the cores.
 constexpr int64_t kRowsPerItem = 32;
-
-inline void spin_pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 // Items are handed out, costliest first, from a shared counter to this thread and to helpers on XLA's
 // own CPU thread pool (starting a thread per call cost more than a small decode's attention gained).

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 
+#include "native_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -90,14 +91,6 @@ void panels(const Problem& p, int64_t p0, int64_t p1) {
       strip_any(std::min(kStrip, p.M - r), p.x + r * p.K, p.K, panel, p.K, p.y + r * p.N + col, p.N, cols);
     }
   }
-}
-
-inline void spin_pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
 }
 
 // Work is handed out in chunks of panels from a shared counter. The calling thread works too and,

@@ -2,7 +2,8 @@
 
 Each kernel's shared library is compiled on first use with the system's C++ compiler (`CXX`, else
 `c++`, `g++` or `clang++`), tuned for this CPU (-march=native), and kept under the jaxpaged cache root
-keyed by the source, the flags, the JAX version and the CPU, so later starts only load it.
+keyed by the source (and the headers beside it), the flags, the JAX version and the CPU, so later starts only
+load it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def library_path(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> 
     from models.convert_cache import cache_root  # the one cache root for everything jaxpaged keeps
 
     key = hashlib.sha256()
-    for part in (source.read_bytes(), jax.__version__.encode(), " ".join(flags).encode(), _cpu_signature().encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # the kernels' shared helpers
+    for part in (source.read_bytes(), *headers, jax.__version__.encode(), " ".join(flags).encode(), _cpu_signature().encode()):
         key.update(part)
     return cache_root(cache_dir) / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
