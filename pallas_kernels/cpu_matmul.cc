@@ -7,8 +7,8 @@
 // step reads exactly once, at any row count.
 //
 // Packing: w [K, N] becomes panels [P = ceil(N / 32), K, 32]: panel p holds columns [32p, 32p + 32),
-// row k of it the 32 weights that row k of w has there (zero past N). A micro-kernel keeps a strip of
-// up to 12 rows by one panel in 24 vector registers and walks k once.
+// row k of it the 32 weights that row k of w has there (zero past N). A micro-kernel keeps a tile of
+// rows by panel columns in vector registers (12 x 32 with AVX-512) and walks k once.
 
 #include <algorithm>
 #include <atomic>
@@ -23,15 +23,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float Vec __attribute__((vector_size(64)));
-constexpr int64_t kPanel = 32;  // columns per panel: two vectors
-// Rows per micro-tile: the accumulators (two vectors a row) and a panel row fill the registers
-// (32 of 16 floats with AVX-512; with 8-float registers each vector takes two, of 16).
+// Vectors of the hardware's width (GCC splits wider generic vectors into pieces through memory, ~100x
+// slower). A micro-tile is kStrip rows by kVecs vectors of columns (a panel is walked in 32 / (kVecs x
+// kLanes) passes); its accumulators and one row of the panel's columns fill the registers: with AVX-512
+// 12 x 2 + 2 of 32, with AVX2 6 x 2 + 2 of 16 (the usual 6 x 16 tile), else (4-float NEON/SSE) 6 x 4 + 4 of 32.
 #if defined(__AVX512F__)
-constexpr int64_t kStrip = 12;
+constexpr int64_t kLanes = 16, kStrip = 12, kVecs = 2;
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8, kStrip = 6, kVecs = 2;
 #else
-constexpr int64_t kStrip = 3;
+constexpr int64_t kLanes = 4, kStrip = 6, kVecs = 4;
 #endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int64_t kPanel = 32;  // columns per panel
+constexpr int64_t kTile = kVecs * kLanes;  // columns per pass
+static_assert(kPanel % kTile == 0, "a panel is a whole number of passes");
 
 inline Vec load_vec(const float* from) {
   Vec v;
@@ -39,28 +45,28 @@ inline Vec load_vec(const float* from) {
   return v;
 }
 
-// c[0:MR, 0:cols] = a[0:MR, :] @ panel, a with row stride lda, c with row stride ldc.
+// c[0:MR, 0:cols] = a[0:MR, :] @ the kTile columns of a panel at `panel` (row stride kPanel), a with row
+// stride lda, c with row stride ldc.
 template <int64_t MR>
 inline void strip(const float* __restrict a, int64_t lda, const float* __restrict panel, int64_t K,
                   float* __restrict c, int64_t ldc, int64_t cols) {
-  Vec lo[MR], hi[MR];
-  for (int64_t i = 0; i < MR; ++i) lo[i] = hi[i] = Vec{};
+  Vec acc[MR][kVecs];
+  for (int64_t i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < kVecs; ++j) acc[i][j] = Vec{};
   for (int64_t k = 0; k < K; ++k) {
-    const Vec b0 = load_vec(panel + k * kPanel), b1 = load_vec(panel + k * kPanel + 16);
+    Vec b[kVecs];
+    for (int64_t j = 0; j < kVecs; ++j) b[j] = load_vec(panel + k * kPanel + j * kLanes);
     for (int64_t i = 0; i < MR; ++i) {
       const float s = a[i * lda + k];
-      lo[i] += s * b0;
-      hi[i] += s * b1;
+      for (int64_t j = 0; j < kVecs; ++j) acc[i][j] += s * b[j];
     }
   }
   for (int64_t i = 0; i < MR; ++i) {
-    if (cols == kPanel) {
-      std::memcpy(c + i * ldc, &lo[i], sizeof(Vec));
-      std::memcpy(c + i * ldc + 16, &hi[i], sizeof(Vec));
-    } else {
-      float row[kPanel];
-      std::memcpy(row, &lo[i], sizeof(Vec));
-      std::memcpy(row + 16, &hi[i], sizeof(Vec));
+    if (cols >= kTile) {
+      std::memcpy(c + i * ldc, acc[i], sizeof(acc[i]));
+    } else if (cols > 0) {
+      float row[kTile];
+      std::memcpy(row, acc[i], sizeof(acc[i]));
       std::memcpy(c + i * ldc, row, cols * sizeof(float));
     }
   }
@@ -87,8 +93,11 @@ void panels(const Problem& p, int64_t p0, int64_t p1) {
   for (int64_t q = p0; q < p1; ++q) {
     const float* panel = p.w + q * p.K * kPanel;
     const int64_t col = q * kPanel, cols = std::min(kPanel, p.N - col);
-    for (int64_t r = 0; r < p.M; r += kStrip) {
-      strip_any(std::min(kStrip, p.M - r), p.x + r * p.K, p.K, panel, p.K, p.y + r * p.N + col, p.N, cols);
+    for (int64_t t = 0; t < kPanel && t < cols; t += kTile) {
+      for (int64_t r = 0; r < p.M; r += kStrip) {
+        strip_any(std::min(kStrip, p.M - r), p.x + r * p.K, p.K, panel + t, p.K, p.y + r * p.N + col + t, p.N,
+                  cols - t);
+      }
     }
   }
 }
@@ -131,6 +140,9 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 }
 
 }  // namespace
+
+// Floats per vector this build was compiled for: the Python side uses the kernel by default only with 8 or more.
+extern "C" int JaxpagedPackedMatmulLanes() { return static_cast<int>(kLanes); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()

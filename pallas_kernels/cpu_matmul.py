@@ -2,7 +2,8 @@
 
 XLA:CPU repacks a weight on every dot of more than ~50 rows and streams it several times for fewer;
 packed at load time into 32-column panels, each step reads every weight once, in order. Used for
-every Linear and a tied LM head when serving float32 on one CPU device (`pack_model`).
+every Linear and a tied LM head when serving float32 on one CPU device with AVX-512
+(models/layers.py: `pack_for_cpu_matmul`; `matmul_backend="native"` asks for it anywhere it builds).
 """
 
 from __future__ import annotations
@@ -28,16 +29,26 @@ def build(cache_dir: str | None = None) -> Path:
     return native_build.build(SOURCE, native_build.CXXFLAGS, cache_dir)
 
 
+def register(target: str, flags=native_build.CXXFLAGS, cache_dir: str | None = None) -> int:
+    """Build with `flags`, register the kernel as `target`; the floats per vector the build uses."""
+    lib = ctypes.CDLL(str(native_build.build(SOURCE, flags, cache_dir)))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxpagedPackedMatmul), platform="cpu")
+    return lib.JaxpagedPackedMatmulLanes()
+
+
 @functools.cache
-def available() -> bool:
-    """Builds (once per machine) and registers the kernel; False, with a warning, where that fails."""
+def lanes() -> int:
+    """Floats per vector of this machine's build (16 with AVX-512); 0 where it cannot be built."""
     try:
-        lib = ctypes.CDLL(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedPackedMatmul), platform="cpu")
-        return True
+        return register(TARGET)
     except Exception as e:  # noqa: BLE001 - any failure means: XLA's dot
         logger.warning("the native CPU matmul is unavailable, using XLA's dot: %s", e)
-        return False
+        return 0
+
+
+def available() -> bool:
+    """Builds (once per machine) and registers the kernel; False, with a warning, where that fails."""
+    return lanes() > 0
 
 
 def pack(kernel: jax.Array) -> jax.Array:
@@ -67,13 +78,13 @@ def packed_rows(packed: jax.Array, ids: jax.Array) -> jax.Array:
     return packed[ids // PANEL, :, ids % PANEL]
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, target: str = TARGET) -> jax.Array:
     """x [..., K] float32 @ the [K, n] weight that `pack` packed: [..., n] float32."""
-    if not available():
+    if target == TARGET and not available():
         raise RuntimeError("the native CPU matmul could not be built; see the warning logged above")
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")
     return call(rows, packed).reshape(*lead, n)
 
 

@@ -61,6 +61,31 @@ def test_a_row_comes_out_bit_identical_whatever_the_rows_beside_it():
         np.testing.assert_array_equal(np.asarray(cpu_matmul.packed_matmul(x[rows], packed, 200)), full[rows])
 
 
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize("march,lanes", [("haswell", 8), ("x86-64", 4)])
+def test_narrower_vector_builds_compute_the_same_products(march, lanes):
+    """The AVX2 (6 x 16 tiles) and 4-float (SSE/NEON-shaped) code paths, built here and checked like the default."""
+    import platform
+
+    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= _cpu_flags()):
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    flags = tuple(f for f in native_build.CXXFLAGS if not f.startswith("-march")) + (f"-march={march}",)
+    target = f"jaxpaged_packed_matmul_cpu_test_{march.replace('-', '_')}"
+    assert cpu_matmul.register(target, flags) == lanes
+    rng = np.random.default_rng(4)
+    for m, k, n in [(1, 5, 1), (7, 64, 33), (13, 100, 70), (64, 576, 96)]:
+        x, w = _rand(rng, m, k), _rand(rng, k, n)
+        got = np.asarray(cpu_matmul.packed_matmul(x, cpu_matmul.pack(w), n, target=target))
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(k) * np.abs(want).max())
+
+
 def test_a_mismatched_weight_is_refused():
     rng = np.random.default_rng(3)
     call = jax.ffi.ffi_call(cpu_matmul.TARGET, jax.ShapeDtypeStruct((4, 200), jnp.float32))
@@ -71,7 +96,8 @@ def test_a_mismatched_weight_is_refused():
 
 def test_backend_resolution():
     resolve = cpu_matmul.resolve_matmul_backend
-    assert resolve("auto", platform="cpu", dtype=jnp.float32, tensor_parallel_size=1) == "native"
+    wide = cpu_matmul.lanes() >= 16  # auto takes the native matmul with AVX-512 only
+    assert resolve("auto", platform="cpu", dtype=jnp.float32, tensor_parallel_size=1) == ("native" if wide else "xla")
     assert resolve("auto", platform="cpu", dtype=jnp.bfloat16, tensor_parallel_size=1) == "xla"
     assert resolve("auto", platform="cpu", dtype=jnp.float32, tensor_parallel_size=2) == "xla"
     assert resolve("auto", platform="gpu", dtype=jnp.float32, tensor_parallel_size=1) == "xla"
@@ -85,6 +111,8 @@ def test_backend_resolution():
 def test_the_engine_packs_its_float32_weights_and_greedy_output_is_unchanged(tmp_path):
     from jaxpaged import LLM, SamplingParams
     from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
+
+    assert cpu_matmul.available()
 
     folder = save_hf_model(random_hf_model(tiny_llama_config(tie_word_embeddings=True, vocab_size=300)), tmp_path)
     prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (1, 7, 40)]
