@@ -62,7 +62,9 @@ def test_a_row_comes_out_bit_identical_whatever_the_rows_beside_it():
 
 
 def _cpu_flags() -> set[str]:
-    for line in open("/proc/cpuinfo"):
+    from pathlib import Path
+
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
