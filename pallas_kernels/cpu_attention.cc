@@ -63,9 +63,16 @@ struct Problem {
   bool alibi;
 };
 
-// Sixteen floats, lowered to whatever vector registers the CPU has.
-typedef float Vec __attribute__((vector_size(64)));
+// Vectors of the build's width: 16 floats with AVX-512, 8 with AVX2, else 4 (GCC splits wider generic
+// vectors into pieces through memory, several times slower).
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline Vec load_vec(const float* from) {
   Vec v;
@@ -73,7 +80,7 @@ inline Vec load_vec(const float* from) {
   return v;
 }
 
-typedef int32_t IntVec __attribute__((vector_size(64)));
+typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 // exp for x <= 0, lane by lane (Cephes' polynomial, ~1 ulp); exactly 0 below -87, so -inf (a
 // masked score) gives 0.
@@ -100,12 +107,20 @@ inline float max_lanes(Vec v) {
 }
 
 inline float sum_lanes(Vec v) {
+#if defined(__AVX512F__)
   typedef float Half __attribute__((vector_size(32)));
   typedef float Quarter __attribute__((vector_size(16)));
   const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
+#else
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(v));
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)
+    for (int64_t i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+  return lanes[0];
+#endif
 }
 
 // Asks for row c of a tile that is `ahead` (the same KV head's tile in the sequence's next block), so
@@ -123,9 +138,10 @@ inline void prefetch_row(const char* ahead, int64_t c, int64_t row_bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + c * bytes + i, 0, 1);
 }
 
-// Lane c of the result: the sum of p[c]'s lanes. Four rounds of pairing halves: 45 vector operations
-// for sixteen dot products, where reducing each on its own took ~10 dependent ones apiece.
-inline Vec sum_lanes16(const Vec* p) {
+// Lane c of the result: the sum of p[c]'s lanes, c < kLanes. Rounds of pairing halves: with 16 lanes, 45
+// vector operations for sixteen dot products, where reducing each on its own took ~10 dependent ones apiece.
+inline Vec sum_lanes_each(const Vec* p) {
+#if defined(__AVX512F__)
   Vec x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)
     x[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -138,6 +154,23 @@ inline Vec sum_lanes16(const Vec* p) {
            __builtin_shufflevector(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif defined(__AVX__)
+  Vec x[4], y[2];
+  for (int i = 0; i < 4; ++i)
+    x[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  Vec x[2];
+  for (int i = 0; i < 2; ++i)
+    x[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 4, 5) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 6, 7);
+  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6) + __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7);
+#endif
 }
 
 // scores[c] = scale * q . k[c] for the n keys of a [bs, D] tile; with kD fixed, scores[n, padded) are
@@ -161,7 +194,7 @@ inline void block_scores(const float* __restrict q, const float* __restrict k, i
         for (int64_t j = 1; j < nv; ++j) acc += qv[j] * load_vec(k + c * kD + j * kLanes);
         part[c - c0] = acc;
       }
-      const Vec s = sum_lanes16(part) * scale;
+      const Vec s = sum_lanes_each(part) * scale;
       std::memcpy(scores + c0, &s, sizeof(s));
     }
   } else {

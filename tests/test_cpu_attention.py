@@ -63,8 +63,10 @@ def test_the_cache_is_read_in_place():
     assert " dot(" not in hlo and "dot_general" not in hlo
 
 
-def test_decode_batch_equals_the_reference_through_paged_attention():
+def _decode_batch_against_the_reference(monkeypatch=None, target=None):
     """Many sequences, long contexts, blocks scattered over the pool: the shape of a real decode step."""
+    if target is not None:
+        monkeypatch.setattr(cpu_attention, "TARGET", target)
     rng = np.random.default_rng(0)
     layers, kv_heads, heads, num_blocks, bs, dim, seqs = 3, 3, 9, 1200, 16, 64, 40
     cache = jnp.asarray(rng.normal(size=kv_cache_shape(layers, kv_heads, num_blocks, bs, dim)), jnp.float32)
@@ -77,6 +79,31 @@ def test_decode_batch_equals_the_reference_through_paged_attention():
     q = jnp.asarray(rng.normal(size=(seqs, heads, dim)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(seqs, kv_heads, dim)), jnp.float32) for _ in range(2))
     for layer in range(layers):
-        got = paged_attention(q, k, v, cache, layer, md, scale=0.125, backend="native")
+        got = cpu_attention.cpu_paged_attention(q, k, v, cache, layer, md, scale=0.125)
         want = reference_paged_attention(q, k, v, cache, layer, md, scale=0.125)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=0)
+
+
+def test_decode_batch_equals_the_reference_through_paged_attention():
+    _decode_batch_against_the_reference()
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_narrower_vector_builds_equal_the_reference(march, monkeypatch):
+    """The AVX2 (8-float) and 4-float builds of the kernel, built here and checked like the default one."""
+    import ctypes
+    import platform
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    have = next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= have):
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    from pallas_kernels import native_build
+
+    build_flags = tuple(f for f in cpu_attention.CXXFLAGS if not f.startswith("-march")) + (f"-march={march}",)
+    lib = ctypes.CDLL(str(native_build.build(cpu_attention.SOURCE, build_flags)))
+    target = f"jaxpaged_paged_attention_cpu_test_{march.replace('-', '_')}"
+    assert cpu_attention.available()
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxpagedPagedAttention), platform="cpu")
+    _decode_batch_against_the_reference(monkeypatch, target)
