@@ -110,6 +110,15 @@ def test_backend_resolution():
         resolve("blas", platform="cpu", dtype=jnp.float32, tensor_parallel_size=1)
 
 
+def test_auto_takes_the_native_matmul_with_avx512_builds_only(monkeypatch):
+    resolve = cpu_matmul.resolve_matmul_backend
+    for lanes, want in ((16, "native"), (8, "xla"), (4, "xla"), (0, "xla")):
+        monkeypatch.setattr(cpu_matmul, "lanes", lambda lanes=lanes: lanes)
+        assert resolve("auto", platform="cpu", dtype=jnp.float32, tensor_parallel_size=1) == want
+    monkeypatch.setattr(cpu_matmul, "lanes", lambda: 8)  # an explicit "native" runs a narrower build
+    assert resolve("native", platform="cpu", dtype=jnp.float32, tensor_parallel_size=1) == "native"
+
+
 def test_the_engine_packs_its_float32_weights_and_greedy_output_is_unchanged(tmp_path):
     from jaxpaged import LLM, SamplingParams
     from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
