@@ -21,8 +21,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <atomic>
-#include <memory>
 #include <vector>
 
 #include "native_util.h"
@@ -368,36 +366,12 @@ struct Item {
 // chunk still spreads over the cores.
 constexpr int64_t kRowsPerItem = 32;
 
-// Items are handed out, costliest first, from a shared counter to this thread and to helpers on XLA's
-// own CPU thread pool (starting a thread per call cost more than a small decode's attention gained).
-// The calling thread works too and, once the counter runs dry, waits only for items others have
-// taken: a helper the pool starts late finds nothing left and returns, so waiting never depends on
-// the pool having a free thread.
-template <int64_t kD, int64_t kElem, typename Tile>
-struct Work {
-  Problem p;
-  Tile tile;
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0}, done{0};
-  Work(const Problem& problem, Tile t) : p(problem), tile(t) {}
-  void drain() {
-    std::vector<float> scratch;
-    const int64_t n = static_cast<int64_t>(items.size());
-    for (int64_t i; (i = next.fetch_add(1)) < n;) {
-      const Item& it = items[i];
-      attend<kD, kElem>(p, it.seq, it.row0, it.rows, it.cached, tile, scratch);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 template <int64_t kD, int64_t kElem, typename Tile>
 void run(const Problem& p, Tile tile, ffi::ThreadPool& pool) {
   const int64_t H = p.num_kv_heads * p.group;
   std::fill(p.out, p.out + p.num_tokens * H * p.head_dim, 0.0f);  // padding rows stay 0
 
-  auto work = std::make_shared<Work<kD, kElem, Tile>>(p, tile);
-  std::vector<Item>& items = work->items;
+  std::vector<Item> items;
   int64_t total = 0;
   for (int64_t seq = 0; seq < p.num_seqs; ++seq) {
     const int64_t start = p.starts[seq], q_len = p.starts[seq + 1] - start;
@@ -410,18 +384,19 @@ void run(const Problem& p, Tile tile, ffi::ThreadPool& pool) {
       total += cost;
     }
   }
-  if (items.empty()) return;
+  // Costliest first, so the last items handed out are small ones.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   // Small problems stay on this thread; JAXPAGED_CPU_ATTENTION_THREADS caps the threads.
   static const int64_t cap = [] {
     const char* env = std::getenv("JAXPAGED_CPU_ATTENTION_THREADS");
     return env ? std::max(1, std::atoi(env)) : std::numeric_limits<int>::max();
   }();
-  const int64_t threads = std::min<int64_t>({cap, std::max<int64_t>(1, pool.num_threads()),
-                                             static_cast<int64_t>(items.size()), 1 + total / (1 << 16)});
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < static_cast<int64_t>(items.size())) spin_pause();
+  const int64_t threads = std::min<int64_t>({cap, pool.num_threads(), 1 + total / (1 << 16)});
+  parallel_for(pool, static_cast<int64_t>(items.size()), threads, [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    const Item& it = items[i];
+    attend<kD, kElem>(p, it.seq, it.row0, it.rows, it.cached, tile, scratch);
+  });
 }
 
 // The common head dims get code compiled for their size.

@@ -11,10 +11,8 @@
 // rows by panel columns in vector registers (12 x 32 with AVX-512) and walks k once.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 
 #include "native_util.h"
 #include "xla/ffi/api/ffi.h"
@@ -102,22 +100,6 @@ void panels(const Problem& p, int64_t p0, int64_t p1) {
   }
 }
 
-// Work is handed out in chunks of panels from a shared counter. The calling thread works too and,
-// once the counter runs dry, waits only for chunks other threads have taken: a helper the pool
-// starts late (its threads busy with another op) finds nothing left and returns, so waiting never
-// depends on the pool having a free thread.
-struct Shared {
-  Problem p;
-  int64_t chunk, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-  void drain() {
-    for (int64_t i; (i = next.fetch_add(1)) < chunks;) {
-      panels(p, i * chunk, std::min(p.P, (i + 1) * chunk));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                             ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -125,23 +107,18 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel) {
     return ffi::Error::InvalidArgument("packed matmul: x must be [M, K], w [ceil(N / 32), K, 32], y [M, N]");
   }
-  auto shared = std::make_shared<Shared>();
-  shared->p = {x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1], wd[0]};
-  if (shared->p.M == 0) return ffi::Error::Success();
-  // Chunks of ~1 MFLOP or more: enough to spread, few enough that the counter costs nothing.
-  const int64_t per_panel = shared->p.M * shared->p.K * kPanel;
-  shared->chunk = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, per_panel));
-  shared->chunks = (shared->p.P + shared->chunk - 1) / shared->chunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->drain(); });
-  shared->drain();
-  while (shared->done.load(std::memory_order_acquire) < shared->chunks) spin_pause();
+  const Problem p{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1], wd[0]};
+  // Chunks of panels of ~1 MFLOP or more: enough to spread, few enough that the counter costs nothing.
+  const int64_t chunk = std::max<int64_t>(1, (1 << 19) / std::max<int64_t>(1, p.M * p.K * kPanel));
+  const int64_t chunks = p.M == 0 ? 0 : (p.P + chunk - 1) / chunk;
+  parallel_for(pool, chunks, pool.num_threads(),
+               [&](int64_t i) { panels(p, i * chunk, std::min(p.P, (i + 1) * chunk)); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-// Floats per vector this build was compiled for: the Python side uses the kernel by default only with 8 or more.
+// Floats per vector this build was compiled for: the Python side uses the kernel by default only with 16.
 extern "C" int JaxpagedPackedMatmulLanes() { return static_cast<int>(kLanes); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, PackedMatmulImpl,
