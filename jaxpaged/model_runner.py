@@ -29,10 +29,10 @@ from tqdm.auto import tqdm
 
 from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
 from jaxpaged.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
-from models.layers import pack_for_cpu_matmul
+from models.layers import use_matmul_backend
 from models.loader import DTYPES, LoadedModel
 from models.weights import param_bytes
-from pallas_kernels import AttentionMetadata, copy_blocks, cpu_matmul, kv_cache_shape, kv_storage_dtype, write_kv
+from pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, kv_storage_dtype, write_kv
 
 logger = logging.getLogger("jaxpaged.runner")
 
@@ -101,12 +101,10 @@ class ModelRunner:
         # batch-invariant: one step shape for everything, so no row's arithmetic depends on the step's size
         self.buckets = [config.max_num_batched_tokens] if config.batch_invariant else token_buckets(config.max_num_batched_tokens, config.max_num_seqs)
         self.dtype = DTYPES[loaded.dtype]
-        self.matmul_backend = cpu_matmul.resolve_matmul_backend(
-            config.matmul_backend, platform=config.platform, dtype=self.dtype, tensor_parallel_size=config.tensor_parallel_size
-        )
-        if self.matmul_backend == "native":
-            packed = pack_for_cpu_matmul(loaded.model)
-            logger.info("matmuls: native CPU kernel, %d weights packed into panels", packed)
+        self.matmul_backend = use_matmul_backend(
+            loaded.model, config.matmul_backend, platform=config.platform, dtype=self.dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+        )  # fmt: skip
         self.graphdef, self.state = nnx.split(loaded.model)
         self.tp = config.tensor_parallel_size
         self.mesh = None

@@ -8,6 +8,7 @@ every parameter's sharding from them alone.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -17,6 +18,8 @@ from flax import nnx
 
 from models.config import ModelConfig, RopeConfig
 from pallas_kernels import AttentionMetadata, cpu_matmul, paged_attention, stack_new_kv, write_kv
+
+logger = logging.getLogger("jaxpaged.loader")  # packing weights for the native matmul finishes loading them
 
 # Flax >= 0.12 wants module lists wrapped so their arrays count as state.
 module_list = getattr(nnx, "List", list)
@@ -81,10 +84,21 @@ class Embedding(nnx.Module):
         self.output_kernel = nnx.Param(jnp.asarray(self.embedding[...].T))
 
 
+def use_matmul_backend(model: nnx.Module, requested: str, *, platform: str, dtype, tensor_parallel_size: int) -> str:
+    """Resolve `matmul_backend` (cpu_matmul.resolve_matmul_backend) and, for "native", pack the model in place."""
+    backend = cpu_matmul.resolve_matmul_backend(
+        requested, platform=platform, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+    )
+    if backend == "native":
+        packed = pack_for_cpu_matmul(model)
+        logger.info("matmuls: native CPU kernel, %d weights packed into panels", packed)
+    return backend
+
+
 def pack_for_cpu_matmul(model: nnx.Module) -> int:
     """Repack, in place, every float32 Linear's kernel and a tied head's table into cpu_matmul's panels,
     so each step streams every weight once (see pallas_kernels/cpu_matmul.py); the count packed.
-    In place, so the weights are never held twice: the ModelRunner calls it on the loaded module."""
+    In place, so the weights are never held twice: the ModelRunner has it done to the loaded module."""
     count = 0
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Linear) and module.kernel[...].ndim == 2 and module.kernel[...].dtype == jnp.float32:

@@ -39,12 +39,17 @@ def library_path(cache_dir: str | None = None) -> Path:
     return native_build.library_path(SOURCE, CXXFLAGS, cache_dir)
 
 
+def register(target: str, flags=None, cache_dir: str | None = None) -> None:
+    """Build with `flags` (default CXXFLAGS) and register the kernel as the FFI target `target`."""
+    lib = ctypes.CDLL(str(native_build.build(SOURCE, flags or CXXFLAGS, cache_dir)))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxpagedPagedAttention), platform="cpu")
+
+
 @functools.cache
 def available() -> bool:
     """Builds (once per machine) and registers the kernel; False, with a warning, where that fails."""
     try:
-        lib = ctypes.CDLL(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedPagedAttention), platform="cpu")
+        register(TARGET)
         return True
     except Exception as e:  # noqa: BLE001 - any failure means: use the reference
         logger.warning("the native CPU attention kernel is unavailable, using the pure-JAX reference: %s", e)

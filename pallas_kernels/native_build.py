@@ -31,17 +31,30 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its instruction-set flags."""
-    flags = ""
+def _cpuinfo_flags_line() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = line
-                break
+                return line
     except OSError:
         pass
-    return f"{platform.machine()} {flags}"
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo), e.g. {"avx2", "fma", ...}; empty where unknown."""
+    line = _cpuinfo_flags_line()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its instruction-set flags."""
+    return f"{platform.machine()} {_cpuinfo_flags_line()}"
+
+
+def march_flags(march: str, flags=CXXFLAGS) -> tuple[str, ...]:
+    """`flags` building for `march` (e.g. "haswell") instead of this CPU: the narrower builds tests check."""
+    return tuple(f for f in flags if not f.startswith("-march=")) + (f"-march={march}",)
 
 
 def library_path(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> Path:
@@ -49,7 +62,13 @@ def library_path(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> 
 
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # the kernels' shared helpers
-    for part in (source.read_bytes(), *headers, jax.__version__.encode(), " ".join(flags).encode(), _cpu_signature().encode()):
+    for part in (
+        source.read_bytes(),
+        *headers,
+        jax.__version__.encode(),
+        " ".join(flags).encode(),
+        _cpu_signature().encode(),
+    ):
         key.update(part)
     return cache_root(cache_dir) / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 

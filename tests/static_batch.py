@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.layers import pack_for_cpu_matmul
+from models.layers import use_matmul_backend
 from models.loader import DTYPES, LoadedModel
-from pallas_kernels import AttentionMetadata, cpu_matmul, kv_cache_shape, write_kv
+from pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -30,12 +30,10 @@ class StaticBatchRunner:
         self.cfg = loaded.config
         self.block_size = block_size
         self.dtype = DTYPES[loaded.dtype]
-        # the engine's matmuls: packed native ones for float32 on CPU (it packs the same way, in ModelRunner)
-        backend = cpu_matmul.resolve_matmul_backend(
-            matmul_backend, platform=jax.default_backend(), dtype=self.dtype, tensor_parallel_size=1
+        # the engine's matmuls, chosen and packed as ModelRunner does
+        use_matmul_backend(
+            loaded.model, matmul_backend, platform=jax.default_backend(), dtype=self.dtype, tensor_parallel_size=1
         )
-        if backend == "native":
-            pack_for_cpu_matmul(loaded.model)
         self.graphdef, self.state = nnx.split(loaded.model)
         self._model_step = jax.jit(self._model_step_impl)
         self._write_kv = jax.jit(write_kv, donate_argnums=(0,))

@@ -91,19 +91,13 @@ def test_decode_batch_equals_the_reference_through_paged_attention():
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
 def test_narrower_vector_builds_equal_the_reference(march, monkeypatch):
     """The AVX2 (8-float) and 4-float builds of the kernel, built here and checked like the default one."""
-    import ctypes
     import platform
-    from pathlib import Path
 
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    have = next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= have):
-        pytest.skip(f"this CPU cannot run a -march={march} build")
     from pallas_kernels import native_build
 
-    build_flags = tuple(f for f in cpu_attention.CXXFLAGS if not f.startswith("-march")) + (f"-march={march}",)
-    lib = ctypes.CDLL(str(native_build.build(cpu_attention.SOURCE, build_flags)))
+    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= native_build.cpu_flags()):
+        pytest.skip(f"this CPU cannot run a -march={march} build")
     target = f"jaxpaged_paged_attention_cpu_test_{march.replace('-', '_')}"
     assert cpu_attention.available()
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxpagedPagedAttention), platform="cpu")
+    cpu_attention.register(target, native_build.march_flags(march, cpu_attention.CXXFLAGS))
     _decode_batch_against_the_reference(monkeypatch, target)

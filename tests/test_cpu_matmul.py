@@ -61,25 +61,15 @@ def test_a_row_comes_out_bit_identical_whatever_the_rows_beside_it():
         np.testing.assert_array_equal(np.asarray(cpu_matmul.packed_matmul(x[rows], packed, 200)), full[rows])
 
 
-def _cpu_flags() -> set[str]:
-    from pathlib import Path
-
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.parametrize("march,lanes", [("haswell", 8), ("x86-64", 4)])
 def test_narrower_vector_builds_compute_the_same_products(march, lanes):
     """The AVX2 (6 x 16 tiles) and 4-float (SSE/NEON-shaped) code paths, built here and checked like the default."""
     import platform
 
-    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= _cpu_flags()):
+    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= native_build.cpu_flags()):
         pytest.skip(f"this CPU cannot run a -march={march} build")
-    flags = tuple(f for f in native_build.CXXFLAGS if not f.startswith("-march")) + (f"-march={march}",)
     target = f"jaxpaged_packed_matmul_cpu_test_{march.replace('-', '_')}"
-    assert cpu_matmul.register(target, flags) == lanes
+    assert cpu_matmul.register(target, native_build.march_flags(march)) == lanes
     rng = np.random.default_rng(4)
     for m, k, n in [(1, 5, 1), (7, 64, 33), (13, 100, 70), (64, 576, 96)]:
         x, w = _rand(rng, m, k), _rand(rng, k, n)
