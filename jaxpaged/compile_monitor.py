@@ -6,6 +6,7 @@ cache then spares the backend compile, so counting it counts every new trace.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import jax
@@ -13,6 +14,7 @@ import jax
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _lock = threading.Lock()
 _count = 0
+_expected = 0  # lowerings inside expected(): a bucket compiled on first use, as asked for
 _installed = False
 
 
@@ -34,3 +36,21 @@ def install() -> None:
 def compile_count() -> int:
     install()
     return _count
+
+
+def unexpected_count() -> int:
+    """Lowerings outside expected() blocks."""
+    install()
+    return _count - _expected
+
+
+@contextlib.contextmanager
+def expected():
+    """Lowerings in this block are wanted (compiling a step bucket on its first use)."""
+    global _expected
+    before = compile_count()
+    try:
+        yield
+    finally:
+        with _lock:
+            _expected += _count - before

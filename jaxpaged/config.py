@@ -20,7 +20,8 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
 
 @dataclasses.dataclass
 class EngineConfig:
-    model: str | None = None  # HF folder, .gguf, config.json; None = built-in SmolLM2-135M-Instruct
+    model: str | None = None  # HF folder, .gguf, config.json, hub id (org/name); None = built-in SmolLM2-135M-Instruct
+    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU/TPU
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
@@ -35,6 +36,7 @@ class EngineConfig:
     batch_invariant: bool = False  # a request's tokens never depend on the rest of the batch (one step shape)
     async_scheduling: bool = True  # schedule and pack step N+1 while the device runs step N; same outputs
     tensor_parallel_size: int = 1  # devices the model is split over (a "model" mesh axis); see docs/models.md
+    precompile: bool = True  # compile every step bucket at start-up; False: each on its first use (the CLI's way)
     compilation_cache_dir: str | None = None  # persistent XLA cache; default under the jaxpaged cache root
     cache_dir: str | None = None  # GGUF conversion cache root
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
@@ -62,7 +64,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
         if self.matmul_backend not in MATMUL_BACKEND_CHOICES:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKEND_CHOICES} (got {self.matmul_backend!r})")
-        for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling"):
+        for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

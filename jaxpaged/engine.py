@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +30,9 @@ from jaxpaged.request import PLACEHOLDER, Request, RequestGroup, RequestStatus
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
 from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
+from models.convert_cache import cache_root
 from models.loader import LoadedModel, load_model
-from pallas_kernels import AttentionMetadata
+from pallas_kernels import AttentionMetadata, cpu_attention, cpu_matmul
 
 logger = logging.getLogger("jaxpaged.engine")
 
@@ -47,8 +49,6 @@ class InFlightStep:
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:
-    from models.convert_cache import cache_root
-
     if jax.config.jax_compilation_cache_dir:  # the user chose one
         return
     path = config.compilation_cache_dir or str(cache_root(config.cache_dir) / "xla")
@@ -57,15 +57,28 @@ def _enable_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _start_native_builds(config: EngineConfig) -> None:
+    """On CPU, the native kernels' first build runs in the background while the model loads."""
+    if config.platform != "cpu":
+        return
+    if config.attention_backend in ("auto", "native"):
+        cpu_attention.start_build()
+    if config.matmul_backend in ("auto", "native") and config.dtype == "float32" and config.tensor_parallel_size == 1:
+        cpu_matmul.start_build()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         compile_monitor.install()
         self.config = config
         _enable_compilation_cache(config)
+        _start_native_builds(config)
+        t0 = time.perf_counter()
         self.loaded = loaded or load_model(
             config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
-            batch_invariant=config.batch_invariant,
+            batch_invariant=config.batch_invariant, revision=config.revision,
         )
+        load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
@@ -73,7 +86,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         self.eos_token_ids = self._eos_ids()
         self.max_suppress = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)  # ids min_tokens may forbid per row
-        self.runner = ModelRunner(self.loaded, config, self.max_model_len)
+        executables = cache_root(config.cache_dir) / "executables"
+        self.runner = ModelRunner(self.loaded, config, self.max_model_len, executable_dir=executables)
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -86,6 +100,7 @@ class LLMEngine:
             self.pool.num_blocks * config.block_size, self.max_model_len,
         )
         self.warmup_seconds = self.runner.warmup(self._blank_sampling)
+        self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds}
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
@@ -281,11 +296,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: returns the outputs of every request that progressed or finished."""
-        compiles_before = compile_monitor.compile_count()
+        compiles_before = compile_monitor.unexpected_count()
         try:
             return self._step()
         finally:
-            self.num_compiles_after_warmup += compile_monitor.compile_count() - compiles_before
+            self.num_compiles_after_warmup += compile_monitor.unexpected_count() - compiles_before
 
     def _fork_ready(self) -> bool:
         """Fork the held samples of every first sample that has computed its prompt but the last token."""

@@ -8,9 +8,12 @@ from typing import Any
 from jaxpaged.config import ATTENTION_BACKEND_CHOICES, MATMUL_BACKEND_CHOICES
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, precompile: bool = True) -> None:
+    """`precompile` is this CLI's default: the server compiles every bucket at start-up, generate on first use."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="local HF folder, .gguf file, or config.json (random weights); default: the built-in model")
+    g.add_argument("--model", default=None, help="local HF folder, .gguf file, config.json (random weights), or a Hugging Face Hub id "
+                   "(org/name, from the HF cache or downloaded: safetensors only); default: the built-in model")
+    g.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit to load (default: main)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + answer (default: the model's context)")
@@ -30,16 +33,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a request's tokens and logprobs never depend on the rest of the batch (one step shape; slower)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
+    g.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=precompile,
+                   help="compile every step bucket at start-up, so no request waits for a compile; off, each bucket "
+                   f"compiles (or loads from the cache) on first use (default: {'on' if precompile else 'off'})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's (and LLM's) keyword arguments from the flags above."""
     return {
-        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+        "model": args.model, "revision": args.revision, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_memory_fraction": args.kv_cache_memory_fraction, "block_size": args.block_size,
         "tensor_parallel_size": args.tensor_parallel_size, "attention_backend": args.attention_backend,
         "matmul_backend": args.matmul_backend,
         "enable_prefix_caching": args.enable_prefix_caching, "batch_invariant": args.batch_invariant,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": args.async_scheduling, "precompile": args.precompile,
     }

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import time
 
 from jaxpaged.engine_args import add_engine_args, engine_kwargs
 from jaxpaged.logging_utils import setup_logging
+
+logger = logging.getLogger("jaxpaged.generate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts-file to run many in one batch, or nothing on a terminal for an interactive session.",
     )
     p.add_argument("prompt", nargs="?", help="the prompt text (with --chat, the user's message)")
-    add_engine_args(p)
+    add_engine_args(p, precompile=False)
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
@@ -31,8 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", default=None, help="run every line of this file as a prompt, in one batch; results as JSON lines")
     g.add_argument("--output", default=None, help="with --prompts-file: write the JSON lines here instead of stdout")
     g = p.add_argument_group("output")
-    g.add_argument("--quiet", action="store_true", help="log warnings only")
+    quiet = g.add_mutually_exclusive_group()
+    quiet.add_argument("--quiet", action="store_true", help="log warnings only")
+    quiet.add_argument("--verbose", action="store_true", help="log more: each phase of start-up and its time, libraries' notices")
     return p
+
+
+def _log_level(args) -> str:
+    return "WARNING" if args.quiet else "DEBUG" if args.verbose else "INFO"
 
 
 def _messages(system: str | None, history: list[dict], user: str) -> list[dict]:
@@ -47,7 +57,11 @@ class Session:
         from jaxpaged.sampling_params import SamplingParams
 
         self.args = args
-        self.llm = LLM(**engine_kwargs(args), log_level="WARNING" if args.quiet else "INFO")
+        kwargs = engine_kwargs(args)
+        if args.prompts_file is None and kwargs["max_num_seqs"] is None:
+            kwargs["max_num_seqs"] = 1  # one answer at a time: the KV pool holds one full-length sequence
+        self.started = time.time()
+        self.llm = LLM(**kwargs, log_level=_log_level(args))
         if self.llm.get_tokenizer() is None:
             raise ValueError("this model has no tokenizer, so it cannot take text prompts")
         self.params = SamplingParams(
@@ -74,12 +88,24 @@ class Session:
                     full = output.outputs[0].text
                     out.write(full[shown:])
                     out.flush()
+                    if not shown and full:
+                        self._log_startup()
                     shown = len(full)
         except KeyboardInterrupt:
             engine.abort_request(rid)
             raise
         out.write("\n")
         return full if shown else ""
+
+    def _log_startup(self) -> None:
+        """Once, at the first text shown: where start-up went (scripts/bench_startup.py reads this line)."""
+        if self.started is None:
+            return
+        engine = self.llm.engine
+        phases = {f"{k}_s": round(v, 3) for k, v in engine.startup_seconds.items()}
+        phases |= {"compile_s": round(engine.runner.compile_seconds, 3), "engine_start": self.started, "first_text": time.time()}
+        logger.debug("startup %s", json.dumps(phases))
+        self.started = None
 
     def batch(self, prompts: list[str], out) -> None:
         results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params)
@@ -114,7 +140,7 @@ class Session:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging("WARNING" if args.quiet else "INFO")
+    setup_logging(_log_level(args))
     if args.prompt is None and args.prompts_file is None and not sys.stdin.isatty():
         parser.error("give a PROMPT or --prompts-file (interactive mode needs a terminal)")
     if args.prompt is not None and args.prompts_file is not None:

@@ -6,14 +6,29 @@ import logging
 import sys
 
 
+class _DropNotices(logging.Filter):
+    """Library notices that do not apply to jaxpaged: transformers says it found no PyTorch, which we never use."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PyTorch was not found" not in record.getMessage()
+
+
+_DROP_NOTICES = _DropNotices()
+
+
 def setup_logging(level: int | str = logging.INFO) -> None:
-    """Our loggers at `level` on stderr; libraries' chatter (absl, orbax, jax) at WARNING."""
+    """Our loggers at `level` on stderr; libraries' chatter (absl, orbax, jax) at WARNING, and their notices
+    that a user can do nothing about hidden unless `level` is DEBUG."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger("jaxpaged")
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    transformers_logger = logging.getLogger("transformers")  # before transformers is imported, so its first notice too
+    transformers_logger.removeFilter(_DROP_NOTICES)
+    if root.getEffectiveLevel() > logging.DEBUG:
+        transformers_logger.addFilter(_DROP_NOTICES)
     for noisy in ("absl", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -27,7 +27,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxpaged import compile_monitor
 from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
+from jaxpaged.executable_cache import ExecutableCache
 from jaxpaged.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 from models.layers import use_matmul_backend
 from models.loader import DTYPES, LoadedModel
@@ -92,7 +94,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, executable_dir=None):
         self.config = config
         self.model_config = loaded.config
         self.block_size = config.block_size
@@ -101,10 +103,13 @@ class ModelRunner:
         # batch-invariant: one step shape for everything, so no row's arithmetic depends on the step's size
         self.buckets = [config.max_num_batched_tokens] if config.batch_invariant else token_buckets(config.max_num_batched_tokens, config.max_num_seqs)
         self.dtype = DTYPES[loaded.dtype]
+        t0 = time.perf_counter()
         self.matmul_backend = use_matmul_backend(
             loaded.model, config.matmul_backend, platform=config.platform, dtype=self.dtype,
             tensor_parallel_size=config.tensor_parallel_size,
         )  # fmt: skip
+        self.startup_seconds = {"pack": time.perf_counter() - t0}
+        self.compile_seconds = 0.0  # compiling or loading executables, at warm-up or on first use
         self.graphdef, self.state = nnx.split(loaded.model)
         self.tp = config.tensor_parallel_size
         self.mesh = None
@@ -118,6 +123,7 @@ class ModelRunner:
         cfg = self.model_config
         shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         kv_dtype = kv_storage_dtype(self.dtype, config.platform)
+        t0 = time.perf_counter()
         if self.mesh is None:
             self.kv_cache = jnp.zeros(shape, kv_dtype)
             self._step = jax.jit(self._step_impl)
@@ -136,12 +142,18 @@ class ModelRunner:
             )
             self._write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache)
             self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache)
+        jax.block_until_ready(self.kv_cache)
+        self.startup_seconds["kv_cache"] = time.perf_counter() - t0
+        # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
+        stored = executable_dir if self.mesh is None else None
+        self.executables = ExecutableCache(stored, salt=repr(self.graphdef))
+        self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}  # (function, bucket) -> executable
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self._blank_history: dict[int, jax.Array] = {}
         self._blank_prompt_ids: dict[int, jax.Array] = {}
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
         # under TP), so both kinds of step hit the one compiled executable
-        self._no_sampled = jnp.zeros(config.max_num_seqs, jnp.int32)
+        self._no_sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32))
         if self.mesh is not None:
             self._no_sampled = jax.device_put(self._no_sampled, replicated)
 
@@ -202,7 +214,7 @@ class ModelRunner:
             return smd.history
         rows = smd.history.shape[0]
         if rows not in self._blank_history:
-            self._blank_history[rows] = jnp.asarray(smd.history)
+            self._blank_history[rows] = jax.device_put(smd.history)
         return self._blank_history[rows]
 
     def _on_mesh(self):
@@ -221,7 +233,7 @@ class ModelRunner:
         if pairs:
             src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
         with self._on_mesh():
-            self.kv_cache = self._copy(self.kv_cache, src, dst)
+            self.kv_cache = self._executable("copy", self._copy, 0, (self.kv_cache, src, dst))(self.kv_cache, src, dst)
 
     def dispatch(self, step: StepInputs, copies: list[tuple[int, int]] = (), prev: DispatchedStep | None = None) -> DispatchedStep:
         """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at."""
@@ -234,12 +246,14 @@ class ModelRunner:
         if next_ids is None:
             next_ids = self._all_minus_one(t)
         prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
+        args = (
+            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd,
+            next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
+        )  # fmt: skip
         with self._on_mesh():
-            out, prompt, sampled, new_kv = self._step(
-                self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd,
-                next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
-            )
-            self.kv_cache = self._write(self.kv_cache, new_kv, step.attention.slot_mapping)
+            out, prompt, sampled, new_kv = self._executable("step", self._step, t, args)(*args)
+            args = (self.kv_cache, new_kv, step.attention.slot_mapping)
+            self.kv_cache = self._executable("write", self._write, t, args)(*args)
         return DispatchedStep(out, prompt if want_prompt else None, sampled, bool(step.sampling.want_logprobs))
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
@@ -247,8 +261,20 @@ class ModelRunner:
 
     def _all_minus_one(self, num_tokens: int) -> jax.Array:
         if num_tokens not in self._blank_prompt_ids:
-            self._blank_prompt_ids[num_tokens] = jnp.full(num_tokens, -1, jnp.int32)
+            self._blank_prompt_ids[num_tokens] = jax.device_put(np.full(num_tokens, -1, np.int32))
         return self._blank_prompt_ids[num_tokens]
+
+    def _executable(self, name: str, jitted, bucket: int, args: tuple) -> jax.stages.Compiled:
+        """The compiled `name` for a bucket: compiled (or loaded from disk) on first use, at warm-up unless
+        precompile is off. Called directly, a Compiled refuses other shapes instead of compiling them."""
+        compiled = self._compiled.get((name, bucket))
+        if compiled is None:
+            lazily = contextlib.nullcontext() if self.config.precompile else compile_monitor.expected()
+            t0 = time.perf_counter()
+            with lazily:
+                compiled = self._compiled[(name, bucket)] = self.executables.compile(name, jitted, args)
+            self.compile_seconds += time.perf_counter() - t0
+        return compiled
 
     # -- warm-up -----------------------------------------------------------------------------
 
@@ -264,7 +290,10 @@ class ModelRunner:
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), md, np.zeros(s, np.int32), sampling)
 
     def warmup(self, blank_sampling) -> float:
-        """Compile every bucket now, so serving never compiles."""
+        """Compile (or load) every bucket now, so serving never compiles; nothing when precompile is off."""
+        if not self.config.precompile:
+            logger.info("step buckets %s are compiled on first use (precompile off)", self.buckets)
+            return 0.0
         t0 = time.perf_counter()
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
             _, s = self.bucket_for(t)
@@ -272,5 +301,9 @@ class ModelRunner:
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - t0
-        logger.info("compiled %d step buckets %s in %.1fs", len(self.buckets), self.buckets, elapsed)
+        cache = self.executables
+        logger.info(
+            "step buckets %s ready in %.1fs (%d executables loaded from the cache, %d compiled)",
+            self.buckets, elapsed, cache.num_loaded, cache.num_compiled,
+        )
         return elapsed

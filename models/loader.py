@@ -1,6 +1,6 @@
-"""load_model: a local HF folder, a .gguf file, or a bare config.json -> a Flax port with weights.
+"""load_model: a local HF folder, a .gguf file, a bare config.json or a hub id -> a Flax port with weights.
 
-Nothing is ever fetched from a hub, and no pickle is ever unpickled.
+A hub id is resolved to its snapshot folder by models/hub.py (safetensors only); no pickle is ever unpickled.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from models import convert_cache, gguf_io
+from models import convert_cache, gguf_io, hub
 from models.builtin import builtin_gguf_path
 from models.config import ModelConfig
 from models.registry import resolve_architecture
@@ -96,7 +96,7 @@ def _safetensors_tensors(files: list[Path]) -> tuple[Iterator, int]:
     handles = []
     for f in files:
         try:
-            handles.append((f, safe_open(str(f), framework="flax")))
+            handles.append((f, safe_open(str(f), framework="numpy")))
         except Exception as exc:
             raise ValueError(f"could not read safetensors file {f}: {exc}") from exc
     total = sum(len(h.keys()) for _, h in handles)
@@ -140,19 +140,11 @@ def _load_hf_folder(folder: Path, dtype_name: str, backend: dict):
 
 
 def _load_gguf(path: Path, dtype_name: str, backend: dict, cache_dir: str | None, use_cache: bool):
-    from transformers import AutoConfig, AutoTokenizer
-
     t0 = time.perf_counter()
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
         logger.info("loading converted %s from cache %s", path.name, entry)
-        hf_config = AutoConfig.from_pretrained(str(entry))
-        tokenizer = AutoTokenizer.from_pretrained(str(entry))
-        cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
-        flat = convert_cache.load_entry_tensors(entry)
-        items = ((name, array, str(entry)) for name, array in flat.items())
-        load_tensors_into(model, specs, _progress(items, len(flat), "Loading cached weights"), DTYPES[dtype_name])
-        return model, cfg, hf_config, tokenizer
+        return _load_hf_folder(entry, dtype_name, backend)
     reader = gguf_io.open_gguf(str(path))
     hf_config = gguf_io.gguf_hf_config(reader, str(path))
     tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
@@ -193,15 +185,20 @@ def load_model(
     batch_invariant: bool = False,
     cache_dir: str | None = None,
     use_cache: bool = True,
+    revision: str | None = None,
 ) -> LoadedModel:
     """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port."""
     dtype_name = resolve_dtype(dtype)
     source = builtin_gguf_path() if model is None else str(model)
+    if model is not None and hub.is_hub_id(source):
+        source = hub.snapshot_folder(source, revision)
+    elif revision is not None:
+        raise ValueError(f"revision applies to Hugging Face Hub ids only, and {source!r} is a local path")
     path = Path(source).expanduser()
     if not path.exists():
         raise FileNotFoundError(
-            f"model {source!r} not found: pass a local HF folder, a .gguf file, or a config.json "
-            "(random weights); jaxpaged never downloads from a hub"
+            f"model {source!r} not found: pass a local HF folder, a .gguf file, a config.json "
+            "(random weights) or a Hugging Face Hub id (org/name)"
         )
     t0 = time.perf_counter()
     if path.is_dir() and not (path / "config.json").exists():

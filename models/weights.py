@@ -127,7 +127,7 @@ def load_tensors_into(
             if not name.endswith(IGNORED_SUFFIXES):
                 logger.warning("ignoring tensor %s from %s: the port has no place for it", name, source)
             continue
-        value = jnp.asarray(array)
+        value = np.asarray(array)  # host-side until placed: eager jnp ops would compile one program per shape
         if spec.transpose:
             value = value.T
         variables = [_variable(model, path) for path in spec.paths]
@@ -144,7 +144,7 @@ def load_tensors_into(
                 raise ValueError(
                     f"tensor {name} in {source} has shape {tuple(part.shape)}, but the config implies {shape}"
                 )
-            _set(var, part.astype(dtype))
+            _set(var, jax.device_put(np.ascontiguousarray(part, dtype=dtype)))
         filled.add(name)
     missing = sorted(set(specs) - filled)
     if missing:

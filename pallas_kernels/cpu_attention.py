@@ -35,6 +35,11 @@ def build(cache_dir: str | None = None) -> Path:
     return native_build.build(SOURCE, CXXFLAGS, cache_dir)
 
 
+def start_build() -> None:
+    """Compile the kernel in the background (see native_build.start_build)."""
+    native_build.start_build(SOURCE, CXXFLAGS)
+
+
 def library_path(cache_dir: str | None = None) -> Path:
     return native_build.library_path(SOURCE, CXXFLAGS, cache_dir)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import native_build
 
@@ -42,25 +43,39 @@ def lanes() -> int:
         return 0
 
 
+def may_take_auto() -> bool:
+    """Whether matmul_backend="auto" could pick the kernel on this CPU (AVX-512), before building it."""
+    return "avx512f" in native_build.cpu_flags()
+
+
+def start_build() -> None:
+    """Compile the kernel in the background where "auto" may take it (see native_build.start_build)."""
+    if may_take_auto():
+        native_build.start_build(SOURCE)
+
+
 def available() -> bool:
     """Builds (once per machine) and registers the kernel; False, with a warning, where that fails."""
     return lanes() > 0
 
 
 def pack(kernel: jax.Array) -> jax.Array:
-    """[K, N] -> panels [ceil(N / 32), K, 32], zero past column N."""
+    """[K, N] -> panels [ceil(N / 32), K, 32], zero past column N. Done on the host, once per weight at load:
+    eager jnp ops would compile a program for every weight shape."""
+    kernel = np.asarray(kernel)
     k, n = kernel.shape
-    panels = -(-n // PANEL)
-    padded = jnp.pad(kernel, ((0, 0), (0, panels * PANEL - n)))
-    return padded.reshape(k, panels, PANEL).transpose(1, 0, 2)
+    panels = np.zeros((-(-n // PANEL) * PANEL, k), kernel.dtype)
+    panels[:n] = kernel.T
+    return jax.device_put(panels.reshape(-1, PANEL, k).transpose(0, 2, 1).copy())
 
 
 def pack_rows(table: jax.Array) -> jax.Array:
     """pack(table.T) for a [N, K] table (a tied LM head's embedding), without a transposed copy."""
+    table = np.asarray(table)
     n, k = table.shape
-    panels = -(-n // PANEL)
-    padded = jnp.pad(table, ((0, panels * PANEL - n), (0, 0)))
-    return padded.reshape(panels, PANEL, k).transpose(0, 2, 1)
+    panels = np.zeros((-(-n // PANEL) * PANEL, k), table.dtype)
+    panels[:n] = table
+    return jax.device_put(panels.reshape(-1, PANEL, k).transpose(0, 2, 1).copy())
 
 
 def unpack(packed: jax.Array, n: int) -> jax.Array:
@@ -89,8 +104,8 @@ def resolve_matmul_backend(requested: str, *, platform: str, dtype, tensor_paral
     vectors: the build measured faster than XLA's dot; narrower ones are correct but were not measured faster),
     else "xla"."""
     applies = platform == "cpu" and jnp.dtype(dtype) == jnp.float32 and tensor_parallel_size == 1
-    if requested == "auto":
-        return "native" if applies and lanes() >= 16 else "xla"
+    if requested == "auto":  # a CPU without AVX-512 never gets 16 lanes: no need to build to find out
+        return "native" if applies and may_take_auto() and lanes() >= 16 else "xla"
     if requested == "native" and not (applies and available()):
         why = "it does not build here" if applies else "it serves float32 on one CPU device only"
         raise ValueError(f"matmul_backend='native' is the packed float32 CPU matmul, and {why}")

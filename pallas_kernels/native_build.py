@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -73,22 +74,44 @@ def library_path(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> 
     return cache_root(cache_dir) / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
+_in_flight: dict[Path, tuple[subprocess.Popen, str]] = {}  # library path -> (compiler process, its output file)
+_lock = threading.Lock()
+
+
+def start_build(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> None:
+    """Start compiling `source` in the background unless it is cached or already compiling, so the compiler
+    runs beside the model's loading; build() then waits for it."""
+    out = library_path(source, flags, cache_dir)
+    cxx = compiler()
+    with _lock:
+        if out.exists() or out in _in_flight or cxx is None:
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+        logger.info("compiling %s: %s", source.name, " ".join(cmd))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _in_flight[out] = (proc, tmp)
+
+
 def build(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> Path:
     """Compile `source` unless a build for it, these flags, JAX and this CPU is cached; the library's path."""
     out = library_path(source, flags, cache_dir)
     if out.exists():
         return out
-    cxx = compiler()
-    if cxx is None:
+    if compiler() is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
-    logger.info("compiling %s: %s", source.name, " ".join(cmd))
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {source.name} failed:\n{result.stderr[-4000:]}")
-    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    while not out.exists():
+        start_build(source, flags, cache_dir)
+        with _lock:
+            entry = _in_flight.pop(out, None)
+        if entry is None:  # finished by another thread meanwhile
+            continue
+        proc, tmp = entry
+        _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {source.name} failed:\n{stderr[-4000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
     return out

@@ -102,6 +102,10 @@ def test_backend_resolution():
 
 def test_auto_takes_the_native_matmul_with_avx512_builds_only(monkeypatch):
     resolve = cpu_matmul.resolve_matmul_backend
+    monkeypatch.setattr(cpu_matmul.native_build, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_matmul, "lanes", lambda: pytest.fail("built the kernel on a CPU without AVX-512"))
+    assert resolve("auto", platform="cpu", dtype=jnp.float32, tensor_parallel_size=1) == "xla"
+    monkeypatch.setattr(cpu_matmul.native_build, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     for lanes, want in ((16, "native"), (8, "xla"), (4, "xla"), (0, "xla")):
         monkeypatch.setattr(cpu_matmul, "lanes", lambda lanes=lanes: lanes)
         assert resolve("auto", platform="cpu", dtype=jnp.float32, tensor_parallel_size=1) == want

@@ -1,0 +1,154 @@
+"""Compiled steps kept on disk, so that a warm start skips tracing, lowering and compiling them.
+
+JAX's persistent compilation cache spares XLA's compile only: each start still traces and lowers every
+step, most of a second per bucket for a 30-layer model. Here the compiled executable itself is stored,
+keyed by everything that shapes it: jaxpaged's source, the model's graph (static attributes included),
+the arguments' shapes, dtypes and shardings, JAX's version, the devices, the CPU and XLA's flags.
+An entry that fails to load is compiled again and rewritten.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger("jaxpaged.executables")
+
+FORMAT = 1  # bump when the file layout changes
+STALE_AFTER_S = 14 * 24 * 3600  # a version folder unused this long is removed
+
+
+@functools.cache
+def source_digest() -> str:
+    """jaxpaged's own code: any change to it may change a traced step."""
+    import jaxpaged
+    import models
+    import pallas_kernels
+
+    digest = hashlib.sha256()
+    for package in (jaxpaged, models, pallas_kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc", ".h")):
+            digest.update(str(path.relative_to(root.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cpu_flags() -> str:
+    """The host CPU's features: XLA:CPU compiles for the machine it runs on."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+
+        return platform.processor() + platform.machine()
+
+
+@functools.cache
+def environment_digest() -> str:
+    """The platform the executables were compiled for."""
+    import jaxlib
+
+    devices = jax.devices()
+    parts = [
+        FORMAT, jax.__version__, jaxlib.__version__, devices[0].platform, devices[0].client.platform_version,
+        [d.device_kind for d in devices], os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+        jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, _cpu_flags(),
+    ]  # fmt: skip
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _signature(args: tuple) -> str:
+    """Shapes, dtypes and placements of the arguments, and their tree structure."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    described = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            described.append((leaf.shape, str(leaf.dtype), leaf.aval.weak_type, repr(leaf.sharding)))
+        else:
+            leaf = np.asarray(leaf)
+            described.append((leaf.shape, str(leaf.dtype)))
+    return repr((str(tree), described))
+
+
+class ExecutableCache:
+    """A folder of serialized executables; `directory=None` compiles without storing anything."""
+
+    def __init__(self, directory: str | Path | None, salt: str = ""):
+        self.salt = salt
+        self.directory = None
+        if directory is not None:
+            version = hashlib.sha256((environment_digest() + source_digest()).encode()).hexdigest()[:20]
+            self.directory = Path(directory) / version
+        self.num_loaded = 0
+        self.num_compiled = 0
+
+    def compile(self, name: str, jitted, args: tuple) -> jax.stages.Compiled:
+        """`jitted` compiled for `args`: from the folder when an entry matches, else compiled and stored."""
+        path = None
+        if self.directory is not None:
+            key = hashlib.sha256((self.salt + name + _signature(args)).encode()).hexdigest()[:32]
+            path = self.directory / f"{name}-{key}.exe"
+            compiled = self._load(path)
+            if compiled is not None:
+                self.num_loaded += 1
+                return compiled
+        t0 = time.perf_counter()
+        compiled = jitted.lower(*args).compile()
+        self.num_compiled += 1
+        logger.debug("compiled %s in %.2fs", name, time.perf_counter() - t0)
+        if path is not None:
+            self._store(path, compiled)
+        return compiled
+
+    def _load(self, path: Path) -> Any:
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:
+                serialized, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: compile instead
+            logger.warning("could not load the cached executable %s (%s); compiling it again", path, exc)
+            return None
+        os.utime(self.directory)  # marks the version as in use, for pruning
+        return compiled
+
+    def _store(self, path: Path, compiled) -> None:
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+        except Exception as exc:  # noqa: BLE001 - some backends cannot serialize: still usable, just not stored
+            logger.debug("cannot store the executable %s: %s", path.name, exc)
+            return
+        try:
+            fresh = not self.directory.exists()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                _prune(self.directory.parent, keep=self.directory.name)
+            fd, staging = tempfile.mkstemp(dir=self.directory, prefix=path.name + ".")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(staging, path)
+        except OSError as exc:
+            logger.warning("could not write the executable cache at %s: %s", path, exc)
+
+
+def _prune(root: Path, keep: str) -> None:
+    """Remove version folders (older jaxpaged or JAX) nobody has used for STALE_AFTER_S."""
+    now = time.time()
+    for folder in root.iterdir():
+        if folder.name != keep and folder.is_dir() and now - folder.stat().st_mtime > STALE_AFTER_S:
+            shutil.rmtree(folder, ignore_errors=True)
