@@ -12,8 +12,10 @@ import threading
 import jax
 
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
 _count = 0
+_cache_hits = 0  # executables JAX's persistent compilation cache returned instead of compiling
 _expected = 0  # lowerings inside expected(): a bucket compiled on first use, as asked for
 _installed = False
 
@@ -25,12 +27,25 @@ def _on_event(name: str, *args, **kwargs) -> None:
             _count += 1
 
 
+def _on_plain_event(name: str, *args, **kwargs) -> None:
+    global _cache_hits
+    if name == _CACHE_HIT_EVENT:
+        with _lock:
+            _cache_hits += 1
+
+
 def install() -> None:
     global _installed
     with _lock:
         if not _installed:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
+            jax.monitoring.register_event_listener(_on_plain_event)
             _installed = True
+
+
+def persistent_cache_hits() -> int:
+    install()
+    return _cache_hits
 
 
 def compile_count() -> int:

@@ -49,7 +49,9 @@ class InFlightStep:
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:
-    if jax.config.jax_compilation_cache_dir:  # the user chose one
+    """JAX's persistent cache, for tensor parallel engines only: one device stores whole executables instead
+    (executable_cache.py), and the two together store broken ones."""
+    if jax.config.jax_compilation_cache_dir or config.tensor_parallel_size == 1:  # the user chose one, or none needed
         return
     path = config.compilation_cache_dir or str(cache_root(config.cache_dir) / "xla")
     os.makedirs(path, exist_ok=True)

@@ -24,10 +24,17 @@ import jax
 import numpy as np
 from jax.experimental import serialize_executable
 
+from jaxpaged import compile_monitor
+
 logger = logging.getLogger("jaxpaged.executables")
 
-FORMAT = 1  # bump when the file layout changes
+FORMAT = 2  # bump when the file layout changes
 STALE_AFTER_S = 14 * 24 * 3600  # a version folder unused this long is removed
+# Programs (hashes of their StableHLO) compiled or loaded in this process. XLA:CPU compiles a program it has
+# seen before in the process into an executable that leans on the first one's code: serialized, it fails in a
+# new process ("Function wrapped_convert not found"). So is one that JAX's persistent compilation cache
+# returned (JAX 0.10). Only a program's first real compile here is stored.
+_programs_seen: set[str] = set()
 
 
 @functools.cache
@@ -107,11 +114,16 @@ class ExecutableCache:
                 self.num_loaded += 1
                 return compiled
         t0 = time.perf_counter()
-        compiled = jitted.lower(*args).compile()
+        lowered = jitted.lower(*args)
+        program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        hits = compile_monitor.persistent_cache_hits()
+        compiled = lowered.compile()
+        from_xla_cache = compile_monitor.persistent_cache_hits() != hits  # serializes incomplete, as above
         self.num_compiled += 1
         logger.debug("compiled %s in %.2fs", name, time.perf_counter() - t0)
-        if path is not None:
-            self._store(path, compiled)
+        if path is not None and program not in _programs_seen and not from_xla_cache:
+            self._store(path, program, compiled)
+        _programs_seen.add(program)
         return compiled
 
     def _load(self, path: Path) -> Any:
@@ -119,17 +131,18 @@ class ExecutableCache:
             return None
         try:
             with open(path, "rb") as f:
-                serialized, in_tree, out_tree = pickle.load(f)
+                program, serialized, in_tree, out_tree = pickle.load(f)
             compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            _programs_seen.add(program)
         except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: compile instead
             logger.warning("could not load the cached executable %s (%s); compiling it again", path, exc)
             return None
         os.utime(self.directory)  # marks the version as in use, for pruning
         return compiled
 
-    def _store(self, path: Path, compiled) -> None:
+    def _store(self, path: Path, program: str, compiled) -> None:
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            blob = pickle.dumps((program, *serialize_executable.serialize(compiled)))
         except Exception as exc:  # noqa: BLE001 - some backends cannot serialize: still usable, just not stored
             logger.debug("cannot store the executable %s: %s", path.name, exc)
             return

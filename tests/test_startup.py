@@ -1,0 +1,189 @@
+"""Start-up: compiled steps stored and loaded as executables, buckets compiled on first use, a quiet CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+
+from jaxpaged import compile_monitor
+from jaxpaged.config import EngineConfig
+from jaxpaged.engine import LLMEngine
+from jaxpaged.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
+              dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    config = tiny_llama_config(num_key_value_heads=2)
+    return save_hf_model(random_hf_model(config), tmp_path_factory.mktemp("startup-model"))
+
+
+def _engine(model: Path, cache: Path, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), cache_dir=str(cache), **{**ENGINE, **overrides}))
+
+
+def _greedy(engine: LLMEngine, prompts) -> list[list[int]]:
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+           for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+PROMPTS = random_prompts(256, (3, 9, 30), seed=4)
+
+
+def _in_new_process(model: Path, cache: Path) -> dict:
+    """A fresh interpreter's engine on `cache`: what it loaded, compiled and generated."""
+    script = (
+        "import json, sys; from pathlib import Path; from tests.test_startup import _engine, _greedy, PROMPTS; "
+        "e = _engine(Path(sys.argv[1]), Path(sys.argv[2])); x = e.runner.executables; "
+        "print('RESULT', json.dumps({'loaded': x.num_loaded, 'compiled': x.num_compiled, 'tokens': _greedy(e, PROMPTS)}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(model), str(cache)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def test_a_second_start_loads_every_executable_and_compiles_nothing(model_dir, tmp_path):
+    first = _in_new_process(model_dir, tmp_path)  # a process of its own: the first compile of each program in it
+    stored = sorted((tmp_path / "executables").rglob("*.exe"))
+    count = 2 * len(_engine(model_dir, tmp_path / "buckets", precompile=False).runner.buckets) + 1  # step, write; copy
+    assert first["compiled"] == count and len(stored) == count
+
+    assert _in_new_process(model_dir, tmp_path) == {"loaded": count, "compiled": 0, "tokens": first["tokens"]}
+    lowered = compile_monitor.compile_count()
+    here = _engine(model_dir, tmp_path)
+    assert here.runner.executables.num_loaded == count and here.runner.executables.num_compiled == 0
+    assert compile_monitor.compile_count() - lowered < count  # no step was traced again (an eager op or two may be)
+    assert _greedy(here, PROMPTS) == first["tokens"]
+    assert here.get_stats()["num_compiles_after_warmup"] == 0
+
+
+def test_a_program_compiled_twice_in_a_process_is_stored_once(model_dir, tmp_path):
+    """XLA:CPU's second compile of a program in one process serializes into an executable that fails elsewhere
+    ("Function ... not found"): only the first compile is stored, and what was stored runs in a new process."""
+    want = _greedy(_engine(model_dir, tmp_path / "one"), PROMPTS)
+    again = _engine(model_dir, tmp_path / "two")  # the same programs, compiled again here
+    assert again.runner.executables.num_compiled > 0 and not list((tmp_path / "two").rglob("*.exe"))
+    assert _greedy(again, PROMPTS) == want
+    assert _in_new_process(model_dir, tmp_path / "one")["tokens"] == want
+
+
+def test_a_damaged_entry_is_compiled_again_and_rewritten(model_dir, tmp_path, caplog):
+    want = _in_new_process(model_dir, tmp_path)["tokens"]
+    entries = list((tmp_path / "executables").rglob("*.exe"))
+    for entry in entries:
+        entry.write_bytes(b"not an executable")
+    with caplog.at_level(logging.WARNING, logger="jaxpaged.executables"):
+        again = _engine(model_dir, tmp_path)
+    assert again.runner.executables.num_loaded == 0 and again.runner.executables.num_compiled == len(entries)
+    assert "could not load the cached executable" in caplog.text
+    assert _greedy(again, PROMPTS) == want
+    assert _in_new_process(model_dir, tmp_path)["tokens"] == want  # the first start to compile them rewrites them
+    assert _in_new_process(model_dir, tmp_path) == {"loaded": len(entries), "compiled": 0, "tokens": want}
+
+
+def test_another_model_graph_never_takes_these_executables(model_dir, tmp_path):
+    _engine(model_dir, tmp_path)
+    other = save_hf_model(random_hf_model(tiny_llama_config(num_key_value_heads=2, rope_theta=500.0)), tmp_path / "other")
+    engine = _engine(other, tmp_path)  # same shapes, one static attribute (the RoPE frequencies) differs
+    assert engine.runner.executables.num_loaded == 0
+
+
+def test_without_precompile_buckets_compile_on_first_use_and_results_are_the_same(model_dir, tmp_path):
+    eager = _engine(model_dir, tmp_path / "a", precompile=False)
+    assert eager.warmup_seconds == 0.0 and not eager.runner._compiled
+    got = _greedy(eager, PROMPTS)
+    used = {bucket for _, bucket in eager.runner._compiled}
+    assert 0 < len(used) < len(eager.runner.buckets)  # only what these steps needed
+    assert eager.get_stats()["num_compiles_after_warmup"] == 0  # compiles on first use are the ones asked for
+    assert got == _greedy(_engine(model_dir, tmp_path / "b"), PROMPTS)
+
+
+def test_precompiled_engines_still_count_a_compile_after_warmup(model_dir, tmp_path):
+    """The guard still bites where precompile is on: a lowering during step() is counted."""
+    import jax
+    import jax.numpy as jnp
+
+    engine = _engine(model_dir, tmp_path)
+    step = engine._step
+
+    def step_and_compile():
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7))
+        return step()
+
+    engine._step = step_and_compile
+    _greedy(engine, PROMPTS[:1])
+    assert engine.get_stats()["num_compiles_after_warmup"] > 0
+
+
+def test_cli_defaults_to_compiling_on_first_use_with_one_sequence(model_dir, tmp_path, monkeypatch):
+    from jaxpaged import generate
+
+    args = generate.build_parser().parse_args(["hello"])
+    assert args.precompile is False and args.max_num_seqs is None
+    from jaxpaged.serve import build_parser as serve_parser
+
+    assert serve_parser().parse_args([]).precompile is True
+    captured = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            captured.update(kwargs)
+            raise ValueError("stop here")
+
+    monkeypatch.setattr("jaxpaged.llm.LLM", FakeLLM)
+    assert generate.main(["hello", "--model", str(model_dir)]) == 2
+    assert captured["max_num_seqs"] == 1 and captured["precompile"] is False
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n")
+    assert generate.main(["--prompts-file", str(prompts), "--precompile", "--model", str(model_dir)]) == 2
+    assert captured["max_num_seqs"] is None and captured["precompile"] is True
+
+
+def test_libraries_notices_are_hidden_unless_verbose(capsys):
+    from jaxpaged.logging_utils import setup_logging
+
+    notice = logging.getLogger("transformers")
+    handler = logging.StreamHandler(sys.stdout)
+    notice.addHandler(handler)
+    try:
+        setup_logging("INFO")
+        notice.warning("PyTorch was not found. Models won't be available.")
+        notice.warning("a warning that matters")
+        out = capsys.readouterr().out
+        assert "PyTorch was not found" not in out and "a warning that matters" in out
+        setup_logging("DEBUG")
+        notice.warning("PyTorch was not found. Models won't be available.")
+        assert "PyTorch was not found" in capsys.readouterr().out
+    finally:
+        notice.removeHandler(handler)
+        setup_logging("INFO")
+
+
+def test_bench_startup_phases_add_up():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_startup import is_busy, phases, startup_line
+
+    line = ('12:00:00 DEBUG jaxpaged.generate: startup {"load_s": 1.0, "pack_s": 0.1, "kv_cache_s": 0.2, '
+            '"warmup_s": 0.0, "compile_s": 0.5, "engine_start": 101.5, "first_text": 104.0}')
+    got = phases(100.0, 104.0, startup_line("noise\n" + line + "\n"))
+    assert got == pytest.approx({"import": 1.5, "load": 1.0, "pack": 0.1, "kv_cache": 0.2, "compile": 0.5, "other": 0.7})
+    assert phases(100.0, None, None) == {}
+    assert is_busy(1.2, cpus=2) and not is_busy(0.8, cpus=2)
