@@ -37,7 +37,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule and pack step N+1 while the device runs step N; same outputs
     tensor_parallel_size: int = 1  # devices the model is split over (a "model" mesh axis); see docs/models.md
     precompile: bool = True  # compile every step bucket at start-up; False: each on its first use (the CLI's way)
-    compilation_cache_dir: str | None = None  # persistent XLA cache; default under the jaxpaged cache root
+    compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
 
