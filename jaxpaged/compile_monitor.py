@@ -17,14 +17,16 @@ _lock = threading.Lock()
 _count = 0
 _cache_hits = 0  # executables JAX's persistent compilation cache returned instead of compiling
 _expected = 0  # lowerings inside expected(): a bucket compiled on first use, as asked for
+_local = threading.local()  # expected() depth of this thread: a lowering is reported in the thread doing it
 _installed = False
 
 
 def _on_event(name: str, *args, **kwargs) -> None:
-    global _count
+    global _count, _expected
     if name == _LOWERING_EVENT:
         with _lock:
             _count += 1
+            _expected += getattr(_local, "expected", 0) > 0
 
 
 def _on_plain_event(name: str, *args, **kwargs) -> None:
@@ -61,11 +63,10 @@ def unexpected_count() -> int:
 
 @contextlib.contextmanager
 def expected():
-    """Lowerings in this block are wanted (compiling a step bucket on its first use)."""
-    global _expected
-    before = compile_count()
+    """Lowerings in this block, in this thread, are wanted (compiling a step bucket on its first use)."""
+    install()
+    _local.expected = getattr(_local, "expected", 0) + 1
     try:
         yield
     finally:
-        with _lock:
-            _expected += _count - before
+        _local.expected -= 1

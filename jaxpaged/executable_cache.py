@@ -79,15 +79,14 @@ def environment_digest() -> str:
 
 
 def _signature(args: tuple) -> str:
-    """Shapes, dtypes and placements of the arguments, and their tree structure."""
+    """Shapes and dtypes of the arguments (arrays or ShapeDtypeStructs alike), and their tree structure.
+    Placement is left out: executables are stored for one device, named by the environment digest."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     described = []
     for leaf in leaves:
-        if isinstance(leaf, jax.Array):
-            described.append((leaf.shape, str(leaf.dtype), leaf.aval.weak_type, repr(leaf.sharding)))
-        else:
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             leaf = np.asarray(leaf)
-            described.append((leaf.shape, str(leaf.dtype)))
+        described.append((tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False))))
     return repr((str(tree), described))
 
 

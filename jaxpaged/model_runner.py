@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,14 @@ def token_buckets(max_tokens: int, max_seqs: int | None = None, smallest: int = 
         b = min(-(-b * 5 // 4 // 8) * 8, max_seqs) if fine else b * 2
         b = max(b, buckets[-1] + 1)
     return buckets + [max_tokens]
+
+
+def _abstract(leaf):
+    """A device array as its shape, dtype and placement only: a background compile must not touch the KV cache
+    the running steps donate."""
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding, weak_type=leaf.weak_type)
+    return leaf
 
 
 @dataclasses.dataclass
@@ -148,6 +157,9 @@ class ModelRunner:
         stored = executable_dir if self.mesh is None else None
         self.executables = ExecutableCache(stored, salt=repr(self.graphdef))
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}  # (function, bucket) -> executable
+        self._pending: dict[int, Future] = {}  # bucket -> its (step, write) compiling in the background
+        self._background: ThreadPoolExecutor | None = None
+        self._blank_sampling = None  # the engine's all-padding sampling metadata builder, given at warm-up
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self._blank_history: dict[int, jax.Array] = {}
         self._blank_prompt_ids: dict[int, jax.Array] = {}
@@ -239,22 +251,46 @@ class ModelRunner:
         """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at."""
         if copies:
             self.copy(copies)
-        smd = dataclasses.replace(step.sampling, history=self._history(step.sampling))
-        next_ids = step.prompt_next_ids
-        want_prompt = next_ids is not None and bool((next_ids >= 0).any())
+        args = self._step_args(step, prev)
         t = step.input_ids.shape[0]
-        if next_ids is None:
-            next_ids = self._all_minus_one(t)
-        prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
-        args = (
-            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd,
-            next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
-        )  # fmt: skip
+        if not self.config.precompile and ("step", t) not in self._compiled and t != self.buckets[0]:
+            self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
         with self._on_mesh():
             out, prompt, sampled, new_kv = self._executable("step", self._step, t, args)(*args)
             args = (self.kv_cache, new_kv, step.attention.slot_mapping)
             self.kv_cache = self._executable("write", self._write, t, args)(*args)
+        want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
         return DispatchedStep(out, prompt if want_prompt else None, sampled, bool(step.sampling.want_logprobs))
+
+    def _step_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
+        t = step.input_ids.shape[0]
+        smd = dataclasses.replace(step.sampling, history=self._history(step.sampling))
+        next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else self._all_minus_one(t)
+        prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
+        return (
+            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd,
+            next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
+        )  # fmt: skip
+
+    def prefetch(self, num_tokens: int) -> None:
+        """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
+        One device only; the compile is one that precompile-off asked for."""
+        t, s = self.bucket_for(num_tokens)
+        if self.mesh is not None or ("step", t) in self._compiled or t in self._pending or self._blank_sampling is None:
+            return
+        step = self.blank_step(t, self._blank_sampling(s, self.history_width))
+        args = jax.tree_util.tree_map(_abstract, self._step_args(step, None))
+        slots = step.attention.slot_mapping
+
+        def compile_both():
+            with compile_monitor.expected():
+                step_exe = self.executables.compile("step", self._step, args)
+                write_exe = self.executables.compile("write", self._write, (args[1], step_exe.out_info[3], slots))
+            return step_exe, write_exe
+
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-compile")
+        self._pending[t] = self._background.submit(compile_both)
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         return self.dispatch(step, copies).fetch()
@@ -269,10 +305,15 @@ class ModelRunner:
         precompile is off. Called directly, a Compiled refuses other shapes instead of compiling them."""
         compiled = self._compiled.get((name, bucket))
         if compiled is None:
-            lazily = contextlib.nullcontext() if self.config.precompile else compile_monitor.expected()
             t0 = time.perf_counter()
-            with lazily:
-                compiled = self._compiled[(name, bucket)] = self.executables.compile(name, jitted, args)
+            pending = self._pending.pop(bucket, None) if name in ("step", "write") else None
+            if pending is not None:  # prefetched: wait for the background compile
+                self._compiled[("step", bucket)], self._compiled[("write", bucket)] = pending.result()
+                compiled = self._compiled[(name, bucket)]
+            else:
+                lazily = contextlib.nullcontext() if self.config.precompile else compile_monitor.expected()
+                with lazily:
+                    compiled = self._compiled[(name, bucket)] = self.executables.compile(name, jitted, args)
             self.compile_seconds += time.perf_counter() - t0
         return compiled
 
@@ -291,6 +332,7 @@ class ModelRunner:
 
     def warmup(self, blank_sampling) -> float:
         """Compile (or load) every bucket now, so serving never compiles; nothing when precompile is off."""
+        self._blank_sampling = blank_sampling
         if not self.config.precompile:
             logger.info("step buckets %s are compiled on first use (precompile off)", self.buckets)
             return 0.0

@@ -116,6 +116,17 @@ def test_without_precompile_buckets_compile_on_first_use_and_results_are_the_sam
     assert got == _greedy(_engine(model_dir, tmp_path / "b"), PROMPTS)
 
 
+def test_a_bucket_compiled_in_the_background_is_picked_up(model_dir, tmp_path):
+    engine = _engine(model_dir, tmp_path / "a", precompile=False)
+    smallest = engine.runner.buckets[0]
+    engine.runner.prefetch(smallest)
+    assert smallest in engine.runner._pending
+    got = _greedy(engine, PROMPTS)
+    assert not engine.runner._pending and ("write", smallest) in engine.runner._compiled
+    assert engine.get_stats()["num_compiles_after_warmup"] == 0  # the background compile was asked for
+    assert got == _greedy(_engine(model_dir, tmp_path / "b"), PROMPTS)
+
+
 def test_precompiled_engines_still_count_a_compile_after_warmup(model_dir, tmp_path):
     """The guard still bites where precompile is on: a lowering during step() is counted."""
     import jax
