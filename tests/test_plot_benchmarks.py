@@ -24,6 +24,7 @@ from jaxpaged.plots import (
     plot_throughput_vs_concurrency,
     serving_points,
     throughput_bars,
+    throughput_workload_line,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -225,6 +226,15 @@ def test_footer_names_date_machine_and_every_version():
         assert part in line
     serving = {"date": "2026-11-24", "versions": {"cpus": 2, "cpu_model": "AMD EPYC", "jax": "0.10.2", "vllm": "0.32.0"}, "results": {}}
     assert footer(serving) == "2026-11-24, AMD EPYC, 2 cores; JAX 0.10.2, vLLM 0.32.0"
+
+
+def test_workload_lines():
+    report = baseline_report("bfloat16", 1.0, 1.0)
+    line = "smollm2-hf, bfloat16, 8 requests, prompts 16-256 and outputs 16-256 tokens, greedy, EOS ignored"
+    assert throughput_workload_line(report) == line
+    assert throughput_workload_line(report, with_dtype=False) == line.replace("bfloat16, ", "")
+    sweep = throughput_report()  # its output lengths are the x axis, not the workload
+    assert throughput_workload_line(sweep) == "SmolLM2-135M-Instruct.Q4_1.gguf, 4 requests, greedy, EOS ignored"
 
 
 def test_busy_sides_from_verdicts_and_from_old_load_averages():
