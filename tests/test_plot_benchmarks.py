@@ -12,7 +12,20 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from jaxpaged.plots import BenchmarkDataError, load_report, output_speed_points, plot_output_speed, serving_points
+from jaxpaged.plots import (
+    BenchmarkDataError,
+    busy_note,
+    busy_sides,
+    footer,
+    load_report,
+    output_speed_points,
+    plot_output_speed,
+    plot_throughput,
+    plot_throughput_vs_concurrency,
+    serving_points,
+    throughput_bars,
+    throughput_workload_line,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "plot_benchmarks.py"
@@ -67,6 +80,28 @@ def single_run_report(concurrency: int, tok_s: float) -> dict:
     """A single bench_serving.py --base-url run in the older shape (the load only in `args`)."""
     return {"date": "2026-11-21", "versions": {"jax": "0.10.2"}, "results": {"server": _summary(None, tok_s, 200, 400)},
             "args": {"concurrency": concurrency, "request_rate": None}}
+
+
+def _side(busy: bool, reason: str = "") -> dict:
+    """A side's load record as scripts/machine_load.py writes it."""
+    return {"loadavg_1min": {"before": 0.3, "after": 2.1}, "others_cpu_s": 1.0, "wall_s": 60.0, "others_cpu_share": 0.01,
+            "steal_ticks": [0, 12000], "steal_share": 0.0, "cores": 2, "busy": busy, "busy_reason": reason, "settled_s": 30.0}
+
+
+VLLM_MACHINE = MACHINE | {"cpu_model": "AMD EPYC", "vllm": "0.32.0", "vllm_torch": "2.13.0+cpu", "vllm_transformers": "5.19.0",
+                          "date": "2026-11-24T09:00:00+00:00"}
+
+
+def baseline_report(dtype: str, jp: float, vllm: float, busy: tuple[str, ...] = ()) -> dict:
+    """What bench_throughput.py --vllm-python ... --json writes for one dtype (8 requests, 100 tokens each)."""
+    results = {"jaxpaged": _result("jaxpaged", 800, 800 / jp), "vllm": _result("vllm", 800, 800 / vllm),
+               "hf-single": _result("hf-single", 200, 2.5, "first 2 of 8, extrapolated"),
+               "hf-batch": _result("hf-batch", 800, 10.0, "batch 8, 20% padding waste")}
+    sides = {name: _side(name in busy, "1-min load 2.50 before it (> 1.0 on 2 cores)" if name in busy else "")
+             for name in ("jaxpaged", "vllm", "transformers")}  # fmt: skip
+    return {"workload": {"num_requests": 8, "dtype": dtype, "input_len_range": [16, 256], "output_len_range": [16, 256],
+                         "model_path": "/work/smollm2-hf", "output_lens": None},
+            "results": results, "ratios": {"jaxpaged/vllm": jp / vllm}, "machine": VLLM_MACHINE, "load": sides}
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
@@ -167,3 +202,84 @@ def test_help_and_no_inputs():
     assert proc.returncode == 0 and "--throughput" in proc.stdout and "--serving" in proc.stdout
     proc = run_cli()
     assert proc.returncode == 2 and "give --throughput and/or --serving" in proc.stderr
+
+
+def _red_pixels(path: Path) -> int:
+    """Pixels of pure red, the busy-machine warning's colour (the plotted lines are tab: colours)."""
+    from matplotlib.image import imread
+
+    img = imread(str(path))
+    return int(((img[..., 0] > 0.95) & (img[..., 1] < 0.05) & (img[..., 2] < 0.05)).sum())
+
+
+def test_bars_per_dtype_in_a_fixed_order():
+    groups = throughput_bars([baseline_report("float32", 250.0, 215.0), baseline_report("bfloat16", 276.0, 320.0)])
+    assert [label for label, _ in groups] == ["float32", "bfloat16"]
+    assert list(groups[0][1]) == ["jaxpaged", "vllm", "hf-batch", "hf-single"]
+    assert groups[1][1]["vllm"] == pytest.approx(320.0) and groups[0][1]["hf-batch"] == 80.0
+
+
+def test_footer_names_date_machine_and_every_version():
+    line = footer(baseline_report("float32", 1.0, 1.0))
+    for part in ("2026-11-24", "AMD EPYC, 2 cores", "JAX 0.10.2", "torch 2.13.0+cpu", "transformers 5.23.0",
+                 "vLLM 0.32.0 (torch 2.13.0+cpu, transformers 5.19.0)"):  # fmt: skip
+        assert part in line
+    serving = {"date": "2026-11-24", "versions": {"cpus": 2, "cpu_model": "AMD EPYC", "jax": "0.10.2", "vllm": "0.32.0"}, "results": {}}
+    assert footer(serving) == "2026-11-24, AMD EPYC, 2 cores; JAX 0.10.2, vLLM 0.32.0"
+
+
+def test_workload_lines():
+    report = baseline_report("bfloat16", 1.0, 1.0)
+    line = "smollm2-hf, bfloat16, 8 requests, prompts 16-256 and outputs 16-256 tokens, greedy, EOS ignored"
+    assert throughput_workload_line(report) == line
+    assert throughput_workload_line(report, with_dtype=False) == line.replace("bfloat16, ", "")
+    sweep = throughput_report()  # its output lengths are the x axis, not the workload
+    assert throughput_workload_line(sweep) == "SmolLM2-135M-Instruct.Q4_1.gguf, 4 requests, greedy, EOS ignored"
+
+
+def test_busy_sides_from_verdicts_and_from_old_load_averages():
+    assert busy_sides(baseline_report("float32", 1.0, 1.0)) == {}
+    report = baseline_report("float32", 1.0, 1.0, busy=("vllm",))
+    assert busy_sides(report) == {"vllm": "1-min load 2.50 before it (> 1.0 on 2 cores)"}
+    assert busy_note([report]) == "BUSY MACHINE during: vLLM (see the JSON's load records)"
+
+    # reports written before the verdicts: the load before the run (a sweep's first point) decides
+    old = throughput_report() | {"loadavg_1min": {"before": 4.2, "after": 6.8}}
+    assert set(busy_sides(old)) == {"all systems"}
+    sweep = serving_sweep_report()
+    sweep["sweep"]["transformers"][0]["loadavg_1min"] = {"before": 3.3, "after": 4.0}
+    sweep["sweep"]["jaxpaged"][1]["loadavg_1min"] = {"before": 2.5, "after": 2.6}  # its own earlier point's load
+    assert set(busy_sides(sweep)) == {"transformers"}
+    assert busy_sides(single_run_report(4, 10.0)) == {}
+
+
+def test_busy_runs_carry_a_red_warning(tmp_path):
+    quiet = [baseline_report("float32", 250.0, 215.0), baseline_report("bfloat16", 276.0, 320.0)]
+    busy = [quiet[0], baseline_report("bfloat16", 276.0, 320.0, busy=("transformers",))]
+    assert _red_pixels(plot_throughput(quiet, tmp_path / "quiet.png")) == 0
+    assert _red_pixels(plot_throughput(busy, tmp_path / "busy.png")) > 50
+
+    sweep = serving_sweep_report()
+    assert _red_pixels(plot_throughput_vs_concurrency(sweep, tmp_path / "sv_quiet.png")) == 0
+    sweep["load"] = {"jaxpaged": _side(False), "transformers": _side(True, "other processes used 40% of the CPU")}
+    assert _red_pixels(plot_throughput_vs_concurrency(sweep, tmp_path / "sv_busy.png")) > 50
+
+
+def test_serving_points_include_vllm():
+    report = serving_sweep_report()
+    report["sweep"]["vllm"] = [_summary(1, 25.0, 80, 90), _summary(4, 90.0, 150, 300), _summary(16, 200.0, 400, 800)]
+    _, points = serving_points(report)
+    assert [p["output_throughput"] for p in points["vllm"]] == [25.0, 90.0, 200.0]
+
+
+def test_cli_draws_bars_and_sweep_from_one_throughput_list(tmp_path):
+    f32 = _write(tmp_path / "f32.json", baseline_report("float32", 250.0, 215.0))
+    bf16 = _write(tmp_path / "bf16.json", baseline_report("bfloat16", 276.0, 320.0))
+    lens = _write(tmp_path / "lens.json", throughput_report())
+    proc = run_cli("--throughput", f32, bf16, lens, "--out-dir", tmp_path / "img", "--tag", "t")
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in (tmp_path / "img").iterdir()} == {"throughput_t.png", "output_speed_t.png"}
+
+    empty = _write(tmp_path / "empty.json", {"results": {}})
+    proc = run_cli("--throughput", empty, "--out-dir", tmp_path / "img2")
+    assert proc.returncode == 2 and "no systems in 'results'" in proc.stderr
