@@ -16,10 +16,22 @@ class _DropNotices(logging.Filter):
 _DROP_NOTICES = _DropNotices()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is now, not as it was at set-up: notebooks and test runners replace it."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: int | str = logging.INFO) -> None:
     """Our loggers at `level` on stderr; libraries' chatter (absl, orbax, jax) at WARNING, and their notices
     that a user can do nothing about hidden unless `level` is DEBUG."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger("jaxpaged")
     root.handlers[:] = [handler]
