@@ -26,7 +26,8 @@ module_list = getattr(nnx, "List", list)
 
 
 def _param(shape, dtype) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype))
+    """A parameter's shape and dtype only: the loader fills every one (no zeros made, no trace needed)."""
+    return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
 
 
 def _precision(x):

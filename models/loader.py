@@ -61,7 +61,7 @@ def _abstract_model(hf_config, dtype_name: str, attention_backend: str, batch_in
     dtype = DTYPES[dtype_name]
     attention_backend = resolve_attention_backend(attention_backend, cfg.head_dim, batch_invariant=batch_invariant)
     logger.info("attention backend: %s", attention_backend)
-    model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, attention_backend=attention_backend))
+    model = cls(cfg, dtype=dtype, attention_backend=attention_backend)  # parameters are shapes until loaded
     return cfg, model, cls.weight_specs(cfg)
 
 

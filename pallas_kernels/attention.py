@@ -22,10 +22,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import cpu_attention
-from pallas_kernels.gpu_attention import check_head_dim, gpu_paged_attention
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import reference_paged_attention
-from pallas_kernels.tpu_attention import tpu_paged_attention
+
+# The Pallas kernels (gpu_attention, tpu_attention) are imported where they are chosen: importing Pallas costs
+# a CPU start about 0.2 s for kernels it never runs.
 
 # "pallas": the Triton kernel on GPU (interpreted on CPU), the Mosaic kernel on TPU.
 # "native": the C++ kernel for CPUs (cpu_attention.cc), built on first use.
@@ -49,6 +50,8 @@ def resolve_attention_backend(
         if platform == "cpu":
             resolved = "native" if cpu_attention.available() else "reference"
         else:
+            from pallas_kernels.gpu_attention import check_head_dim
+
             try:
                 check_head_dim(head_dim)
                 resolved = "pallas"
@@ -56,6 +59,8 @@ def resolve_attention_backend(
                 resolved = "reference"
     elif requested in ATTENTION_BACKENDS:
         if requested == "pallas":
+            from pallas_kernels.gpu_attention import check_head_dim
+
             check_head_dim(head_dim)
         if requested == "native" and (platform != "cpu" or not cpu_attention.available()):
             where = "it could not be built (see the warning above)" if platform == "cpu" else f"this is {platform}"
@@ -154,5 +159,9 @@ def _attend(q, k, v, kv_cache, md, slopes, *, layer, backend, use_alibi, **kw):
         kv_cache = jax.lax.bitcast_convert_type(kv_cache, q.dtype)
     platform = jax.default_backend()
     if platform == "tpu":
+        from pallas_kernels.tpu_attention import tpu_paged_attention
+
         return tpu_paged_attention(q, k, v, kv_cache, layer, md, **kw)
+    from pallas_kernels.gpu_attention import gpu_paged_attention
+
     return gpu_paged_attention(q, k, v, kv_cache, layer, md, interpret=platform != "gpu", **kw)

@@ -5,8 +5,9 @@ first byte of the answer on stdout (first token) and to exit (total). The phases
 logs at its first output (`startup {...}`): import (launch to the engine's start), load (weights, config,
 tokenizer; a cold run converts the GGUF and builds the native kernels here), pack, KV cache allocation, and
 compile (the step buckets this prompt used, compiled or loaded from the executable cache); "other" is the
-rest of the way to the first token (chat template, prefill). The 1-minute load average is recorded around
-every run, and a run that started on a busy machine is flagged.
+rest of the way to the first token (chat template, prefill). Every run records the load average around it and
+the CPU that other processes and other guests took meanwhile (scripts/machine_load.py), and is flagged busy by
+that module's rule; the load before a warm run is the previous run's own, so it is recorded, not judged.
 
     python scripts/bench_startup.py --warm-runs 3 --json startup.json
 """
@@ -26,7 +27,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BUSY_LOAD_PER_CPU = 0.5  # a 1-minute load average above this share of the cores means other work was running
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine_load  # noqa: E402
+
 PHASES = ("import", "load", "pack", "kv_cache", "compile", "other")
 
 
@@ -37,15 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None, help="jaxpaged cache root to use; default: a new empty one (a cold first run)")
     p.add_argument("--python", default=sys.executable, help="the interpreter to run the CLI with (default: this one)")
     p.add_argument("--extra-args", default="", help="more arguments for the CLI, e.g. '--precompile'")
+    p.add_argument("--settle-s", type=float, default=240, help="wait up to this long for the load to drop before the first run (default 240)")
     p.add_argument("--json", metavar="PATH", help="write every run and the machine's details here")
     args = p.parse_args(argv)
     if args.warm_runs < 0:
         p.error("--warm-runs must be >= 0")
     return args
-
-
-def is_busy(load: float, cpus: int | None = None) -> bool:
-    return load > BUSY_LOAD_PER_CPU * (cpus or os.cpu_count() or 1)
 
 
 def phases(launched: float, first_byte: float | None, startup: dict | None) -> dict[str, float]:
@@ -73,53 +73,48 @@ def startup_line(stderr: str) -> dict | None:
 def run_once(args, cache_dir: str, label: str) -> dict:
     cmd = [args.python, "-m", "jaxpaged.generate", "--chat", args.prompt, "--verbose", *args.extra_args.split()]
     env = dict(os.environ, JAXPAGED_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
-    load_before = os.getloadavg()[0]
-    launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first_byte: list[float] = []
     answer = bytearray()
+    with machine_load.SideWatch(label, judge_before=label in ("cold", "warm1")) as watch:
+        launched = time.time()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-    def read_stdout():
-        while chunk := proc.stdout.read1(4096):
-            if not first_byte:
-                first_byte.append(time.time())
-            answer.extend(chunk)
+        def read_stdout():
+            while chunk := proc.stdout.read1(4096):
+                if not first_byte:
+                    first_byte.append(time.time())
+                answer.extend(chunk)
 
-    reader = threading.Thread(target=read_stdout)
-    reader.start()
-    stderr = proc.stderr.read().decode(errors="replace")
-    proc.wait()
-    reader.join()
-    total = time.time() - launched
+        reader = threading.Thread(target=read_stdout)
+        reader.start()
+        stderr = proc.stderr.read().decode(errors="replace")
+        proc.wait()
+        reader.join()
+        total = time.time() - launched
     if proc.returncode != 0:
         raise RuntimeError(f"{label} run failed ({proc.returncode}):\n{stderr[-3000:]}")
     first = first_byte[0] if first_byte else None
-    result = {
+    return {
         "run": label,
         "first_token_s": first - launched if first else None,
         "total_s": total,
         "phases_s": phases(launched, first, startup_line(stderr)),
         "answer": answer.decode(errors="replace").strip(),
-        "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "load": watch.record,
     }
-    result["busy"] = is_busy(load_before)
-    return result
 
 
 def print_run(r: dict) -> None:
     ph = "  ".join(f"{name} {r['phases_s'].get(name, float('nan')):.2f}" for name in PHASES)
-    load = r["loadavg_1min"]
-    busy = "  BUSY MACHINE: other work was running" if r["busy"] else ""
+    load = r["load"]["loadavg_1min"]
+    busy = f"  BUSY: {r['load']['busy_reason']}" if r["load"]["busy"] else ""
     print(f"{r['run']:>6}: first token {r['first_token_s']:.2f}s, total {r['total_s']:.2f}s | {ph} | "
           f"load {load['before']:.2f} -> {load['after']:.2f}{busy}")
 
 
 def machine() -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
-    try:
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        info["cpu"] = platform.processor()
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "cpu": machine_load.cpu_model()}
     versions = subprocess.run(
         [sys.executable, "-c", "import jax, transformers; print(jax.__version__, transformers.__version__)"],
         capture_output=True, text=True,
@@ -134,6 +129,7 @@ def main(argv=None) -> int:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jaxpaged-startup-")
     cold = args.cache_dir is None
     labels = (["cold"] if cold else []) + [f"warm{j + 1}" for j in range(args.warm_runs + (0 if cold else 1))]
+    machine_load.settle(args.settle_s, machine_load.cores())
     runs = []
     for label in labels:
         runs.append(run_once(args, cache_dir, label))
@@ -141,9 +137,8 @@ def main(argv=None) -> int:
     warm = [r["first_token_s"] for r in runs if r["run"].startswith("warm")]
     if warm:
         print(f"warm first token: best {min(warm):.2f}s, median {sorted(warm)[len(warm) // 2]:.2f}s; answer: {runs[-1]['answer']!r}")
-    if any(r["busy"] for r in runs):
-        print("note: some runs started on a busy machine (1-minute load above "
-              f"{BUSY_LOAD_PER_CPU} per core); their times are inflated")
+    for line in machine_load.busy_lines({r["run"]: r["load"] for r in runs}):
+        print(line)
     if args.json:
         report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": f"python -m jaxpaged.generate --chat {args.prompt!r}", "machine": machine(), "runs": runs}

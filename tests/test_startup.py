@@ -203,11 +203,10 @@ def test_libraries_notices_are_hidden_unless_verbose(capsys):
 
 def test_bench_startup_phases_add_up():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from bench_startup import is_busy, phases, startup_line
+    from bench_startup import phases, startup_line
 
     line = ('12:00:00 DEBUG jaxpaged.generate: startup {"load_s": 1.0, "pack_s": 0.1, "kv_cache_s": 0.2, '
             '"warmup_s": 0.0, "compile_s": 0.5, "engine_start": 101.5, "first_text": 104.0}')
     got = phases(100.0, 104.0, startup_line("noise\n" + line + "\n"))
     assert got == pytest.approx({"import": 1.5, "load": 1.0, "pack": 0.1, "kv_cache": 0.2, "compile": 0.5, "other": 0.7})
     assert phases(100.0, None, None) == {}
-    assert is_busy(1.2, cpus=2) and not is_busy(0.8, cpus=2)
