@@ -3,7 +3,7 @@
 JAX's persistent compilation cache spares XLA's compile only: each start still traces and lowers every
 step, most of a second per bucket for a 30-layer model. Here the compiled executable itself is stored,
 keyed by everything that shapes it: jaxpaged's source, the model's graph (static attributes included),
-the arguments' shapes, dtypes and shardings, JAX's version, the devices, the CPU and XLA's flags.
+the arguments' shapes and dtypes, JAX's version, the devices, the CPU and XLA's flags.
 An entry that fails to load is compiled again and rewritten.
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import serialize_executable
 
 from jaxpaged import compile_monitor
+from pallas_kernels import native_build
 
 logger = logging.getLogger("jaxpaged.executables")
 
@@ -53,17 +54,6 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def _cpu_flags() -> str:
-    """The host CPU's features: XLA:CPU compiles for the machine it runs on."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        import platform
-
-        return platform.processor() + platform.machine()
-
-
 @functools.cache
 def environment_digest() -> str:
     """The platform the executables were compiled for."""
@@ -73,7 +63,8 @@ def environment_digest() -> str:
     parts = [
         FORMAT, jax.__version__, jaxlib.__version__, devices[0].platform, devices[0].client.platform_version,
         [d.device_kind for d in devices], os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-        jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, _cpu_flags(),
+        jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision,
+        native_build.cpu_signature(),  # XLA:CPU compiles for the CPU it runs on
     ]  # fmt: skip
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 

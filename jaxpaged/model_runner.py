@@ -3,8 +3,9 @@
 A step's tokens are flattened and padded to a token bucket T (`token_buckets`: 4, 8, 16, then ~25% apart up to
 max_num_seqs, then powers of two up to the token budget); its sequence slots are padded to
 S = min(T, max_num_seqs); block tables always have the full width W = blocks for max_model_len
-(attention loops only over live context, so width costs nothing but a small transfer). One jitted step per token bucket, all compiled at warm-up.
-The step only reads the cache; a second jitted call, donating the cache, writes the new K/V
+(attention loops only over live context, so width costs nothing but a small transfer). One compiled step per
+token bucket: all at warm-up, or each on first use with precompile off; each is stored as an executable that later
+starts load (executable_cache.py) and is called directly, so no other shape can compile. The step only reads the cache; a second jitted call, donating the cache, writes the new K/V
 in place (see pallas_kernels/attention.py for why the two are separate).
 
 With tensor_parallel_size N > 1 the runner builds a mesh over N devices, places the parameters and the
@@ -244,8 +245,9 @@ class ModelRunner:
         dst = np.full(self.copy_width, self.num_blocks, np.int32)
         if pairs:
             src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
+        args = (self.kv_cache, src, dst)
         with self._on_mesh():
-            self.kv_cache = self._executable("copy", self._copy, 0, (self.kv_cache, src, dst))(self.kv_cache, src, dst)
+            self.kv_cache = self._executable("copy", self._copy, 0, args)(*args)
 
     def dispatch(self, step: StepInputs, copies: list[tuple[int, int]] = (), prev: DispatchedStep | None = None) -> DispatchedStep:
         """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at."""

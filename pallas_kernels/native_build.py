@@ -48,7 +48,7 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What -march=native depends on: the machine and its instruction-set flags."""
     return f"{platform.machine()} {_cpuinfo_flags_line()}"
 
@@ -68,7 +68,7 @@ def library_path(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> 
         *headers,
         jax.__version__.encode(),
         " ".join(flags).encode(),
-        _cpu_signature().encode(),
+        cpu_signature().encode(),
     ):
         key.update(part)
     return cache_root(cache_dir) / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"

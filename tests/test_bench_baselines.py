@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -91,7 +92,7 @@ def _burn(cpu_seconds: float) -> list[str]:
 @linux_proc
 def test_side_watch_tells_our_children_from_other_processes():
     # a stranger: started through a shell that exits at once, so it is re-parented away from us
-    cmd = " ".join(map(repr, _burn(1.0)))
+    cmd = shlex.join(_burn(1.0))
     stranger = int(subprocess.run(["sh", "-c", f"{cmd} >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True).stdout)
     with machine_load.SideWatch("ours", poll_s=0.1) as watch:
         child = subprocess.Popen(_burn(1.0))
