@@ -42,7 +42,7 @@ class EngineConfig:
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
 
     def __post_init__(self) -> None:
-        from models.loader import resolve_dtype
+        from jaxpaged.models.loader import resolve_dtype
 
         accelerator = self.platform != "cpu"
         self.dtype = ("bfloat16" if accelerator else "float32") if self.dtype == "auto" else resolve_dtype(self.dtype)

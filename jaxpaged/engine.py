@@ -30,9 +30,9 @@ from jaxpaged.request import PLACEHOLDER, Request, RequestGroup, RequestStatus
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
 from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
-from models.convert_cache import cache_root
-from models.loader import LoadedModel, load_model
-from pallas_kernels import AttentionMetadata, cpu_attention, cpu_matmul
+from jaxpaged.models.convert_cache import cache_root
+from jaxpaged.models.loader import LoadedModel, load_model
+from jaxpaged.pallas_kernels import AttentionMetadata, cpu_attention, cpu_matmul
 
 logger = logging.getLogger("jaxpaged.engine")
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import serialize_executable
 
 from jaxpaged import compile_monitor
-from pallas_kernels import native_build
+from jaxpaged.pallas_kernels import native_build
 
 logger = logging.getLogger("jaxpaged.executables")
 
@@ -42,8 +42,7 @@ _programs_seen: set[str] = set()
 def source_digest() -> str:
     """jaxpaged's own code: any change to it may change a traced step."""
     import jaxpaged
-    import models
-    import pallas_kernels
+    from jaxpaged import models, pallas_kernels
 
     digest = hashlib.sha256()
     for package in (jaxpaged, models, pallas_kernels):

@@ -33,10 +33,10 @@ from jaxpaged import compile_monitor
 from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
 from jaxpaged.executable_cache import ExecutableCache
 from jaxpaged.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
-from models.layers import use_matmul_backend
-from models.loader import DTYPES, LoadedModel
-from models.weights import param_bytes
-from pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, kv_storage_dtype, write_kv
+from jaxpaged.models.layers import use_matmul_backend
+from jaxpaged.models.loader import DTYPES, LoadedModel
+from jaxpaged.models.weights import param_bytes
+from jaxpaged.pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, kv_storage_dtype, write_kv
 
 logger = logging.getLogger("jaxpaged.runner")
 
@@ -124,7 +124,7 @@ class ModelRunner:
         self.tp = config.tensor_parallel_size
         self.mesh = None
         if self.tp > 1:
-            from models.sharding import make_mesh, shard_params
+            from jaxpaged.models.sharding import make_mesh, shard_params
 
             self.mesh = make_mesh(self.tp)
             # KV heads may be widened to one per device, so the cache shape comes from the returned config.
@@ -142,7 +142,7 @@ class ModelRunner:
         else:
             from jax.sharding import NamedSharding, PartitionSpec
 
-            from models.sharding import kv_cache_sharding, new_kv_sharding
+            from jaxpaged.models.sharding import kv_cache_sharding, new_kv_sharding
 
             cache = kv_cache_sharding(self.mesh)
             self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=cache)()

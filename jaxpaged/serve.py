@@ -39,7 +39,7 @@ def served_names(args) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
     if args.model is None:
-        from models.builtin import BUILTIN_MODEL_NAME
+        from jaxpaged.models.builtin import BUILTIN_MODEL_NAME
 
         return [BUILTIN_MODEL_NAME]
     return [args.model]

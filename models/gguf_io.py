@@ -56,7 +56,7 @@ def _field(reader, key: str, default=None):
 def gguf_architecture(reader, path: str) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        from models.registry import supported_architectures
+        from jaxpaged.models.registry import supported_architectures
 
         raise ValueError(
             f"unsupported model architecture {arch!r} in GGUF file {path}; "

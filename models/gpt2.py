@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig, model_config_from_hf
-from models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
-from models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
+from jaxpaged.models.config import ModelConfig, model_config_from_hf
+from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
 
 
 class GPT2Block(nnx.Module):

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig, RopeConfig
-from pallas_kernels import AttentionMetadata, cpu_matmul, paged_attention, stack_new_kv, write_kv
+from jaxpaged.models.config import ModelConfig, RopeConfig
+from jaxpaged.pallas_kernels import AttentionMetadata, cpu_matmul, paged_attention, stack_new_kv, write_kv
 
 logger = logging.getLogger("jaxpaged.loader")  # packing weights for the native matmul finishes loading them
 

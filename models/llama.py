@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig, model_config_from_hf
-from models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
-from models.weights import WeightSpec, linear_specs
+from jaxpaged.models.config import ModelConfig, model_config_from_hf
+from jaxpaged.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
+from jaxpaged.models.weights import WeightSpec, linear_specs
 
 
 class LlamaDecoderLayer(nnx.Module):

@@ -19,12 +19,12 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from models import convert_cache, gguf_io, hub
-from models.builtin import builtin_gguf_path
-from models.config import ModelConfig
-from models.registry import resolve_architecture
-from models.weights import load_tensors_into, param_bytes, random_tensors
-from pallas_kernels import resolve_attention_backend
+from jaxpaged.models import convert_cache, gguf_io, hub
+from jaxpaged.models.builtin import builtin_gguf_path
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.registry import resolve_architecture
+from jaxpaged.models.weights import load_tensors_into, param_bytes, random_tensors
+from jaxpaged.pallas_kernels import resolve_attention_backend
 
 logger = logging.getLogger("jaxpaged.loader")
 

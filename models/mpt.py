@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig, model_config_from_hf
-from models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
-from models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs
+from jaxpaged.models.config import ModelConfig, model_config_from_hf
+from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs
 
 
 def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> np.ndarray:

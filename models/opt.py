@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig, model_config_from_hf
-from models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, Linear, module_list
-from models.weights import WeightSpec, linear_specs, norm_specs
+from jaxpaged.models.config import ModelConfig, model_config_from_hf
+from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, Linear, module_list
+from jaxpaged.models.weights import WeightSpec, linear_specs, norm_specs
 
 POSITION_OFFSET = 2  # OPT's position table reserves its first two rows
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from models.bloom import BloomForCausalLM
-from models.falcon import FalconForCausalLM
-from models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
-from models.gpt_neox import GPTNeoXForCausalLM
-from models.gptj import GPTJForCausalLM
-from models.llama import LlamaForCausalLM
-from models.mpt import MptForCausalLM
-from models.opt import OPTForCausalLM
+from jaxpaged.models.bloom import BloomForCausalLM
+from jaxpaged.models.falcon import FalconForCausalLM
+from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
+from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
+from jaxpaged.models.gptj import GPTJForCausalLM
+from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.mpt import MptForCausalLM
+from jaxpaged.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
-from pallas_kernels.attention import TP_AXIS
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.pallas_kernels.attention import TP_AXIS
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")

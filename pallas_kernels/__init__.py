@@ -1,8 +1,8 @@
 """Paged attention over the KV-block array (the public entry point, its metadata and its reference) and the
 native CPU kernels."""
 
-from pallas_kernels import cpu_attention, cpu_matmul
-from pallas_kernels.attention import (
+from jaxpaged.pallas_kernels import cpu_attention, cpu_matmul
+from jaxpaged.pallas_kernels.attention import (
     ATTENTION_BACKENDS,
     copy_blocks,
     kv_storage_dtype,
@@ -11,7 +11,7 @@ from pallas_kernels.attention import (
     stack_new_kv,
     write_kv,
 )
-from pallas_kernels.metadata import AttentionMetadata, kv_cache_shape
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, kv_cache_shape
 
 __all__ = [
     "ATTENTION_BACKENDS",

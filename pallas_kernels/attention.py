@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import cpu_attention
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import reference_paged_attention
+from jaxpaged.pallas_kernels import cpu_attention
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.reference import reference_paged_attention
 
 # The Pallas kernels (gpu_attention, tpu_attention) are imported where they are chosen: importing Pallas costs
 # a CPU start about 0.2 s for kernels it never runs.
@@ -50,7 +50,7 @@ def resolve_attention_backend(
         if platform == "cpu":
             resolved = "native" if cpu_attention.available() else "reference"
         else:
-            from pallas_kernels.gpu_attention import check_head_dim
+            from jaxpaged.pallas_kernels.gpu_attention import check_head_dim
 
             try:
                 check_head_dim(head_dim)
@@ -59,7 +59,7 @@ def resolve_attention_backend(
                 resolved = "reference"
     elif requested in ATTENTION_BACKENDS:
         if requested == "pallas":
-            from pallas_kernels.gpu_attention import check_head_dim
+            from jaxpaged.pallas_kernels.gpu_attention import check_head_dim
 
             check_head_dim(head_dim)
         if requested == "native" and (platform != "cpu" or not cpu_attention.available()):
@@ -159,9 +159,9 @@ def _attend(q, k, v, kv_cache, md, slopes, *, layer, backend, use_alibi, **kw):
         kv_cache = jax.lax.bitcast_convert_type(kv_cache, q.dtype)
     platform = jax.default_backend()
     if platform == "tpu":
-        from pallas_kernels.tpu_attention import tpu_paged_attention
+        from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 
         return tpu_paged_attention(q, k, v, kv_cache, layer, md, **kw)
-    from pallas_kernels.gpu_attention import gpu_paged_attention
+    from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
 
     return gpu_paged_attention(q, k, v, kv_cache, layer, md, interpret=platform != "gpu", **kw)

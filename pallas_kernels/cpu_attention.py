@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native_build
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.native_build import compiler  # noqa: F401 - part of this module's interface
+from jaxpaged.pallas_kernels import native_build
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.native_build import compiler  # noqa: F401 - part of this module's interface
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native_build
+from jaxpaged.pallas_kernels import native_build
 
 logger = logging.getLogger(__name__)
 

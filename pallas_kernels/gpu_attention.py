@@ -28,8 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.tiles import query_tiles, tile_shape
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.tiles import query_tiles, tile_shape
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so fully masked rows never make NaN
 MIN_ROWS = 16  # tl.dot's smallest M, N and K

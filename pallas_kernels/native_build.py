@@ -59,7 +59,7 @@ def march_flags(march: str, flags=CXXFLAGS) -> tuple[str, ...]:
 
 
 def library_path(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> Path:
-    from models.convert_cache import cache_root  # the one cache root for everything jaxpaged keeps
+    from jaxpaged.models.convert_cache import cache_root  # the one cache root for everything jaxpaged keeps
 
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # the kernels' shared helpers
@@ -90,7 +90,8 @@ def start_build(source: Path, flags=CXXFLAGS, cache_dir: str | None = None) -> N
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
-        logger.info("compiling %s: %s", source.name, " ".join(cmd))
+        logger.info("building the native CPU kernel %s (once per machine and version)", source.name)
+        logger.debug("%s", " ".join(cmd))
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _in_flight[out] = (proc, tmp)
 

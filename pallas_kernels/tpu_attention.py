@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.gpu_attention import MASK_VALUE, check_head_dim
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.tiles import query_tiles, tile_shape
+from jaxpaged.pallas_kernels.gpu_attention import MASK_VALUE, check_head_dim
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.tiles import query_tiles, tile_shape
 
 ROWS = 16  # query rows per program: tokens x padded group
 KV_TOKENS_PER_ITER = 64

@@ -102,7 +102,7 @@ class Result:
 
 def model_source(model: str | None) -> Path:
     """The path every system loads: the built-in GGUF when --model is unset."""
-    from models.builtin import builtin_gguf_path
+    from jaxpaged.models.builtin import builtin_gguf_path
 
     path = Path(builtin_gguf_path() if model is None else model).expanduser()
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []

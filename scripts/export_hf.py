@@ -34,7 +34,7 @@ def export(gguf_path: str, out: Path) -> Path:
     """config.json, generation_config.json, tokenizer files and a float32 model.safetensors in `out`."""
     from safetensors.numpy import save_file
 
-    from models import gguf_io
+    from jaxpaged.models import gguf_io
 
     reader = gguf_io.open_gguf(gguf_path)
     hf_config = gguf_io.gguf_hf_config(reader, gguf_path)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", default=None, help="GGUF file (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--check", type=int, metavar="N", default=0, help="then check that jaxpaged and transformers give the same N greedy tokens from it")
     args = p.parse_args(argv)
-    from models.builtin import builtin_gguf_path
+    from jaxpaged.models.builtin import builtin_gguf_path
 
     out = export(args.gguf or builtin_gguf_path(), Path(args.out))
     print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))

@@ -29,7 +29,7 @@ def load(model: str | None, dtype: str):
     import torch
     import transformers
 
-    from models.builtin import builtin_gguf_path
+    from jaxpaged.models.builtin import builtin_gguf_path
 
     path = Path(builtin_gguf_path() if model is None else model).expanduser()
     kwargs = {"dtype": getattr(torch, dtype)}
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import uvicorn
 
-    from models.builtin import BUILTIN_MODEL_NAME
+    from jaxpaged.models.builtin import BUILTIN_MODEL_NAME
 
     hf_model, tokenizer = load(args.model, args.dtype)
     name = args.served_model_name or (BUILTIN_MODEL_NAME if args.model is None else Path(args.model).name)

@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import AttentionMetadata, kv_cache_shape
+from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
 
 
 @dataclasses.dataclass

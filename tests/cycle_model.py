@@ -50,7 +50,7 @@ def _tokenizer():
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from models.gguf_io import _bytes_to_unicode
+    from jaxpaged.models.gguf_io import _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
     vocab = {spelling[b]: b for b in range(256)}

@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from models.gguf_io import _bytes_to_unicode
+from jaxpaged.models.gguf_io import _bytes_to_unicode
 
 
 def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.layers import use_matmul_backend
-from models.loader import DTYPES, LoadedModel
-from pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
+from jaxpaged.models.layers import use_matmul_backend
+from jaxpaged.models.loader import DTYPES, LoadedModel
+from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
 
 
 def _bucket(n: int, minimum: int = 16) -> int:

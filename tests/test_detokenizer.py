@@ -56,8 +56,8 @@ def sentencepiece_like() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from models.builtin import builtin_gguf_path
-    from models.gguf_io import gguf_tokenizer, open_gguf
+    from jaxpaged.models.builtin import builtin_gguf_path
+    from jaxpaged.models.gguf_io import gguf_tokenizer, open_gguf
 
     try:
         path = builtin_gguf_path()

@@ -13,7 +13,7 @@ import pytest
 
 from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 
-from models import hub
+from jaxpaged.models import hub
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 9, 14, 3, 77, 21]
@@ -113,7 +113,7 @@ def test_what_counts_as_a_hub_id(tmp_path):
 
 
 def test_a_revision_with_a_local_path_is_refused(two_revisions):
-    from models.loader import load_model
+    from jaxpaged.models.loader import load_model
 
     folders, _ = two_revisions
     with pytest.raises(ValueError, match="revision"):

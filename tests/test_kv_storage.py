@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import AttentionMetadata, kv_cache_shape, kv_storage_dtype, paged_attention, write_kv
-from pallas_kernels.reference import naive_paged_attention
+from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, kv_storage_dtype, paged_attention, write_kv
+from jaxpaged.pallas_kernels.reference import naive_paged_attention
 
 SHAPE = kv_cache_shape(2, 2, 8, 4, 16)  # layers, KV heads, blocks, block size, head dim
 
@@ -83,7 +83,7 @@ def test_tied_16_bit_head_on_cpu_keeps_a_transposed_table(tmp_path, dtype, tied)
     reads a transposed copy instead, with the same logits."""
     from flax import nnx
 
-    from models.loader import load_model
+    from jaxpaged.models.loader import load_model
     from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 
     model_dir = save_hf_model(random_hf_model(tiny_llama_config(tie_word_embeddings=tied)), tmp_path / "m")

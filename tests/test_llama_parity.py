@@ -10,7 +10,7 @@ import pytest
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
 from tests.static_batch import StaticBatchRunner
-from models.loader import load_model
+from jaxpaged.models.loader import load_model
 
 CONFIGS = {
     "mha-untied": dict(num_attention_heads=4, num_key_value_heads=4),

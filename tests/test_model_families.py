@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import transformers
 
-from models.loader import load_model
+from jaxpaged.models.loader import load_model
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
 from tests.static_batch import StaticBatchRunner
 
@@ -224,7 +224,7 @@ def test_bare_config_json_gets_random_weights_in_every_fused_layout(case, tmp_pa
 
 
 def test_remote_code_families_are_refused_with_the_reason():
-    from models.registry import resolve_architecture
+    from jaxpaged.models.registry import resolve_architecture
 
     for arch in ("BaichuanForCausalLM", "InternLMForCausalLM", "AquilaForCausalLM", "QWenLMHeadModel"):
         with pytest.raises(ValueError, match="trust_remote_code"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from models.builtin import builtin_gguf_path
+from jaxpaged.models.builtin import builtin_gguf_path
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"

@@ -9,8 +9,8 @@ import pytest
 
 from tests.attention_cases import random_case
 
-from pallas_kernels import stack_new_kv, write_kv
-from pallas_kernels.reference import naive_paged_attention, reference_paged_attention
+from jaxpaged.pallas_kernels import stack_new_kv, write_kv
+from jaxpaged.pallas_kernels.reference import naive_paged_attention, reference_paged_attention
 
 SHAPES = [
     # (seq_lens, q_lens): decode, prefill chunks over cached context, fresh prefills, partial blocks

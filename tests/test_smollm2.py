@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch (the dev extra) is the reference model")
 
-from models.builtin import builtin_gguf_path  # noqa: E402
+from jaxpaged.models.builtin import builtin_gguf_path  # noqa: E402
 
 try:
     GGUF = builtin_gguf_path()
@@ -20,7 +20,7 @@ except FileNotFoundError as exc:
 
 from tests.static_batch import StaticBatchRunner  # noqa: E402
 from jaxpaged.text import chat_prompt_ids  # noqa: E402
-from models.loader import load_model  # noqa: E402
+from jaxpaged.models.loader import load_model  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

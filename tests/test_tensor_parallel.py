@@ -120,7 +120,7 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(family):
 
 def _assert_split_1_over_n(runner, n):
     """From the arrays' shardings: each device holds 1/n of every sharded weight and of the KV array."""
-    from models.sharding import TP_AXIS
+    from jaxpaged.models.sharding import TP_AXIS
 
     sharded = replicated = 0
     per_device = {d: 0 for d in runner.mesh.devices.flat}

@@ -10,7 +10,7 @@ class TokenBytes:
     so a token holding part of a UTF-8 character still reports its real bytes, not U+FFFD."""
 
     def __init__(self, tokenizer):
-        from models.gguf_io import _bytes_to_unicode
+        from jaxpaged.models.gguf_io import _bytes_to_unicode
 
         self.tokenizer = tokenizer
         self.byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
