@@ -1,3 +1,3 @@
-from jaxpaged.generate import main
+from jaxpaged.entrypoints.generate import main
 
 raise SystemExit(main())

@@ -184,7 +184,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search"):
             setattr(self, name, _bool(name, getattr(self, name)))
         self.length_penalty = _float("length_penalty", self.length_penalty)
-        from jaxpaged.beam_search import check_early_stopping
+        from jaxpaged.engine.beam_search import check_early_stopping
 
         check_early_stopping(self.early_stopping)  # checked even without beam search: a typo is an error, not a no-op
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
-
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs

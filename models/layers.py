@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jaxpaged.models.config import ModelConfig, RopeConfig
 from jaxpaged.pallas_kernels import AttentionMetadata, cpu_matmul, paged_attention, stack_new_kv, write_kv
 

@@ -17,14 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
-
 from jaxpaged.models import convert_cache, gguf_io, hub
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.registry import resolve_architecture
 from jaxpaged.models.weights import load_tensors_into, param_bytes, random_tensors
 from jaxpaged.pallas_kernels import resolve_attention_backend
+from tqdm.auto import tqdm
 
 logger = logging.getLogger("jaxpaged.loader")
 

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.pallas_kernels.attention import TP_AXIS
 

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

@@ -20,7 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-
 from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.pallas_kernels.reference import reference_paged_attention

@@ -17,7 +17,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jaxpaged.pallas_kernels import native_build
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.pallas_kernels.native_build import compiler  # noqa: F401 - part of this module's interface

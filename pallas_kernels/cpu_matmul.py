@@ -16,7 +16,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jaxpaged.pallas_kernels import native_build
 
 logger = logging.getLogger(__name__)

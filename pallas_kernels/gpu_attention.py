@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.pallas_kernels.tiles import query_tiles, tile_shape
 

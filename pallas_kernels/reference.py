@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 
 CHUNK_TOKENS = 128  # context positions per loop iteration

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
 from jaxpaged.pallas_kernels.gpu_attention import MASK_VALUE, check_head_dim
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.pallas_kernels.tiles import query_tiles, tile_shape

@@ -38,9 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import machine_load  # the sibling scripts (this folder is on sys.path when run as a file)
+import numpy as np
 import vllm_baseline
 
 REPO = Path(__file__).resolve().parent.parent

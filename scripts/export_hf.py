@@ -32,9 +32,8 @@ def hf_names(hf_config) -> list[str]:
 
 def export(gguf_path: str, out: Path) -> Path:
     """config.json, generation_config.json, tokenizer files and a float32 model.safetensors in `out`."""
-    from safetensors.numpy import save_file
-
     from jaxpaged.models import gguf_io
+    from safetensors.numpy import save_file
 
     reader = gguf_io.open_gguf(gguf_path)
     hf_config = gguf_io.gguf_hf_config(reader, gguf_path)

@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 def load(model: str | None, dtype: str):
     import torch
     import transformers
-
     from jaxpaged.models.builtin import builtin_gguf_path
 
     path = Path(builtin_gguf_path() if model is None else model).expanduser()
@@ -173,7 +172,6 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8001)
     args = p.parse_args(argv)
     import uvicorn
-
     from jaxpaged.models.builtin import BUILTIN_MODEL_NAME
 
     hf_model, tokenizer = load(args.model, args.dtype)

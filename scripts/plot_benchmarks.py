@@ -12,7 +12,7 @@
 Writes throughput[_TAG].png (from the --throughput runs without --output-lens), output_speed[_TAG].png
 (from the first with), throughput_vs_concurrency[_TAG].png and ttft_vs_load[_TAG].png, for the inputs
 given. Every figure carries its date, machine and versions, and a red line when a side ran on a busy
-machine. The drawing lives in jaxpaged/plots.py, which the quickstart notebook imports too.
+machine. The drawing lives in scripts/plots.py, which the quickstart notebook imports too.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jaxpaged.plots import (
+    from plots import (
         BenchmarkDataError,
         load_report,
         plot_output_speed,

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.model_runner import DispatchedStep
+from jaxpaged.worker.model_runner import DispatchedStep
 
 PHASES = ("schedule", "pack", "dispatch", "wait", "process")
 

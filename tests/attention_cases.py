@@ -6,7 +6,6 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
 
 

@@ -47,10 +47,9 @@ def greedy_text(last_prompt_token: int, count: int) -> str:
 
 
 def _tokenizer():
+    from jaxpaged.models.gguf_io import _bytes_to_unicode
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from jaxpaged.models.gguf_io import _bytes_to_unicode
 
     spelling = _bytes_to_unicode()
     vocab = {spelling[b]: b for b in range(256)}

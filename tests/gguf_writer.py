@@ -6,7 +6,6 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-
 from jaxpaged.models.gguf_io import _bytes_to_unicode
 
 

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jaxpaged.models.layers import use_matmul_backend
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv

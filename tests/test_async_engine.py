@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.async_engine import AsyncLLMEngine, ChatPrompt, EngineDeadError, QueueFullError
 from jaxpaged.config import EngineConfig
-from jaxpaged.engine import LLMEngine
+from jaxpaged.engine.async_engine import AsyncLLMEngine, ChatPrompt, EngineDeadError, QueueFullError
+from jaxpaged.engine.llm_engine import LLMEngine
 from tests.cycle_model import greedy_text
 
 
@@ -205,7 +205,7 @@ def test_loop_death_fails_every_caller_and_marks_the_engine_dead(make_engine, ll
 
 
 def test_health_and_requests_are_503_once_the_loop_is_dead(make_engine, llm_engine, monkeypatch):
-    from jaxpaged.server import ServerSettings, build_app
+    from jaxpaged.entrypoints.openai import ServerSettings, build_app
 
     engine = make_engine()
     app = build_app(engine, ServerSettings(["m"]))

@@ -7,13 +7,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
-from tests.attention_cases import random_case
-from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
-
-from jaxpaged import LLM, SamplingParams
 from jaxpaged.pallas_kernels import stack_new_kv, write_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention, reference_paged_attention
+
+from jaxpaged import LLM, SamplingParams
+from tests.attention_cases import random_case
+from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
 VOCAB = 256
 

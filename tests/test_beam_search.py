@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config, torch
-
 from jaxpaged import LLM, BeamSearchParams, SamplingParams
+from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config, torch
 
 VOCAB = 32
 EOS = [1, 2]

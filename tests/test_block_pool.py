@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from jaxpaged.block_pool import BlockPool
-from jaxpaged.kv_cache_manager import KVCacheManager, blocks_for
+from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.kv_cache_manager import KVCacheManager, blocks_for
 
 
 def check_invariants(pool: BlockPool, kv: KVCacheManager, live: dict[str, int]) -> None:
@@ -121,7 +121,7 @@ def test_prefix_cache_lookup_register_and_eviction():
             self.num_tokens = len(tokens)
 
         def block_hashes(self, block_size, count):
-            from jaxpaged.kv_cache_manager import hash_block
+            from jaxpaged.core.kv_cache_manager import hash_block
 
             hashes = []
             for i in range(count):

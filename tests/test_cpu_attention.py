@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jaxpaged.pallas_kernels import AttentionMetadata, cpu_attention, kv_cache_shape, paged_attention
 from jaxpaged.pallas_kernels.reference import reference_paged_attention
 

@@ -12,7 +12,7 @@ import string
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from jaxpaged.detokenizer import INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, IncrementalDetokenizer
+from jaxpaged.engine.detokenizer import INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, IncrementalDetokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -257,7 +257,7 @@ def test_prompt_context_matches_decoding_prompt_and_output_together(byte_level):
 
 
 def test_chat_prompt_then_answer(smollm2):
-    from jaxpaged.text import chat_prompt_ids
+    from jaxpaged.utils.text import chat_prompt_ids
 
     prompt = chat_prompt_ids(smollm2, [{"role": "user", "content": "What is the capital of France?"}])
     answer = encode(smollm2, "Paris is the capital of France. 🇫🇷") + [smollm2.convert_tokens_to_ids("<|im_end|>")]

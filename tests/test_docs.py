@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from jaxpaged.beam_search import BeamSearchParams
 from jaxpaged.config import EngineConfig
-from jaxpaged.generate import build_parser as generate_parser
-from jaxpaged.llm import LLM
+from jaxpaged.engine.beam_search import BeamSearchParams
+from jaxpaged.entrypoints.generate import build_parser as generate_parser
+from jaxpaged.entrypoints.llm import LLM
+from jaxpaged.entrypoints.serve import build_parser as serve_parser
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.serve import build_parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DOC = ROOT / "docs" / "configuration.md"

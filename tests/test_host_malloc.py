@@ -1,4 +1,5 @@
-"""jaxpaged.host_malloc: XLA:CPU's per-run temporaries stay mapped, and a user's own malloc settings win."""
+"""jaxpaged.platforms.host_malloc: an engine starting on the CPU keeps XLA:CPU's per-run temporaries mapped, a user's
+own malloc settings win, and `import jaxpaged` alone changes nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 
 import pytest
 
-from jaxpaged.host_malloc import _libc
+from jaxpaged.platforms.host_malloc import _libc
 
 pytestmark = pytest.mark.skipif(_libc() is None, reason="glibc only")
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.skipif(_libc() is None, reason="glibc only")
 FAULTS_PER_RUN = textwrap.dedent(
     """
     import resource
-    import jaxpaged
+    from jaxpaged.platforms import host_malloc
+    host_malloc.tune_malloc()  # what the CPU platform does when an engine starts, before XLA runs anything
     import jax, jax.numpy as jnp
     x = jnp.ones((2048, 8192), jnp.float32)
     f = jax.jit(lambda x: (jnp.cumsum(x, axis=1) * 2.0 + jnp.cumsum(x, axis=0)).max())
@@ -30,7 +32,7 @@ FAULTS_PER_RUN = textwrap.dedent(
         f(x).block_until_ready()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     # the median: while the heap settles, a few early runs still land on fresh pages
-    print(jaxpaged.host_malloc.applied, sorted(faults)[len(faults) // 2])
+    print(host_malloc.applied, sorted(faults)[len(faults) // 2])
     """
 )
 
@@ -42,7 +44,7 @@ def _run(code: str, **env) -> str:
     return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True).stdout
 
 
-def test_importing_jaxpaged_keeps_xla_temporaries_mapped():
+def test_tuned_malloc_keeps_xla_temporaries_mapped():
     tuned_applied, tuned = _run(FAULTS_PER_RUN).split()
     plain_applied, plain = _run(FAULTS_PER_RUN, JAXPAGED_MALLOC_TUNING="0").split()
     assert (tuned_applied, plain_applied) == ("True", "False")
@@ -53,4 +55,23 @@ def test_importing_jaxpaged_keeps_xla_temporaries_mapped():
 
 @pytest.mark.parametrize("env", [{"JAXPAGED_MALLOC_TUNING": "0"}, {"MALLOC_ARENA_MAX": "4"}, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}])
 def test_user_settings_are_left_alone(env):
-    assert _run("import jaxpaged; print(jaxpaged.host_malloc.applied)", **env).strip() == "False"
+    code = "from jaxpaged.platforms import host_malloc; print(host_malloc.tune_malloc(), host_malloc.applied)"
+    assert _run(code, **env).strip() == "False False"
+
+
+def test_importing_jaxpaged_changes_no_process_wide_setting():
+    code = "import jaxpaged, jaxpaged.entrypoints.generate; from jaxpaged.platforms import host_malloc; print(host_malloc.applied)"
+    assert _run(code).strip() == "False"
+
+
+def test_an_engine_starting_on_the_cpu_tunes_malloc(tmp_path):
+    from tests.cycle_model import write_cycle_model
+
+    model = write_cycle_model(tmp_path / "cycle")
+    code = (
+        "from jaxpaged.config import EngineConfig; from jaxpaged.engine.llm_engine import LLMEngine; "
+        "from jaxpaged.platforms import host_malloc; "
+        f"LLMEngine(EngineConfig(model={str(model)!r}, max_model_len=64, max_num_seqs=2, num_kv_blocks=16, "
+        f"precompile=False, cache_dir={str(tmp_path / 'cache')!r})); print(host_malloc.applied)"
+    )
+    assert _run(code).strip().splitlines()[-1] == "True"

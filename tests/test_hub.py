@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from jaxpaged.models import hub
 
 from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
-
-from jaxpaged.models import hub
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 9, 14, 3, 77, 21]

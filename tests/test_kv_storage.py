@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, kv_storage_dtype, paged_attention, write_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 
@@ -82,8 +81,8 @@ def test_tied_16_bit_head_on_cpu_keeps_a_transposed_table(tmp_path, dtype, tied)
     """XLA:CPU converts the table of a 16-bit `x @ E.T` to float32 on every call; a tied 16-bit head on CPU
     reads a transposed copy instead, with the same logits."""
     from flax import nnx
-
     from jaxpaged.models.loader import load_model
+
     from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 
     model_dir = save_hf_model(random_hf_model(tiny_llama_config(tie_word_embeddings=tied)), tmp_path / "m")

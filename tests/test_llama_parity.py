@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpaged.models.loader import load_model
 
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
-
 from tests.static_batch import StaticBatchRunner
-from jaxpaged.models.loader import load_model
 
 CONFIGS = {
     "mha-untied": dict(num_attention_heads=4, num_key_value_heads=4),

@@ -8,14 +8,13 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from tests.gguf_writer import write_llama_gguf
-from tests.hf_reference import hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
-
-from tests.static_batch import StaticBatchRunner
 from jaxpaged.models import gguf_io
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.loader import load_model
+
+from tests.gguf_writer import write_llama_gguf
+from tests.hf_reference import hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+from tests.static_batch import StaticBatchRunner
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import transformers
-
 from jaxpaged.models.loader import load_model
+
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
 from tests.static_batch import StaticBatchRunner
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from jaxpaged.models.builtin import builtin_gguf_path
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""scripts/plot_benchmarks.py and jaxpaged/plots.py on small hand-made reports in the benchmark scripts' format."""
+"""scripts/plot_benchmarks.py and scripts/plots.py on small hand-made reports in the benchmark scripts' format."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from jaxpaged.plots import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from plots import (  # noqa: E402
     BenchmarkDataError,
     busy_note,
     busy_sides,

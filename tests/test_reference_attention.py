@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from tests.attention_cases import random_case
-
 from jaxpaged.pallas_kernels import stack_new_kv, write_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention, reference_paged_attention
+
+from tests.attention_cases import random_case
 
 SHAPES = [
     # (seq_lens, q_lens): decode, prefill chunks over cached context, fresh prefills, partial blocks

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from jaxpaged.sampler import (
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.worker.sampler import (
     SamplerOutput,
     SamplingMetadata,
     SamplingRow,
@@ -22,7 +23,6 @@ from jaxpaged.sampler import (
     first_argmax,
     sample,
 )
-from jaxpaged.sampling_params import SamplingParams
 
 SAMPLE = jax.jit(sample)
 # Chi-square critical values at p = 1e-4 (the draws are seeded, so a pass is deterministic anyway).

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
-
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.kv_cache_manager import blocks_for
+from jaxpaged.core.kv_cache_manager import blocks_for
+from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
 VOCAB = 256
 BS = 16

@@ -18,9 +18,10 @@ try:
 except FileNotFoundError as exc:
     pytest.skip(f"built-in model absent ({exc}); CI installs it", allow_module_level=True)
 
-from tests.static_batch import StaticBatchRunner  # noqa: E402
-from jaxpaged.text import chat_prompt_ids  # noqa: E402
 from jaxpaged.models.loader import load_model  # noqa: E402
+
+from jaxpaged.utils.text import chat_prompt_ids  # noqa: E402
+from tests.static_batch import StaticBatchRunner  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -120,7 +121,7 @@ def test_engine_greedy_matches_transformers_and_stops(llm, hf):
 def test_cli_prompts_file_and_interactive(cache_dir, tmp_path, monkeypatch, capsys):
     import json
 
-    from jaxpaged import generate
+    from jaxpaged.entrypoints import generate
 
     monkeypatch.setenv("JAXPAGED_CACHE_DIR", cache_dir)
     engine_flags = ["--max-model-len", "512", "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--quiet"]
@@ -134,7 +135,7 @@ def test_cli_prompts_file_and_interactive(cache_dir, tmp_path, monkeypatch, caps
 
     question = "What is the capital of France?"
     lines = iter([question, "Say that again.", "/reset", question])
-    from jaxpaged.engine import LLMEngine
+    from jaxpaged.engine.llm_engine import LLMEngine
 
     prompt_lengths = []
     add_request = LLMEngine.add_request

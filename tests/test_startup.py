@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
-
-from jaxpaged import compile_monitor
 from jaxpaged.config import EngineConfig
-from jaxpaged.engine import LLMEngine
+from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.utils import compile_monitor
+from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
@@ -158,11 +157,11 @@ def test_precompiled_engines_still_count_a_compile_after_warmup(model_dir, tmp_p
 
 
 def test_cli_defaults_to_compiling_on_first_use_with_one_sequence(model_dir, tmp_path, monkeypatch):
-    from jaxpaged import generate
+    from jaxpaged.entrypoints import generate
 
     args = generate.build_parser().parse_args(["hello"])
     assert args.precompile is False and args.max_num_seqs is None
-    from jaxpaged.serve import build_parser as serve_parser
+    from jaxpaged.entrypoints.serve import build_parser as serve_parser
 
     assert serve_parser().parse_args([]).precompile is True
     captured = {}
@@ -172,7 +171,7 @@ def test_cli_defaults_to_compiling_on_first_use_with_one_sequence(model_dir, tmp
             captured.update(kwargs)
             raise ValueError("stop here")
 
-    monkeypatch.setattr("jaxpaged.llm.LLM", FakeLLM)
+    monkeypatch.setattr("jaxpaged.entrypoints.llm.LLM", FakeLLM)
     assert generate.main(["hello", "--model", str(model_dir)]) == 2
     assert captured["max_num_seqs"] == 1 and captured["precompile"] is False
     prompts = tmp_path / "p.txt"
@@ -182,7 +181,7 @@ def test_cli_defaults_to_compiling_on_first_use_with_one_sequence(model_dir, tmp
 
 
 def test_libraries_notices_are_hidden_unless_verbose(capsys):
-    from jaxpaged.logging_utils import setup_logging
+    from jaxpaged.utils.logging_utils import setup_logging
 
     notice = logging.getLogger("transformers")
     handler = logging.StreamHandler(sys.stdout)

@@ -39,7 +39,7 @@ def test_tp_suite_on_four_cpu_devices():
 
 
 def test_cli_has_the_flag():
-    from jaxpaged.generate import build_parser
+    from jaxpaged.entrypoints.generate import build_parser
 
     assert build_parser().parse_args(["--tensor-parallel-size", "2", "hi"]).tensor_parallel_size == 2
 

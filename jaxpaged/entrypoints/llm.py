@@ -7,13 +7,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.config import EngineConfig
-from jaxpaged.engine import LLMEngine, PromptType
-from jaxpaged.logging_utils import setup_logging
+from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.text import chat_prompt_ids
+from jaxpaged.utils.logging_utils import setup_logging
+from jaxpaged.utils.text import chat_prompt_ids
 
 
 class LLM:

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from jaxpaged.async_engine import ChatPrompt, EngineDeadError
-from jaxpaged.server import errors
-from jaxpaged.server.logprobs import chat_logprobs
-from jaxpaged.server.protocol import ChatCompletionRequest
-from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
-from jaxpaged.server.streaming import Deltas, RequestRun, sse
+from jaxpaged.engine.async_engine import ChatPrompt, EngineDeadError
+from jaxpaged.entrypoints.openai import errors
+from jaxpaged.entrypoints.openai.logprobs import chat_logprobs
+from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
+from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
+from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun, sse
 
 
 def _fields(body: ChatCompletionRequest) -> dict[str, str]:

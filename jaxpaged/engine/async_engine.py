@@ -22,10 +22,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from jaxpaged.engine import LLMEngine, PromptType
+from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.text import chat_prompt_ids
+from jaxpaged.utils.text import chat_prompt_ids
 
 logger = logging.getLogger("jaxpaged.async_engine")
 

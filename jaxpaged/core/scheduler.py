@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from jaxpaged.kv_cache_manager import KVCacheManager
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.request import Request, RequestStatus
 
 
 @dataclasses.dataclass

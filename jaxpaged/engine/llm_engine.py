@@ -18,21 +18,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpaged import compile_monitor
-from jaxpaged.beam_search import BeamSearch
-from jaxpaged.block_pool import BlockPool
+from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
-from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.kv_cache_manager import KVCacheManager, blocks_for
-from jaxpaged.model_runner import DispatchedStep, ModelRunner, StepInputs
-from jaxpaged.outputs import Logprob, RequestOutput
-from jaxpaged.request import PLACEHOLDER, Request, RequestGroup, RequestStatus
-from jaxpaged.sampler import SamplingRow, build_sampling_metadata
-from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.kv_cache_manager import KVCacheManager, blocks_for
+from jaxpaged.core.request import PLACEHOLDER, Request, RequestGroup, RequestStatus
+from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.engine.beam_search import BeamSearch
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
-from jaxpaged.pallas_kernels import AttentionMetadata, cpu_attention, cpu_matmul
+from jaxpaged.outputs import Logprob, RequestOutput
+from jaxpaged.pallas_kernels import AttentionMetadata
+from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxpaged.utils import compile_monitor
+from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, StepInputs
+from jaxpaged.worker.sampler import SamplingRow, build_sampling_metadata
 
 logger = logging.getLogger("jaxpaged.engine")
 
@@ -59,22 +60,12 @@ def _enable_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _start_native_builds(config: EngineConfig) -> None:
-    """On CPU, the native kernels' first build runs in the background while the model loads."""
-    if config.platform != "cpu":
-        return
-    if config.attention_backend in ("auto", "native"):
-        cpu_attention.start_build()
-    if config.matmul_backend in ("auto", "native") and config.dtype == "float32" and config.tensor_parallel_size == 1:
-        cpu_matmul.start_build()
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         compile_monitor.install()
         self.config = config
         _enable_compilation_cache(config)
-        _start_native_builds(config)
+        platforms.prepare(config)
         t0 = time.perf_counter()
         self.loaded = loaded or load_model(
             config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,

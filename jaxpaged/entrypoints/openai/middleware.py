@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from jaxpaged.server import errors
+from jaxpaged.entrypoints.openai import errors
 
 OPEN_PATHS = ("/health",)
 

@@ -6,7 +6,8 @@ secondary arenas, which cannot hold a block over 64 MB and hand an emptied heap 
 every step mapped its temporaries afresh: ~12,500 page faults and 30-50 ms of kernel time per step on
 the project's 2-core VM. One arena with high mmap and trim thresholds keeps that memory mapped.
 
-This must run before XLA's threads first allocate, so `jaxpaged/__init__.py` calls it first thing.
+This must run before XLA's threads first allocate, so the CPU platform calls it first thing when an engine
+starts (platforms/cpu.py); `import jaxpaged` alone changes nothing.
 It changes nothing when the user has already chosen (any `MALLOC_*` or `GLIBC_TUNABLES` variable set),
 when `JAXPAGED_MALLOC_TUNING=0`, or off glibc.
 """

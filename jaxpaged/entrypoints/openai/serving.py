@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from jaxpaged.async_engine import AsyncLLMEngine, ChatPrompt, EngineDeadError, QueueFullError
-from jaxpaged.engine import PromptType
+from jaxpaged.engine.async_engine import AsyncLLMEngine, ChatPrompt, EngineDeadError, QueueFullError
+from jaxpaged.engine.llm_engine import PromptType
+from jaxpaged.entrypoints.openai import errors
+from jaxpaged.entrypoints.openai.logprobs import TokenBytes
+from jaxpaged.entrypoints.openai.streaming import SSE_DONE, RequestRun, sse
 from jaxpaged.sampling_params import MAX_N, SamplingParams
-from jaxpaged.server import errors
-from jaxpaged.server.logprobs import TokenBytes
-from jaxpaged.server.streaming import SSE_DONE, RequestRun, sse
 
 
 @dataclasses.dataclass

@@ -29,14 +29,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged import compile_monitor
 from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
-from jaxpaged.executable_cache import ExecutableCache
-from jaxpaged.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 from jaxpaged.models.layers import use_matmul_backend
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.weights import param_bytes
 from jaxpaged.pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, kv_storage_dtype, write_kv
+from jaxpaged.utils import compile_monitor
+from jaxpaged.worker.executable_cache import ExecutableCache
+from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
 

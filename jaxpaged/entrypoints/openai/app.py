@@ -11,13 +11,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
-from jaxpaged.async_engine import AsyncLLMEngine
-from jaxpaged.server import errors
-from jaxpaged.server.chat import create_chat_completion
-from jaxpaged.server.completions import create_completion
-from jaxpaged.server.metrics import CONTENT_TYPE, ServerMetrics
-from jaxpaged.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from jaxpaged.server.serving import ServerSettings, Serving
+from jaxpaged.engine.async_engine import AsyncLLMEngine
+from jaxpaged.entrypoints.openai import errors
+from jaxpaged.entrypoints.openai.chat import create_chat_completion
+from jaxpaged.entrypoints.openai.completions import create_completion
+from jaxpaged.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from jaxpaged.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from jaxpaged.entrypoints.openai.serving import ServerSettings, Serving
 
 logger = logging.getLogger("jaxpaged.server")
 

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax.experimental import serialize_executable
 
-from jaxpaged import compile_monitor
 from jaxpaged.pallas_kernels import native_build
+from jaxpaged.utils import compile_monitor
 
 logger = logging.getLogger("jaxpaged.executables")
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
-from jaxpaged.async_engine import AsyncLLMEngine, RequestStream
+from jaxpaged.engine.async_engine import AsyncLLMEngine, RequestStream
 from jaxpaged.outputs import RequestOutput
 
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxpaged.block_pool import BlockPool
+from jaxpaged.core.block_pool import BlockPool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from jaxpaged.async_engine import EngineDeadError
+from jaxpaged.engine.async_engine import EngineDeadError
+from jaxpaged.entrypoints.openai import errors
+from jaxpaged.entrypoints.openai.logprobs import completion_logprobs, join_logprobs, prompt_completion_logprobs
+from jaxpaged.entrypoints.openai.protocol import CompletionRequest
+from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
+from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.server import errors
-from jaxpaged.server.logprobs import completion_logprobs, join_logprobs, prompt_completion_logprobs
-from jaxpaged.server.protocol import CompletionRequest
-from jaxpaged.server.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
-from jaxpaged.server.streaming import Deltas, RequestRun
 
 FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxpaged.async_engine import AsyncLLMEngine, IterationStats
+from jaxpaged.engine.async_engine import AsyncLLMEngine, IterationStats
 
 disable_created_metrics()  # the *_created series only double the scrape (vLLM drops them too)
 

@@ -10,9 +10,9 @@ import dataclasses
 import enum
 from collections.abc import Callable
 
-from jaxpaged.beam_search import BeamSearch
-from jaxpaged.detokenizer import IncrementalDetokenizer
-from jaxpaged.kv_cache_manager import hash_block
+from jaxpaged.core.kv_cache_manager import hash_block
+from jaxpaged.engine.beam_search import BeamSearch
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 

