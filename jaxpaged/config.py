@@ -18,28 +18,41 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer (got {value!r})")
 
 
+def option(default=None, help: str | None = None, *, group: str = "engine", choices=None, **field_kwargs):
+    """An EngineConfig field; with `help` it is also a flag of both CLIs (engine/arg_utils.py derives them)."""
+    metadata = {"help": help, "group": group, "choices": choices} if help else {}
+    if "default_factory" not in field_kwargs:
+        field_kwargs["default"] = default
+    return dataclasses.field(metadata=metadata, **field_kwargs)
+
+
 @dataclasses.dataclass
 class EngineConfig:
-    model: str | None = None  # HF folder, .gguf, config.json, hub id (org/name); None = built-in SmolLM2-135M-Instruct
-    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU/TPU
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory_fraction
-    kv_cache_memory_fraction: float | None = None  # of device memory left after the weights; on CPU, of free RAM
-    max_num_seqs: int | None = None  # default 256 on GPU/TPU, 64 on CPU
-    max_num_batched_tokens: int | None = None  # token budget per step; default 2048 on GPU/TPU, 256 on CPU
-    attention_backend: str = "auto"  # auto = the Pallas kernel on GPU/TPU, the native kernel on CPU
-    matmul_backend: str = "auto"  # auto = native (weights packed at load) for float32 on one CPU device, else XLA's dot
+    model: str | None = option(None, "local HF folder, .gguf file, config.json (random weights), or a Hugging Face Hub id "
+                               "(org/name, from the HF cache or downloaded: safetensors only); default: the built-in model", group="model")  # fmt: skip
+    revision: str | None = option(None, "with a hub id: the branch, tag or commit to load (default: main)", group="model")
+    dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)", group="model")
+    max_model_len: int | None = option(None, "longest prompt + answer (default: the model's context)")
+    max_num_seqs: int | None = option(None, "most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)")
+    max_num_batched_tokens: int | None = option(None, "token budget per step (default: 256 on CPU, 2048 on GPU/TPU)")
+    num_kv_blocks: int | None = option(None, "KV cache size in blocks, overriding kv_cache_memory_fraction (default: sized from memory)")
+    kv_cache_memory_fraction: float | None = option(
+        None, "share of free memory for the KV cache (default: 0.9 on GPU/TPU; on CPU a 2 GiB budget, or this share of free RAM)")  # fmt: skip
+    block_size: int = option(16, "tokens per KV block (default: 16)")
+    tensor_parallel_size: int = option(1, "split the model over this many devices, a \"model\" mesh axis; see docs/models.md (default: 1)")
+    attention_backend: str = option("auto", "attention implementation (default: auto: the Pallas kernel on GPU/TPU, the native kernel on CPU)",
+                                    choices=ATTENTION_BACKEND_CHOICES)  # fmt: skip
+    matmul_backend: str = option("auto", "matmul implementation (default: auto: native, with weights packed at load, for float32 on one "
+                                 "CPU device with AVX-512; else XLA's dot)", choices=MATMUL_BACKEND_CHOICES)  # fmt: skip
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before (default: on)")
+    batch_invariant: bool = option(False, "a request's tokens and logprobs never depend on the rest of the batch (one step shape; slower)")
+    async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
+    precompile: bool = option(True, "compile every step bucket at start-up, so no request waits for a compile; off, each bucket "
+                              "compiles (or loads from the cache) on first use (default: on for LLM and the server, off for generate)")  # fmt: skip
     seed: int = 0
-    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
-    batch_invariant: bool = False  # a request's tokens never depend on the rest of the batch (one step shape)
-    async_scheduling: bool = True  # schedule and pack step N+1 while the device runs step N; same outputs
-    tensor_parallel_size: int = 1  # devices the model is split over (a "model" mesh axis); see docs/models.md
-    precompile: bool = True  # compile every step bucket at start-up; False: each on its first use (the CLI's way)
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
-    platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
+    platform: str = option(default_factory=lambda: jax.default_backend())
 
     def __post_init__(self) -> None:
         from jaxpaged.models.loader import resolve_dtype

@@ -4,7 +4,7 @@ A lock serialises generation (a transformers model serves one request at a time 
 hand), so concurrent clients queue, first come first served, on one worker thread. It speaks just enough of OpenAI's completions and chat APIs
 for `scripts/bench_serving.py`, streaming included (a TextIteratorStreamer per request). The
 built-in SmolLM2 GGUF is loaded through transformers' own `gguf_file` support, as
-tests/test_smollm2.py builds its reference.
+tests/models/test_smollm2.py builds its reference.
 
     python scripts/hf_server.py --port 8001               # the built-in SmolLM2-135M-Instruct
     python scripts/hf_server.py --model ./some-hf-folder  # or an HF folder (safetensors)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import REPO
 
 
 def free_port() -> int:

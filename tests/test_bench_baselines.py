@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import REPO
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_serving  # noqa: E402

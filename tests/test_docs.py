@@ -22,7 +22,7 @@ from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.entrypoints.serve import build_parser as serve_parser
 from jaxpaged.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO as ROOT
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
 
 

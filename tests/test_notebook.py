@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from jaxpaged.models.builtin import builtin_gguf_path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import REPO
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 
 try:

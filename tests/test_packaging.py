@@ -16,7 +16,7 @@ import pytest
 
 from tests.cycle_model import CYCLE_TEXT, write_cycle_model
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import REPO
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
+
 pytest.importorskip("matplotlib")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(REPO / "scripts"))
 from plots import (  # noqa: E402
     BenchmarkDataError,
     busy_note,
@@ -28,7 +30,6 @@ from plots import (  # noqa: E402
     throughput_workload_line,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "plot_benchmarks.py"
 MACHINE = {"python": "3.11.7", "cpu_count": 2, "jax": "0.10.2", "torch": "2.13.0+cpu", "transformers": "5.23.0",
            "jax_device_kind": "cpu", "date": "2026-11-22T01:00:00+00:00"}

@@ -17,28 +17,11 @@ from jaxpaged.utils.text import chat_prompt_ids
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        attention_backend: str = "auto",
-        seed: int = 0,
-        **kwargs: Any,
-    ):
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        """kwargs: `log_level` and any EngineConfig field by name (an unknown one is a TypeError); the engine loads
+        the model and, with `precompile` (the default), compiles every step shape before this returns."""
         setup_logging(kwargs.pop("log_level", "INFO"))
-        config = EngineConfig(
-            model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_fraction=kv_cache_memory_fraction, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend, seed=seed, **kwargs,
-        )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -14,7 +14,7 @@ from jaxpaged.models import hub
 
 from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
 PROMPT = [5, 9, 14, 3, 77, 21]
 ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=16, block_size=8,
               dtype="float32", precompile=False)

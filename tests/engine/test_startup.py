@@ -17,7 +17,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.utils import compile_monitor
 from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
               dtype="float32")
 
@@ -201,7 +201,7 @@ def test_libraries_notices_are_hidden_unless_verbose(capsys):
 
 
 def test_bench_startup_phases_add_up():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     from bench_startup import phases, startup_line
 
     line = ('12:00:00 DEBUG jaxpaged.generate: startup {"load_s": 1.0, "pack_s": 0.1, "kv_cache_s": 0.2, '

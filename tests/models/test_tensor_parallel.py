@@ -18,6 +18,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests import REPO
+
 DEVICES = 4
 MULTI = jax.device_count() >= DEVICES and jax.default_backend() == "cpu"
 needs_devices = pytest.mark.skipif(not MULTI, reason="runs in the 4-device subprocess started by the first test")
@@ -28,7 +30,7 @@ def test_tp_suite_on_four_cpu_devices():
         pytest.skip("this process has the devices: the tests below run here")
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
         check=False, cwd=root, env=env, capture_output=True, text=True, timeout=1800,

@@ -1,0 +1,127 @@
+"""The scheduler's policy alone, over a fake KV cache manager that only counts blocks: token budget, sequence cap,
+chunked prefill, decode rows first, FIFO admission, preemption of the newest when the pool runs dry, and every
+block back at the end. No model, no JAX."""
+
+from __future__ import annotations
+
+import math
+
+from jaxpaged.core.request import Request, RequestGroup, RequestStatus
+from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+class FakeKV:
+    """A pool of `num_blocks` blocks of BLOCK tokens; allocate_slots grows a sequence's table or says no."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.tables: dict[str, int] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(self.tables.values())
+
+    def allocate_slots(self, seq_id: str, num_computed: int, num_new: int) -> bool:
+        need = math.ceil((num_computed + num_new) / BLOCK) - self.tables.get(seq_id, 0)
+        if need > self.num_blocks - self.used:
+            return False
+        self.tables[seq_id] = self.tables.get(seq_id, 0) + max(need, 0)
+        return True
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(range(self.tables.get(seq_id, 0)))
+
+    def free(self, seq_id: str) -> None:
+        self.tables.pop(seq_id, None)
+
+    def take_cached_prefix(self, request: Request) -> int:
+        return 0
+
+    def count_prefix_query(self, num_tokens: int, hit: int) -> None:
+        pass
+
+
+def _request(name: str, prompt_len: int, max_tokens: int) -> Request:
+    params = SamplingParams(max_tokens=max_tokens)
+    group = RequestGroup(name, None, list(range(prompt_len)), params)
+    req = Request(name, group, 0, list(range(prompt_len)), params, max_tokens, seed=0, detokenizer=None)
+    group.sequences.append(req)
+    return req
+
+
+def _run_step(sched: Scheduler, out) -> None:
+    """What the engine does with a step's results: count the computed tokens, append a sampled one, finish."""
+    for item in out.scheduled:
+        req = item.request
+        req.num_computed_tokens += item.num_tokens
+        if item.samples:
+            req.output_token_ids.append(7)
+            if len(req.output_token_ids) >= req.max_tokens:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+
+
+def test_budget_cap_chunking_and_order():
+    kv = FakeKV(num_blocks=1000)
+    sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=16)
+    reqs = [_request("a", 10, 4), _request("b", 20, 4), _request("c", 3, 4), _request("d", 3, 4)]
+    for r in reqs:
+        sched.add(r)
+
+    out = sched.schedule()  # a's whole prompt (10), then b's first 6 of 20: the budget of 16
+    assert [(s.request.seq_id, s.start, s.num_tokens, s.samples) for s in out.scheduled] == [("a", 0, 10, True), ("b", 0, 6, False)]
+    _run_step(sched, out)
+
+    out = sched.schedule()  # a decodes (1, first), b continues its prompt (14), c's prompt (3) is cut to the last 1
+    assert [(s.request.seq_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("c", 1), ("b", 14)]
+    assert [r.seq_id for r in sched.running] == ["a", "b", "c"] and [r.seq_id for r in sched.waiting] == ["d"]
+    assert out.num_tokens <= 16
+    _run_step(sched, out)
+
+    for _ in range(50):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        assert out.num_tokens <= 16 and len(sched.running) <= 3
+        assert [s.num_tokens > 1 for s in out.scheduled] == sorted(s.num_tokens > 1 for s in out.scheduled)  # decode rows first
+        _run_step(sched, out)
+    assert all(len(r.output_token_ids) == 4 and r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert kv.used == 0  # every block back
+
+
+def test_a_dry_pool_preempts_the_newest_and_it_is_recomputed():
+    kv = FakeKV(num_blocks=6)  # 24 tokens
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    old, new = _request("old", 8, 12), _request("new", 8, 12)
+    sched.add(old)
+    sched.add(new)
+    _run_step(sched, sched.schedule())  # both prompts: 4 blocks
+    preempted_at = None
+    for step in range(40):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        if out.preempted:
+            assert [r.seq_id for r in out.preempted] == ["new"] and preempted_at is None
+            assert new.status == RequestStatus.WAITING and new.num_computed_tokens == 0 and "new" not in kv.tables
+            assert [s.request.seq_id for s in out.scheduled] == ["old"]
+            preempted_at = step
+        assert kv.used <= kv.num_blocks
+        _run_step(sched, out)
+    assert preempted_at is not None and sched.num_preemptions == 1 and new.num_preemptions == 1
+    assert len(old.output_token_ids) == len(new.output_token_ids) == 12  # the preempted one finished too
+    assert kv.used == 0
+
+
+def test_finishing_a_waiting_request_frees_it_and_nothing_else():
+    kv = FakeKV(num_blocks=100)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    a, b = _request("a", 5, 3), _request("b", 5, 3)
+    sched.add(a)
+    sched.add(b)
+    _run_step(sched, sched.schedule())
+    assert sched.running == [a] and list(sched.waiting) == [b]  # the sequence cap
+    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert not sched.waiting and b.status == RequestStatus.FINISHED_ABORTED and kv.tables == {"a": 2}
