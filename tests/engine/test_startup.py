@@ -49,7 +49,7 @@ PROMPTS = random_prompts(256, (3, 9, 30), seed=4)
 def _in_new_process(model: Path, cache: Path) -> dict:
     """A fresh interpreter's engine on `cache`: what it loaded, compiled and generated."""
     script = (
-        "import json, sys; from pathlib import Path; from tests.test_startup import _engine, _greedy, PROMPTS; "
+        "import json, sys; from pathlib import Path; from tests.engine.test_startup import _engine, _greedy, PROMPTS; "
         "e = _engine(Path(sys.argv[1]), Path(sys.argv[2])); x = e.runner.executables; "
         "print('RESULT', json.dumps({'loaded': x.num_loaded, 'compiled': x.num_compiled, 'tokens': _greedy(e, PROMPTS)}))"
     )

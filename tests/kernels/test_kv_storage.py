@@ -56,7 +56,8 @@ def test_bf16_write_does_not_convert_the_whole_cache():
 def test_bf16_engine_gives_the_same_bits_with_either_storage(tmp_path, monkeypatch):
     """The uint16 storage changes where the bits live, never the arithmetic: a bfloat16 engine's greedy tokens and
     logprobs are bit-identical to the same engine storing bfloat16 (chunked prefill, cached context, decode)."""
-    from jaxpaged import LLM, SamplingParams, model_runner
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.worker import model_runner
     from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
     model_dir = str(save_hf_model(random_hf_model(tiny_llama_config(max_position_embeddings=256)), tmp_path / "m"))

@@ -50,7 +50,7 @@ def _greedy(model: str, revision: str | None = None) -> list[int]:
 
 OFFLINE_SCRIPT = f"""
 import json
-from tests.test_hub import _greedy
+from tests.models.test_hub import _greedy
 out = {{"main": _greedy("org/tiny"), "v2": _greedy("org/tiny", revision="v2")}}
 for name, rev in (("org/absent", None), ("org/tiny", "v3")):
     try:
