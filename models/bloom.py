@@ -19,9 +19,9 @@ class BloomBlock(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype)
         self.residual_after_norm = cfg.option("apply_residual_connection_post_layernorm", False)
 
-    def __call__(self, x, positions, kv_cache, md):
+    def __call__(self, x, positions, kv_cache, attn_metadata):
         h = self.input_layernorm(x)
-        attn, new_kv = self.self_attn(h, positions, kv_cache, md)
+        attn, new_kv = self.self_attn(h, positions, kv_cache, attn_metadata)
         x = attn + (h if self.residual_after_norm else x)
         h = self.post_attention_layernorm(x)
         return self.mlp(h) + (h if self.residual_after_norm else x), new_kv

@@ -36,12 +36,12 @@ class FalconDecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype)
         self.layout = "two_norms" if "ln_attn" in names else "sequential" if len(names) == 2 else "parallel"
 
-    def __call__(self, x, positions, kv_cache, md):
+    def __call__(self, x, positions, kv_cache, attn_metadata):
         if self.layout == "two_norms":
-            attn, new_kv = self.self_attn(self.ln_attn(x), positions, kv_cache, md)
+            attn, new_kv = self.self_attn(self.ln_attn(x), positions, kv_cache, attn_metadata)
             return x + attn + self.mlp(self.ln_mlp(x)), new_kv
         h = self.input_layernorm(x)
-        attn, new_kv = self.self_attn(h, positions, kv_cache, md)
+        attn, new_kv = self.self_attn(h, positions, kv_cache, attn_metadata)
         if self.layout == "parallel":
             return x + attn + self.mlp(h), new_kv
         x = x + attn

@@ -18,8 +18,8 @@ class GPTNeoXLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype)
         self.parallel = cfg.option("use_parallel_residual", True)
 
-    def __call__(self, x, positions, kv_cache, md):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+    def __call__(self, x, positions, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata)
         if self.parallel:
             return x + attn + self.mlp(self.post_attention_layernorm(x)), new_kv
         x = x + attn

@@ -16,9 +16,9 @@ class GPTJBlock(nnx.Module):
         self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend)
         self.mlp = MLP(cfg, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, md):
+    def __call__(self, x, positions, kv_cache, attn_metadata):
         h = self.ln_1(x)
-        attn, new_kv = self.self_attn(h, positions, kv_cache, md)
+        attn, new_kv = self.self_attn(h, positions, kv_cache, attn_metadata)
         return x + attn + self.mlp(h), new_kv
 
 

@@ -263,7 +263,7 @@ class Attention(nnx.Module):
         self.interleaved = cfg.rope_interleaved
         self.alibi = None if alibi is None else tuple(float(s) for s in alibi)
 
-    def __call__(self, x, positions, kv_cache, md: AttentionMetadata):
+    def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata):
         (h, hd), t = self.shape, x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.clip_qkv is not None:
@@ -276,7 +276,7 @@ class Attention(nnx.Module):
             k = apply_rope(k, positions, self.inv_freq, interleaved=self.interleaved)
         slopes = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
         out = paged_attention(
-            q, k, v, kv_cache, self.layer, md, scale=self.scale, sliding_window=self.window, alibi_slopes=slopes,
+            q, k, v, kv_cache, self.layer, attn_metadata, scale=self.scale, sliding_window=self.window, alibi_slopes=slopes,
             backend=self.backend,
         )  # fmt: skip
         return self.o_proj(out.reshape(t, h * hd)), (k, v)
@@ -327,7 +327,7 @@ class CausalLM(nnx.Module):
     def final(self, x):
         return self.norm(x)
 
-    def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata):
         """input_ids, positions: [T] -> (final hidden states [T, D], this step's K/V [T, L, 2, H_kv, D]).
 
         Reads the cache only; the runner writes the new K/V with write_kv in a second jitted call
@@ -336,14 +336,14 @@ class CausalLM(nnx.Module):
         x = self.embed(input_ids, positions)
         new_kv = []
         for layer in self.layers:
-            x, layer_kv = layer(x, positions, kv_cache, md)
+            x, layer_kv = layer(x, positions, kv_cache, attn_metadata)
             new_kv.append(layer_kv)
         return self.final(x), stack_new_kv(new_kv)
 
-    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata):
+    def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata):
         """-> (hidden [T, D], updated kv_cache): forward and write in one call."""
-        hidden, new_kv = self.forward(input_ids, positions, kv_cache, md)
-        return hidden, write_kv(kv_cache, new_kv, md.slot_mapping)
+        hidden, new_kv = self.forward(input_ids, positions, kv_cache, attn_metadata)
+        return hidden, write_kv(kv_cache, new_kv, attn_metadata.slot_mapping)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is not None:

@@ -24,8 +24,8 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(cfg, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, md):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+    def __call__(self, x, positions, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_kv

@@ -33,8 +33,8 @@ class MptBlock(nnx.Module):
         self.norm_2 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype, bias=False)
         self.mlp = MLP(cfg, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, md):
-        attn, new_kv = self.self_attn(self.norm_1(x), positions, kv_cache, md)
+    def __call__(self, x, positions, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.norm_1(x), positions, kv_cache, attn_metadata)
         x = x + attn
         return x + self.mlp(self.norm_2(x)), new_kv
 

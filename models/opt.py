@@ -24,9 +24,9 @@ class OPTDecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype)
         self.pre_norm = cfg.option("do_layer_norm_before", True)
 
-    def __call__(self, x, positions, kv_cache, md):
+    def __call__(self, x, positions, kv_cache, attn_metadata):
         pre = self.pre_norm
-        attn, new_kv = self.self_attn(self.self_attn_layer_norm(x) if pre else x, positions, kv_cache, md)
+        attn, new_kv = self.self_attn(self.self_attn_layer_norm(x) if pre else x, positions, kv_cache, attn_metadata)
         x = x + attn
         if not pre:
             x = self.self_attn_layer_norm(x)

@@ -110,7 +110,7 @@ def paged_attention(
     v: jax.Array,
     kv_cache: jax.Array,
     layer: int,
-    md: AttentionMetadata,
+    attn_metadata: AttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -136,8 +136,8 @@ def paged_attention(
             functools.partial(attend, use_alibi=alibi_slopes is not None),
             in_specs=(heads, heads, heads, cache, P(), P(TP_AXIS)), out_specs=heads, check_vma=False,
         )
-        return attend(q, k, v, kv_cache, md, slopes)
-    return attend(q, k, v, kv_cache, md, slopes, use_alibi=alibi_slopes is not None)
+        return attend(q, k, v, kv_cache, attn_metadata, slopes)
+    return attend(q, k, v, kv_cache, attn_metadata, slopes, use_alibi=alibi_slopes is not None)
 
 
 def tp_size() -> int:
@@ -148,19 +148,19 @@ def tp_size() -> int:
     return int(mesh.shape[TP_AXIS])
 
 
-def _attend(q, k, v, kv_cache, md, slopes, *, layer, backend, use_alibi, **kw):
+def _attend(q, k, v, kv_cache, attn_metadata, slopes, *, layer, backend, use_alibi, **kw):
     kw["alibi_slopes"] = slopes if use_alibi else None
     if backend in ("reference", "reference_invariant"):
-        return reference_paged_attention(q, k, v, kv_cache, layer, md, batch_invariant=backend != "reference", **kw)
+        return reference_paged_attention(q, k, v, kv_cache, layer, attn_metadata, batch_invariant=backend != "reference", **kw)
     if backend == "native":
-        return cpu_attention.cpu_paged_attention(q, k, v, kv_cache, layer, md, **kw)
+        return cpu_attention.cpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, **kw)
     if kv_cache.dtype == jnp.uint16:  # the kernels read floats: a full copy, only when run interpreted on CPU
         kv_cache = jax.lax.bitcast_convert_type(kv_cache, q.dtype)
     platform = jax.default_backend()
     if platform == "tpu":
         from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 
-        return tpu_paged_attention(q, k, v, kv_cache, layer, md, **kw)
+        return tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, **kw)
     from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
 
-    return gpu_paged_attention(q, k, v, kv_cache, layer, md, interpret=platform != "gpu", **kw)
+    return gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, interpret=platform != "gpu", **kw)

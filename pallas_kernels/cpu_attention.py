@@ -60,7 +60,7 @@ def available() -> bool:
         return False
 
 
-def cpu_paged_attention(q, k, v, kv_cache, layer: int, md: AttentionMetadata, *, scale, sliding_window=None,
+def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, *, scale, sliding_window=None,
                         soft_cap=None, alibi_slopes=None) -> jax.Array:  # fmt: skip
     """reference_paged_attention's result, from the kernel: q [T, H, D], this step's k/v [T, H_kv, D]."""
     if not available():
@@ -72,7 +72,7 @@ def cpu_paged_attention(q, k, v, kv_cache, layer: int, md: AttentionMetadata, *,
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     f32 = lambda x: x.astype(jnp.float32)
     out = call(
-        f32(q), f32(k), f32(v), kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, slopes,
+        f32(q), f32(k), f32(v), kv_cache, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes,
         layer=layer, storage=storage, window=sliding_window or 0, scale=np.float32(scale),
         soft_cap=np.float32(soft_cap or 0.0), alibi=alibi_slopes is not None,
     )  # fmt: skip

@@ -127,7 +127,7 @@ def gpu_paged_attention(
     v: jax.Array,
     kv_cache: jax.Array,
     layer: int,
-    md: AttentionMetadata,
+    attn_metadata: AttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -145,9 +145,9 @@ def gpu_paged_attention(
     group, group_pad, tokens_per_tile = shape.group, shape.group_pad, shape.tokens_per_tile
     rows, pages_per_iter = shape.rows, shape.pages_per_iter
 
-    seq, start, length = query_tiles(md.query_start_loc, num_tokens, tokens_per_tile)
-    width = md.block_tables.shape[1]
-    tables = jnp.pad(md.block_tables, ((0, 0), (0, -width % pages_per_iter)))
+    seq, start, length = query_tiles(attn_metadata.query_start_loc, num_tokens, tokens_per_tile)
+    width = attn_metadata.block_tables.shape[1]
+    tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -width % pages_per_iter)))
 
     # [T, H, D] -> [H_kv, (T + tile) * G', D]: a KV head's query rows, token-major, group padded to G'.
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -178,7 +178,7 @@ def gpu_paged_attention(
         grid=(seq.shape[0], num_kv_heads),
         in_specs=[
             whole(seq.shape), whole(start.shape), whole(length.shape),
-            whole(md.query_start_loc.shape), whole(md.seq_lens.shape), whole(tables.shape),
+            whole(attn_metadata.query_start_loc.shape), whole(attn_metadata.seq_lens.shape), whole(tables.shape),
             per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec(0), cache_spec(1),
             slope_spec, per_head(out_rows),
         ],
@@ -189,7 +189,7 @@ def gpu_paged_attention(
         interpret=interpret,
         name=f"ragged_paged_attention_r{rows}_kv{pages_per_iter * block_size}",
     )(
-        seq, start, length, md.query_start_loc, md.seq_lens, tables,
+        seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
         qg, kn, vn, kv_cache, kv_cache, slopes, jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype),
     )
     out = out.reshape(num_kv_heads, num_tokens + tokens_per_tile, group_pad, head_dim)[:, :num_tokens, :group]

@@ -18,14 +18,14 @@ from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 CHUNK_TOKENS = 128  # context positions per loop iteration
 
 
-def token_layout(md: AttentionMetadata, num_tokens: int):
+def token_layout(attn_metadata: AttentionMetadata, num_tokens: int):
     """Per flattened row: its sequence slot, absolute position, and whether it is a real token."""
-    num_seqs = md.block_tables.shape[0]
+    num_seqs = attn_metadata.block_tables.shape[0]
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(md.query_start_loc[1:], rows, side="right").astype(jnp.int32)
+    seq = jnp.searchsorted(attn_metadata.query_start_loc[1:], rows, side="right").astype(jnp.int32)
     valid = seq < num_seqs
     seq = jnp.minimum(seq, num_seqs - 1)
-    pos = md.seq_lens[seq] - (md.query_start_loc[seq + 1] - rows)
+    pos = attn_metadata.seq_lens[seq] - (attn_metadata.query_start_loc[seq + 1] - rows)
     return seq, jnp.where(valid, pos, 0), valid
 
 
@@ -63,7 +63,7 @@ def naive_paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
     layer: int,
-    md: AttentionMetadata,
+    attn_metadata: AttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -77,10 +77,10 @@ def naive_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
-    ctx = md.block_tables.shape[1] * block_size
+    ctx = attn_metadata.block_tables.shape[1] * block_size
 
-    seq, pos, valid = token_layout(md, num_tokens)
-    tables = md.block_tables[seq]  # [T, W]
+    seq, pos, valid = token_layout(attn_metadata, num_tokens)
+    tables = attn_metadata.block_tables[seq]  # [T, W]
     # [T, W, H_kv, bs, D] -> [H_kv, T, W * bs, D]
     k = cached_blocks(kv_cache, layer, 0, tables, q.dtype).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
     v = cached_blocks(kv_cache, layer, 1, tables, q.dtype).transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_tokens, ctx, head_dim)
@@ -111,7 +111,7 @@ def reference_paged_attention(
     v: jax.Array,
     kv_cache: jax.Array,
     layer: int,
-    md: AttentionMetadata,
+    attn_metadata: AttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -129,25 +129,25 @@ def reference_paged_attention(
     cached, do not pay for the decode rows' long contexts.
     """
     if batch_invariant:
-        return batch_invariant_attention(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
+        return batch_invariant_attention(q, k, v, kv_cache, layer, attn_metadata, scale=scale, sliding_window=sliding_window,
                                          soft_cap=soft_cap, alibi_slopes=alibi_slopes)  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
     cols = max(1, CHUNK_TOKENS // block_size)  # block-table columns per iteration
     chunk = cols * block_size
-    width = md.block_tables.shape[1]
+    width = attn_metadata.block_tables.shape[1]
     prec = _precision(q.dtype)
     kw = {"scale": scale, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
 
-    seq, pos, valid = token_layout(md, num_tokens)
-    q_lens = md.query_start_loc[seq + 1] - md.query_start_loc[seq]
-    cached = jnp.where(valid, md.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
+    seq, pos, valid = token_layout(attn_metadata, num_tokens)
+    q_lens = attn_metadata.query_start_loc[seq + 1] - attn_metadata.query_start_loc[seq]
+    cached = jnp.where(valid, attn_metadata.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    carry = fresh_token_softmax(q, k, v, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    carry = fresh_token_softmax(q, k, v, attn_metadata, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                 alibi_slopes=alibi_slopes)  # fmt: skip
 
-    tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
+    tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
 
     def cached_part(rows: slice, carry):
         q_rows, tables_rows, cached_rows, pos_rows = qg[rows], tables[rows], cached[rows], pos[rows]
@@ -170,7 +170,7 @@ def reference_paged_attention(
         trips = (jnp.max(cached_rows) + chunk - 1) // chunk
         return jax.lax.fori_loop(0, trips, body, carry)
 
-    split = min(md.block_tables.shape[0], num_tokens)
+    split = min(attn_metadata.block_tables.shape[0], num_tokens)
     groups = [slice(0, split)] + ([slice(split, num_tokens)] if split < num_tokens else [])
     parts = [cached_part(rows, tuple(c[rows] for c in carry)) for rows in groups]
     return normalized(tuple(jnp.concatenate(xs) for xs in zip(*parts)), q.dtype)
@@ -207,14 +207,14 @@ def _empty_softmax(num_tokens: int, num_kv_heads: int, group: int, head_dim: int
     )
 
 
-def fresh_token_softmax(q, k, v, md: AttentionMetadata, *, scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
+def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, *, scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
     """The partial softmax (peak, denom, acc), [T, H_kv, G] and [T, H_kv, G, D] float32, of each row over
     this step's own keys: same sequence, not in the future; one [T, T] product."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     prec = _precision(q.dtype)
-    seq, pos, valid = token_layout(md, num_tokens)
+    seq, pos, valid = token_layout(attn_metadata, num_tokens)
     init = _empty_softmax(num_tokens, num_kv_heads, group, head_dim)
     mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
     if sliding_window is not None:
@@ -237,7 +237,7 @@ def batch_invariant_attention(
     v: jax.Array,
     kv_cache: jax.Array,
     layer: int,
-    md: AttentionMetadata,
+    attn_metadata: AttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -257,14 +257,14 @@ def batch_invariant_attention(
     group = num_heads // num_kv_heads
     cols = max(1, CHUNK_TOKENS // block_size)
     chunk = cols * block_size
-    width = md.block_tables.shape[1]
+    width = attn_metadata.block_tables.shape[1]
     prec = _precision(q.dtype)
 
-    seq, pos, valid = token_layout(md, num_tokens)
-    q_start = md.query_start_loc[seq]
-    cached = md.seq_lens[seq] - (md.query_start_loc[seq + 1] - q_start)  # positions before this step's tokens
+    seq, pos, valid = token_layout(attn_metadata, num_tokens)
+    q_start = attn_metadata.query_start_loc[seq]
+    cached = attn_metadata.seq_lens[seq] - (attn_metadata.query_start_loc[seq + 1] - q_start)  # positions before this step's tokens
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    tables = jnp.pad(md.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]
+    tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]
     k_new, v_new = (jnp.pad(x, ((0, chunk), (0, 0), (0, 0))) for x in (k, v))
 
     def keys(i, kv: int, new):

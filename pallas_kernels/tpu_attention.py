@@ -113,14 +113,14 @@ def _kernel(
 def _index_maps(layer, pages_per_iter, cached_steps, width, block_size, new_per_iter, num_blocks):
     """BlockSpec index maps; each clamps to the last block its program needs so idle steps fetch nothing."""
 
-    def tile_info(tile, tile_seq, tile_start, tile_len, qsl, seq_lens):
+    def tile_info(tile, tile_seq, tile_start, tile_len, query_start_loc, seq_lens):
         seq = tile_seq[tile]
-        q_start, q_end = qsl[seq], qsl[seq + 1]
+        q_start, q_end = query_start_loc[seq], query_start_loc[seq + 1]
         return seq, q_start, seq_lens[seq] - (q_end - q_start), tile_start[tile] + tile_len[tile]
 
     def page(kv, p):
-        def index(tile, h, step, tile_seq, tile_start, tile_len, qsl, seq_lens, tables):
-            seq, _, cached, _ = tile_info(tile, tile_seq, tile_start, tile_len, qsl, seq_lens)
+        def index(tile, h, step, tile_seq, tile_start, tile_len, query_start_loc, seq_lens, tables):
+            seq, _, cached, _ = tile_info(tile, tile_seq, tile_start, tile_len, query_start_loc, seq_lens)
             last = jnp.maximum(_div(cached + pages_per_iter * block_size - 1, pages_per_iter * block_size) - 1, 0)
             col = jnp.minimum(jnp.minimum(step, cached_steps - 1), last) * pages_per_iter + p
             block = jnp.clip(tables[seq * width + col], 0, num_blocks - 1)
@@ -128,8 +128,8 @@ def _index_maps(layer, pages_per_iter, cached_steps, width, block_size, new_per_
 
         return index
 
-    def new_keys(tile, h, step, tile_seq, tile_start, tile_len, qsl, seq_lens, tables):
-        _, q_start, _, end = tile_info(tile, tile_seq, tile_start, tile_len, qsl, seq_lens)
+    def new_keys(tile, h, step, tile_seq, tile_start, tile_len, query_start_loc, seq_lens, tables):
+        _, q_start, _, end = tile_info(tile, tile_seq, tile_start, tile_len, query_start_loc, seq_lens)
         first, last = _div(q_start, new_per_iter), _div(jnp.maximum(end - 1, 0), new_per_iter)
         return h, jnp.clip(first + step - cached_steps, first, last), 0
 
@@ -143,7 +143,7 @@ def tpu_paged_attention(
     v: jax.Array,
     kv_cache: jax.Array,
     layer: int,
-    md: AttentionMetadata,
+    attn_metadata: AttentionMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -159,10 +159,10 @@ def tpu_paged_attention(
     group, group_pad, tokens_per_tile = shape.group, shape.group_pad, shape.tokens_per_tile
     rows, pages_per_iter = shape.rows, shape.pages_per_iter
 
-    seq, start, length = query_tiles(md.query_start_loc, num_tokens, tokens_per_tile)
+    seq, start, length = query_tiles(attn_metadata.query_start_loc, num_tokens, tokens_per_tile)
     num_tiles = seq.shape[0]
-    width = md.block_tables.shape[1] + (-md.block_tables.shape[1] % pages_per_iter)
-    tables = jnp.pad(md.block_tables, ((0, 0), (0, width - md.block_tables.shape[1]))).reshape(-1)
+    width = attn_metadata.block_tables.shape[1] + (-attn_metadata.block_tables.shape[1] % pages_per_iter)
+    tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, width - attn_metadata.block_tables.shape[1]))).reshape(-1)
     cached_steps = width // pages_per_iter
     new_steps = -(-num_tokens // NEW_KEYS_PER_ITER) + 1  # aligned tiles a ragged run of <= T keys can touch
 
@@ -211,18 +211,18 @@ def tpu_paged_attention(
         interpret=interpret,
         name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}",
     )(
-        seq, start, length, md.query_start_loc, md.seq_lens, tables,
+        seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
         q_tiles, *([kv_cache] * (2 * pages_per_iter)), kn, vn, slopes,
     )  # fmt: skip
 
     # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.
     rows_idx = jnp.arange(num_tokens, dtype=jnp.int32)
-    qsl = md.query_start_loc
-    tok_seq = jnp.minimum(jnp.searchsorted(qsl[1:], rows_idx, side="right"), qsl.shape[0] - 2)
-    valid = rows_idx < qsl[-1]
-    per_seq = (qsl[1:] - qsl[:-1] + tokens_per_tile - 1) // tokens_per_tile
+    query_start_loc = attn_metadata.query_start_loc
+    tok_seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], rows_idx, side="right"), query_start_loc.shape[0] - 2)
+    valid = rows_idx < query_start_loc[-1]
+    per_seq = (query_start_loc[1:] - query_start_loc[:-1] + tokens_per_tile - 1) // tokens_per_tile
     first_tile = jnp.cumsum(per_seq) - per_seq
-    offset = rows_idx - qsl[tok_seq]
+    offset = rows_idx - query_start_loc[tok_seq]
     tile_of = jnp.clip(first_tile[tok_seq] + offset // tokens_per_tile, 0, num_tiles - 1)
     out = out_tiles.reshape(num_tiles, num_kv_heads, tokens_per_tile, group_pad, head_dim)
     out = out[tile_of, :, offset % tokens_per_tile, :group]  # [T, H_kv, G, D]

@@ -61,10 +61,10 @@ def make_step(rng, *, q_lens, seq_lens, heads, kv_heads, head_dim, block_size, d
     for i, nb in enumerate(blocks):
         tables[i, :nb] = ids[start : start + nb]
         start += nb
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    tokens = int(qsl[-1])
-    md = AttentionMetadata(
-        jnp.full((tokens,), -1, jnp.int32), jnp.asarray(tables), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(qsl)
+    query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tokens = int(query_start_loc[-1])
+    attn_metadata = AttentionMetadata(
+        jnp.full((tokens,), -1, jnp.int32), jnp.asarray(tables), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(query_start_loc)
     )
     key = jax.random.key(0)
     kq, kk, kv, kc = jax.random.split(key, 4)
@@ -74,7 +74,7 @@ def make_step(rng, *, q_lens, seq_lens, heads, kv_heads, head_dim, block_size, d
     cache = jax.random.normal(kc, kv_cache_shape(1, kv_heads, num_blocks, block_size, head_dim), dtype)
     cached_tokens = sum(n - ql for n, ql in zip(seq_lens, q_lens))
     kv_bytes = 2 * cached_tokens * kv_heads * head_dim * jnp.dtype(dtype).itemsize
-    return (q, k, v, cache, md), kv_bytes
+    return (q, k, v, cache, attn_metadata), kv_bytes
 
 
 def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_size, dtype, backends, iters, bandwidth):
@@ -87,7 +87,7 @@ def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_si
            "head_dim": head_dim, "block_size": block_size, "dtype": jnp.dtype(dtype).name, "kv_bytes": kv_bytes}  # fmt: skip
     for backend in backends:
         fn = jax.jit(
-            lambda q, k, v, c, md, b=backend: paged_attention(q, k, v, c, 0, md, scale=head_dim**-0.5, backend=b)
+            lambda q, k, v, c, attn_metadata, b=backend: paged_attention(q, k, v, c, 0, attn_metadata, scale=head_dim**-0.5, backend=b)
         )
         seconds = _time(fn, *args, iters=iters)
         row[f"{backend}_ms"] = seconds * 1e3

@@ -86,12 +86,12 @@ def device_step_seconds(engine, batch: int, ctx: int, repeats: int = 10) -> floa
     _, s = runner.bucket_for(batch)
     step = runner.blank_step(batch, engine._blank_sampling(s, runner.history_width))
     # a realistic decode: every row reads a context of ~ the workload's length
-    md = step.attention
+    attn_metadata = step.attention
     blocks = -(-ctx // runner.block_size)
-    md.block_tables[:batch, :blocks] = np.arange(batch * blocks).reshape(batch, blocks) % runner.num_blocks
-    md.seq_lens[:batch] = ctx
-    md.query_start_loc[: batch + 1] = np.arange(batch + 1)
-    md.query_start_loc[batch + 1 :] = batch
+    attn_metadata.block_tables[:batch, :blocks] = np.arange(batch * blocks).reshape(batch, blocks) % runner.num_blocks
+    attn_metadata.seq_lens[:batch] = ctx
+    attn_metadata.query_start_loc[: batch + 1] = np.arange(batch + 1)
+    attn_metadata.query_start_loc[batch + 1 :] = batch
     step.logit_rows[:batch] = np.arange(batch)
     times = []
     for _ in range(repeats + 2):

@@ -15,7 +15,7 @@ class Case:
     k: jnp.ndarray  # [T, H_kv, D] this step's keys
     v: jnp.ndarray
     kv_cache: jnp.ndarray  # one layer, kv_cache_shape(1, ...), this step's K/V not yet written
-    md: AttentionMetadata
+    attn_metadata: AttentionMetadata
     num_real_tokens: int
 
 
@@ -44,16 +44,16 @@ def random_case(
     for i, nb in enumerate(blocks_needed):
         tables[i, :nb] = ids[start : start + nb]
         start += nb
-    qsl = np.zeros(num_seqs + 1, np.int32)
-    qsl[1 : len(q_lens) + 1] = np.cumsum(q_lens)
-    qsl[len(q_lens) + 1 :] = qsl[len(q_lens)]
-    real = int(qsl[-1])
+    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    query_start_loc[1 : len(q_lens) + 1] = np.cumsum(q_lens)
+    query_start_loc[len(q_lens) + 1 :] = query_start_loc[len(q_lens)]
+    real = int(query_start_loc[-1])
     total = real + padded_tokens
     slots = np.full(total, -1, np.int32)
     for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         for j in range(ql):
             p = n - ql + j
-            slots[qsl[i] + j] = tables[i, p // block_size] * block_size + p % block_size
+            slots[query_start_loc[i] + j] = tables[i, p // block_size] * block_size + p % block_size
     lens = np.zeros(num_seqs, np.int32)
     lens[: len(seq_lens)] = seq_lens
     shape = kv_cache_shape(1, num_kv_heads, num_blocks, block_size, head_dim)
@@ -62,6 +62,6 @@ def random_case(
         k=jnp.asarray(rng.normal(size=(total, num_kv_heads, head_dim)), dtype),
         v=jnp.asarray(rng.normal(size=(total, num_kv_heads, head_dim)), dtype),
         kv_cache=jnp.asarray(rng.normal(size=shape), dtype),
-        md=AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(qsl)),
+        attn_metadata=AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(query_start_loc)),
         num_real_tokens=real,
     )

@@ -37,13 +37,13 @@ class StaticBatchRunner:
         self._model_step = jax.jit(self._model_step_impl)
         self._write_kv = jax.jit(write_kv, donate_argnums=(0,))
 
-    def _forward(self, state, kv_cache, ids, positions, md, logit_rows, temperature, key):
-        logits, tokens, new_kv = self._model_step(state, kv_cache, ids, positions, md, logit_rows, temperature, key)
-        return logits, tokens, self._write_kv(kv_cache, new_kv, md.slot_mapping)
+    def _forward(self, state, kv_cache, ids, positions, attn_metadata, logit_rows, temperature, key):
+        logits, tokens, new_kv = self._model_step(state, kv_cache, ids, positions, attn_metadata, logit_rows, temperature, key)
+        return logits, tokens, self._write_kv(kv_cache, new_kv, attn_metadata.slot_mapping)
 
-    def _model_step_impl(self, state, kv_cache, ids, positions, md, logit_rows, temperature, key):
+    def _model_step_impl(self, state, kv_cache, ids, positions, attn_metadata, logit_rows, temperature, key):
         model = nnx.merge(self.graphdef, state)
-        hidden, new_kv = model.forward(ids, positions, kv_cache, md)
+        hidden, new_kv = model.forward(ids, positions, kv_cache, attn_metadata)
         logits = model.compute_logits(hidden[logit_rows])
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         scaled = logits / jnp.maximum(temperature, 1e-6)
@@ -62,20 +62,20 @@ class StaticBatchRunner:
         ids = np.zeros(padded, np.int32)
         positions = np.zeros(padded, np.int32)
         slots = np.full(padded, -1, np.int32)
-        qsl = np.zeros(len(prompts) + 1, np.int32)
-        qsl[1:] = np.cumsum(lens)
+        query_start_loc = np.zeros(len(prompts) + 1, np.int32)
+        query_start_loc[1:] = np.cumsum(lens)
         for i, prompt in enumerate(prompts):
-            start = qsl[i]
+            start = query_start_loc[i]
             ids[start : start + lens[i]] = prompt
             positions[start : start + lens[i]] = np.arange(lens[i])
             slots[start : start + lens[i]] = i * width * self.block_size + np.arange(lens[i])
-        md = AttentionMetadata(
+        attn_metadata = AttentionMetadata(
             slot_mapping=jnp.asarray(slots),
             block_tables=jnp.arange(len(prompts) * width, dtype=jnp.int32).reshape(len(prompts), width),
             seq_lens=jnp.asarray(lens),
-            query_start_loc=jnp.asarray(qsl),
+            query_start_loc=jnp.asarray(query_start_loc),
         )
-        return jnp.asarray(ids), jnp.asarray(positions), md, total, qsl
+        return jnp.asarray(ids), jnp.asarray(positions), attn_metadata, total, query_start_loc
 
     def _check(self, prompts, max_new_tokens=0):
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -94,13 +94,13 @@ class StaticBatchRunner:
         """Float32 logits at every prompt position, all prompts in one ragged step."""
         self._check(prompts)
         width = -(-max(len(p) for p in prompts) // self.block_size)
-        ids, positions, md, total, qsl = self._prefill_inputs(prompts, width)
+        ids, positions, attn_metadata, total, query_start_loc = self._prefill_inputs(prompts, width)
         rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
         logits, _, _ = self._forward(
-            self.state, self._kv_cache(len(prompts), width), ids, positions, md, rows, 0.0, jax.random.key(0)
+            self.state, self._kv_cache(len(prompts), width), ids, positions, attn_metadata, rows, 0.0, jax.random.key(0)
         )
         logits = np.asarray(logits)
-        return [logits[qsl[i] : qsl[i + 1]] for i in range(len(prompts))]
+        return [logits[query_start_loc[i] : query_start_loc[i + 1]] for i in range(len(prompts))]
 
     def generate(
         self,
@@ -128,21 +128,21 @@ class StaticBatchRunner:
         width = -(-int((lens + max_new_tokens).max()) // self.block_size)
         kv = self._kv_cache(n, width)
         key = jax.random.key(seed)
-        ids, positions, md, _, qsl = self._prefill_inputs(prompts, width)
+        ids, positions, attn_metadata, _, query_start_loc = self._prefill_inputs(prompts, width)
         key, sub = jax.random.split(key)
-        last = jnp.asarray(qsl[1:] - 1)
+        last = jnp.asarray(query_start_loc[1:] - 1)
         if return_prompt_logits:
             rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
-            logits, tokens, kv = self._forward(self.state, kv, ids, positions, md, rows, temperature, sub)
+            logits, tokens, kv = self._forward(self.state, kv, ids, positions, attn_metadata, rows, temperature, sub)
             logits, tokens = np.asarray(logits), tokens[last]
-            prompt_logits = [logits[qsl[i] : qsl[i + 1]] for i in range(n)]
+            prompt_logits = [logits[query_start_loc[i] : query_start_loc[i + 1]] for i in range(n)]
         else:
-            _, tokens, kv = self._forward(self.state, kv, ids, positions, md, last, temperature, sub)
+            _, tokens, kv = self._forward(self.state, kv, ids, positions, attn_metadata, last, temperature, sub)
 
         outputs: list[list[int]] = [[] for _ in range(n)]
         done = np.zeros(n, bool)
         stops = set(stop_token_ids)
-        tables = md.block_tables
+        tables = attn_metadata.block_tables
         decode_qsl = jnp.arange(n + 1, dtype=jnp.int32)
         rows = jnp.arange(n, dtype=jnp.int32)
         for step in range(max_new_tokens):
@@ -158,12 +158,12 @@ class StaticBatchRunner:
             if done.all():
                 break
             pos = lens + step  # position of the token being fed
-            md = AttentionMetadata(
+            attn_metadata = AttentionMetadata(
                 slot_mapping=jnp.asarray(np.arange(n, dtype=np.int32) * width * self.block_size + pos),
                 block_tables=tables,
                 seq_lens=jnp.asarray(pos + 1),
                 query_start_loc=decode_qsl,
             )
             key, sub = jax.random.split(key)
-            _, tokens, kv = self._forward(self.state, kv, tokens, jnp.asarray(pos), md, rows, temperature, sub)
+            _, tokens, kv = self._forward(self.state, kv, tokens, jnp.asarray(pos), attn_metadata, rows, temperature, sub)
         return (outputs, prompt_logits) if return_prompt_logits else outputs

@@ -35,8 +35,8 @@ PLACEHOLDER = -1  # an output token sampled by a step still running on the devic
 @dataclasses.dataclass(eq=False)
 class Request:
     seq_id: str
-    group: RequestGroup
-    index: int  # which of the group's n samples
+    parent: ParentRequest  # the user's request: its n samples or its beams
+    index: int  # which of the parent's n samples
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
@@ -51,7 +51,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; None for the first
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    hold_at: int | None = None  # n > 1: compute no further until the group's other samples fork from here
+    hold_at: int | None = None  # n > 1: compute no further until the parent's other samples fork from here
     _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     beam_top: tuple | None = None  # beam search: (top ids, top logprobs) of the next position, once computed
     num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
@@ -112,7 +112,7 @@ class Request:
 
 
 @dataclasses.dataclass(eq=False)
-class RequestGroup:
+class ParentRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

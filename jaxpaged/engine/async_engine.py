@@ -252,7 +252,7 @@ class AsyncLLMEngine:
                 if self._outbox:  # aborts: their final outputs (and freed blocks) go out before the next step
                     self._publish()
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    self._route_outputs(self.engine.step())
                 self._publish()
         except BaseException as exc:
             logger.exception("the engine loop died")
@@ -300,7 +300,7 @@ class AsyncLLMEngine:
         return prompt, params
 
     def _waiting_requests(self) -> int:
-        return len({seq.group.request_id for seq in self.engine.scheduler.waiting})
+        return len({seq.parent.request_id for seq in self.engine.scheduler.waiting})
 
     def _add(self, requests, streams, loop, done) -> None:
         added: list[str] = []
@@ -330,9 +330,9 @@ class AsyncLLMEngine:
         group = self.engine.groups.get(request_id)
         if group is None or not self.engine.abort_request(request_id):
             return
-        self._dispatch([group.output()])
+        self._route_outputs([group.output()])
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _route_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         stats = self._pending
         for out in outputs:

@@ -22,7 +22,7 @@ from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_manager import KVCacheManager, blocks_for
-from jaxpaged.core.request import PLACEHOLDER, Request, RequestGroup, RequestStatus
+from jaxpaged.core.request import PLACEHOLDER, Request, ParentRequest, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
@@ -84,7 +84,7 @@ class LLMEngine:
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.groups: dict[str, RequestGroup] = {}
+        self.groups: dict[str, ParentRequest] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         logger.info(
@@ -155,7 +155,7 @@ class LLMEngine:
                 f"prompt plus max_tokens needs {need} KV blocks but the whole pool has {self.pool.num_blocks}; "
                 "raise num_kv_blocks or lower max_tokens"
             )
-        group = RequestGroup(request_id, text, ids, params)
+        group = ParentRequest(request_id, text, ids, params)
         if params.use_beam_search:
             self._add_beam_search(group, max_tokens)
             self.groups[request_id] = group
@@ -173,7 +173,7 @@ class LLMEngine:
                     min_tokens=params.min_tokens,
                 )
             seq = Request(
-                seq_id=f"{request_id}#{index}", group=group, index=index, prompt_token_ids=ids, params=params,
+                seq_id=f"{request_id}#{index}", parent=group, index=index, prompt_token_ids=ids, params=params,
                 max_tokens=max_tokens, seed=(base_seed + index) % 2**63, detokenizer=detok,
                 logprobs=[] if params.logprobs is not None else None,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
@@ -187,7 +187,7 @@ class LLMEngine:
         self.groups[request_id] = group
         return request_id
 
-    def _add_beam_search(self, group: RequestGroup, max_tokens: int) -> None:
+    def _add_beam_search(self, group: ParentRequest, max_tokens: int) -> None:
         params = group.params
         eos = [] if params.ignore_eos else self.eos_token_ids
         search = BeamSearch(params.best_of, max_tokens, eos, params.length_penalty, params.early_stopping)
@@ -203,18 +203,18 @@ class LLMEngine:
         search.running = [root]
         self.scheduler.add(root)
 
-    def _beam_sequence(self, group: RequestGroup, number: int, outputs: list[int], num_computed: int) -> Request:
+    def _beam_sequence(self, group: ParentRequest, number: int, outputs: list[int], num_computed: int) -> Request:
         """A running beam: a plain sequence asking for its next position's top candidates, never sampled from."""
         search = group.beam
         row_params = SamplingParams(temperature=0.0, max_tokens=search.max_tokens, logprobs=search.num_candidates,
                                     ignore_eos=True)  # fmt: skip
         return Request(
-            seq_id=f"{group.request_id}#beam{number}", group=group, index=0, prompt_token_ids=group.prompt_token_ids,
+            seq_id=f"{group.request_id}#beam{number}", parent=group, index=0, prompt_token_ids=group.prompt_token_ids,
             params=row_params, max_tokens=search.max_tokens, seed=0, detokenizer=None, output_token_ids=outputs,
             num_computed_tokens=num_computed,
         )  # fmt: skip
 
-    def _advance_beams(self, group: RequestGroup) -> None:
+    def _advance_beams(self, group: ParentRequest) -> None:
         """Every running beam has its candidates: pick the next beams, fork them from their parents, free the rest."""
         search = group.beam
         parents = search.running
@@ -257,7 +257,7 @@ class LLMEngine:
         slots = np.full(t, -1, np.int32)
         tables = np.zeros((s, self.runner.table_width), np.int32)
         seq_lens = np.zeros(s, np.int32)
-        qsl = np.zeros(s + 1, np.int32)
+        query_start_loc = np.zeros(s + 1, np.int32)
         logit_rows = np.zeros(s, np.int32)
         prompt_next = prev_rows = None
         rows = []
@@ -279,13 +279,13 @@ class LLMEngine:
                 prompt_next[cursor : cursor + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
             seq_lens[j] = start + n
             cursor += n
-            qsl[j + 1] = cursor
+            query_start_loc[j + 1] = cursor
             logit_rows[j] = cursor - 1
             rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.seed, self.eos_token_ids))
-        qsl[len(sched.scheduled) + 1 :] = cursor
+        query_start_loc[len(sched.scheduled) + 1 :] = cursor
         sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress)
-        md = AttentionMetadata(slots, tables, seq_lens, qsl)
-        return StepInputs(ids, positions, md, logit_rows, sampling, prompt_next, prev_rows)
+        attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
+        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: returns the outputs of every request that progressed or finished."""
@@ -298,15 +298,15 @@ class LLMEngine:
     def _fork_ready(self) -> bool:
         """Fork the held samples of every first sample that has computed its prompt but the last token."""
         forked = False
-        for parent in self.scheduler.running:
-            if parent.hold_at is None or parent.num_computed_tokens < parent.hold_at:
+        for first in self.scheduler.running:
+            if first.hold_at is None or first.num_computed_tokens < first.hold_at:
                 continue
-            children = parent.group.unforked
+            children = first.parent.unforked
             for child in children:
-                self.kv.fork(parent.seq_id, child.seq_id)
-                child.num_computed_tokens = parent.num_computed_tokens
+                self.kv.fork(first.seq_id, child.seq_id)
+                child.num_computed_tokens = first.num_computed_tokens
             self.scheduler.add_forked(children)
-            parent.group.unforked, parent.hold_at, forked = [], None, True
+            first.parent.unforked, first.hold_at, forked = [], None, True
         return forked
 
     def _step(self) -> list[RequestOutput]:
@@ -349,7 +349,7 @@ class LLMEngine:
         for j, item in enumerate(sched.scheduled):
             req = item.request
             req.num_computed_tokens += item.num_tokens
-            if item.samples and req.group.beam is None:
+            if item.samples and req.parent.beam is None:
                 req.output_token_ids.append(PLACEHOLDER)
                 req.num_in_flight += 1
                 sampled_rows[req] = j
@@ -357,8 +357,8 @@ class LLMEngine:
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         result = step.dispatched.fetch()
-        touched: dict[str, RequestGroup] = {}
-        beam_groups: dict[str, RequestGroup] = {}
+        touched: dict[str, ParentRequest] = {}
+        beam_groups: dict[str, ParentRequest] = {}
         cursor = 0
         for j, item in enumerate(step.sched.scheduled):
             req, row = item.request, cursor
@@ -371,13 +371,13 @@ class LLMEngine:
             self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)
             if not item.samples:
                 continue
-            if req.group.beam is not None:
-                k = req.group.beam.num_candidates
+            if req.parent.beam is not None:
+                k = req.parent.beam.num_candidates
                 req.beam_top = (result.top_ids[j, :k], result.top_logprobs[j, :k])
-                beam_groups[req.group.request_id] = req.group
+                beam_groups[req.parent.request_id] = req.parent
                 continue
             self._append_token(req, int(result.tokens[j]), result, j)
-            touched[req.group.request_id] = req.group
+            touched[req.parent.request_id] = req.parent
         for group in beam_groups.values():
             if all(seq.beam_top is not None for seq in group.beam.running):
                 self._advance_beams(group)

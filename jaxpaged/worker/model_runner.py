@@ -197,11 +197,11 @@ class ModelRunner:
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _step_impl(self, state, kv_cache, input_ids, positions, md, logit_rows, smd, prompt_next_ids, prev_sampled, prev_rows):
+    def _step_impl(self, state, kv_cache, input_ids, positions, attn_metadata, logit_rows, sampling_metadata, prompt_next_ids, prev_sampled, prev_rows):
         # Inputs sampled by the previous step come from its device output: the host never waited for them.
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
-        hidden, new_kv = model.forward(input_ids, positions, kv_cache, md)
+        hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
         logits = model.compute_logits(hidden[logit_rows])
         t, k = input_ids.shape[0], NUM_TOP_LOGPROBS
         blank = (jnp.zeros(t), jnp.zeros(t, jnp.int32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k)))
@@ -210,7 +210,7 @@ class ModelRunner:
             lambda: prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids),
             lambda: blank,
         )
-        out = sample(logits, smd)
+        out = sample(logits, sampling_metadata)
         sampled = jnp.zeros(prev_sampled.shape, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
         return out, prompt, sampled, new_kv
 
@@ -221,13 +221,13 @@ class ModelRunner:
                 return b, min(b, self.config.max_num_seqs)
         raise ValueError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens ({self.buckets[-1]})")
 
-    def _history(self, smd: SamplingMetadata) -> jax.Array | np.ndarray:
+    def _history(self, sampling_metadata: SamplingMetadata) -> jax.Array | np.ndarray:
         """Penalty-free steps reuse one device-resident blank history instead of sending a new one."""
-        if bool(smd.any_penalty):
-            return smd.history
-        rows = smd.history.shape[0]
+        if bool(sampling_metadata.any_penalty):
+            return sampling_metadata.history
+        rows = sampling_metadata.history.shape[0]
         if rows not in self._blank_history:
-            self._blank_history[rows] = jax.device_put(smd.history)
+            self._blank_history[rows] = jax.device_put(sampling_metadata.history)
         return self._blank_history[rows]
 
     def _on_mesh(self):
@@ -266,11 +266,11 @@ class ModelRunner:
 
     def _step_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
         t = step.input_ids.shape[0]
-        smd = dataclasses.replace(step.sampling, history=self._history(step.sampling))
+        sampling_metadata = dataclasses.replace(step.sampling, history=self._history(step.sampling))
         next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else self._all_minus_one(t)
         prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
         return (
-            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, smd,
+            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, sampling_metadata,
             next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
         )  # fmt: skip
 
@@ -324,13 +324,13 @@ class ModelRunner:
     def blank_step(self, num_tokens: int, sampling: SamplingMetadata) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
         t, s = self.bucket_for(num_tokens)
-        md = AttentionMetadata(
+        attn_metadata = AttentionMetadata(
             slot_mapping=np.full(t, -1, np.int32),
             block_tables=np.zeros((s, self.table_width), np.int32),
             seq_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
         )
-        return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), md, np.zeros(s, np.int32), sampling)
+        return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
     def warmup(self, blank_sampling) -> float:
         """Compile (or load) every bucket now, so serving never compiles; nothing when precompile is off."""

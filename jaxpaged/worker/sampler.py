@@ -79,15 +79,15 @@ def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
     return logits.at[rows, _row_ids(suppress_ids, logits.shape[1])].set(-jnp.inf, mode="drop")
 
 
-def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+def apply_penalties(logits: jax.Array, attn_metadata: SamplingMetadata) -> jax.Array:
     """Repetition (prompt and output tokens, as HF and vLLM), then presence and frequency (output only).
 
     Always does the work; `sample` calls it only when some row has a penalty.
     """
     num_rows, vocab = logits.shape
     rows = jnp.arange(num_rows)[:, None]
-    in_prompt = jnp.arange(md.history.shape[1])[None, :] < md.prompt_lens[:, None]
-    ids = _row_ids(md.history, vocab)
+    in_prompt = jnp.arange(attn_metadata.history.shape[1])[None, :] < attn_metadata.prompt_lens[:, None]
+    ids = _row_ids(attn_metadata.history, vocab)
     prompt_counts = jnp.zeros((num_rows, vocab), jnp.int32).at[rows, jnp.where(in_prompt, ids, vocab)].add(
         1, mode="drop"
     )
@@ -95,10 +95,10 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
         1, mode="drop"
     )
     seen = (prompt_counts + output_counts) > 0
-    rep = md.repetition_penalty[:, None]
+    rep = attn_metadata.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - md.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
-    return logits - md.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
+    logits = logits - attn_metadata.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+    return logits - attn_metadata.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
 
 
 def apply_top_k_top_p_min_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -180,7 +180,7 @@ def _no_logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
     return (jnp.zeros(tokens.shape, jnp.float32), *_no_top_logprobs(raw_logits))
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+def sample(logits: jax.Array, attn_metadata: SamplingMetadata) -> SamplerOutput:
     """Next token of every row: suppress -> repetition -> presence/frequency -> (greedy argmax)
     -> temperature -> top-k -> top-p -> min-p -> Gumbel-max. `logits` is [S, V] float32.
 
@@ -189,26 +189,26 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """
     raw = logits.astype(jnp.float32)
     logits = jax.lax.cond(
-        jnp.any(md.suppress_ids >= 0), lambda x: apply_suppression(x, md.suppress_ids), lambda x: x, raw
+        jnp.any(attn_metadata.suppress_ids >= 0), lambda x: apply_suppression(x, attn_metadata.suppress_ids), lambda x: x, raw
     )
-    logits = jax.lax.cond(md.any_penalty, apply_penalties, lambda x, _: x, logits, md)
+    logits = jax.lax.cond(attn_metadata.any_penalty, apply_penalties, lambda x, _: x, logits, attn_metadata)
     greedy_tokens = first_argmax(logits)
 
-    greedy = md.temperature < _GREEDY_EPS
+    greedy = attn_metadata.temperature < _GREEDY_EPS
 
     def random_tokens(x: jax.Array) -> jax.Array:
-        x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
+        x = x / jnp.where(greedy, 1.0, attn_metadata.temperature)[:, None]
         x = jax.lax.cond(
-            md.any_top, lambda y: apply_top_k_top_p_min_p(y, md.top_k, md.top_p, md.min_p), lambda y: y, x
+            attn_metadata.any_top, lambda y: apply_top_k_top_p_min_p(y, attn_metadata.top_k, attn_metadata.top_p, attn_metadata.min_p), lambda y: y, x
         )
-        return _gumbel_argmax(x, md.seeds, md.step_index)
+        return _gumbel_argmax(x, attn_metadata.seeds, attn_metadata.step_index)
 
     # An all-greedy batch (the common serving default) draws no noise at all.
     sampled = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, random_tokens, logits)
     tokens = jnp.where(greedy, greedy_tokens, sampled)
 
     logprobs, top_ids, top_logprobs = jax.lax.cond(
-        md.want_logprobs, _logprob_outputs, _no_logprob_outputs, raw, tokens
+        attn_metadata.want_logprobs, _logprob_outputs, _no_logprob_outputs, raw, tokens
     )
     return SamplerOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpaged.core.request import Request, RequestGroup, RequestStatus
+from jaxpaged.core.request import Request, ParentRequest, RequestStatus
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ class FakeKV:
 
 def _request(name: str, prompt_len: int, max_tokens: int) -> Request:
     params = SamplingParams(max_tokens=max_tokens)
-    group = RequestGroup(name, None, list(range(prompt_len)), params)
+    group = ParentRequest(name, None, list(range(prompt_len)), params)
     req = Request(name, group, 0, list(range(prompt_len)), params, max_tokens, seed=0, detokenizer=None)
     group.sequences.append(req)
     return req

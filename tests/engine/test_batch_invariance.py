@@ -26,11 +26,11 @@ def model_dir(tmp_path_factory):
 def test_invariant_attention_equals_the_definition():
     case = random_case(np.random.default_rng(0), seq_lens=[37, 5, 300, 129], q_lens=[1, 5, 40, 1], num_heads=8,
                        num_kv_heads=2, head_dim=32, block_size=16)  # fmt: skip
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     for window in (None, 9):
-        want = naive_paged_attention(case.q, written, 0, case.md, scale=0.2, sliding_window=window)
-        got = jax.jit(lambda q, k, v, c, md, w=window: reference_paged_attention(
-            q, k, v, c, 0, md, scale=0.2, sliding_window=w, batch_invariant=True))(case.q, case.k, case.v, case.kv_cache, case.md)  # fmt: skip
+        want = naive_paged_attention(case.q, written, 0, case.attn_metadata, scale=0.2, sliding_window=window)
+        got = jax.jit(lambda q, k, v, c, attn_metadata, w=window: reference_paged_attention(
+            q, k, v, c, 0, attn_metadata, scale=0.2, sliding_window=w, batch_invariant=True))(case.q, case.k, case.v, case.kv_cache, case.attn_metadata)  # fmt: skip
         n = case.num_real_tokens
         np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
 

@@ -41,19 +41,19 @@ def test_the_cache_is_read_in_place():
     attention is all in the kernel (no matmul in XLA)."""
     shape = kv_cache_shape(4, 2, 512, 16, 64)
     tokens, seqs, width = 64, 64, 32
-    md = AttentionMetadata(
+    attn_metadata = AttentionMetadata(
         *(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((tokens,), (seqs, width), (seqs,), (seqs + 1,)))
     )
     q = jax.ShapeDtypeStruct((tokens, 4, 64), jnp.float32)
     kv = jax.ShapeDtypeStruct((tokens, 2, 64), jnp.float32)
 
-    def layers(q, k, v, cache, md):
+    def layers(q, k, v, cache, attn_metadata):
         for layer in range(shape[0]):
-            q = paged_attention(q, k, v, cache, layer, md, scale=0.125, backend="native")
+            q = paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125, backend="native")
         return q
 
     cache = jax.ShapeDtypeStruct(shape, jnp.float32)
-    hlo = jax.jit(layers).lower(q, kv, kv, cache, md).compile().as_text()
+    hlo = jax.jit(layers).lower(q, kv, kv, cache, attn_metadata).compile().as_text()
     full = "f32[" + ",".join(map(str, shape)) + "]"
     assert hlo.count(cpu_attention.TARGET) >= shape[0]
     made = [line for line in hlo.splitlines() if "=" in line and line.split("=", 1)[1].strip().startswith(full)]
@@ -72,14 +72,14 @@ def _decode_batch_against_the_reference(monkeypatch=None, target=None):
     lens = rng.integers(1, 400, seqs).astype(np.int32)
     width = int(-(-lens.max() // bs))
     tables = rng.permutation(num_blocks)[: seqs * width].reshape(seqs, width).astype(np.int32)
-    md = AttentionMetadata(
+    attn_metadata = AttentionMetadata(
         jnp.zeros(seqs, jnp.int32), jnp.asarray(tables), jnp.asarray(lens), jnp.arange(seqs + 1, dtype=jnp.int32)
     )
     q = jnp.asarray(rng.normal(size=(seqs, heads, dim)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(seqs, kv_heads, dim)), jnp.float32) for _ in range(2))
     for layer in range(layers):
-        got = cpu_attention.cpu_paged_attention(q, k, v, cache, layer, md, scale=0.125)
-        want = reference_paged_attention(q, k, v, cache, layer, md, scale=0.125)
+        got = cpu_attention.cpu_paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125)
+        want = reference_paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=0)
 
 

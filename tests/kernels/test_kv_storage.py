@@ -25,16 +25,16 @@ def test_cpu_stores_16_bit_floats_as_bits_and_reads_them_back_exactly(dtype):
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(as_bits, dtype)), np.asarray(as_floats))
     # attention over either cache gives the same bits
     q = jnp.asarray(rng.normal(size=(1, 4, 16)), dtype)
-    md = AttentionMetadata(
+    attn_metadata = AttentionMetadata(
         slot_mapping=jnp.asarray([10], jnp.int32), block_tables=jnp.asarray([[0, 3, 2]], jnp.int32),
         seq_lens=jnp.asarray([11], jnp.int32), query_start_loc=jnp.asarray([0, 1], jnp.int32),
     )
     k_new, v_new = new[3:4, 0, 0], new[3:4, 0, 1]
-    outs = [paged_attention(q, k_new, v_new, cache, 0, md, scale=0.25) for cache in (as_bits, as_floats)]
+    outs = [paged_attention(q, k_new, v_new, cache, 0, attn_metadata, scale=0.25) for cache in (as_bits, as_floats)]
     np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
     assert not np.allclose(np.asarray(outs[0], np.float32), 0)
-    with_new = write_kv(as_floats, new[3:4], md.slot_mapping)  # the naive form reads this step's K/V from the cache
-    ref = naive_paged_attention(q, with_new, 0, md, scale=0.25)
+    with_new = write_kv(as_floats, new[3:4], attn_metadata.slot_mapping)  # the naive form reads this step's K/V from the cache
+    ref = naive_paged_attention(q, with_new, 0, attn_metadata, scale=0.25)
     np.testing.assert_allclose(np.asarray(outs[0], np.float32), np.asarray(ref, np.float32), atol=2e-2)
 
 

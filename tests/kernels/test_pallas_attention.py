@@ -55,13 +55,13 @@ CASES = [
 
 
 def _expected(case, **kw):
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     f32 = lambda x: x.astype(jnp.float32)
-    return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.md, **kw))
+    return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, **kw))
 
 
 def _check(kernel, case, atol, **kw):
-    got = kernel(case.q, case.k, case.v, case.kv_cache, 0, case.md, **kw)
+    got = kernel(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, **kw)
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     n = case.num_real_tokens
     got = np.asarray(got.astype(jnp.float32))
@@ -142,7 +142,7 @@ def test_unsupported_head_dim_is_a_clear_error(kernel):
     case = random_case(np.random.default_rng(0), seq_lens=[4], q_lens=[4], num_heads=2, num_kv_heads=1, head_dim=80,
                        block_size=8)  # fmt: skip
     with pytest.raises(ValueError, match="head_dim=80"):
-        KERNELS[kernel](case.q, case.k, case.v, case.kv_cache, 0, case.md, scale=1.0)
+        KERNELS[kernel](case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, scale=1.0)
 
 
 def test_backend_resolution():
@@ -173,16 +173,16 @@ LOWERINGS = [
 
 def _export(kernel, platform, dtype, block_size, head_dim, **checks):
     tokens, seqs, width, blocks, heads, kv_heads = 64, 32, 16, 256, 32, 8
-    md = AttentionMetadata(
+    attn_metadata = AttentionMetadata(
         _sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32), _sd((seqs + 1,), jnp.int32)
     )
     alibi = jnp.linspace(0.5, 0.01, heads, dtype=jnp.float32) if block_size == 16 else None  # with and without
     fn = jax.jit(
-        lambda q, k, v, c, md: kernel(q, k, v, c, 1, md, scale=0.1, sliding_window=64, soft_cap=30.0, alibi_slopes=alibi)
+        lambda q, k, v, c, attn_metadata: kernel(q, k, v, c, 1, attn_metadata, scale=0.1, sliding_window=64, soft_cap=30.0, alibi_slopes=alibi)
     )
     exported = export.export(fn, platforms=[platform], **checks)(
         _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
-        _sd((tokens, kv_heads, head_dim), dtype), _sd((2, 2, blocks, kv_heads, block_size, head_dim), dtype), md,
+        _sd((tokens, kv_heads, head_dim), dtype), _sd((2, 2, blocks, kv_heads, block_size, head_dim), dtype), attn_metadata,
     )  # fmt: skip
     return exported.mlir_module()
 

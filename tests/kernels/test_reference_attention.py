@@ -31,10 +31,10 @@ def test_reference_equals_naive(shape, block_size, heads):
     case = random_case(
         rng, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=32, block_size=block_size
     )
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
-    want = naive_paged_attention(case.q, written, 0, case.md, scale=0.2)
-    attend = jax.jit(lambda q, k, v, cache, md: reference_paged_attention(q, k, v, cache, 0, md, scale=0.2))
-    got = attend(case.q, case.k, case.v, case.kv_cache, case.md)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
+    want = naive_paged_attention(case.q, written, 0, case.attn_metadata, scale=0.2)
+    attend = jax.jit(lambda q, k, v, cache, attn_metadata: reference_paged_attention(q, k, v, cache, 0, attn_metadata, scale=0.2))
+    got = attend(case.q, case.k, case.v, case.kv_cache, case.attn_metadata)
     n = case.num_real_tokens
     np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
     assert np.all(np.asarray(got[n:]) == 0)  # padding rows read nothing
@@ -46,13 +46,13 @@ def test_reference_equals_naive(shape, block_size, heads):
 def test_sliding_window_soft_cap_and_alibi(window, cap, alibi):
     rng = np.random.default_rng(3)
     case = random_case(rng, seq_lens=[200, 9, 70], q_lens=[30, 9, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     slopes = jnp.asarray([0.5, 0.25, 0.0625, 0.01], jnp.float32) if alibi else None
     kw = dict(scale=0.25, sliding_window=window, soft_cap=cap, alibi_slopes=slopes)
-    want = naive_paged_attention(case.q, written, 0, case.md, **kw)
+    want = naive_paged_attention(case.q, written, 0, case.attn_metadata, **kw)
     n = case.num_real_tokens
     for batch_invariant in (False, True):  # the fast path and the batch-invariant one
-        got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.md, batch_invariant=batch_invariant, **kw)
+        got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, batch_invariant=batch_invariant, **kw)
         np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
 
 
@@ -61,10 +61,10 @@ def test_bfloat16_inputs_accumulate_in_float32():
     case = random_case(
         rng, seq_lens=[500, 33], q_lens=[1, 33], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16
     )
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = naive_paged_attention(f32(case.q), f32(written), 0, case.md, scale=0.125)
-    got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.md, scale=0.125)
+    want = naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, scale=0.125)
+    got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, scale=0.125)
     assert got.dtype == jnp.bfloat16
     n = case.num_real_tokens
     np.testing.assert_allclose(np.asarray(f32(got[:n])), np.asarray(want[:n]), atol=2e-2, rtol=0)
@@ -73,9 +73,9 @@ def test_bfloat16_inputs_accumulate_in_float32():
 def test_write_kv_drops_padding_rows_and_fills_slots():
     rng = np.random.default_rng(5)
     case = random_case(rng, seq_lens=[20, 3], q_lens=[4, 3], num_heads=2, num_kv_heads=1, head_dim=8, block_size=8)
-    written = np.asarray(write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping))
+    written = np.asarray(write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping))
     before = np.array(case.kv_cache)
-    slots = np.asarray(case.md.slot_mapping)
+    slots = np.asarray(case.attn_metadata.slot_mapping)
     for t, slot in enumerate(slots):
         if slot < 0:
             continue
@@ -92,9 +92,9 @@ def test_alibi_definition_matches_an_explicit_bias():
     case = random_case(rng, seq_lens=[12], q_lens=[5], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
                        padded_seqs=0, padded_tokens=0)  # fmt: skip
     slopes = np.array([0.3, 0.07], np.float32)
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.md.slot_mapping)
-    got = np.asarray(naive_paged_attention(case.q, written, 0, case.md, scale=0.5, alibi_slopes=jnp.asarray(slopes)))
-    table = np.asarray(case.md.block_tables[0])
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
+    got = np.asarray(naive_paged_attention(case.q, written, 0, case.attn_metadata, scale=0.5, alibi_slopes=jnp.asarray(slopes)))
+    table = np.asarray(case.attn_metadata.block_tables[0])
     cache = np.asarray(written)[0]
     keys = np.concatenate([cache[0, b, 0] for b in table])[:12]  # [12, D], one KV head
     values = np.concatenate([cache[1, b, 0] for b in table])[:12]

@@ -67,10 +67,10 @@ def test_rope_sin_and_cos_are_computed_once_per_step(pair):
     """Not once per layer and head: fused into the rotation, XLA:CPU recomputed them for every element of q/k."""
     _, loaded = pair
     runner = StaticBatchRunner(loaded)
-    ids, positions, md, _, _ = runner._prefill_inputs([[3, 4, 5], [6, 7]], width=2)
+    ids, positions, attn_metadata, _, _ = runner._prefill_inputs([[3, 4, 5], [6, 7]], width=2)
     cache = runner._kv_cache(2, 2)
     rows = jnp.zeros(2, jnp.int32)
-    hlo = runner._model_step.lower(runner.state, cache, ids, positions, md, rows, 0.0, jax.random.key(0)).compile().as_text()
+    hlo = runner._model_step.lower(runner.state, cache, ids, positions, attn_metadata, rows, 0.0, jax.random.key(0)).compile().as_text()
     assert loaded.config.num_layers >= 2
     # one merged conditional computes them; its two branches are the same computation
     assert hlo.count(" sine(") <= 2 and hlo.count(" cosine(") <= 2, (hlo.count(" sine("), hlo.count(" cosine("))

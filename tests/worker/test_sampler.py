@@ -55,8 +55,8 @@ def make_md(num_rows: int, history_width: int = 8, num_suppress: int = 4, **fiel
     return SamplingMetadata(**base)
 
 
-def run(logits, md: SamplingMetadata) -> SamplerOutput:
-    out = SAMPLE(jnp.asarray(logits, jnp.float32), md)
+def run(logits, attn_metadata: SamplingMetadata) -> SamplerOutput:
+    out = SAMPLE(jnp.asarray(logits, jnp.float32), attn_metadata)
     return jax.tree.map(np.asarray, out)
 
 
@@ -105,13 +105,13 @@ def test_greedy_equals_argmax():
 def test_temperature_frequencies_match_softmax(temperature):
     logits = np.array([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], np.float32)
     rows = 6000
-    md = make_md(
+    attn_metadata = make_md(
         rows,
         temperature=temperature,
         seeds=np.arange(rows) * 7919 + 12345,
         step_index=np.arange(rows) % 13,
     )
-    out = run(np.broadcast_to(logits, (rows, 6)), md)
+    out = run(np.broadcast_to(logits, (rows, 6)), attn_metadata)
     counts = np.bincount(out.tokens, minlength=6)
     probs = softmax(logits.astype(np.float64) / temperature)
     assert chi_square(counts, probs) < CHI2_CRITICAL[5]
@@ -166,8 +166,8 @@ def test_sampling_stays_in_the_reference_set(temperature, top_k, top_p, min_p):
     rng = np.random.default_rng(4)
     logits = rng.normal(size=32).astype(np.float32) * 1.5
     rows = 3000
-    md = make_md(rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_top=True)
-    out = run(np.broadcast_to(logits, (rows, 32)), md)
+    attn_metadata = make_md(rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, any_top=True)
+    out = run(np.broadcast_to(logits, (rows, 32)), attn_metadata)
     allowed = reference_allowed(logits, temperature, top_k, top_p, min_p)
     sampled = set(out.tokens.tolist())
     assert sampled <= allowed
@@ -196,8 +196,8 @@ def test_repetition_penalty_matches_transformers():
     logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 2
     history, prompt_lens = _history(rng, rows, width, vocab)
     penalty = rng.choice([1.0, 1.3, 0.7, 2.5], size=rows).astype(np.float32)
-    md = make_md(rows, width, history=history, prompt_lens=prompt_lens, repetition_penalty=penalty)
-    ours = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), md))
+    attn_metadata = make_md(rows, width, history=history, prompt_lens=prompt_lens, repetition_penalty=penalty)
+    ours = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), attn_metadata))
     for i in range(rows):
         ids = history[i][history[i] >= 0]
         scores = torch.tensor(logits[i : i + 1])
@@ -214,11 +214,11 @@ def test_presence_frequency_penalties_match_reference():
     presence = rng.uniform(-2, 2, size=rows).astype(np.float32)
     frequency = rng.uniform(-2, 2, size=rows).astype(np.float32)
     repetition = rng.choice([1.0, 1.2], size=rows).astype(np.float32)
-    md = make_md(
+    attn_metadata = make_md(
         rows, width, history=history, prompt_lens=prompt_lens, presence_penalty=presence,
         frequency_penalty=frequency, repetition_penalty=repetition,
     )
-    ours = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), md))
+    ours = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), attn_metadata))
     for i in range(rows):
         row = history[i][history[i] >= 0]
         x = logits[i].astype(np.float64)
@@ -249,8 +249,8 @@ def test_suppressed_ids_are_never_sampled():
     suppress = np.full((rows, 4), -1, np.int32)
     suppress[:, :2] = best[:2]
     temperature = np.where(np.arange(rows) < 10, 0.0, 1.5)
-    md = make_md(rows, suppress_ids=suppress, temperature=temperature, top_k=3, any_top=True, want_logprobs=True)
-    out = run(np.broadcast_to(logits, (rows, vocab)), md)
+    attn_metadata = make_md(rows, suppress_ids=suppress, temperature=temperature, top_k=3, any_top=True, want_logprobs=True)
+    out = run(np.broadcast_to(logits, (rows, vocab)), attn_metadata)
     assert np.all(out.tokens[:10] == best[2])  # greedy skips them too
     assert set(out.tokens[10:].tolist()) == set(best[2:5].tolist())
     # The raw distribution is still what is reported.
@@ -298,11 +298,11 @@ def test_logprobs_are_the_raw_distribution():
     rows, vocab = 6, 200
     logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
     history = np.tile(np.arange(8, dtype=np.int32), (rows, 1))
-    md = make_md(
+    attn_metadata = make_md(
         rows, 8, temperature=[0.0, 0.5, 1.0, 1.5, 0.0, 2.0], top_k=4, history=history, prompt_lens=4,
         repetition_penalty=1.5, frequency_penalty=1.0, any_penalty=True, any_top=True, want_logprobs=True,
     )
-    out = run(logits, md)
+    out = run(logits, attn_metadata)
     ref = log_softmax(logits)
     np.testing.assert_allclose(out.logprobs, ref[np.arange(rows), out.tokens], rtol=1e-5, atol=1e-5)
     assert out.top_ids.shape == (rows, 20) and out.top_ids.dtype == np.int32
@@ -311,7 +311,7 @@ def test_logprobs_are_the_raw_distribution():
         np.testing.assert_allclose(out.top_logprobs[i], ref[i, out.top_ids[i]], rtol=1e-5, atol=1e-5)
         assert np.all(np.diff(out.top_logprobs[i]) <= 0)
 
-    off = run(logits, dataclasses.replace(md, want_logprobs=np.array(False)))
+    off = run(logits, dataclasses.replace(attn_metadata, want_logprobs=np.array(False)))
     assert not off.top_ids.any() and not off.top_logprobs.any() and not off.logprobs.any()  # nothing computed
     np.testing.assert_array_equal(off.tokens, out.tokens)
 
@@ -330,13 +330,13 @@ def test_all_masked_rows_return_a_valid_id_without_nan():
     logits[1] = -np.inf
     suppress = np.full((4, vocab), -1, np.int32)
     suppress[2] = np.arange(vocab)  # every id suppressed
-    md = make_md(
+    attn_metadata = make_md(
         4, history_width=4, num_suppress=vocab, temperature=[0.0, 1.0, 1.0, 0.0], top_k=3, top_p=0.5, min_p=0.1,
         suppress_ids=suppress,
         history=np.zeros((4, 4)), prompt_lens=2, repetition_penalty=1.3, presence_penalty=1.0,
         frequency_penalty=-1.0, any_penalty=True, any_top=True, want_logprobs=True,
     )
-    out = run(logits, md)
+    out = run(logits, attn_metadata)
     assert np.all((out.tokens >= 0) & (out.tokens < vocab))
     for field in dataclasses.fields(out):
         assert not np.isnan(getattr(out, field.name)).any(), field.name
@@ -348,30 +348,30 @@ def test_build_sampling_metadata_pads_and_flags():
         SamplingRow(SamplingParams(temperature=0.8, top_p=0.9, seed=3), [5, 6, 7], [8], seed=3, eos_token_ids=[2]),
         SamplingRow(SamplingParams(temperature=0.0, top_k=5), [1], [], seed=2**40 + 9, eos_token_ids=[2]),
     ]
-    md = build_sampling_metadata(rows, num_rows=4, history_width=6)
-    assert isinstance(md.temperature, np.ndarray)
-    np.testing.assert_allclose(md.temperature, [0.8, 0.0, 0.0, 0.0])
-    np.testing.assert_array_equal(md.top_k, [0, 0, 0, 0])  # greedy: vLLM drops truncation
-    np.testing.assert_allclose(md.top_p, [0.9, 1.0, 1.0, 1.0])
-    np.testing.assert_array_equal(md.step_index, [1, 0, 0, 0])
-    np.testing.assert_array_equal(md.prompt_lens, [3, 1, 0, 0])
-    assert md.seeds.dtype == np.uint32 and md.seeds[0] == 3 and md.seeds[1] != md.seeds[2]
-    assert md.history.shape == (4, 6) and (md.history == -1).all()  # no penalty: not filled
-    assert (md.suppress_ids == -1).all() and md.suppress_ids.shape == (4, 64)
-    assert bool(md.any_top) and not bool(md.any_penalty) and not bool(md.want_logprobs)
-    dtypes = {f.name: getattr(md, f.name).dtype for f in dataclasses.fields(md)}
+    attn_metadata = build_sampling_metadata(rows, num_rows=4, history_width=6)
+    assert isinstance(attn_metadata.temperature, np.ndarray)
+    np.testing.assert_allclose(attn_metadata.temperature, [0.8, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(attn_metadata.top_k, [0, 0, 0, 0])  # greedy: vLLM drops truncation
+    np.testing.assert_allclose(attn_metadata.top_p, [0.9, 1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(attn_metadata.step_index, [1, 0, 0, 0])
+    np.testing.assert_array_equal(attn_metadata.prompt_lens, [3, 1, 0, 0])
+    assert attn_metadata.seeds.dtype == np.uint32 and attn_metadata.seeds[0] == 3 and attn_metadata.seeds[1] != attn_metadata.seeds[2]
+    assert attn_metadata.history.shape == (4, 6) and (attn_metadata.history == -1).all()  # no penalty: not filled
+    assert (attn_metadata.suppress_ids == -1).all() and attn_metadata.suppress_ids.shape == (4, 64)
+    assert bool(attn_metadata.any_top) and not bool(attn_metadata.any_penalty) and not bool(attn_metadata.want_logprobs)
+    dtypes = {f.name: getattr(attn_metadata, f.name).dtype for f in dataclasses.fields(attn_metadata)}
     assert dtypes["temperature"] == np.float32 and dtypes["history"] == np.int32 and dtypes["any_top"] == bool
 
     pen = [SamplingRow(SamplingParams(frequency_penalty=0.5, logprobs=3), [5, 6], [7, 8, 9], seed=0)]
-    md = build_sampling_metadata(pen + rows[1:], num_rows=3, history_width=6)
-    np.testing.assert_array_equal(md.history, [[5, 6, 7, 8, 9, -1], [1, -1, -1, -1, -1, -1], [-1] * 6])
-    assert bool(md.any_penalty) and bool(md.want_logprobs) and not bool(md.any_top)
-    np.testing.assert_allclose(md.frequency_penalty, [0.5, 0, 0])
-    np.testing.assert_allclose(md.repetition_penalty, [1, 1, 1])
+    attn_metadata = build_sampling_metadata(pen + rows[1:], num_rows=3, history_width=6)
+    np.testing.assert_array_equal(attn_metadata.history, [[5, 6, 7, 8, 9, -1], [1, -1, -1, -1, -1, -1], [-1] * 6])
+    assert bool(attn_metadata.any_penalty) and bool(attn_metadata.want_logprobs) and not bool(attn_metadata.any_top)
+    np.testing.assert_allclose(attn_metadata.frequency_penalty, [0.5, 0, 0])
+    np.testing.assert_allclose(attn_metadata.repetition_penalty, [1, 1, 1])
 
     only_greedy = [SamplingRow(SamplingParams(temperature=0), [1], [], seed=0)]
-    md = build_sampling_metadata(only_greedy, num_rows=2, history_width=1)
-    assert not bool(md.any_top) and not bool(md.want_logprobs)
+    attn_metadata = build_sampling_metadata(only_greedy, num_rows=2, history_width=1)
+    assert not bool(attn_metadata.any_top) and not bool(attn_metadata.want_logprobs)
     chosen_only = [SamplingRow(SamplingParams(temperature=0, logprobs=0), [1], [], seed=0)]
     assert bool(build_sampling_metadata(chosen_only, num_rows=2, history_width=1).want_logprobs)
 
@@ -388,15 +388,15 @@ def test_build_sampling_metadata_min_tokens_suppression():
         row([5], ignore_eos=True, stop_token_ids=[9]),
         SamplingRow(SamplingParams(), [1], [], seed=0, eos_token_ids=[0]),  # min_tokens 0
     ]
-    md = build_sampling_metadata(rows, num_rows=8, history_width=8, max_suppress=4)
+    attn_metadata = build_sampling_metadata(rows, num_rows=8, history_width=8, max_suppress=4)
     expected = [[0, 2], [0, 2], [], [0, 2, 9], [9], [], [], []]
     for i, ids in enumerate(expected):
-        assert md.suppress_ids[i].tolist() == ids + [-1] * (4 - len(ids)), i
+        assert attn_metadata.suppress_ids[i].tolist() == ids + [-1] * (4 - len(ids)), i
 
     # End to end: the suppressed ids are never drawn, even when they are the model's favourites.
     logits = np.zeros((8, 12), np.float32)
     logits[:, [0, 2, 9]] = 50.0
-    tokens = run(logits, md).tokens
+    tokens = run(logits, attn_metadata).tokens
     assert all(t not in ids for t, ids in zip(tokens, expected))
     assert tokens[2] in (0, 2, 9)
 
@@ -413,7 +413,7 @@ def test_build_sampling_metadata_errors():
 
 
 def test_compiles_once_for_any_parameter_values():
-    jitted = jax.jit(lambda x, md: sample(x, md))  # its own cache: SAMPLE shares `sample`'s
+    jitted = jax.jit(lambda x, attn_metadata: sample(x, attn_metadata))  # its own cache: SAMPLE shares `sample`'s
     logits = jnp.asarray(np.random.default_rng(11).normal(size=(4, 50)), jnp.float32)
     variants = [
         [SamplingParams(temperature=0)],
