@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny cycle model and the server processes that serve it (started once per session)."""
+"""Shared fixtures: the engine tests' tiny random Llama, the tiny cycle model and the server processes that serve it
+(started once per session)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,23 @@ API_KEY = "test-key-123"
 # One config for both servers and the in-process engine, so the persistent XLA cache compiles each shape once.
 ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "64", "--block-size", "8",
                "--num-kv-blocks", "1024", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """The engine tests' model: a tiny random GQA Llama (4 query heads, 2 KV heads, 256 positions) in transformers,
+    the reference; a module that needs another shape defines its own `hf_model`."""
+    from tests.hf_reference import random_hf_model, tiny_llama_config
+
+    return random_hf_model(tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model, tmp_path_factory):
+    """`hf_model` saved as an HF folder, which jaxpaged loads."""
+    from tests.hf_reference import save_hf_model
+
+    return str(save_hf_model(hf_model, tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="session")

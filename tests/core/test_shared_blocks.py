@@ -7,7 +7,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.core.kv_cache_manager import blocks_for
-from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, tiny_llama_config
 
 VOCAB = 256
 BS = 16
@@ -16,11 +16,6 @@ BS = 16
 @pytest.fixture(scope="module")
 def hf_model():
     return random_hf_model(tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048))
-
-
-@pytest.fixture(scope="module")
-def model_dir(hf_model, tmp_path_factory):
-    return str(save_hf_model(hf_model, tmp_path_factory.mktemp("tiny-llama-2k")))
 
 
 def _llm(model_dir, **kw) -> LLM:

@@ -6,19 +6,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+from tests.hf_reference import hf_greedy, random_prompts
 
 VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    return random_hf_model(tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
-
-
-@pytest.fixture(scope="module")
-def model_dir(hf_model, tmp_path_factory):
-    return str(save_hf_model(hf_model, tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,15 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config, torch
+from tests.hf_reference import random_prompts, torch
 
 VOCAB = 256
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    return random_hf_model(tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
-
-
-@pytest.fixture(scope="module")
-def llm(hf_model, tmp_path_factory):
-    path = save_hf_model(hf_model, tmp_path_factory.mktemp("tiny-llama-logprobs"))
+def llm(model_dir):
     # a 16-token budget splits the longer prompts into chunks, so prompt logprobs are gathered across steps
-    return LLM(str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8,
+    return LLM(model_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8,
                log_level="WARNING")  # fmt: skip
 
 
