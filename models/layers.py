@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, RopeConfig
-from jaxpaged.pallas_kernels import AttentionMetadata, cpu_matmul, paged_attention, stack_new_kv, write_kv
+from jaxpaged.pallas_kernels import AttentionMetadata, paged_attention, stack_new_kv, write_kv
+
+from jaxpaged.platforms.cpu import matmul as cpu_matmul
 
 logger = logging.getLogger("jaxpaged.loader")  # packing weights for the native matmul finishes loading them
 
@@ -97,7 +99,7 @@ def use_matmul_backend(model: nnx.Module, requested: str, *, platform: str, dtyp
 
 def pack_for_cpu_matmul(model: nnx.Module) -> int:
     """Repack, in place, every float32 Linear's kernel and a tied head's table into cpu_matmul's panels,
-    so each step streams every weight once (see pallas_kernels/cpu_matmul.py); the count packed.
+    so each step streams every weight once (see jaxpaged/platforms/cpu/matmul.py); the count packed.
     In place, so the weights are never held twice: the ModelRunner has it done to the loaded module."""
     count = 0
     for _, module in nnx.iter_modules(model):

@@ -1,7 +1,6 @@
-"""Paged attention over the KV-block array (the public entry point, its metadata and its reference) and the
-native CPU kernels."""
+"""Paged attention over the KV-block array: the public entry point, its metadata, the Pallas kernels and the pure-JAX
+reference (the native CPU kernels live with the CPU platform, jaxpaged/platforms/cpu/)."""
 
-from jaxpaged.pallas_kernels import cpu_attention, cpu_matmul
 from jaxpaged.pallas_kernels.attention import (
     ATTENTION_BACKENDS,
     copy_blocks,
@@ -17,8 +16,6 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionMetadata",
     "copy_blocks",
-    "cpu_attention",
-    "cpu_matmul",
     "kv_cache_shape",
     "kv_storage_dtype",
     "paged_attention",

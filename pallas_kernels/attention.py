@@ -20,15 +20,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxpaged.pallas_kernels import cpu_attention
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.pallas_kernels.reference import reference_paged_attention
+
+from jaxpaged.platforms.cpu import attention as cpu_attention
 
 # The Pallas kernels (gpu_attention, tpu_attention) are imported where they are chosen: importing Pallas costs
 # a CPU start about 0.2 s for kernels it never runs.
 
 # "pallas": the Triton kernel on GPU (interpreted on CPU), the Mosaic kernel on TPU.
-# "native": the C++ kernel for CPUs (cpu_attention.cc), built on first use.
+# "native": the C++ kernel for CPUs (jaxpaged/platforms/cpu/attention.cc), built on first use.
 ATTENTION_BACKENDS = ("reference", "pallas", "native")
 TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
+
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_serving  # noqa: E402

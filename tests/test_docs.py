@@ -21,8 +21,8 @@ from jaxpaged.entrypoints.generate import build_parser as generate_parser
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.entrypoints.serve import build_parser as serve_parser
 from jaxpaged.sampling_params import SamplingParams
-
 from tests import REPO as ROOT
+
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
 
 

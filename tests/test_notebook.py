@@ -11,12 +11,12 @@ import base64
 import os
 import re
 import time
-from pathlib import Path
 
 import pytest
 from jaxpaged.models.builtin import builtin_gguf_path
 
 from tests import REPO
+
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 
 try:

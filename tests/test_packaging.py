@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cycle_model import CYCLE_TEXT, write_cycle_model
-
 from tests import REPO
+from tests.cycle_model import CYCLE_TEXT, write_cycle_model
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +38,9 @@ def test_the_wheel_holds_one_top_level_package_with_the_kernel_sources(wheel):
     assert tops == {"jaxpaged"}
     # every module and kernel source of the checkout, where the mapping puts it (a package missing from
     # pyproject.toml's list would be left out)
-    expected = {f"jaxpaged/{p.relative_to(REPO / 'jaxpaged').as_posix()}" for p in (REPO / "jaxpaged").rglob("*.py")}
-    for folder in ("models", "pallas_kernels"):
-        expected |= {f"jaxpaged/{folder}/{p.relative_to(REPO / folder).as_posix()}"
+    expected = set()
+    for folder, inside in (("jaxpaged", ""), ("models", "models/"), ("pallas_kernels", "pallas_kernels/")):
+        expected |= {f"jaxpaged/{inside}{p.relative_to(REPO / folder).as_posix()}"
                      for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".cc", ".h")}  # fmt: skip
     assert not expected - set(names)
 

@@ -22,7 +22,7 @@ from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_manager import KVCacheManager, blocks_for
-from jaxpaged.core.request import PLACEHOLDER, Request, ParentRequest, RequestStatus
+from jaxpaged.core.request import PLACEHOLDER, ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import serialize_executable
 
-from jaxpaged.pallas_kernels import native_build
+from jaxpaged.platforms.cpu import native_build
 from jaxpaged.utils import compile_monitor
 
 logger = logging.getLogger("jaxpaged.executables")

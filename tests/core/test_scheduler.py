@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpaged.core.request import Request, ParentRequest, RequestStatus
+from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.sampling_params import SamplingParams
 

@@ -15,9 +15,9 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.utils import compile_monitor
+from tests import REPO
 from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
-from tests import REPO
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
               dtype="float32")
 

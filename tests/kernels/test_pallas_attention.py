@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from jaxpaged.pallas_kernels import AttentionMetadata, cpu_attention, resolve_attention_backend, stack_new_kv, write_kv
+from jaxpaged.pallas_kernels import AttentionMetadata, resolve_attention_backend, stack_new_kv, write_kv
 from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 
+from jaxpaged.platforms.cpu import attention as cpu_attention
 from tests.attention_cases import random_case
 
 KERNELS = {

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from jaxpaged.models import hub
 
+from tests import REPO
 from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 
-from tests import REPO
 PROMPT = [5, 9, 14, 3, 77, 21]
 ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=16, block_size=8,
               dtype="float32", precompile=False)
@@ -48,16 +48,16 @@ def _greedy(model: str, revision: str | None = None) -> list[int]:
     return list(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-OFFLINE_SCRIPT = f"""
+OFFLINE_SCRIPT = """
 import json
 from tests.models.test_hub import _greedy
-out = {{"main": _greedy("org/tiny"), "v2": _greedy("org/tiny", revision="v2")}}
+out = {"main": _greedy("org/tiny"), "v2": _greedy("org/tiny", revision="v2")}
 for name, rev in (("org/absent", None), ("org/tiny", "v3")):
     try:
         _greedy(name, rev)
         out[name + (rev or "")] = "loaded"
     except (FileNotFoundError, ValueError) as exc:
-        out[name + (rev or "")] = f"{{type(exc).__name__}}: {{exc}}"
+        out[name + (rev or "")] = f"{type(exc).__name__}: {exc}"
 print("RESULT " + json.dumps(out))
 """
 

@@ -1,4 +1,4 @@
-"""jaxpaged.platforms.host_malloc: an engine starting on the CPU keeps XLA:CPU's per-run temporaries mapped, a user's
+"""jaxpaged.platforms.cpu.host_malloc: an engine starting on the CPU keeps XLA:CPU's per-run temporaries mapped, a user's
 own malloc settings win, and `import jaxpaged` alone changes nothing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from jaxpaged.platforms.host_malloc import _libc
+from jaxpaged.platforms.cpu.host_malloc import _libc
 
 pytestmark = pytest.mark.skipif(_libc() is None, reason="glibc only")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(_libc() is None, reason="glibc only")
 FAULTS_PER_RUN = textwrap.dedent(
     """
     import resource
-    from jaxpaged.platforms import host_malloc
+    from jaxpaged.platforms.cpu import host_malloc
     host_malloc.tune_malloc()  # what the CPU platform does when an engine starts, before XLA runs anything
     import jax, jax.numpy as jnp
     x = jnp.ones((2048, 8192), jnp.float32)
@@ -55,12 +55,12 @@ def test_tuned_malloc_keeps_xla_temporaries_mapped():
 
 @pytest.mark.parametrize("env", [{"JAXPAGED_MALLOC_TUNING": "0"}, {"MALLOC_ARENA_MAX": "4"}, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}])
 def test_user_settings_are_left_alone(env):
-    code = "from jaxpaged.platforms import host_malloc; print(host_malloc.tune_malloc(), host_malloc.applied)"
+    code = "from jaxpaged.platforms.cpu import host_malloc; print(host_malloc.tune_malloc(), host_malloc.applied)"
     assert _run(code, **env).strip() == "False False"
 
 
 def test_importing_jaxpaged_changes_no_process_wide_setting():
-    code = "import jaxpaged, jaxpaged.entrypoints.generate; from jaxpaged.platforms import host_malloc; print(host_malloc.applied)"
+    code = "import jaxpaged, jaxpaged.entrypoints.generate; from jaxpaged.platforms.cpu import host_malloc; print(host_malloc.applied)"
     assert _run(code).strip() == "False"
 
 
@@ -70,7 +70,7 @@ def test_an_engine_starting_on_the_cpu_tunes_malloc(tmp_path):
     model = write_cycle_model(tmp_path / "cycle")
     code = (
         "from jaxpaged.config import EngineConfig; from jaxpaged.engine.llm_engine import LLMEngine; "
-        "from jaxpaged.platforms import host_malloc; "
+        "from jaxpaged.platforms.cpu import host_malloc; "
         f"LLMEngine(EngineConfig(model={str(model)!r}, max_model_len=64, max_num_seqs=2, num_kv_blocks=16, "
         f"precompile=False, cache_dir={str(tmp_path / 'cache')!r})); print(host_malloc.applied)"
     )

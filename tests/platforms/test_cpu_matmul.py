@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpaged.pallas_kernels import cpu_matmul, native_build
+
+from jaxpaged.platforms.cpu import matmul as cpu_matmul
+from jaxpaged.platforms.cpu import native_build
 
 pytestmark = pytest.mark.skipif(native_build.compiler() is None, reason="no C++ compiler to build the native kernel")
 

@@ -1,4 +1,4 @@
-"""The CPU attention kernel: native code (cpu_attention.cc) behind an XLA FFI custom call.
+"""The CPU attention kernel: native code (attention.cc) behind an XLA FFI custom call.
 
 The shared library is built once per machine (native_build.py). Without a compiler, `available()` is
 False and attention_backend="auto" keeps the pure-JAX reference on CPU.
@@ -17,13 +17,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxpaged.pallas_kernels import native_build
+
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
-from jaxpaged.pallas_kernels.native_build import compiler  # noqa: F401 - part of this module's interface
+from jaxpaged.platforms.cpu import native_build
+from jaxpaged.platforms.cpu.native_build import compiler  # noqa: F401 - part of this module's interface
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.cc")
+SOURCE = Path(__file__).with_name("attention.cc")
 TARGET = "jaxpaged_paged_attention_cpu"
 CXXFLAGS = native_build.CXXFLAGS
 STORAGE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}

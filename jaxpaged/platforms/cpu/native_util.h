@@ -1,4 +1,4 @@
-// Helpers the native CPU kernels share (included by cpu_attention.cc and cpu_matmul.cc; native_build.py keys
+// Helpers the native CPU kernels share (included by attention.cc and matmul.cc; native_build.py keys
 // each build on this header too).
 #pragma once
 

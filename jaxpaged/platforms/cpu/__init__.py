@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.pallas_kernels import cpu_attention, cpu_matmul
-from jaxpaged.platforms.host_malloc import tune_malloc
+from jaxpaged.platforms.cpu import attention as cpu_attention
+from jaxpaged.platforms.cpu import matmul as cpu_matmul
+from jaxpaged.platforms.cpu.host_malloc import tune_malloc
 
 
 def prepare(config: EngineConfig) -> None:

@@ -1,4 +1,4 @@
-"""float32 matmuls on CPU against weights packed once (cpu_matmul.cc behind an XLA FFI custom call).
+"""float32 matmuls on CPU against weights packed once (matmul.cc behind an XLA FFI custom call).
 
 XLA:CPU repacks a weight on every dot of more than ~50 rows and streams it several times for fewer;
 packed at load time into 32-column panels, each step reads every weight once, in order. Used for
@@ -16,13 +16,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxpaged.pallas_kernels import native_build
+
+from jaxpaged.platforms.cpu import native_build
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpaged_packed_matmul_cpu"
-PANEL = 32  # columns per panel (cpu_matmul.cc's kPanel)
+PANEL = 32  # columns per panel (matmul.cc's kPanel)
 
 
 def register(target: str, flags=native_build.CXXFLAGS, cache_dir: str | None = None) -> int:

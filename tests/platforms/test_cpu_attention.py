@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpaged.pallas_kernels import AttentionMetadata, cpu_attention, kv_cache_shape, paged_attention
+from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, paged_attention
 from jaxpaged.pallas_kernels.reference import reference_paged_attention
+
+from jaxpaged.platforms.cpu import attention as cpu_attention
 
 pytestmark = pytest.mark.skipif(cpu_attention.compiler() is None, reason="no C++ compiler to build the native kernel")
 
@@ -92,7 +94,7 @@ def test_narrower_vector_builds_equal_the_reference(march, monkeypatch):
     """The AVX2 (8-float) and 4-float builds of the kernel, built here and checked like the default one."""
     import platform
 
-    from jaxpaged.pallas_kernels import native_build
+    from jaxpaged.platforms.cpu import native_build
 
     if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= native_build.cpu_flags()):
         pytest.skip(f"this CPU cannot run a -march={march} build")
