@@ -18,12 +18,9 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer (got {value!r})")
 
 
-def option(default=None, help: str | None = None, *, group: str = "engine", choices=None, **field_kwargs):
-    """An EngineConfig field; with `help` it is also a flag of both CLIs (engine/arg_utils.py derives them)."""
-    metadata = {"help": help, "group": group, "choices": choices} if help else {}
-    if "default_factory" not in field_kwargs:
-        field_kwargs["default"] = default
-    return dataclasses.field(metadata=metadata, **field_kwargs)
+def option(default, help: str, *, group: str = "engine", choices=None):
+    """An EngineConfig field that is also a flag of both CLIs, with this help (engine/arg_utils.py derives them)."""
+    return dataclasses.field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
 @dataclasses.dataclass
@@ -52,7 +49,7 @@ class EngineConfig:
     seed: int = 0
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
-    platform: str = option(default_factory=lambda: jax.default_backend())
+    platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
 
     def __post_init__(self) -> None:
         from jaxpaged.models.loader import resolve_dtype

@@ -23,10 +23,9 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     import setuptools
 
-    # the build needs setuptools>=68; without it here, let pip fetch one in an isolated build
-    isolation = [] if int(setuptools.__version__.split(".")[0]) >= 68 else ["--use-pep517"]
-    no_isolation = ["--no-build-isolation"] if not isolation else []
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *no_isolation, *isolation, "-w", str(out), str(REPO)],
+    # the build needs setuptools>=68: use this environment's when it has one, else let pip fetch one (isolated build)
+    isolation = ["--no-build-isolation"] if int(setuptools.__version__.split(".")[0]) >= 68 else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(out), str(REPO)],
                    check=True, cwd=out)  # fmt: skip
     (path,) = out.glob("jaxpaged-*.whl")
     return path

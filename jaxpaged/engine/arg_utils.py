@@ -11,7 +11,7 @@ from jaxpaged.config import EngineConfig
 
 
 def cli_fields() -> list[dataclasses.Field]:
-    """The EngineConfig fields that are flags: those with help in their metadata."""
+    """The EngineConfig fields that are flags: those declared with `option(...)`."""
     return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("help")]
 
 
@@ -19,7 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser, precompile: bool = True) -> None
     """`precompile` is this CLI's default: the server compiles every bucket at start-up, generate on first use."""
     groups: dict[str, Any] = {}
     for f in cli_fields():
-        group = groups.get(f.metadata["group"]) or groups.setdefault(f.metadata["group"], p.add_argument_group(f.metadata["group"]))
+        if f.metadata["group"] not in groups:
+            groups[f.metadata["group"]] = p.add_argument_group(f.metadata["group"])
+        group = groups[f.metadata["group"]]
         flag, default = "--" + f.name.replace("_", "-"), precompile if f.name == "precompile" else f.default
         kwargs: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
         kind = str(f.type)

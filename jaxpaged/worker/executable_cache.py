@@ -44,9 +44,11 @@ def source_digest() -> str:
     import jaxpaged
     from jaxpaged import models, pallas_kernels
 
+    roots = [Path(package.__file__).parent for package in (jaxpaged, models, pallas_kernels)]
+    # a wheel holds models/ and pallas_kernels/ inside jaxpaged/, an editable install beside it: read each file once
+    roots = [root for root in roots if not any(root != other and root.is_relative_to(other) for other in roots)]
     digest = hashlib.sha256()
-    for package in (jaxpaged, models, pallas_kernels):
-        root = Path(package.__file__).parent
+    for root in roots:
         for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc", ".h")):
             digest.update(str(path.relative_to(root.parent)).encode())
             digest.update(path.read_bytes())
