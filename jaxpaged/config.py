@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
-CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the pool is sized to fit comfortably in RAM, not to fill it
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -49,19 +46,21 @@ class EngineConfig:
     seed: int = 0
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
-    platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
+    platform: str | None = None  # "cpu", "gpu" or "tpu"; default: the device JAX runs on
 
     def __post_init__(self) -> None:
+        from jaxpaged import platforms
         from jaxpaged.models.loader import resolve_dtype
 
-        accelerator = self.platform != "cpu"
-        self.dtype = ("bfloat16" if accelerator else "float32") if self.dtype == "auto" else resolve_dtype(self.dtype)
+        platform = platforms.get(self.platform)  # its defaults fill what the caller left out
+        self.platform = platform.name
+        self.dtype = platform.dtype if self.dtype == "auto" else resolve_dtype(self.dtype)
         if self.max_num_seqs is None:
-            self.max_num_seqs = 256 if accelerator else 64
+            self.max_num_seqs = platform.max_num_seqs
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 2048 if accelerator else 256
-        if self.kv_cache_memory_fraction is None and accelerator:
-            self.kv_cache_memory_fraction = 0.9
+            self.max_num_batched_tokens = platform.max_num_batched_tokens
+        if self.kv_cache_memory_fraction is None:
+            self.kv_cache_memory_fraction = platform.kv_cache_memory_fraction
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
         for name in ("num_kv_blocks", "max_model_len"):

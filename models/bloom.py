@@ -6,22 +6,23 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, alibi_slopes, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, alibi_slopes, module_list
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 
 class BloomBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         self.input_layernorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         alibi = alibi_slopes(cfg.num_heads)  # added after the 1/sqrt(d) scaling, as is
-        self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend, alibi=alibi)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, attention=attention, alibi=alibi)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype)
         self.residual_after_norm = cfg.option("apply_residual_connection_post_layernorm", False)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
+    def __call__(self, x, rope, kv_cache, attn_metadata):
         h = self.input_layernorm(x)
-        attn, new_kv = self.self_attn(h, positions, kv_cache, attn_metadata)
+        attn, new_kv = self.self_attn(h, rope, kv_cache, attn_metadata)
         x = attn + (h if self.residual_after_norm else x)
         h = self.post_attention_layernorm(x)
         return self.mlp(h) + (h if self.residual_after_norm else x), new_kv
@@ -30,12 +31,12 @@ class BloomBlock(nnx.Module):
 class BloomForCausalLM(CausalLM):
     BASE_PREFIX = "transformer."  # the hub's bloom checkpoints omit it
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.layers = module_list(
-            [BloomBlock(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [BloomBlock(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)

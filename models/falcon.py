@@ -16,8 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, alibi_slopes, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, alibi_slopes, module_list
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 
 def _norm_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -27,21 +28,21 @@ def _norm_names(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 class FalconDecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         names = _norm_names(cfg)
         for name in names:
             setattr(self, name, LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype))
         alibi = alibi_slopes(cfg.num_heads) * cfg.head_dim**-0.5 if cfg.position_embedding == "alibi" else None
-        self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend, alibi=alibi)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, attention=attention, alibi=alibi)
         self.mlp = MLP(cfg, dtype=dtype)
         self.layout = "two_norms" if "ln_attn" in names else "sequential" if len(names) == 2 else "parallel"
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
+    def __call__(self, x, rope, kv_cache, attn_metadata):
         if self.layout == "two_norms":
-            attn, new_kv = self.self_attn(self.ln_attn(x), positions, kv_cache, attn_metadata)
+            attn, new_kv = self.self_attn(self.ln_attn(x), rope, kv_cache, attn_metadata)
             return x + attn + self.mlp(self.ln_mlp(x)), new_kv
         h = self.input_layernorm(x)
-        attn, new_kv = self.self_attn(h, positions, kv_cache, attn_metadata)
+        attn, new_kv = self.self_attn(h, rope, kv_cache, attn_metadata)
         if self.layout == "parallel":
             return x + attn + self.mlp(h), new_kv
         x = x + attn
@@ -51,11 +52,11 @@ class FalconDecoderLayer(nnx.Module):
 class FalconForCausalLM(CausalLM):
     BASE_PREFIX = "transformer."
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = module_list(
-            [FalconDecoderLayer(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [FalconDecoderLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)

@@ -10,22 +10,23 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 
 class GPT2Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         scale = cfg.head_dim**-0.5 if cfg.option("scale_attn_weights", True) else 1.0
         if cfg.option("scale_attn_by_inverse_layer_idx", False):
             scale /= layer + 1
         self.ln_1 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend, scale=scale)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, attention=attention, scale=scale)
         self.ln_2 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
-        attn, new_kv = self.self_attn(self.ln_1(x), positions, kv_cache, attn_metadata)
+    def __call__(self, x, rope, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.ln_1(x), rope, kv_cache, attn_metadata)
         x = x + attn
         return x + self.mlp(self.ln_2(x)), new_kv
 
@@ -34,12 +35,12 @@ class GPT2LMHeadModel(CausalLM):
     BASE_PREFIX = "transformer."  # the hub's gpt2 checkpoints omit it
     CONV1D = True  # GPT-2's weights are Conv1D, [in, out]: no transpose
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_positions = Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
         self.layers = module_list(
-            [GPT2Block(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [GPT2Block(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)

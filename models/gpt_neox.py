@@ -6,20 +6,21 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 
 class GPTNeoXLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         self.input_layernorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, attention=attention)
         self.mlp = MLP(cfg, dtype=dtype)
         self.parallel = cfg.option("use_parallel_residual", True)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata)
+    def __call__(self, x, rope, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
         if self.parallel:
             return x + attn + self.mlp(self.post_attention_layernorm(x)), new_kv
         x = x + attn
@@ -29,11 +30,11 @@ class GPTNeoXLayer(nnx.Module):
 class GPTNeoXForCausalLM(CausalLM):
     CHECKPOINT_RENAMES = ((r"^lm_head\.", "embed_out."),)  # the hub's name; transformers 5 says lm_head
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = module_list(
-            [GPTNeoXLayer(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [GPTNeoXLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)

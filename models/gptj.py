@@ -6,28 +6,29 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
 from jaxpaged.models.weights import WeightSpec, linear_specs, norm_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 
 class GPTJBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         self.ln_1 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, attention=attention)
         self.mlp = MLP(cfg, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
+    def __call__(self, x, rope, kv_cache, attn_metadata):
         h = self.ln_1(x)
-        attn, new_kv = self.self_attn(h, positions, kv_cache, attn_metadata)
+        attn, new_kv = self.self_attn(h, rope, kv_cache, attn_metadata)
         return x + attn + self.mlp(h), new_kv
 
 
 class GPTJForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = module_list(
-            [GPTJBlock(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [GPTJBlock(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)

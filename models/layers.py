@@ -8,19 +8,19 @@ every parameter's sharding from them alone.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, RopeConfig
-from jaxpaged.pallas_kernels import AttentionMetadata, paged_attention, stack_new_kv, write_kv
+from jaxpaged.pallas_kernels import AttentionBackend, AttentionMetadata, ReferenceAttention, paged_attention, stack_new_kv, write_kv
 
-from jaxpaged.platforms.cpu import matmul as cpu_matmul
-
-logger = logging.getLogger("jaxpaged.loader")  # packing weights for the native matmul finishes loading them
+REFERENCE_ATTENTION = ReferenceAttention()  # a port's default: the definition, on any device
 
 # Flax >= 0.12 wants module lists wrapped so their arrays count as state.
 module_list = getattr(nnx, "List", list)
@@ -35,83 +35,66 @@ def _precision(x):
     return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseLinear:
+    """How a Linear meets its weight: x @ kernel [in, out], accumulated in float32 and rounded once, as torch does
+    (asked for a 16-bit result directly, XLA:CPU converts the whole weight on every call). A platform or a quantized
+    format swaps in its own method, with the weight in its own layout (platforms/cpu/matmul.py: PackedLinear)."""
+
+    def apply(self, layer: Linear, x: jax.Array) -> jax.Array:
+        return jnp.dot(x, layer.kernel[...], precision=_precision(x), preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseEmbedding:
+    """How an Embedding reads its [num_embeddings, features] table: row lookups, and a tied head's logits."""
+
+    def lookup(self, layer: Embedding, ids: jax.Array) -> jax.Array:
+        return jnp.take(layer.embedding[...], ids, axis=0)
+
+    def attend(self, layer: Embedding, x: jax.Array) -> jax.Array:
+        return jnp.dot(x, layer.embedding[...].T, precision=_precision(x), preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusible:
+    """How a model computes values every layer reads (RoPE's table): left to XLA's fusion, so each consumer may
+    recompute them, which is cheap on accelerators. A platform may swap in its own (platforms/cpu: ComputedOnce)."""
+
+    def __call__(self, compute: Callable[[], Any], operand: jax.Array) -> Any:
+        return compute()
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out], the transpose of torch's weight, or its panels once
-    pack_for_cpu_matmul has packed it (3-d)."""
+    """y = x @ kernel (+ bias); kernel is [in, out], the transpose of torch's weight, as `method` stores it."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype):
         self.kernel = _param((in_features, out_features), dtype)
         self.bias = _param((out_features,), dtype) if bias else None
         self.out_features = out_features
+        self.method = DenseLinear()
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.kernel[...]
-        if kernel.ndim == 3:
-            y = cpu_matmul.packed_matmul(x, kernel, self.out_features)
-        else:
-            # Accumulate in float32 and round once, as torch does for 16-bit matmuls. Asked for a 16-bit result
-            # directly, XLA:CPU converts the whole weight to float32 on every call (2x slower than float32).
-            y = jnp.dot(x, kernel, precision=_precision(x), preferred_element_type=jnp.float32)
-        y = y.astype(x.dtype)
+        y = self.method.apply(self, x).astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
 
 
 class Embedding(nnx.Module):
-    """A [num_embeddings, features] table, or its panels (3-d) once pack_for_cpu_matmul has packed a tied head."""
+    """A [num_embeddings, features] table, as `method` stores it."""
 
     def __init__(self, num_embeddings: int, features: int, *, dtype):
         self.embedding = _param((num_embeddings, features), dtype)
-        self.output_kernel = nnx.data(None)  # [features, num_embeddings] copy of the table where one pays (add_output_kernel)
         self.num_embeddings = num_embeddings
+        self.method = DenseEmbedding()
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        if self.embedding[...].ndim == 3:
-            return cpu_matmul.packed_rows(self.embedding[...], ids)
-        return jnp.take(self.embedding[...], ids, axis=0)
+        return self.method.lookup(self, ids)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output projection: logits against the embedding table, in float32."""
-        if self.embedding[...].ndim == 3:
-            return cpu_matmul.packed_matmul(x, self.embedding[...], self.num_embeddings)
-        if self.output_kernel is not None:
-            return jnp.dot(x, self.output_kernel[...], precision=_precision(x), preferred_element_type=jnp.float32)
-        return jnp.dot(x, self.embedding[...].T, precision=_precision(x), preferred_element_type=jnp.float32)
-
-    def add_output_kernel(self) -> None:
-        """Keep the table transposed too, for `attend`. XLA:CPU runs a 16-bit `x @ E.T` by converting E to
-        float32 on every call (2 x 19 ms a step for SmolLM2's [49152, 576] table); with the weight laid out
-        [in, out] it takes its native 16-bit path, 6x faster. Costs the table's size again in memory."""
-        self.output_kernel = nnx.Param(jnp.asarray(self.embedding[...].T))
-
-
-def use_matmul_backend(model: nnx.Module, requested: str, *, platform: str, dtype, tensor_parallel_size: int) -> str:
-    """Resolve `matmul_backend` (cpu_matmul.resolve_matmul_backend) and, for "native", pack the model in place."""
-    backend = cpu_matmul.resolve_matmul_backend(
-        requested, platform=platform, dtype=dtype, tensor_parallel_size=tensor_parallel_size
-    )
-    if backend == "native":
-        packed = pack_for_cpu_matmul(model)
-        logger.info("matmuls: native CPU kernel, %d weights packed into panels", packed)
-    return backend
-
-
-def pack_for_cpu_matmul(model: nnx.Module) -> int:
-    """Repack, in place, every float32 Linear's kernel and a tied head's table into cpu_matmul's panels,
-    so each step streams every weight once (see jaxpaged/platforms/cpu/matmul.py); the count packed.
-    In place, so the weights are never held twice: the ModelRunner has it done to the loaded module."""
-    count = 0
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, Linear) and module.kernel[...].ndim == 2 and module.kernel[...].dtype == jnp.float32:
-            module.kernel = nnx.Param(cpu_matmul.pack(module.kernel[...]))
-            count += 1
-    head = getattr(model, "embed_tokens", None)
-    tied = getattr(model, "lm_head", True) is None and isinstance(head, Embedding) and head.output_kernel is None
-    if tied and head.embedding[...].ndim == 2 and head.embedding[...].dtype == jnp.float32:
-        head.embedding = nnx.Param(cpu_matmul.pack_rows(head.embedding[...]))
-        count += 1
-    return count
+        return self.method.attend(self, x)
 
 
 class RMSNorm(nnx.Module):
@@ -163,30 +146,21 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def _materialized(compute, operand):
-    """compute()'s arrays, computed once into memory rather than fused into each consumer.
-
-    XLA fuses RoPE's sin and cos into the rotation that reads them, and XLA:CPU then recomputes them for every
-    element of q and k, once per head and layer (5% of a 256-token SmolLM2 step, 3% of a 64-row decode). A
-    conditional's results are never fused, and XLA merges the identical conditionals of all layers into one.
-    Only on CPU: elsewhere recomputing is cheap, and a conditional may cost a round trip to the host.
-    """
-    if jax.default_backend() != "cpu":
-        return compute()
-    return jax.lax.cond(operand[0] >= 0, compute, compute)  # either branch gives the same; XLA cannot tell which runs
+def rotary_table(positions: jax.Array, inv_freq, *, interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [T, 2 * len(inv_freq)] at positions [T], laid out for `apply_rope`; computed once per forward
+    and shared by every layer, as transformers does."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    emb = jnp.repeat(freqs, 2, axis=-1) if interleaved else jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, *, interleaved: bool = False) -> jax.Array:
-    """RoPE on the first 2 * len(inv_freq) features of x [T, H, D] (the rest pass through) at positions [T].
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array], *, interleaved: bool = False) -> jax.Array:
+    """RoPE on the first rot features of x [T, H, D] (the rest pass through), with rotary_table's (cos, sin) [T, rot].
 
     Rotate-half pairs feature i with i + rot/2 (Llama, NeoX, Falcon); interleaved pairs 2i with 2i + 1 (GPT-J).
     """
-    inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    rot = 2 * inv_freq.shape[0]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    emb = jnp.repeat(freqs, 2, axis=-1) if interleaved else jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = _materialized(lambda: (jnp.cos(emb), jnp.sin(emb)), positions)
-    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    cos, sin = (r[:, None, :].astype(x.dtype) for r in rope)
+    rot = cos.shape[-1]
     xr, rest = x[..., :rot], x[..., rot:]
     if interleaved:
         pairs = xr.reshape(*xr.shape[:-1], rot // 2, 2)
@@ -240,7 +214,7 @@ class Attention(nnx.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str, scale: float | None = None,
+        self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend, scale: float | None = None,
         alibi: np.ndarray | None = None, clip_qkv: float | None = None,
     ):  # fmt: skip
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -258,14 +232,12 @@ class Attention(nnx.Module):
         self.scale = hd**-0.5 if scale is None else scale
         self.window = cfg.window(layer)
         self.clip_qkv = clip_qkv
-        self.backend = attention_backend
-        self.inv_freq = None
-        if cfg.position_embedding == "rope":
-            self.inv_freq = tuple(rope_inv_freq(cfg.rope, cfg.rotary_dim or hd).tolist())
+        self.backend = attention
         self.interleaved = cfg.rope_interleaved
         self.alibi = None if alibi is None else tuple(float(s) for s in alibi)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata: AttentionMetadata):
+    def __call__(self, x, rope, kv_cache, attn_metadata: AttentionMetadata):
+        """rope: rotary_table's (cos, sin) for this step's positions, None for models without RoPE."""
         (h, hd), t = self.shape, x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.clip_qkv is not None:
@@ -273,9 +245,9 @@ class Attention(nnx.Module):
         q, k, v = q.reshape(t, h, hd), k.reshape(t, -1, hd), v.reshape(t, -1, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.inv_freq is not None:
-            q = apply_rope(q, positions, self.inv_freq, interleaved=self.interleaved)
-            k = apply_rope(k, positions, self.inv_freq, interleaved=self.interleaved)
+        if rope is not None:
+            q = apply_rope(q, rope, interleaved=self.interleaved)
+            k = apply_rope(k, rope, interleaved=self.interleaved)
         slopes = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
         out = paged_attention(
             q, k, v, kv_cache, self.layer, attn_metadata, scale=self.scale, sliding_window=self.window, alibi_slopes=slopes,
@@ -314,9 +286,12 @@ class MLP(nnx.Module):
 class CausalLM(nnx.Module):
     """What every port shares: embed -> decoder layers -> final norm, the KV plumbing, and the LM head.
 
-    A port sets `embed_tokens`, `layers`, `norm` (or overrides `final`), `lm_head` (None when tied,
+    `shared` computes the values every layer reads (Fusible unless a platform chose otherwise).
+    A port sets `config`, `embed_tokens`, `layers`, `norm` (or overrides `final`), `lm_head` (None when tied,
     then `lm_head_bias` may hold a separate bias), and overrides `embed` when positions enter there.
     """
+
+    shared = Fusible()
 
     def init_head(self, cfg: ModelConfig, features: int, dtype) -> None:
         tied, bias = cfg.tie_word_embeddings, cfg.lm_head_bias
@@ -336,9 +311,14 @@ class CausalLM(nnx.Module):
         that donates the cache (see pallas_kernels/attention.py for why).
         """
         x = self.embed(input_ids, positions)
+        cfg = self.config
+        rope = None
+        if cfg.position_embedding == "rope":
+            inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim or cfg.head_dim)
+            rope = self.shared(lambda: rotary_table(positions, inv_freq, interleaved=cfg.rope_interleaved), positions)
         new_kv = []
         for layer in self.layers:
-            x, layer_kv = layer(x, positions, kv_cache, attn_metadata)
+            x, layer_kv = layer(x, rope, kv_cache, attn_metadata)
             new_kv.append(layer_kv)
         return self.final(x), stack_new_kv(new_kv)
 

@@ -13,30 +13,31 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
 from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, attention=attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(cfg, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata)
+    def __call__(self, x, rope, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_kv
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = module_list(
-            [LlamaDecoderLayer(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [LlamaDecoderLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)

@@ -6,23 +6,25 @@ A hub id is resolved to its snapshot folder by models/hub.py (safetensors only);
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxpaged import platforms
 from jaxpaged.models import convert_cache, gguf_io, hub
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.registry import resolve_architecture
 from jaxpaged.models.weights import load_tensors_into, param_bytes, random_tensors
-from jaxpaged.pallas_kernels import resolve_attention_backend
+from jaxpaged.pallas_kernels import AttentionBackend
+from jaxpaged.platforms import Platform
 from tqdm.auto import tqdm
 
 logger = logging.getLogger("jaxpaged.loader")
@@ -54,13 +56,13 @@ def _progress(items: Iterable, total: int, desc: str) -> Iterator:
     return iter(tqdm(items, total=total, desc=desc, unit="tensor", leave=False))
 
 
-def _abstract_model(hf_config, dtype_name: str, attention_backend: str, batch_invariant: bool = False):
+def _abstract_model(hf_config, dtype_name: str, choose_attention: Callable[[int], AttentionBackend]):
     arch, cls = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     cfg = cls.config_from_hf(hf_config, arch)
     dtype = DTYPES[dtype_name]
-    attention_backend = resolve_attention_backend(attention_backend, cfg.head_dim, batch_invariant=batch_invariant)
-    logger.info("attention backend: %s", attention_backend)
-    model = cls(cfg, dtype=dtype, attention_backend=attention_backend)  # parameters are shapes until loaded
+    attention = choose_attention(cfg.head_dim)
+    logger.info("attention backend: %s", attention.name)
+    model = cls(cfg, dtype=dtype, attention=attention)  # parameters are shapes until loaded
     return cfg, model, cls.weight_specs(cfg)
 
 
@@ -123,7 +125,7 @@ def _load_tokenizer(folder: Path):
         raise ValueError(f"could not load the tokenizer in {folder}: {exc}") from exc
 
 
-def _load_hf_folder(folder: Path, dtype_name: str, backend: dict):
+def _load_hf_folder(folder: Path, dtype_name: str, choose_attention):
     from transformers import AutoConfig
 
     config_file = folder / "config.json"
@@ -131,23 +133,23 @@ def _load_hf_folder(folder: Path, dtype_name: str, backend: dict):
         hf_config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         raise ValueError(f"could not read {config_file}: {exc}") from exc
-    cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     files = _safetensors_files(folder)
     tensors, total = _safetensors_tensors(files)
     load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name])
     return model, cfg, hf_config, _load_tokenizer(folder)
 
 
-def _load_gguf(path: Path, dtype_name: str, backend: dict, cache_dir: str | None, use_cache: bool):
+def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool):
     t0 = time.perf_counter()
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
         logger.info("loading converted %s from cache %s", path.name, entry)
-        return _load_hf_folder(entry, dtype_name, backend)
+        return _load_hf_folder(entry, dtype_name, choose_attention)
     reader = gguf_io.open_gguf(str(path))
     hf_config = gguf_io.gguf_hf_config(reader, str(path))
     tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
-    cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     np_dtype = np.dtype(DTYPES[dtype_name])
     converted = {
         name: array.astype(np_dtype)
@@ -161,7 +163,7 @@ def _load_gguf(path: Path, dtype_name: str, backend: dict, cache_dir: str | None
     return model, cfg, hf_config, tokenizer
 
 
-def _load_random(config_file: Path, dtype_name: str, backend: dict):
+def _load_random(config_file: Path, dtype_name: str, choose_attention):
     """A bare config.json: random weights in its shapes, for benchmarks and tests."""
     from transformers import AutoConfig
 
@@ -170,7 +172,7 @@ def _load_random(config_file: Path, dtype_name: str, backend: dict):
         hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"could not read model config {config_file}: {exc}") from exc
-    cfg, model, specs = _abstract_model(hf_config, dtype_name, **backend)
+    cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name])
     folder = config_file.parent
     return model, cfg, hf_config, _load_tokenizer(folder)
@@ -182,11 +184,13 @@ def load_model(
     dtype: str = "float32",
     attention_backend: str = "auto",
     batch_invariant: bool = False,
+    platform: Platform | None = None,
     cache_dir: str | None = None,
     use_cache: bool = True,
     revision: str | None = None,
 ) -> LoadedModel:
-    """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port."""
+    """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port whose attention `platform`
+    (default: the one JAX runs on) resolves from `attention_backend`."""
     dtype_name = resolve_dtype(dtype)
     source = builtin_gguf_path() if model is None else str(model)
     if model is not None and hub.is_hub_id(source):
@@ -205,18 +209,17 @@ def load_model(
         if len(ggufs) != 1:
             raise FileNotFoundError(f"{path} has no config.json and {len(ggufs)} .gguf files; expected an HF folder or one .gguf")
         path = ggufs[0]
-    backend = {"attention_backend": attention_backend, "batch_invariant": batch_invariant}
+    platform = platform or platforms.get()
+    choose_attention = functools.partial(platform.attention_backend, attention_backend, batch_invariant=batch_invariant)
     if path.is_dir():
-        result = _load_hf_folder(path, dtype_name, backend)
+        result = _load_hf_folder(path, dtype_name, choose_attention)
     elif path.suffix == ".gguf":
-        result = _load_gguf(path, dtype_name, backend, cache_dir, use_cache)
+        result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache)
     elif path.suffix == ".json":
-        result = _load_random(path, dtype_name, backend)
+        result = _load_random(path, dtype_name, choose_attention)
     else:
         raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
     module, cfg, hf_config, tokenizer = result
-    if jax.default_backend() == "cpu" and dtype_name != "float32" and getattr(module, "lm_head", True) is None:
-        module.embed_tokens.add_output_kernel()  # a tied 16-bit head: see Embedding.add_output_kernel
     size = param_bytes(nnx.state(module, nnx.Param))
     logger.info(
         "loaded %s (%s, %.1f MB of %s weights) in %.1fs",

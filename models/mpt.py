@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 
 def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> np.ndarray:
@@ -24,17 +25,17 @@ def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> np.ndarray:
 
 
 class MptBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         self.norm_1 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype, bias=False)
         self.self_attn = Attention(
-            cfg, layer, dtype=dtype, attention_backend=attention_backend, scale=cfg.option("softmax_scale"),
+            cfg, layer, dtype=dtype, attention=attention, scale=cfg.option("softmax_scale"),
             alibi=mpt_alibi_slopes(cfg.num_heads), clip_qkv=cfg.option("clip_qkv"),
         )  # fmt: skip
         self.norm_2 = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype, bias=False)
         self.mlp = MLP(cfg, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
-        attn, new_kv = self.self_attn(self.norm_1(x), positions, kv_cache, attn_metadata)
+    def __call__(self, x, rope, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.norm_1(x), rope, kv_cache, attn_metadata)
         x = x + attn
         return x + self.mlp(self.norm_2(x)), new_kv
 
@@ -42,11 +43,11 @@ class MptBlock(nnx.Module):
 class MptForCausalLM(CausalLM):
     BASE_PREFIX = "transformer."
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = module_list(
-            [MptBlock(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [MptBlock(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype, bias=False)
         self.init_head(cfg, cfg.hidden_size, dtype)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.layers import MLP, Attention, CausalLM, Embedding, LayerNorm, Linear, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, Linear, module_list
 from jaxpaged.models.weights import WeightSpec, linear_specs, norm_specs
+from jaxpaged.pallas_kernels import AttentionBackend
 
 POSITION_OFFSET = 2  # OPT's position table reserves its first two rows
 
@@ -17,16 +18,16 @@ def _norm(cfg: ModelConfig, dtype) -> LayerNorm:
 
 
 class OPTDecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention_backend: str):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         self.self_attn_layer_norm = _norm(cfg, dtype)
-        self.self_attn = Attention(cfg, layer, dtype=dtype, attention_backend=attention_backend)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, attention=attention)
         self.final_layer_norm = _norm(cfg, dtype)
         self.mlp = MLP(cfg, dtype=dtype)
         self.pre_norm = cfg.option("do_layer_norm_before", True)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata):
+    def __call__(self, x, rope, kv_cache, attn_metadata):
         pre = self.pre_norm
-        attn, new_kv = self.self_attn(self.self_attn_layer_norm(x) if pre else x, positions, kv_cache, attn_metadata)
+        attn, new_kv = self.self_attn(self.self_attn_layer_norm(x) if pre else x, rope, kv_cache, attn_metadata)
         x = x + attn
         if not pre:
             x = self.self_attn_layer_norm(x)
@@ -39,7 +40,7 @@ class OPTDecoderLayer(nnx.Module):
 class OPTForCausalLM(CausalLM):
     CHECKPOINT_RENAMES = ((r"^decoder\.", "model.decoder."),)  # some hub checkpoints omit `model.`
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         d, proj = cfg.hidden_size, cfg.option("word_embed_proj_dim", cfg.hidden_size)
         self.embed_tokens = Embedding(cfg.vocab_size, proj, dtype=dtype)
@@ -47,7 +48,7 @@ class OPTForCausalLM(CausalLM):
         self.project_in = Linear(proj, d, bias=False, dtype=dtype) if proj != d else None
         self.project_out = Linear(d, proj, bias=False, dtype=dtype) if proj != d else None
         self.layers = module_list(
-            [OPTDecoderLayer(cfg, i, dtype=dtype, attention_backend=attention_backend) for i in range(cfg.num_layers)]
+            [OPTDecoderLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)]
         )
         self.norm = _norm(cfg, dtype) if cfg.option("final_norm", True) else None
         self.init_head(cfg, proj, dtype)

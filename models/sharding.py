@@ -34,7 +34,7 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if tensor_parallel_size > len(devices):
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} but only {len(devices)} {jax.default_backend()} device(s) "
+            f"tensor_parallel_size={tensor_parallel_size} but only {len(devices)} {devices[0].platform} device(s) "
             "are visible (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
         )
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,), axis_types=(AxisType.Auto,))

@@ -1,25 +1,19 @@
-"""Paged attention over the KV-block array: the public entry point, its metadata, the Pallas kernels and the pure-JAX
-reference (the native CPU kernels live with the CPU platform, jaxpaged/platforms/cpu/)."""
+"""Paged attention over the KV-block array: the entry point, its metadata, the backends behind one interface (the
+Pallas kernels and the pure-JAX reference; the native CPU kernel lives with the CPU platform)."""
 
-from jaxpaged.pallas_kernels.attention import (
-    ATTENTION_BACKENDS,
-    copy_blocks,
-    kv_storage_dtype,
-    paged_attention,
-    resolve_attention_backend,
-    stack_new_kv,
-    write_kv,
-)
+from jaxpaged.pallas_kernels.attention import copy_blocks, paged_attention, stack_new_kv, write_kv
+from jaxpaged.pallas_kernels.backends import AttentionBackend, MosaicAttention, ReferenceAttention, TritonAttention
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, kv_cache_shape
 
 __all__ = [
-    "ATTENTION_BACKENDS",
+    "AttentionBackend",
     "AttentionMetadata",
+    "MosaicAttention",
+    "ReferenceAttention",
+    "TritonAttention",
     "copy_blocks",
     "kv_cache_shape",
-    "kv_storage_dtype",
     "paged_attention",
-    "resolve_attention_backend",
     "stack_new_kv",
     "write_kv",
 ]

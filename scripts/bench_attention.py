@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jaxpaged import platforms  # noqa: E402
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, paged_attention  # noqa: E402
 
 TARGET = {"batch": 64, "context": 2048, "head_dim": 128, "kv_heads": 8, "dtype": "bfloat16"}
@@ -86,8 +87,9 @@ def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_si
     row = {"kind": kind, "batch": batch, "context": context, "q_len": q_len, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "block_size": block_size, "dtype": jnp.dtype(dtype).name, "kv_bytes": kv_bytes}  # fmt: skip
     for backend in backends:
+        attend = platforms.get().attention_backend(backend, head_dim)
         fn = jax.jit(
-            lambda q, k, v, c, attn_metadata, b=backend: paged_attention(q, k, v, c, 0, attn_metadata, scale=head_dim**-0.5, backend=b)
+            lambda q, k, v, c, attn_metadata, b=attend: paged_attention(q, k, v, c, 0, attn_metadata, scale=head_dim**-0.5, backend=b)
         )
         seconds = _time(fn, *args, iters=iters)
         row[f"{backend}_ms"] = seconds * 1e3
@@ -109,7 +111,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="write the rows and environment here")
     args = p.parse_args(argv)
 
-    platform = jax.default_backend()
+    platform = platforms.get().name
     quick = args.quick or platform == "cpu"
     dtype = jnp.dtype(args.dtype or ("float32" if platform == "cpu" else "bfloat16"))
     iters = args.iters or (3 if platform == "cpu" else 20)

@@ -5,6 +5,23 @@ from __future__ import annotations
 
 import pytest
 
+DEVICE_MARKS = ("gpu", "tpu")  # tests that run compiled on that device; skipped elsewhere
+
+
+def pytest_configure(config):
+    for mark in DEVICE_MARKS:
+        config.addinivalue_line("markers", f"{mark}: needs a {mark.upper()}: runs compiled there, skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+
+    here = jax.default_backend()
+    for item in items:
+        for mark in DEVICE_MARKS:
+            if mark in item.keywords and mark != here:
+                item.add_marker(pytest.mark.skip(reason=f"needs a {mark.upper()} (this is {here})"))
+
 CYCLE_MODEL = "cycle"
 API_KEY = "test-key-123"
 # One config for both servers and the in-process engine, so the persistent XLA cache compiles each shape once.

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxpaged.models.layers import use_matmul_backend
+from jaxpaged import platforms
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
 
@@ -30,9 +30,7 @@ class StaticBatchRunner:
         self.block_size = block_size
         self.dtype = DTYPES[loaded.dtype]
         # the engine's matmuls, chosen and packed as ModelRunner does
-        use_matmul_backend(
-            loaded.model, matmul_backend, platform=jax.default_backend(), dtype=self.dtype, tensor_parallel_size=1
-        )
+        platforms.get().prepare_model(loaded.model, matmul_backend, dtype=self.dtype, tensor_parallel_size=1)
         self.graphdef, self.state = nnx.split(loaded.model)
         self._model_step = jax.jit(self._model_step_impl)
         self._write_kv = jax.jit(write_kv, donate_argnums=(0,))

@@ -65,11 +65,12 @@ class LLMEngine:
         compile_monitor.install()
         self.config = config
         _enable_compilation_cache(config)
-        platforms.prepare(config)
+        platform = platforms.get(config.platform)
+        platform.prepare(config)
         t0 = time.perf_counter()
         self.loaded = loaded or load_model(
             config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
-            batch_invariant=config.batch_invariant, revision=config.revision,
+            batch_invariant=config.batch_invariant, revision=config.revision, platform=platform,
         )
         load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer

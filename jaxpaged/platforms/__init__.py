@@ -1,13 +1,24 @@
-"""What depends on the device kind, chosen once when an engine starts."""
+"""What depends on the device kind, chosen once when an engine starts: `get()` is the one place that asks JAX
+which device this is."""
 
 from __future__ import annotations
 
-from jaxpaged.config import EngineConfig
+import jax
+
+from jaxpaged.platforms.interface import Platform
 
 
-def prepare(config: EngineConfig) -> None:
-    """Process-wide set-up for the platform the engine runs on (`import jaxpaged` itself changes nothing)."""
-    if config.platform == "cpu":
-        from jaxpaged.platforms import cpu
+def get(name: str | None = None) -> Platform:
+    """The platform called `name` ("cpu", "gpu", "tpu"), or the one JAX runs on by default."""
+    from jaxpaged.platforms.cpu import CpuPlatform
+    from jaxpaged.platforms.gpu import GpuPlatform
+    from jaxpaged.platforms.tpu import TpuPlatform
 
-        cpu.prepare(config)
+    name = name or jax.default_backend()
+    for platform in (CpuPlatform, GpuPlatform, TpuPlatform):
+        if platform.name == name:
+            return platform()
+    raise ValueError(f"platform must be one of cpu, gpu, tpu (got {name!r})")
+
+
+__all__ = ["Platform", "get"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,11 +28,11 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged.config import CPU_KV_CACHE_BYTES, EngineConfig
-from jaxpaged.models.layers import use_matmul_backend
+from jaxpaged import platforms
+from jaxpaged.config import EngineConfig
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.weights import param_bytes
-from jaxpaged.pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, kv_storage_dtype, write_kv
+from jaxpaged.pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, write_kv
 from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
@@ -106,6 +105,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, executable_dir=None):
         self.config = config
+        self.platform = platforms.get(config.platform)
         self.model_config = loaded.config
         self.block_size = config.block_size
         self.table_width = -(-max_model_len // self.block_size)
@@ -114,10 +114,9 @@ class ModelRunner:
         self.buckets = [config.max_num_batched_tokens] if config.batch_invariant else token_buckets(config.max_num_batched_tokens, config.max_num_seqs)
         self.dtype = DTYPES[loaded.dtype]
         t0 = time.perf_counter()
-        self.matmul_backend = use_matmul_backend(
-            loaded.model, config.matmul_backend, platform=config.platform, dtype=self.dtype,
-            tensor_parallel_size=config.tensor_parallel_size,
-        )  # fmt: skip
+        self.matmul_backend = self.platform.prepare_model(
+            loaded.model, config.matmul_backend, dtype=self.dtype, tensor_parallel_size=config.tensor_parallel_size
+        )
         self.startup_seconds = {"pack": time.perf_counter() - t0}
         self.compile_seconds = 0.0  # compiling or loading executables, at warm-up or on first use
         self.graphdef, self.state = nnx.split(loaded.model)
@@ -132,7 +131,7 @@ class ModelRunner:
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config
         shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        kv_dtype = kv_storage_dtype(self.dtype, config.platform)
+        kv_dtype = self.platform.kv_storage_dtype(self.dtype)
         t0 = time.perf_counter()
         if self.mesh is None:
             self.kv_cache = jnp.zeros(shape, kv_dtype)
@@ -178,22 +177,11 @@ class ModelRunner:
         return cfg.num_layers * 2 * cfg.num_kv_heads * self.block_size * cfg.head_dim * jnp.dtype(self.dtype).itemsize
 
     def _pool_size(self, weight_bytes: int) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.platform == "cpu":
-            budget = CPU_KV_CACHE_BYTES
-            if cfg.kv_cache_memory_fraction is not None:
-                available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                budget = int(cfg.kv_cache_memory_fraction * available)
-            enough = cfg.max_num_seqs * self.table_width  # every sequence at full length
-            return max(1, min(budget // self.block_bytes, enough))
-        stats = jax.devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if not limit:
-            raise ValueError("cannot read this device's memory size; pass num_kv_blocks explicitly")
-        free = limit - stats.get("bytes_in_use", weight_bytes // self.tp)
-        return max(1, int(cfg.kv_cache_memory_fraction * free) // (self.block_bytes // self.tp))  # per device
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        return self.platform.num_kv_blocks(
+            self.config, block_bytes=self.block_bytes, weight_bytes=weight_bytes, table_width=self.table_width
+        )
 
     # -- the jitted step ---------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ def test_same_tokens_alone_and_in_any_batch(model_dir, dtype):
     llm = LLM(model_dir, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=64, block_size=8, batch_invariant=True,
               log_level="WARNING")  # fmt: skip
     assert llm.engine.runner.buckets == [64]
-    assert llm.engine.loaded.model.layers[0].self_attn.backend == "reference_invariant"
+    assert llm.engine.loaded.model.layers[0].self_attn.backend.name == "reference_invariant"
     targets = random_prompts(VOCAB, [3, 20, 45, 90], seed=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
 

@@ -6,10 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, kv_storage_dtype, paged_attention, write_kv
+from jaxpaged import platforms
+from jaxpaged.pallas_kernels import AttentionMetadata, ReferenceAttention, kv_cache_shape, paged_attention, write_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 
 SHAPE = kv_cache_shape(2, 2, 8, 4, 16)  # layers, KV heads, blocks, block size, head dim
+
+
+def kv_storage_dtype(dtype, platform):
+    return platforms.get(platform).kv_storage_dtype(dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -30,7 +35,7 @@ def test_cpu_stores_16_bit_floats_as_bits_and_reads_them_back_exactly(dtype):
         seq_lens=jnp.asarray([11], jnp.int32), query_start_loc=jnp.asarray([0, 1], jnp.int32),
     )
     k_new, v_new = new[3:4, 0, 0], new[3:4, 0, 1]
-    outs = [paged_attention(q, k_new, v_new, cache, 0, attn_metadata, scale=0.25) for cache in (as_bits, as_floats)]
+    outs = [paged_attention(q, k_new, v_new, cache, 0, attn_metadata, backend=ReferenceAttention(), scale=0.25) for cache in (as_bits, as_floats)]
     np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
     assert not np.allclose(np.asarray(outs[0], np.float32), 0)
     with_new = write_kv(as_floats, new[3:4], attn_metadata.slot_mapping)  # the naive form reads this step's K/V from the cache
@@ -57,7 +62,7 @@ def test_bf16_engine_gives_the_same_bits_with_either_storage(tmp_path, monkeypat
     """The uint16 storage changes where the bits live, never the arithmetic: a bfloat16 engine's greedy tokens and
     logprobs are bit-identical to the same engine storing bfloat16 (chunked prefill, cached context, decode)."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.worker import model_runner
+    from jaxpaged.platforms.cpu import CpuPlatform
     from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
     model_dir = str(save_hf_model(random_hf_model(tiny_llama_config(max_position_embeddings=256)), tmp_path / "m"))
@@ -71,7 +76,7 @@ def test_bf16_engine_gives_the_same_bits_with_either_storage(tmp_path, monkeypat
         return dtype, [(c.token_ids, [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)]) for c in (o.outputs[0] for o in outs)]
 
     bits_dtype, as_bits = run()
-    monkeypatch.setattr(model_runner, "kv_storage_dtype", lambda dtype, platform: dtype)
+    monkeypatch.setattr(CpuPlatform, "kv_storage_dtype", lambda self, dtype: dtype)
     float_dtype, as_floats = run()
     assert (bits_dtype, float_dtype) == (jnp.uint16, jnp.bfloat16)
     assert as_bits == as_floats
@@ -88,7 +93,9 @@ def test_tied_16_bit_head_on_cpu_keeps_a_transposed_table(tmp_path, dtype, tied)
 
     model_dir = save_hf_model(random_hf_model(tiny_llama_config(tie_word_embeddings=tied)), tmp_path / "m")
     model = load_model(str(model_dir), dtype=dtype).model
+    platforms.get("cpu").prepare_model(model, "xla", dtype=dtype, tensor_parallel_size=1)
     emb = model.embed_tokens
+    emb.output_kernel = getattr(emb, "output_kernel", None)
     assert (emb.output_kernel is not None) == (tied and dtype != "float32")
     hidden = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64)), dtype)
     logits = nnx.jit(lambda m, h: m.compute_logits(h))(model, hidden)

@@ -16,7 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-from jaxpaged.pallas_kernels import AttentionMetadata, resolve_attention_backend, stack_new_kv, write_kv
+from jaxpaged import platforms
+from jaxpaged.pallas_kernels import AttentionMetadata, stack_new_kv, write_kv
+from jaxpaged.config import EngineConfig
+from jaxpaged.pallas_kernels import MosaicAttention, TritonAttention
 from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
@@ -146,6 +149,10 @@ def test_unsupported_head_dim_is_a_clear_error(kernel):
         KERNELS[kernel](case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, scale=1.0)
 
 
+def resolve_attention_backend(requested, head_dim, platform, batch_invariant=False):
+    return platforms.get(platform).attention_backend(requested, head_dim, batch_invariant).name
+
+
 def test_backend_resolution():
     assert resolve_attention_backend("auto", 128, "gpu") == "pallas"
     assert resolve_attention_backend("auto", 128, "tpu") == "pallas"
@@ -160,7 +167,17 @@ def test_backend_resolution():
     with pytest.raises(ValueError, match="head_dim=96"):
         resolve_attention_backend("pallas", 96, "gpu")
     with pytest.raises(ValueError, match="attention_backend"):
-        resolve_attention_backend("flash", 64, "gpu")
+        EngineConfig(attention_backend="flash")
+
+
+def test_each_platform_hands_models_a_backend_object():
+    """The platform decides once; the kernels it picks for GPU and TPU run compiled, on CPU interpreted."""
+    assert platforms.get("gpu").attention_backend("auto", 128) == TritonAttention(interpret=False)
+    assert platforms.get("tpu").attention_backend("auto", 128) == MosaicAttention(interpret=False)
+    assert platforms.get("cpu").attention_backend("pallas", 128) == TritonAttention(interpret=True)
+    assert repr(TritonAttention(interpret=False)) == "TritonAttention(interpret=False)"  # stable: keys the executable cache
+    with pytest.raises(ValueError, match="platform"):
+        platforms.get("quantum")
 
 
 # Lowering without the hardware: jax.export traces and lowers for the named platform only.
@@ -199,3 +216,30 @@ def test_gpu_kernel_lowers_for_cuda(dtype, block_size, head_dim):
 def test_tpu_kernel_lowers_for_tpu(dtype, block_size, head_dim):
     module = _export(tpu_paged_attention, "tpu", dtype, block_size, head_dim)
     assert module.count("tpu_custom_call") == 1
+
+
+# Compiled, on the device itself: the interpreted runs' cases, through the backend each platform picks.
+COMPILED = [(SHAPES[1], 16, (8, 2), 128), (SHAPES[3], 64, (4, 4), 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape,block_size,heads,head_dim", COMPILED)
+def test_compiled_gpu_kernel_equals_definition(dtype, shape, block_size, heads, head_dim):
+    _compiled_equals_definition("gpu", dtype, shape, block_size, heads, head_dim)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape,block_size,heads,head_dim", COMPILED)
+def test_compiled_tpu_kernel_equals_definition(dtype, shape, block_size, heads, head_dim):
+    _compiled_equals_definition("tpu", dtype, shape, block_size, heads, head_dim)
+
+
+def _compiled_equals_definition(platform, dtype, shape, block_size, heads, head_dim):
+    backend = platforms.get(platform).attention_backend("auto", head_dim)
+    assert backend.name == "pallas" and not backend.interpret
+    (seq_lens, q_lens), (num_heads, num_kv_heads) = shape, heads
+    case = random_case(np.random.default_rng(0), seq_lens=seq_lens, q_lens=q_lens, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)  # fmt: skip
+    _check(jax.jit(backend, static_argnames=("layer", "scale")), case, 1e-5 if dtype == jnp.float32 else 2e-2, scale=head_dim**-0.5)

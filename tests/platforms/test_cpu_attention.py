@@ -51,7 +51,7 @@ def test_the_cache_is_read_in_place():
 
     def layers(q, k, v, cache, attn_metadata):
         for layer in range(shape[0]):
-            q = paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125, backend="native")
+            q = paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125, backend=cpu_attention.NativeCpuAttention())
         return q
 
     cache = jax.ShapeDtypeStruct(shape, jnp.float32)

@@ -10,6 +10,7 @@ beside the cache, since the runner writes them after the step) in one online sof
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.pallas_kernels.backends import AttentionBackend
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.platforms.cpu import native_build
 from jaxpaged.platforms.cpu.native_build import compiler  # noqa: F401 - part of this module's interface
@@ -78,3 +80,13 @@ def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionM
         soft_cap=np.float32(soft_cap or 0.0), alibi=alibi_slopes is not None,
     )  # fmt: skip
     return out.astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeCpuAttention(AttentionBackend):
+    """The C++ kernel behind the AttentionBackend interface."""
+
+    name = "native"
+
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
+        return cpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, **kw)

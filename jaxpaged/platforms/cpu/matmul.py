@@ -1,14 +1,14 @@
 """float32 matmuls on CPU against weights packed once (matmul.cc behind an XLA FFI custom call).
 
-XLA:CPU repacks a weight on every dot of more than ~50 rows and streams it several times for fewer;
-packed at load time into 32-column panels, each step reads every weight once, in order. Used for
-every Linear and a tied LM head when serving float32 on one CPU device with AVX-512
-(models/layers.py: `pack_for_cpu_matmul`; `matmul_backend="native"` asks for it anywhere it builds).
+XLA:CPU repacks a weight on every dot of many rows and streams it several times for few; packed at load time
+into 32-column panels, each step reads every weight once, in order. PackedLinear and PackedEmbedding put it
+behind the models' layer methods (the CPU platform's prepare_model packs the weights).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -112,3 +112,22 @@ def resolve_matmul_backend(requested: str, *, platform: str, dtype, tensor_paral
     if requested not in ("xla", "native"):
         raise ValueError(f"matmul_backend must be 'auto', 'xla' or 'native' (got {requested!r})")
     return requested
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLinear:
+    """A Linear whose kernel `pack` has packed."""
+
+    def apply(self, layer, x: jax.Array) -> jax.Array:
+        return packed_matmul(x, layer.kernel[...], layer.out_features)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedEmbedding:
+    """An Embedding (a tied LM head) whose table `pack_rows` has packed: rows read back out of the panels."""
+
+    def lookup(self, layer, ids: jax.Array) -> jax.Array:
+        return packed_rows(layer.embedding[...], ids)
+
+    def attend(self, layer, x: jax.Array) -> jax.Array:
+        return packed_matmul(x, layer.embedding[...], layer.num_embeddings)

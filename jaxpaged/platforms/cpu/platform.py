@@ -1,0 +1,122 @@
+"""The CPU platform: float32 by default, the native kernels where they build, 16-bit KV stored as bits."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpaged.models.layers import CausalLM, DenseEmbedding, Embedding, Linear
+from jaxpaged.pallas_kernels.backends import AttentionBackend, ReferenceAttention, TritonAttention, check_pallas_head_dim
+from jaxpaged.platforms.cpu import attention as cpu_attention
+from jaxpaged.platforms.cpu import matmul as cpu_matmul
+from jaxpaged.platforms.cpu.host_malloc import tune_malloc
+from jaxpaged.platforms.interface import Platform
+
+if TYPE_CHECKING:
+    from jaxpaged.config import EngineConfig
+
+logger = logging.getLogger("jaxpaged.platforms.cpu")
+
+KV_CACHE_BYTES = 2 << 30  # the pool is sized to fit comfortably in RAM, not to fill it
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedHead(DenseEmbedding):
+    """A tied 16-bit head reading a transposed copy of the table: XLA:CPU runs a 16-bit `x @ E.T` by converting
+    E to float32 on every call, but `x @ W` with W [in, out] natively."""
+
+    def attend(self, layer: Embedding, x: jax.Array) -> jax.Array:
+        return jnp.dot(x, layer.output_kernel[...], preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputedOnce:
+    """Values computed once into memory: fused into their consumers, XLA:CPU recomputes RoPE's sin and cos for every
+    head of q and k in every layer. A conditional's results are never fused (and on CPU cost no host round trip)."""
+
+    def __call__(self, compute, operand: jax.Array):
+        return jax.lax.cond(operand[0] >= 0, compute, compute)  # either branch gives the same; XLA cannot tell which
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuPlatform(Platform):
+    name = "cpu"
+    dtype = "float32"
+    max_num_seqs = 64
+    max_num_batched_tokens = 256
+    kv_cache_memory_fraction = None  # a fixed budget (KV_CACHE_BYTES) unless asked for a share of free RAM
+
+    def prepare(self, config: EngineConfig) -> None:
+        """Tune malloc before XLA's threads first allocate; build the native kernels while the model loads."""
+        tune_malloc()
+        if config.attention_backend in ("auto", "native"):
+            cpu_attention.start_build()
+        if config.matmul_backend in ("auto", "native") and config.dtype == "float32" and config.tensor_parallel_size == 1:
+            cpu_matmul.start_build()
+
+    def attention_backend(self, requested: str, head_dim: int, batch_invariant: bool = False) -> AttentionBackend:
+        if requested == "pallas":  # the GPU kernel, interpreted: for tests
+            check_pallas_head_dim(head_dim)
+            return TritonAttention(interpret=True)
+        if requested == "native" and not cpu_attention.available():
+            raise ValueError("attention_backend='native' is the CPU kernel, and it could not be built (see the warning above)")
+        if requested in ("auto", "native") and not batch_invariant and cpu_attention.available():
+            return cpu_attention.NativeCpuAttention()
+        return ReferenceAttention(batch_invariant)
+
+    def kv_storage_dtype(self, dtype) -> jnp.dtype:
+        """16-bit floats as uint16 bits: XLA:CPU turns a 16-bit scatter into a float32 round trip of the whole
+        cache, while integer scatters stay in place (readers reinterpret only the blocks they gather)."""
+        if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return jnp.dtype(jnp.uint16)
+        return jnp.dtype(dtype)
+
+    def prepare_model(self, model: nnx.Module, matmul_backend: str, *, dtype, tensor_parallel_size: int) -> str:
+        if isinstance(model, CausalLM) and tensor_parallel_size == 1:  # partitioned, the conditional lost its shards
+            model.shared = ComputedOnce()
+        backend = cpu_matmul.resolve_matmul_backend(
+            matmul_backend, platform=self.name, dtype=dtype, tensor_parallel_size=tensor_parallel_size
+        )
+        if backend == "native":
+            logger.info("matmuls: native CPU kernel, %d weights packed into panels", pack_for_cpu_matmul(model))
+        elif jnp.dtype(dtype) != jnp.float32 and _tied_head(model) is not None:
+            head = _tied_head(model)
+            head.output_kernel = nnx.Param(jnp.asarray(head.embedding[...].T))  # the table's size again in memory
+            head.method = TransposedHead()
+        return backend
+
+    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
+        budget = KV_CACHE_BYTES
+        if config.kv_cache_memory_fraction is not None:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = int(config.kv_cache_memory_fraction * available)
+        enough = config.max_num_seqs * table_width  # every sequence at full length
+        return max(1, min(budget // block_bytes, enough))
+
+
+def _tied_head(model: nnx.Module) -> Embedding | None:
+    head = getattr(model, "embed_tokens", None)
+    return head if getattr(model, "lm_head", True) is None and isinstance(head, Embedding) else None
+
+
+def pack_for_cpu_matmul(model: nnx.Module) -> int:
+    """Repack, in place, every float32 Linear's kernel and a tied head's table into cpu_matmul's panels, so each
+    step streams every weight once; the count packed. In place, so the weights are never held twice."""
+    count = 0
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Linear) and module.kernel[...].ndim == 2 and module.kernel[...].dtype == jnp.float32:
+            module.kernel = nnx.Param(cpu_matmul.pack(module.kernel[...]))
+            module.method = cpu_matmul.PackedLinear()
+            count += 1
+    head = _tied_head(model)
+    if head is not None and head.embedding[...].ndim == 2 and head.embedding[...].dtype == jnp.float32:
+        head.embedding = nnx.Param(cpu_matmul.pack_rows(head.embedding[...]))
+        head.method = cpu_matmul.PackedEmbedding()
+        count += 1
+    return count

@@ -1,0 +1,79 @@
+"""A Platform holds every decision that depends on the device kind. The engine picks one when it starts
+(platforms.get); the runner, the loader and the models receive what it decided and never ask which device
+they are on."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpaged.pallas_kernels.backends import AttentionBackend, ReferenceAttention, check_pallas_head_dim
+
+if TYPE_CHECKING:
+    from jaxpaged.config import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    name: ClassVar[str]
+    # EngineConfig's defaults on this platform
+    dtype: ClassVar[str] = "bfloat16"
+    max_num_seqs: ClassVar[int] = 256
+    max_num_batched_tokens: ClassVar[int] = 2048
+    kv_cache_memory_fraction: ClassVar[float | None] = 0.9
+
+    def prepare(self, config: EngineConfig) -> None:
+        """Process-wide set-up when an engine starts here, before it loads anything."""
+
+    def attention_backend(self, requested: str, head_dim: int, batch_invariant: bool = False) -> AttentionBackend:
+        """Resolve config.attention_backend for a model with this head dim; a ValueError naming it if impossible."""
+        raise NotImplementedError
+
+    def kv_storage_dtype(self, dtype) -> jnp.dtype:
+        """The KV array's element type for a model computing in `dtype`."""
+        return jnp.dtype(dtype)
+
+    def prepare_model(self, model: nnx.Module, matmul_backend: str, *, dtype, tensor_parallel_size: int) -> str:
+        """Lay the loaded weights out, in place, for this device's matmuls; the matmul path taken."""
+        if matmul_backend == "native":
+            raise ValueError(f"matmul_backend='native' is the packed float32 CPU matmul, and this is {self.name}")
+        return "xla"
+
+    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
+        """How many KV blocks to allocate when config.num_kv_blocks does not say (block_bytes: all devices')."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorPlatform(Platform):
+    """GPU and TPU: a Pallas kernel where it takes the head dim, and the KV pool sized from device memory."""
+
+    def kernel(self) -> AttentionBackend:
+        raise NotImplementedError
+
+    def attention_backend(self, requested: str, head_dim: int, batch_invariant: bool = False) -> AttentionBackend:
+        if requested == "native":
+            raise ValueError(f"attention_backend='native' is the CPU kernel, and this is {self.name}")
+        if requested == "pallas":
+            check_pallas_head_dim(head_dim)
+            return self.kernel()
+        if requested == "auto":
+            try:
+                check_pallas_head_dim(head_dim)
+                return self.kernel()  # batch-invariant already: a tile's keys are walked from its sequence's start
+            except ValueError:
+                pass
+        return ReferenceAttention(batch_invariant)
+
+    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            raise ValueError("cannot read this device's memory size; pass num_kv_blocks explicitly")
+        tp = config.tensor_parallel_size
+        free = limit - stats.get("bytes_in_use", weight_bytes // tp)
+        return max(1, int(config.kv_cache_memory_fraction * free) // (block_bytes // tp))  # per device

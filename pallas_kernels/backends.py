@@ -1,0 +1,82 @@
+"""One interface for every attention implementation: a platform picks one when the engine starts, and each
+Attention layer calls it. Backends are frozen dataclasses: they sit in the model's graph, whose repr keys the
+executable cache, so that repr must be stable across processes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.reference import reference_paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context of `layer` -> out [T, H, D].
+
+    alibi_slopes: float32 [H] or None; adds slope * (key_pos - query_pos) after scale and soft-cap.
+    """
+
+    name: ClassVar[str]
+
+    def __call__(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, layer: int, attn_metadata: AttentionMetadata,
+        *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
+    ) -> jax.Array:  # fmt: skip
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceAttention(AttentionBackend):
+    """The pure-JAX definition any device runs; batch_invariant makes a row's result independent of the step."""
+
+    batch_invariant: bool = False
+
+    @property
+    def name(self) -> str:
+        return "reference_invariant" if self.batch_invariant else "reference"
+
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
+        return reference_paged_attention(q, k, v, kv_cache, layer, attn_metadata, batch_invariant=self.batch_invariant, **kw)
+
+
+def _as_floats(kv_cache: jax.Array, dtype) -> jax.Array:
+    """The Pallas kernels read floats; a CPU cache holds 16-bit floats as uint16 (only when interpreted there)."""
+    return jax.lax.bitcast_convert_type(kv_cache, dtype) if kv_cache.dtype == jnp.uint16 else kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonAttention(AttentionBackend):
+    """The GPU kernel in Pallas' Triton dialect; interpret=True runs it on any device (tests, CPU)."""
+
+    name: ClassVar[str] = "pallas"
+    interpret: bool = False
+
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
+        from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention  # Pallas is imported only where used
+
+        return gpu_paged_attention(q, k, v, _as_floats(kv_cache, q.dtype), layer, attn_metadata, interpret=self.interpret, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttention(AttentionBackend):
+    """The TPU kernel in Pallas' Mosaic dialect; interpret=True runs it on any device."""
+
+    name: ClassVar[str] = "pallas"
+    interpret: bool = False
+
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
+        from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
+
+        return tpu_paged_attention(q, k, v, _as_floats(kv_cache, q.dtype), layer, attn_metadata, interpret=self.interpret, **kw)
+
+
+def check_pallas_head_dim(head_dim: int) -> None:
+    """A ValueError naming attention_backend when the Pallas kernels cannot take this head dim."""
+    from jaxpaged.pallas_kernels.gpu_attention import check_head_dim
+
+    check_head_dim(head_dim)
