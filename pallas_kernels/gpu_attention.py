@@ -7,10 +7,8 @@ step's own K/V (not in the cache yet: the runner writes it after the forward pas
 online softmax in float32. Each KV block is loaded once per program and serves every query
 head of its group.
 
-Why Triton and not Mosaic GPU: Pallas' Triton lowering works on any NVIDIA GPU JAX supports,
-exports for "cuda" on a machine without one (so CI checks it lowers), and runs in interpret
-mode on CPU; Mosaic GPU targets Hopper and later only and needs warpgroup-level code. Newer
-JAX deprecates Triton in favour of Mosaic GPU; a Mosaic port would slot in beside this file.
+Triton rather than Mosaic GPU: it runs on every NVIDIA GPU JAX supports, exports for "cuda"
+without one, and runs interpreted on CPU (docs/design.md, "The Pallas kernels").
 
 Shapes the wrapper fixes so the kernel never reads out of bounds: the flat token axis gets
 one tile of padding rows, the block table is padded to whole iterations, and block ids are

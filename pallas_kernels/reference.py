@@ -1,4 +1,4 @@
-"""Pure-JAX paged attention: the CPU default, and the definition every kernel is checked against.
+"""Pure-JAX paged attention: the fallback where no kernel runs, and the definition every kernel is checked against.
 
 `naive_paged_attention` is the definition: each flattened token gathers its sequence's whole
 context through the block table and attends with a causal mask. It materialises

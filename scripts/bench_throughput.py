@@ -297,9 +297,9 @@ def machine_info() -> dict:
 
 def calibrate(iters: int = 10) -> dict:
     """This machine's speed today, measured in the same run: float32 matmul rates (2048^3, jax and torch)
-    and a large read (jnp.sum of 256 MB). The hosts this runs on differ by 30% and more from day to day,
-    and jaxpaged's matmul-bound steps follow the matmul rate while transformers' overhead-bound loop does
-    not, so a figure without these cannot be compared with another day's."""
+    and a large read (jnp.sum of 256 MB). Hosts differ from day to day, and jaxpaged's matmul-bound steps
+    follow the matmul rate while transformers' overhead-bound loop does not: a figure without these cannot
+    be compared with another day's."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -400,7 +400,7 @@ def main(argv=None) -> None:
     sides: dict[str, dict] = {}
     # On a GPU transformers goes first, since jaxpaged then claims most of the memory for its KV cache.
     # On a CPU jaxpaged goes first: torch's idle worker threads keep spinning for a while after its
-    # runs and would slow whatever runs next (measured: 145 vs 125 tok/s for jaxpaged here). vLLM runs
+    # runs and would slow whatever runs next (docs/benchmarks.md, "Other scripts"). vLLM runs
     # in its own process, which is gone when it ends.
     hf_first = _gpu_available()
     run_both_hf = not (args.skip_hf_single and args.skip_hf_batch)

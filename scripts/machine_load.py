@@ -1,7 +1,7 @@
 """Was the machine quiet while a benchmark side ran? Load average and other processes' CPU, per side.
 
 The benchmark scripts share a machine with other jobs, and contention slows the systems unequally
-(transformers far more than jaxpaged: 2-7 tok/s against 72-87 quiet), so each side records the
+(transformers far more than jaxpaged), so each side records the
 1-minute load average before and after it and the CPU time that processes outside this benchmark's
 own process tree used while it ran, and is flagged busy when either says someone else was working:
 
@@ -11,7 +11,7 @@ own process tree used while it ran, and is flagged busy when either says someone
 - the hypervisor gave more than BUSY_STEAL_SHARE of it to other guests (steal time, /proc/stat): a
   shared VM's neighbours show up only there, not in its load average.
 
-The load after a side is mostly the side itself (2-4 on 2 cores), so it is recorded, not judged.
+The load after a side is mostly the side itself, so it is recorded, not judged.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Compiled steps kept on disk, so that a warm start skips tracing, lowering and compiling them.
 
 JAX's persistent compilation cache spares XLA's compile only: each start still traces and lowers every
-step, most of a second per bucket for a 30-layer model. Here the compiled executable itself is stored,
+step. Here the compiled executable itself is stored,
 keyed by everything that shapes it: jaxpaged's source, the model's graph (static attributes included),
 the arguments' shapes and dtypes, JAX's version, the devices, the CPU and XLA's flags.
 An entry that fails to load is compiled again and rewritten.

@@ -128,7 +128,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first maximum; a NaN counts as the maximum), as int32.
 
     Written as a max and a min over plain arrays: XLA:CPU runs argmax's paired (value, index)
-    reduction unvectorised, 3x slower over a [64, 49152] batch of logits (7.6 against 2.2 ms).
+    reduction unvectorised, several times slower.
     """
     nan = jnp.isnan(x)
     peak = jnp.max(jnp.where(nan, -jnp.inf, x), axis=-1, keepdims=True)

@@ -1,15 +1,12 @@
 // Paged attention for CPUs: an XLA FFI custom call.
 //
-// Why native code: XLA:CPU materialises every gather of context blocks before the small batched
-// matmuls consume it, so the pure-JAX path moves each K/V byte several times through memory (about
-// half of a SmolLM2 decode step at batch 64). Here each (sequence, KV head) reads its blocks once,
-// straight from the cache, with an online softmax, and the work is split over the cores.
+// Why native code: XLA:CPU materialises every gather of context blocks, so the pure-JAX path moves each
+// K/V byte several times; here each sequence's blocks are read once, straight from the cache
+// (docs/design.md, "The native CPU kernel").
 //
 // Each row sees its sequence's positions cached before this step, read from the cache, then this
 // step's own keys (k_new / v_new, not yet written to the cache) up to its own position: one online
-// softmax over both, normalised here. XLA's [T, T] product over this step's keys computed every pair
-// of the step's rows, most of them masked (other sequences, the future): ~20% of a 256-token step.
-// Rows outside every sequence (padding) come out 0.
+// softmax over both, normalised here. Rows outside every sequence (padding) come out 0.
 //
 // Layout (pallas_kernels/metadata.py): cache[L, 2, num_blocks, H_kv, block_size, D], float32, or
 // uint16 holding bfloat16 / float16 bits (kv_storage_dtype). q is float32 [T, H_kv * G, D], k_new and
@@ -122,13 +119,10 @@ inline float sum_lanes(Vec v) {
 }
 
 // Asks for row c of a tile that is `ahead` (the same KV head's tile in the sequence's next block), so
-// that the next block arrives while this one is worked on: blocks lie anywhere in the cache, where the
-// hardware prefetcher cannot guess them, and asking for a whole block at once overflows the queue of
-// misses in flight, so the requests are spread over the keys of the current tile. They ask for L2, not
-// L1 (locality hint 1): L1 holds few misses in flight and the tile is read from L2 soon enough; a batch-64
-// decode read its context ~15% faster so (45-51 against 54-61 ms for SmolLM2's 30 layers at context 300).
-// The vector paths inline the same loop with a compile-time bound: written as a call there, it cost
-// a third of the prefetch's gain (measured).
+// that the next block arrives while this one is worked on: the hardware prefetcher cannot guess where
+// blocks lie, and asking for a whole block at once overflows the misses in flight, so the requests are
+// spread over the keys of the current tile. Into L2, not L1 (locality hint 1): L1 holds few misses in
+// flight. The vector paths inline the same loop with a compile-time bound (a call there was slower).
 template <int64_t kRowBytes>
 inline void prefetch_row(const char* ahead, int64_t c, int64_t row_bytes) {
   if (ahead == nullptr) return;
@@ -136,8 +130,8 @@ inline void prefetch_row(const char* ahead, int64_t c, int64_t row_bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + c * bytes + i, 0, 1);
 }
 
-// Lane c of the result: the sum of p[c]'s lanes, c < kLanes. Rounds of pairing halves: with 16 lanes, 45
-// vector operations for sixteen dot products, where reducing each on its own took ~10 dependent ones apiece.
+// Lane c of the result: the sum of p[c]'s lanes, c < kLanes. Rounds of pairing halves reduce all kLanes
+// dot products together, far fewer dependent operations than reducing each on its own.
 inline Vec sum_lanes_each(const Vec* p) {
 #if defined(__AVX512F__)
   Vec x[8], y[4], z[2];

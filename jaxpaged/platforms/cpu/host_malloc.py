@@ -1,10 +1,9 @@
 """glibc malloc settings that keep XLA:CPU's per-step buffers mapped between steps.
 
-XLA:CPU allocates an executable's temporaries (85 MB for a 64-row decode step of SmolLM2, 113 MB for
-a 256-token step) with malloc on every run, from its worker threads. glibc serves those threads from
-secondary arenas, which cannot hold a block over 64 MB and hand an emptied heap back to the kernel, so
-every step mapped its temporaries afresh: ~12,500 page faults and 30-50 ms of kernel time per step on
-the project's 2-core VM. One arena with high mmap and trim thresholds keeps that memory mapped.
+XLA:CPU mallocs an executable's temporaries (tens of MB a step) on every run, from its worker threads.
+glibc serves those from secondary arenas, which cannot hold a block over 64 MB and hand an emptied heap back
+to the kernel, so every step would map its temporaries afresh (thousands of page faults). One arena with high
+mmap and trim thresholds keeps that memory mapped.
 
 This must run before XLA's threads first allocate, so the CPU platform calls it first thing when an engine
 starts (platforms/cpu.py); `import jaxpaged` alone changes nothing.

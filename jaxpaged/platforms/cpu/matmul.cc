@@ -1,10 +1,8 @@
 // y = x @ w for float32 on CPUs, w packed once at load time: an XLA FFI custom call.
 //
-// Why native code: XLA:CPU's dot takes the weight as it lies ([in, out]) and, for more than ~50 rows,
-// repacks all of it on every call before multiplying (13% of a SmolLM2 serving workload on 2 cores:
-// the whole model's weights read, written and read again each step). Below ~50 rows it reads the
-// weight once per 5-row strip instead. Packed once, the weight is one sequential stream that each
-// step reads exactly once, at any row count.
+// Why native code: XLA:CPU's dot repacks the whole weight on every call for many rows and streams it once
+// per 5-row strip for few; packed once, the weight is one sequential stream that each step reads exactly
+// once, at any row count (docs/design.md, "The native CPU matmul").
 //
 // Packing: w [K, N] becomes panels [P = ceil(N / 32), K, 32]: panel p holds columns [32p, 32p + 32),
 // row k of it the 32 weights that row k of w has there (zero past N). A micro-kernel keeps a tile of
@@ -21,7 +19,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Vectors of the hardware's width (GCC splits wider generic vectors into pieces through memory, ~100x
+// Vectors of the hardware's width (GCC splits wider generic vectors into pieces through memory, far
 // slower). A micro-tile is kStrip rows by kVecs vectors of columns (a panel is walked in 32 / (kVecs x
 // kLanes) passes); its accumulators and one row of the panel's columns fill the registers: with AVX-512
 // 12 x 2 + 2 of 32, with AVX2 6 x 2 + 2 of 16 (the usual 6 x 16 tile), else (4-float NEON/SSE) 6 x 4 + 4 of 32.
