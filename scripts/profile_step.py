@@ -57,27 +57,16 @@ class PhaseTimer:
 def instrumented(engine, timer: PhaseTimer):
     undo = [
         timer.wrap(engine.scheduler, "schedule", "schedule"),
-        timer.wrap(engine, "_pack", "pack"),
+        timer.wrap(engine.input_batch, "build", "pack"),
         timer.wrap(engine.runner, "dispatch", "dispatch"),
         timer.wrap(DispatchedStep, "fetch", "wait"),
+        timer.wrap(engine, "_update", "process"),  # the update stage: the device's tokens are already read
     ]
-    finish = engine._finish
-
-    def timed_finish(step):  # processing = _finish minus its wait for the device
-        waited = timer.totals["wait"]
-        t0 = time.perf_counter()
-        try:
-            return finish(step)
-        finally:
-            timer.totals["process"] += time.perf_counter() - t0 - (timer.totals["wait"] - waited)
-
-    engine._finish = timed_finish
     try:
         yield
     finally:
         for u in undo:
             u()
-        del engine._finish
 
 
 def device_step_seconds(engine, batch: int, ctx: int, repeats: int = 10) -> float:

@@ -1,19 +1,17 @@
-"""A request's state as the scheduler and the engine see it.
+"""A request's scheduling state: what the scheduler and the KV cache manager read and change.
 
-A user request with n > 1 becomes n sequences (`Request`s) sharing a `RequestGroup`; the
-scheduler only ever deals with single sequences.
+A user request with n > 1 (or beam search) becomes several sequences (`Request`s, vLLM V1's
+meaning) under one `ParentRequest`; the scheduler only ever deals with single sequences.
+Detokenizing, logprobs and beams live on the engine side (engine/output_processor.py,
+engine/beam_search.py), so this module depends on nothing above core/.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
 
 from jaxpaged.core.kv_cache_manager import hash_block
-from jaxpaged.engine.beam_search import BeamSearch
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -41,20 +39,25 @@ class Request:
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
     seed: int  # this sequence's sampling seed
-    detokenizer: IncrementalDetokenizer | None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; None for the first
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     hold_at: int | None = None  # n > 1: compute no further until the parent's other samples fork from here
     _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
-    beam_top: tuple | None = None  # beam search: (top ids, top logprobs) of the next position, once computed
     num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
+
+    @property
+    def is_beam(self) -> bool:
+        """A running beam: asks for its next position's top candidates and is never sampled from."""
+        return self.parent.params.use_beam_search
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are computed once per parent, by its first sample (which then skips the prefix cache)."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and not self.is_beam
 
     @property
     def num_sampled_tokens(self) -> int:
@@ -95,21 +98,6 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
-    def text(self) -> str:
-        # what has been safely released so far; after the final flush, the whole text
-        return self.detokenizer.output_text if self.detokenizer is not None else ""
-
-    def completion(self) -> CompletionOutput:
-        return CompletionOutput(
-            index=self.index,
-            text=self.text(),
-            token_ids=self.output_token_ids[: self.num_sampled_tokens],
-            cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
-            logprobs=self.logprobs,
-            finish_reason=self.status.value if self.finished else None,
-            stop_reason=self.stop_reason,
-        )
-
 
 @dataclasses.dataclass(eq=False)
 class ParentRequest:
@@ -117,35 +105,9 @@ class ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    sequences: list[Request] = dataclasses.field(default_factory=list)
+    sequences: list[Request] = dataclasses.field(default_factory=list)  # the n samples, or the running beams
     unforked: list[Request] = dataclasses.field(default_factory=list)  # samples waiting to fork from the first
-    beam: BeamSearch | None = None  # use_beam_search: the search state; its running beams are the sequences
-    decode: Callable[[list[int]], str] | None = None  # beam search: final text of each hypothesis
-
-    @property
-    def live_sequences(self) -> list[Request]:
-        return self.beam.running if self.beam is not None else self.sequences
 
     @property
     def finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done
         return all(seq.finished for seq in self.sequences)
-
-    def output(self) -> RequestOutput:
-        if self.beam is not None:
-            decode = self.decode or (lambda ids: "")
-            return RequestOutput(
-                request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_token_ids),
-                outputs=self.beam.completions(self.params.n, decode) if self.beam.done else [],
-                finished=self.beam.done,
-            )  # fmt: skip
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=[seq.completion() for seq in self.sequences],
-            finished=self.finished,
-            prompt_logprobs=self.sequences[0].prompt_logprobs,
-            num_cached_tokens=self.sequences[0].num_cached_tokens,
-        )

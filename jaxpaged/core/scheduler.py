@@ -8,15 +8,21 @@ freed at once and it is recomputed from its tokens later (outputs are unchanged,
 depends only on a sequence's own tokens, seed and position). With prefix caching, a sequence
 admitted with nothing computed starts after its longest cached prefix, so a preempted one
 usually finds most of its own blocks again.
+
+The scheduler is the one owner of the KV cache manager: `schedule()` allocates (and forks held
+samples), `update()` takes a step's sampled tokens, registers full blocks and checks stops
+(`check_stop`, as vLLM V1's), `fork`/`finish` share and free blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclasses.dataclass
@@ -25,6 +31,12 @@ class ScheduledSequence:
     start: int  # first position fed this step (== num_computed_tokens at scheduling)
     num_tokens: int
     samples: bool = dataclasses.field(init=False)  # reaches the end of the sequence's tokens: yields the next one
+    # what the runner needs, fixed when the step is formed (the request moves on before the step runs):
+    row: int = dataclasses.field(init=False, default=0)  # its row in the step's sampled outputs
+    first_token_row: int = dataclasses.field(init=False, default=0)  # its first row in the step's token rows
+    block_table: list[int] = dataclasses.field(init=False, default_factory=list, repr=False)
+    num_output_tokens: int = dataclasses.field(init=False, default=0)  # output tokens the request had then
+    prev_row: int = dataclasses.field(init=False, default=-1)  # its last input is the previous step's output at this row
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens == self.request.num_tokens  # fixed when scheduled
@@ -34,20 +46,47 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     preempted: list[Request]
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst): copy before the step
+    sampled_rows: dict[Request, int] = dataclasses.field(default_factory=dict)  # sequences given a token -> row
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
 
+def check_stop(req: Request, token: int, stop_string: str | None, eos_token_ids: Sequence[int], max_model_len: int | None) -> RequestStatus | None:
+    """Whether the token just appended ends the sequence (its stop_reason set); the stop string, found by the
+    detokenizer, wins over EOS, stop ids and length."""
+    params = req.params
+    n_out = req.num_sampled_tokens
+    if stop_string is not None:
+        req.stop_reason = stop_string
+        return RequestStatus.FINISHED_STOPPED
+    if n_out >= params.min_tokens and not params.ignore_eos and token in eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if n_out >= params.min_tokens and token in params.stop_token_ids:
+        req.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
+    if n_out >= req.max_tokens or (max_model_len is not None and len(req.prompt_token_ids) + n_out >= max_model_len):
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, eos_token_ids: Sequence[int] = (),
+        max_model_len: int | None = None,
+    ):  # fmt: skip
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._sampled_rows: dict[Request, int] = {}  # the last step's sampling sequences -> their rows
+        self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -57,6 +96,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step: who runs how many tokens, their block tables and the copies to make first.
+
+        The scheduled sequences advance at once (computed tokens, a PLACEHOLDER for each token they will
+        sample), so the following step can be formed before this one's results are read.
+        """
+        self._fork_ready()
+        output = self._schedule()
+        if not output.scheduled and self._fork_ready():  # a held sample was admitted with its prefix all cached
+            output = self._schedule()
+        cursor = 0
+        for j, item in enumerate(output.scheduled):
+            req = item.request
+            item.row, item.first_token_row, cursor = j, cursor, cursor + item.num_tokens
+            item.block_table = self.kv.block_table(req.seq_id)
+            item.num_output_tokens = len(req.output_token_ids)
+            if req.num_in_flight and item.samples:  # its last input is the previous step's output
+                item.prev_row = self._sampled_rows[req]
+        output.block_copies = self.kv.take_copies()
+        for item in output.scheduled:
+            req = item.request
+            req.num_computed_tokens += item.num_tokens
+            if item.samples and not req.is_beam:
+                req.output_token_ids.append(PLACEHOLDER)
+                req.num_in_flight += 1
+                output.sampled_rows[req] = item.row
+        self._sampled_rows = output.sampled_rows
+        return output
+
+    def _schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
@@ -86,7 +154,7 @@ class Scheduler:
             req = self.waiting[0]
             fresh = req.num_computed_tokens == 0 and not self.kv.block_table(req.seq_id)
             # prompt logprobs need every prompt position computed, so such a request skips the cache
-            hit = self.kv.take_cached_prefix(req) if fresh and req.prompt_logprobs is None else 0
+            hit = self.kv.take_cached_prefix(req) if fresh and not req.wants_prompt_logprobs else 0
             if fresh:
                 req.num_computed_tokens = hit
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
@@ -112,6 +180,64 @@ class Scheduler:
         # two row groups split at the sequence slots, and prefill rows then skip decode rows' contexts.
         scheduled.sort(key=lambda item: item.num_tokens > 1)
         return SchedulerOutput(scheduled, preempted)
+
+    def update(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> list[ScheduledSequence]:
+        """Take a step's results: fill in each sampling sequence's oldest in-flight token, register the blocks
+        now full and finish the sequences that stop. Returns the scheduled sequences that were still live."""
+        live = []
+        for item in output.scheduled:
+            req = item.request
+            self.num_computed_tokens_total += item.num_tokens
+            if req.finished:  # ended by an earlier step, or aborted, while this one ran: its row is dropped
+                continue
+            live.append(item)
+            self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)
+            if item.samples and not req.is_beam:
+                self._append_token(req, int(sampled_tokens[item.row]), stop_strings.get(req))
+        return live
+
+    def _append_token(self, req: Request, token: int, stop_string: str | None) -> None:
+        n_out = req.num_sampled_tokens + 1
+        req.output_token_ids[n_out - 1] = token
+        req.num_in_flight -= 1
+        status = check_stop(req, token, stop_string, self.eos_token_ids, self.max_model_len)
+        if status is not None:
+            del req.output_token_ids[n_out:]  # a token the next step sampled for it (async) is dropped
+            req.num_in_flight = 0
+            self.finish(req, status)
+
+    def _fork_ready(self) -> bool:
+        """Fork the held samples of every first sample that has computed its prompt but the last token."""
+        forked = False
+        for first in self.running:
+            if first.hold_at is None or first.num_computed_tokens < first.hold_at:
+                continue
+            children = first.parent.unforked
+            for child in children:
+                self.fork(first, child)
+            self.add_forked(children)
+            first.parent.unforked, first.hold_at, forked = [], None, True
+        return forked
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child starts where the parent is, sharing its blocks (n > 1 samples, beams); queue it with add_forked."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child._block_hashes = list(parent._block_hashes)
+
+    def kv_stats(self) -> dict[str, Any]:
+        held = {}
+        stored = 0
+        for req in self.running:
+            stored += req.num_computed_tokens
+            for b in self.kv.block_table(req.seq_id):
+                held[b] = True
+        pool, slots = self.kv.pool, len(held) * self.kv.block_size
+        return {
+            "kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free, "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached": pool.num_cached, "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits, "kv_token_utilization": stored / slots if slots else 0.0,
+        }  # fmt: skip
 
     def add_forked(self, requests: list[Request]) -> None:
         """Samples forked from a running sequence: first in line, already holding their shared blocks."""

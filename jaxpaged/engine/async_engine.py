@@ -25,7 +25,9 @@ from typing import Any
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.utils.text import chat_prompt_ids
+from jaxpaged.utils.text import ChatPrompt
+
+__all__ = ["AsyncLLMEngine", "ChatPrompt", "EngineDeadError", "IterationStats", "QueueFullError", "RequestStream"]
 
 logger = logging.getLogger("jaxpaged.async_engine")
 
@@ -36,14 +38,6 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue already holds `max_waiting` requests; try again later."""
-
-
-@dataclasses.dataclass
-class ChatPrompt:
-    """A conversation, turned into token ids on the engine thread (the tokenizer is used from one thread only)."""
-
-    messages: list[dict]
-    add_generation_prompt: bool = True
 
 
 @dataclasses.dataclass
@@ -145,8 +139,8 @@ class AsyncLLMEngine:
         self._timing: dict[str, _Timing] = {}
         self._pending = IterationStats(engine={})
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        self._preemptions = engine.scheduler.num_preemptions
         self._stats: dict[str, Any] = engine.get_stats()
+        self._preemptions = self._stats["num_preemptions"]
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -276,44 +270,17 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
 
-    def _resolve(self, prompt: PromptType | ChatPrompt, params: SamplingParams) -> tuple[PromptType, SamplingParams]:
-        if isinstance(prompt, ChatPrompt):
-            if self.engine.tokenizer is None:
-                raise ValueError("messages: this model has no tokenizer, so it has no chat template")
-            try:
-                ids = chat_prompt_ids(self.engine.tokenizer, prompt.messages, prompt.add_generation_prompt)
-            except ValueError:
-                raise
-            except Exception as exc:  # a template's own raise_exception(), or a message it cannot render
-                raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
-            prompt = {"prompt_token_ids": ids, "prompt": None}
-        if params.max_tokens is None:
-            # "as many as fit": what the context and the whole KV pool leave after the prompt
-            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) and "prompt_token_ids" in prompt else None
-            if ids is None and isinstance(prompt, str) and self.engine.tokenizer is not None:
-                ids = self.engine.tokenizer.encode(prompt)
-                prompt = {"prompt_token_ids": ids, "prompt": prompt}
-            if ids:
-                capacity = min(self.engine.max_model_len, self.engine.pool.num_blocks * self.engine.config.block_size)
-                if capacity - len(ids) >= 1:
-                    params = dataclasses.replace(params, max_tokens=capacity - len(ids))
-        return prompt, params
-
-    def _waiting_requests(self) -> int:
-        return len({seq.parent.request_id for seq in self.engine.scheduler.waiting})
-
     def _add(self, requests, streams, loop, done) -> None:
         added: list[str] = []
         try:
             if self.max_waiting is not None and len(requests) > self.max_waiting:
                 raise ValueError(f"prompt: {len(requests)} prompts in one request exceed the waiting queue ({self.max_waiting})")
-            if self.max_waiting is not None and self._waiting_requests() + len(requests) > self.max_waiting:
+            if self.max_waiting is not None and self.engine.num_waiting_requests() + len(requests) > self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
             for (rid, prompt, params), stream in zip(requests, streams):
-                prompt, params = self._resolve(prompt, params)
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params)  # renders a ChatPrompt here, on the engine thread
                 added.append(rid)
-                stream.prompt_token_ids = list(self.engine.groups[rid].prompt_token_ids)
+                stream.prompt_token_ids = self.engine.get_prompt_token_ids(rid)
         except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller; the loop goes on
             for rid in added:
                 self.engine.abort_request(rid)
@@ -327,10 +294,9 @@ class AsyncLLMEngine:
         _call_soon(loop, _settle, done, None)
 
     def _abort(self, request_id: str) -> None:
-        group = self.engine.groups.get(request_id)
-        if group is None or not self.engine.abort_request(request_id):
-            return
-        self._route_outputs([group.output()])
+        output = self.engine.abort_request_with_output(request_id)
+        if output is not None:
+            self._route_outputs([output])
 
     def _route_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

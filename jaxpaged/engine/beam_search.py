@@ -17,7 +17,7 @@ then does what `GenerationMixin._beam_search` does, step for step, in float32:
   stops when every kept candidate finishes (max_tokens).
 
 The engine forks the chosen beams from their parents (blocks shared, the partly filled last
-block copied on first write) and frees the parents; see LLMEngine._advance_beams.
+block copied on first write) and frees the parents; see LLMEngine._update_beams.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class BeamSearch:
         self.early_stopping = early_stopping
         self.generated = 0  # tokens per beam so far
         self.running: list = []  # the engine's sequences, one per running beam
+        self.tops: dict = {}  # running beam -> (top ids, top logprobs) of its next position, once computed
         self.scores: list[np.float32] = [np.float32(0.0)]  # running beams' accumulated logprobs
         self.cum_logprobs: list[float] = [0.0]
         self.finished = [_Hypothesis(NEG, None) for _ in range(width)]

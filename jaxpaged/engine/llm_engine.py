@@ -1,4 +1,8 @@
-"""LLMEngine.step(): schedule -> pack -> dispatch the jitted step -> read back, append tokens, stop, free.
+"""LLMEngine.step(): schedule -> execute -> update, then the callers' outputs.
+
+The scheduler forms the step (and alone touches the KV cache manager), the runner builds its
+padded inputs from that and runs the jitted step, the scheduler takes the sampled tokens and
+checks stops, and the output processor turns them into text, logprobs and RequestOutputs.
 
 Requests are validated at the door (a request that could never fit is refused at once, with a
 ValueError naming the parameter), so a bad one never reaches the step loop and everyone else
@@ -22,31 +26,34 @@ from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_manager import KVCacheManager, blocks_for
-from jaxpaged.core.request import PLACEHOLDER, ParentRequest, Request, RequestStatus
-from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.request import ParentRequest, Request, RequestStatus
+from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
-from jaxpaged.outputs import Logprob, RequestOutput
-from jaxpaged.pallas_kernels import AttentionMetadata
+from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from jaxpaged.utils import compile_monitor
-from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, StepInputs
-from jaxpaged.worker.sampler import SamplingRow, build_sampling_metadata
+from jaxpaged.utils.text import ChatPrompt, render_chat_prompt
+from jaxpaged.worker.input_batch import InputBatchBuilder
+from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, StepResult
 
 logger = logging.getLogger("jaxpaged.engine")
 
-PromptType = str | Sequence[int] | dict
+PromptType = str | Sequence[int] | dict | ChatPrompt
 
 
 @dataclasses.dataclass
 class InFlightStep:
     """A step dispatched to the device whose results the host has not read yet."""
 
-    sched: SchedulerOutput
+    scheduler_output: SchedulerOutput
     dispatched: DispatchedStep
-    sampled_rows: dict[Request, int]  # sequences that sample in it -> their row of its sampled tokens
+
+    @property
+    def sampled_rows(self) -> dict[Request, int]:
+        return self.scheduler_output.sampled_rows
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:
@@ -79,25 +86,29 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context ({model_len})")
         self.max_model_len = config.max_model_len or model_len
         self.eos_token_ids = self._eos_ids()
-        self.max_suppress = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)  # ids min_tokens may forbid per row
         executables = cache_root(config.cache_dir) / "executables"
         self.runner = ModelRunner(self.loaded, config, self.max_model_len, executable_dir=executables)
-        self.pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.groups: dict[str, ParentRequest] = {}
+        self.input_batch = InputBatchBuilder(
+            self.runner, config.block_size, self.eos_token_ids, MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)
+        )
+        pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
+        self.num_kv_blocks = pool.num_blocks
+        self.scheduler = Scheduler(
+            KVCacheManager(pool, config.block_size), config.max_num_seqs, config.max_num_batched_tokens,
+            self.eos_token_ids, self.max_model_len,
+        )  # fmt: skip
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MB), up to %d tokens held at once; max_model_len %d",
-            self.pool.num_blocks, config.block_size, self.pool.num_blocks * self.runner.block_bytes / 1e6,
-            self.pool.num_blocks * config.block_size, self.max_model_len,
+            pool.num_blocks, config.block_size, pool.num_blocks * self.runner.block_bytes / 1e6,
+            pool.num_blocks * config.block_size, self.max_model_len,
         )
-        self.warmup_seconds = self.runner.warmup(self._blank_sampling)
+        self.warmup_seconds = self.runner.warmup(self.input_batch.blank_sampling)
         self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds}
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
-        self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
         self._in_flight: InFlightStep | None = None  # async scheduling: the step the device is running
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
 
@@ -108,12 +119,11 @@ class LLMEngine:
             ids.add(int(eos))
         return sorted(ids)
 
-    def _blank_sampling(self, rows: int, width: int):
-        return build_sampling_metadata([], rows, width, self.max_suppress)
-
     # -- requests ------------------------------------------------------------------------------
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, ChatPrompt):
+            return None, render_chat_prompt(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -129,12 +139,38 @@ class LLMEngine:
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string, a list of token ids or a dict (got {type(prompt).__name__})")
 
+    def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """max_tokens, or when None as many as fit: what both the context and the whole KV pool leave after the
+        prompt (one rule for LLM, the CLI and the server). Raises ValueError naming the parameter if none fit."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens, which leaves no room in max_model_len ({self.max_model_len})"
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            capacity = min(self.max_model_len, self.num_kv_blocks * self.config.block_size) - num_prompt_tokens
+            max_tokens = capacity if capacity >= 1 else room  # none fit in the pool: refused just below
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens ({max_tokens}) plus the prompt's {num_prompt_tokens} tokens exceeds max_model_len ({self.max_model_len})"
+            )
+        need = blocks_for(num_prompt_tokens + max_tokens, self.config.block_size)
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {need} KV blocks but the whole pool has {self.num_kv_blocks}; "
+                "raise num_kv_blocks or lower max_tokens"
+            )
+        return max_tokens
+
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
+        """Queue a request (a string, token ids, a dict with either, or a ChatPrompt); returns its id.
+        Raises ValueError naming the parameter for one that could never run."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.groups:
+        if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         vocab = self.loaded.config.vocab_size
@@ -142,54 +178,35 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room in max_model_len ({self.max_model_len})")
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise ValueError(
-                f"max_tokens ({max_tokens}) plus the prompt's {len(ids)} tokens exceeds max_model_len ({self.max_model_len})"
-            )
-        need = blocks_for(len(ids) + max_tokens, self.config.block_size)
-        if need > self.pool.num_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens needs {need} KV blocks but the whole pool has {self.pool.num_blocks}; "
-                "raise num_kv_blocks or lower max_tokens"
-            )
-        group = ParentRequest(request_id, text, ids, params)
+        max_tokens = self._max_tokens(params, len(ids))
+        parent = ParentRequest(request_id, text, ids, params)
         if params.use_beam_search:
-            self._add_beam_search(group, max_tokens)
-            self.groups[request_id] = group
+            self._add_beam_search(parent, max_tokens)
             return request_id
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63 - 1))
         # n > 1: the first sample computes the prompt but its last token, then the others fork from it and
         # share those blocks; each computes the last token itself (copying the shared partial block on write).
         fork = params.n > 1 and len(ids) > 1
+        sequences = []
         for index in range(params.n):
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
-                    include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids,
-                    min_tokens=params.min_tokens,
-                )
             seq = Request(
-                seq_id=f"{request_id}#{index}", parent=group, index=index, prompt_token_ids=ids, params=params,
-                max_tokens=max_tokens, seed=(base_seed + index) % 2**63, detokenizer=detok,
-                logprobs=[] if params.logprobs is not None else None,
-                prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None,
-            )
-            group.sequences.append(seq)
-            if fork and index > 0:
-                group.unforked.append(seq)
+                seq_id=f"{request_id}#{index}", parent=parent, index=index, prompt_token_ids=ids, params=params,
+                max_tokens=max_tokens, seed=(base_seed + index) % 2**63,
+            )  # fmt: skip
+            parent.sequences.append(seq)
+            self.output_processor.add_sequence(seq)  # may refuse the stop strings: before anything is queued
+            sequences.append(seq)
+        self.output_processor.add_request(parent)
+        for seq in sequences:
+            if fork and seq.index > 0:
+                parent.unforked.append(seq)
             else:
                 seq.hold_at = len(ids) - 1 if fork else None
                 self.scheduler.add(seq)
-        self.groups[request_id] = group
         return request_id
 
-    def _add_beam_search(self, group: ParentRequest, max_tokens: int) -> None:
-        params = group.params
+    def _add_beam_search(self, parent: ParentRequest, max_tokens: int) -> None:
+        params = parent.params
         eos = [] if params.ignore_eos else self.eos_token_ids
         search = BeamSearch(params.best_of, max_tokens, eos, params.length_penalty, params.early_stopping)
         if search.num_candidates > MAX_LOGPROBS:
@@ -197,96 +214,88 @@ class LLMEngine:
                 f"best_of (the beam width) must be at most {MAX_LOGPROBS // max(2, 1 + len(eos))} for this model: "
                 f"beam search ranks max(2, 1 + {len(eos)} EOS ids) x width candidates per beam (got {params.best_of})"
             )
-        group.beam = search
-        if self.tokenizer is not None:
-            group.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        root = self._beam_sequence(group, 0, [], 0)
-        search.running = [root]
+        root = self._beam_sequence(parent, search, 0, [])
+        search.running = parent.sequences = [root]
+        self.output_processor.add_beam_search(parent, search)
         self.scheduler.add(root)
 
-    def _beam_sequence(self, group: ParentRequest, number: int, outputs: list[int], num_computed: int) -> Request:
+    def _beam_sequence(self, parent: ParentRequest, search: BeamSearch, number: int, outputs: list[int]) -> Request:
         """A running beam: a plain sequence asking for its next position's top candidates, never sampled from."""
-        search = group.beam
         row_params = SamplingParams(temperature=0.0, max_tokens=search.max_tokens, logprobs=search.num_candidates,
                                     ignore_eos=True)  # fmt: skip
         return Request(
-            seq_id=f"{group.request_id}#beam{number}", parent=group, index=0, prompt_token_ids=group.prompt_token_ids,
-            params=row_params, max_tokens=search.max_tokens, seed=0, detokenizer=None, output_token_ids=outputs,
-            num_computed_tokens=num_computed,
+            seq_id=f"{parent.request_id}#beam{number}", parent=parent, index=0, prompt_token_ids=parent.prompt_token_ids,
+            params=row_params, max_tokens=search.max_tokens, seed=0, output_token_ids=outputs,
         )  # fmt: skip
 
-    def _advance_beams(self, group: ParentRequest) -> None:
-        """Every running beam has its candidates: pick the next beams, fork them from their parents, free the rest."""
-        search = group.beam
-        parents = search.running
-        chosen = search.advance([p.beam_top for p in parents], [p.output_token_ids for p in parents])
+    def _update_beams(self, live: list[ScheduledSequence], result: StepResult) -> list[str]:
+        """Record each computed beam's candidates; where every beam of a search has them, take the next beams
+        (forked from their parents, which are freed). Returns the searches that ended."""
+        moved: dict[str, BeamSearch] = {}
+        for item in live:
+            req = item.request
+            if item.samples and req.is_beam:
+                search = self.output_processor.beams[req.parent.request_id]
+                k = search.num_candidates
+                search.tops[req] = (result.top_ids[item.row, :k], result.top_logprobs[item.row, :k])
+                moved[req.parent.request_id] = search
+        ended = []
+        for request_id, search in moved.items():
+            if all(seq in search.tops for seq in search.running):
+                self._advance_beams(self.output_processor.parents[request_id], search)
+                if search.done:
+                    ended.append(request_id)
+        return ended
+
+    def _advance_beams(self, parent: ParentRequest, search: BeamSearch) -> None:
+        beams = search.running
+        chosen = search.advance([search.tops[b] for b in beams], [b.output_token_ids for b in beams])
         children = []
-        for parent_index, token in chosen:
-            parent = parents[parent_index]
+        for beam_index, token in chosen:
+            beam = beams[beam_index]
             self._beam_count += 1
-            child = self._beam_sequence(group, self._beam_count, [*parent.output_token_ids, token],
-                                        parent.num_computed_tokens)  # fmt: skip
-            child._block_hashes = list(parent._block_hashes)
-            self.kv.fork(parent.seq_id, child.seq_id)  # before the parents let go of the shared blocks
+            child = self._beam_sequence(parent, search, self._beam_count, [*beam.output_token_ids, token])
+            self.scheduler.fork(beam, child)  # before the parents let go of the shared blocks
             children.append(child)
-        for parent in parents:
-            self.scheduler.finish(parent, RequestStatus.FINISHED_STOPPED)
-        search.running = children
+        for beam in beams:
+            self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        search.tops.clear()
+        search.running = parent.sequences = children
         self.scheduler.add_forked(children)
 
     def abort_request(self, request_id: str) -> bool:
-        group = self.groups.pop(str(request_id), None)
-        if group is None:
-            return False
-        if group.beam is not None:
-            group.beam.done = True
-        for seq in group.live_sequences:
+        """Stop a request and free its blocks at once; False if it is unknown or already finished."""
+        return self.abort_request_with_output(request_id) is not None
+
+    def abort_request_with_output(self, request_id: str) -> RequestOutput | None:
+        """abort_request, returning the aborted request's final output (None if it is unknown or finished)."""
+        parent = self.output_processor.parents.get(str(request_id))
+        if parent is None:
+            return None
+        search = self.output_processor.beams.get(parent.request_id)
+        if search is not None:
+            search.done = True
+        for seq in parent.sequences:
             if not seq.finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-        return True
+        return self.output_processor.abort(parent.request_id)
+
+    def get_prompt_token_ids(self, request_id: str) -> list[int]:
+        """The token ids of an unfinished request's prompt (as rendered and tokenized by add_request)."""
+        return list(self.output_processor.parents[str(request_id)].prompt_token_ids)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is queued or running."""
+        return str(request_id) in self.output_processor.parents
+
+    def num_waiting_requests(self) -> int:
+        """User requests with a sequence waiting to be admitted."""
+        return len({seq.parent.request_id for seq in self.scheduler.waiting})
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step ------------------------------------------------------------------------------
-
-    def _pack(self, sched: SchedulerOutput, in_flight_rows: dict[Request, int]) -> StepInputs:
-        total = sched.num_tokens
-        t, s = self.runner.bucket_for(total)
-        ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, -1, np.int32)
-        tables = np.zeros((s, self.runner.table_width), np.int32)
-        seq_lens = np.zeros(s, np.int32)
-        query_start_loc = np.zeros(s + 1, np.int32)
-        logit_rows = np.zeros(s, np.int32)
-        prompt_next = prev_rows = None
-        rows = []
-        cursor = 0
-        for j, item in enumerate(sched.scheduled):
-            req, start, n = item.request, item.start, item.num_tokens
-            table = self.kv.block_table(req.seq_id)
-            ids[cursor : cursor + n] = req.tokens_at(start, n)
-            if req.num_in_flight and start + n == req.num_tokens:  # its last token is the previous step's output
-                prev_rows = np.full(t, -1, np.int32) if prev_rows is None else prev_rows
-                prev_rows[cursor + n - 1] = in_flight_rows[req]
-            positions[cursor : cursor + n] = np.arange(start, start + n, dtype=np.int32)
-            slots[cursor : cursor + n] = self.kv.slots(req.seq_id, start, n)
-            tables[j, : len(table)] = table
-            prompt_len = len(req.prompt_token_ids)
-            if req.prompt_logprobs is not None and start < prompt_len - 1:
-                prompt_next = np.full(t, -1, np.int32) if prompt_next is None else prompt_next
-                stop = min(start + n, prompt_len - 1)  # rows that predict a prompt token
-                prompt_next[cursor : cursor + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
-            seq_lens[j] = start + n
-            cursor += n
-            query_start_loc[j + 1] = cursor
-            logit_rows[j] = cursor - 1
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.seed, self.eos_token_ids))
-        query_start_loc[len(sched.scheduled) + 1 :] = cursor
-        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress)
-        attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
-        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: returns the outputs of every request that progressed or finished."""
@@ -296,178 +305,64 @@ class LLMEngine:
         finally:
             self.num_compiles_after_warmup += compile_monitor.unexpected_count() - compiles_before
 
-    def _fork_ready(self) -> bool:
-        """Fork the held samples of every first sample that has computed its prompt but the last token."""
-        forked = False
-        for first in self.scheduler.running:
-            if first.hold_at is None or first.num_computed_tokens < first.hold_at:
-                continue
-            children = first.parent.unforked
-            for child in children:
-                self.kv.fork(first.seq_id, child.seq_id)
-                child.num_computed_tokens = first.num_computed_tokens
-            self.scheduler.add_forked(children)
-            first.parent.unforked, first.hold_at, forked = [], None, True
-        return forked
-
     def _step(self) -> list[RequestOutput]:
-        """Read back the step in flight (or run one), after dispatching the next one when that is safe.
-
-        With async scheduling the host schedules and packs step N+1 and queues it on the device before it
-        waits for step N's tokens: the inputs N+1 takes from N never leave the device (PLACEHOLDER on the
-        host until read). Sequences that end in step N cost N+1 one wasted row, whose results are dropped.
+        """schedule -> execute -> update. With async scheduling the host schedules and dispatches step N+1
+        before it reads step N's tokens: the inputs N+1 takes from N never leave the device (PLACEHOLDER on
+        the host until read). Sequences that end in step N cost N+1 one wasted row, whose results are dropped.
         """
         step, self._in_flight = self._in_flight, None
         if step is None:
-            step = self._launch(None)
+            step = self._schedule_and_dispatch(None)
             if step is None:
                 return []
         if self.config.async_scheduling and self._can_overlap(step):
-            self._in_flight = self._launch(step)
+            self._in_flight = self._schedule_and_dispatch(step)
             self.num_overlapped_steps += self._in_flight is not None
-        return self._finish(step)
+        return self._update(step.scheduler_output, step.dispatched.fetch())
+
+    def _schedule_and_dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
+        """schedule + execute (queued on the device, read back later); None when nothing can run."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            if prev is None and self.scheduler.has_unfinished() and not scheduler_output.preempted:  # admission checks prevent it
+                raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
+            return None
+        step_inputs = self.input_batch.build(scheduler_output)
+        dispatched = self.runner.dispatch(step_inputs, scheduler_output.block_copies, prev.dispatched if prev else None)
+        return InFlightStep(scheduler_output, dispatched)
+
+    def _update(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """update: stop strings from the detokenizer, then the scheduler takes the tokens (and checks every
+        stop), the beams advance, and the output processor builds the outputs."""
+        stop_strings = self.output_processor.detokenize(scheduler_output, result)
+        live = self.scheduler.update(scheduler_output, result.tokens, stop_strings)
+        ended_searches = self._update_beams(live, result)
+        return self.output_processor.process(live, result, ended_searches)
 
     def _can_overlap(self, step: InFlightStep) -> bool:
         """The next step can be formed without this one's results: no beam search (the host picks the next beams)
         and no penalties on a sequence whose next input is still on the device (they read the token history)."""
-        if any(group.beam is not None for group in self.groups.values()):
+        if self.output_processor.beams:
             return False
         return not any(req.params.has_penalties for req in step.sampled_rows)
-
-    def _launch(self, prev: InFlightStep | None) -> InFlightStep | None:
-        """Schedule, pack and dispatch one step; None when nothing can run."""
-        self._fork_ready()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled and self._fork_ready():  # a held sample was admitted with its prefix all cached
-            sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if prev is None and self.scheduler.has_unfinished() and not sched.preempted:  # admission checks prevent it
-                raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
-            return None
-        rows = prev.sampled_rows if prev is not None else {}
-        dispatched = self.runner.dispatch(self._pack(sched, rows), self.kv.take_copies(), prev.dispatched if prev else None)
-        sampled_rows = {}
-        for j, item in enumerate(sched.scheduled):
-            req = item.request
-            req.num_computed_tokens += item.num_tokens
-            if item.samples and req.parent.beam is None:
-                req.output_token_ids.append(PLACEHOLDER)
-                req.num_in_flight += 1
-                sampled_rows[req] = j
-        return InFlightStep(sched, dispatched, sampled_rows)
-
-    def _finish(self, step: InFlightStep) -> list[RequestOutput]:
-        result = step.dispatched.fetch()
-        touched: dict[str, ParentRequest] = {}
-        beam_groups: dict[str, ParentRequest] = {}
-        cursor = 0
-        for j, item in enumerate(step.sched.scheduled):
-            req, row = item.request, cursor
-            cursor += item.num_tokens
-            self.num_computed_tokens_total += item.num_tokens
-            if req.finished:  # ended by an earlier step, or aborted, while this one ran: its row is dropped
-                continue
-            if result.prompt is not None and req.prompt_logprobs is not None:
-                self._record_prompt_logprobs(req, item.start, item.num_tokens, row, result.prompt)
-            self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)
-            if not item.samples:
-                continue
-            if req.parent.beam is not None:
-                k = req.parent.beam.num_candidates
-                req.beam_top = (result.top_ids[j, :k], result.top_logprobs[j, :k])
-                beam_groups[req.parent.request_id] = req.parent
-                continue
-            self._append_token(req, int(result.tokens[j]), result, j)
-            touched[req.parent.request_id] = req.parent
-        for group in beam_groups.values():
-            if all(seq.beam_top is not None for seq in group.beam.running):
-                self._advance_beams(group)
-                if group.beam.done:
-                    touched[group.request_id] = group
-        outputs = []
-        for group in touched.values():
-            outputs.append(group.output())
-            if group.finished:
-                self.groups.pop(group.request_id, None)
-        return outputs
-
-    def _append_token(self, req: Request, token: int, result, row: int) -> None:
-        """Fill in the oldest in-flight output token, then detokenize and check the stop conditions."""
-        n_out = req.num_sampled_tokens + 1
-        req.output_token_ids[n_out - 1] = token
-        req.num_in_flight -= 1
-        params = req.params
-        if req.logprobs is not None:
-            lp = float(result.logprobs[row])
-            req.cumulative_logprob += lp
-            entry = {token: Logprob(lp, None, self._decode_one(token))}
-            if params.logprobs and result.top_ids is not None:
-                for rank, (tid, tlp) in enumerate(zip(result.top_ids[row, : params.logprobs], result.top_logprobs[row])):
-                    tid = int(tid)
-                    if tid == token:
-                        entry[token].rank = rank + 1
-                    else:
-                        entry[tid] = Logprob(float(tlp), rank + 1, self._decode_one(tid))
-            req.logprobs.append(entry)
-        if req.detokenizer is not None:
-            req.detokenizer.push(token)
-        status = None
-        if req.detokenizer is not None and req.detokenizer.finished:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, req.detokenizer.stop_reason
-        elif n_out >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif n_out >= params.min_tokens and token in params.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            del req.output_token_ids[n_out:]  # a token the next step sampled for it (async) is dropped
-            req.num_in_flight = 0
-            if req.detokenizer is not None:
-                req.detokenizer.flush()
-            self.scheduler.finish(req, status)
-
-    def _record_prompt_logprobs(self, req: Request, start: int, count: int, row: int, prompt) -> None:
-        """Entries for the prompt tokens this chunk predicts (recomputed chunks after a preemption add nothing)."""
-        chosen, rank, top_ids, top_lps = prompt
-        wanted = req.params.prompt_logprobs
-        for offset in range(count):
-            position = start + offset + 1  # the prompt token row `row + offset` predicts
-            if position >= len(req.prompt_token_ids) or position < len(req.prompt_logprobs):
-                continue
-            token, r = req.prompt_token_ids[position], row + offset
-            entry = {token: Logprob(float(chosen[r]), int(rank[r]), self._decode_one(token))}
-            for rank_i, (tid, tlp) in enumerate(zip(top_ids[r, :wanted], top_lps[r, :wanted])):
-                if int(tid) != token:
-                    entry[int(tid)] = Logprob(float(tlp), rank_i + 1, self._decode_one(int(tid)))
-            req.prompt_logprobs.append(entry)
-
-    def _decode_one(self, token: int) -> str | None:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     # -- introspection -------------------------------------------------------------------------
 
     def get_stats(self) -> dict[str, Any]:
-        held = {}
-        stored = 0
-        for req in self.scheduler.running:
-            stored += req.num_computed_tokens
-            for b in self.kv.block_table(req.seq_id):
-                held[b] = True
-        slots = len(held) * self.config.block_size
+        kv = self.scheduler.kv_stats()
         return {
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_free": self.pool.num_free,
-            "kv_blocks_used": self.pool.num_used,
-            "kv_blocks_cached": self.pool.num_cached,
-            "prefix_cache_queries": self.kv.prefix_cache_queries,
-            "prefix_cache_hits": self.kv.prefix_cache_hits,
-            "num_computed_tokens": self.num_computed_tokens_total,
+            "kv_blocks_total": kv["kv_blocks_total"],
+            "kv_blocks_free": kv["kv_blocks_free"],
+            "kv_blocks_used": kv["kv_blocks_used"],
+            "kv_blocks_cached": kv["kv_blocks_cached"],
+            "prefix_cache_queries": kv["prefix_cache_queries"],
+            "prefix_cache_hits": kv["prefix_cache_hits"],
+            "num_computed_tokens": self.scheduler.num_computed_tokens_total,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles_after_warmup": self.num_compiles_after_warmup,
             "num_overlapped_steps": self.num_overlapped_steps,
-            "kv_token_utilization": stored / slots if slots else 0.0,
+            "kv_token_utilization": kv["kv_token_utilization"],
             "warmup_seconds": self.warmup_seconds,
         }

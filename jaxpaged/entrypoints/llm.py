@@ -13,7 +13,7 @@ from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.utils.logging_utils import setup_logging
-from jaxpaged.utils.text import chat_prompt_ids
+from jaxpaged.utils.text import ChatPrompt
 
 
 class LLM:
@@ -94,14 +94,10 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Each conversation through the tokenizer's chat template, then generate."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
+        if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": chat_prompt_ids(tokenizer, c, add_generation_prompt), "prompt": None}
-            for c in conversations
-        ]
+        prompts = [ChatPrompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

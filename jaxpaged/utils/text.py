@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
@@ -10,3 +12,24 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+@dataclasses.dataclass
+class ChatPrompt:
+    """A conversation as a prompt: the engine renders it through the chat template when it adds the request
+    (on the thread that owns the tokenizer)."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+
+
+def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
+    """The conversation's token ids; ValueError naming `messages` when there is no template or it fails."""
+    if tokenizer is None:
+        raise ValueError("messages: this model has no tokenizer, so it has no chat template")
+    try:
+        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt)
+    except ValueError:
+        raise
+    except Exception as exc:  # a template's own raise_exception(), or a message it cannot render
+        raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc

@@ -43,24 +43,24 @@ class FakeKV:
     def count_prefix_query(self, num_tokens: int, hit: int) -> None:
         pass
 
+    def take_copies(self) -> list[tuple[int, int]]:
+        return []
+
+    def register_full_blocks(self, request: Request, num_known: int | None = None) -> None:
+        pass
+
 
 def _request(name: str, prompt_len: int, max_tokens: int) -> Request:
     params = SamplingParams(max_tokens=max_tokens)
     group = ParentRequest(name, None, list(range(prompt_len)), params)
-    req = Request(name, group, 0, list(range(prompt_len)), params, max_tokens, seed=0, detokenizer=None)
+    req = Request(name, group, 0, list(range(prompt_len)), params, max_tokens, seed=0)
     group.sequences.append(req)
     return req
 
 
 def _run_step(sched: Scheduler, out) -> None:
-    """What the engine does with a step's results: count the computed tokens, append a sampled one, finish."""
-    for item in out.scheduled:
-        req = item.request
-        req.num_computed_tokens += item.num_tokens
-        if item.samples:
-            req.output_token_ids.append(7)
-            if len(req.output_token_ids) >= req.max_tokens:
-                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    """What the engine does with a step's results: every sampling sequence gets token 7 (and finishes at max_tokens)."""
+    sched.update(out, [7] * len(out.scheduled), {})
 
 
 def test_budget_cap_chunking_and_order():

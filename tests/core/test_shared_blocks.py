@@ -44,13 +44,13 @@ def test_n8_shares_the_prompt_blocks_once(llm):
     engine = llm.engine
     params = SamplingParams(n=8, temperature=1.0, seed=99, max_tokens=24, ignore_eos=True)
     engine.add_request("fan", {"prompt_token_ids": prompt}, params)
-    seqs = engine.groups["fan"].sequences
+    seqs = engine.output_processor.parents["fan"].sequences
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
         computed = {s.num_computed_tokens for s in seqs}
         if all(s.status.value == "running" for s in seqs) and len(computed) == 1 and computed.pop() > 1000:
-            tables = [engine.kv.block_table(s.seq_id) for s in seqs]
+            tables = [engine.scheduler.kv.block_table(s.seq_id) for s in seqs]
             shared = (len(prompt) - 1) // BS  # full blocks of the prompt but its last token: computed once
             own = blocks_for(seqs[0].num_computed_tokens, BS) - shared
             assert llm.get_stats()["kv_blocks_used"] == shared + 8 * own
@@ -59,7 +59,7 @@ def test_n8_shares_the_prompt_blocks_once(llm):
             assert len(set(tails)) == len(tails) == 8 * own  # the partial block was copied on write
             checked += 1
     assert checked >= 10
-    out = engine.groups.get("fan")
+    out = engine.output_processor.parents.get("fan")
     assert out is None  # finished and released
     _assert_all_blocks_back(llm)
 

@@ -38,7 +38,7 @@ def make_engine(llm_engine):
         engine.shutdown()
     stats = llm_engine.get_stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
-    assert not llm_engine.groups
+    assert not llm_engine.output_processor.parents
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -91,7 +91,7 @@ def test_abort_ends_the_stream_and_frees_blocks_at_once(make_engine, llm_engine)
     seen = asyncio.run(main())
     assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
     assert len(seen[-1].outputs[0].token_ids) < 480
-    assert engine.get_stats()["kv_blocks_used"] == 0 and "long" not in llm_engine.groups
+    assert engine.get_stats()["kv_blocks_used"] == 0 and "long" not in llm_engine.output_processor.parents
 
 
 def test_cancelled_caller_aborts_its_request(make_engine, llm_engine):
@@ -110,12 +110,12 @@ def test_cancelled_caller_aborts_its_request(make_engine, llm_engine):
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(200):  # the abort lands after the step in flight
-            if "cancel-me" not in llm_engine.groups:
+            if "cancel-me" not in llm_engine.output_processor.parents:
                 break
             await asyncio.sleep(0.01)
 
     asyncio.run(main())
-    assert "cancel-me" not in llm_engine.groups
+    assert "cancel-me" not in llm_engine.output_processor.parents
 
 
 def test_bad_requests_raise_and_the_loop_goes_on(make_engine):

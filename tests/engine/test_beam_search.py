@@ -105,11 +105,11 @@ def test_beams_share_blocks_and_give_them_all_back(llm):
     prompt = random_prompts(VOCAB, [45], seed=9)[0]
     params = SamplingParams(use_beam_search=True, best_of=4, n=4, temperature=0.0, max_tokens=30, ignore_eos=True)
     engine.add_request("beams", {"prompt_token_ids": prompt}, params)
-    search = engine.groups["beams"].beam
+    search = engine.output_processor.beams["beams"]
     most_shared = 0
     while engine.has_unfinished_requests():
         engine.step()
-        tables = [engine.kv.block_table(s.seq_id) for s in search.running]
+        tables = [engine.scheduler.kv.block_table(s.seq_id) for s in search.running]
         held = [b for t in tables for b in t]
         if len(tables) == 4:
             most_shared = max(most_shared, len(held) - len(set(held)))

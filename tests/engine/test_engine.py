@@ -83,7 +83,7 @@ def test_short_request_overtakes_long_one(llm):
     for _ in range(5):
         engine.step()
     engine.add_request("short", {"prompt_token_ids": [9, 10]}, _greedy(4))
-    long_tokens_before = len(engine.groups["long"].sequences[0].output_token_ids)
+    long_tokens_before = len(engine.output_processor.parents["long"].sequences[0].output_token_ids)
     finished_first = None
     steps = 0
     while engine.has_unfinished_requests():
@@ -93,7 +93,7 @@ def test_short_request_overtakes_long_one(llm):
             if out.finished and finished_first is None:
                 finished_first = out.request_id
         if finished_first == "short":
-            long_now = len(engine.groups["long"].sequences[0].output_token_ids)
+            long_now = len(engine.output_processor.parents["long"].sequences[0].output_token_ids)
             assert long_now == long_tokens_before + steps  # the long one advanced every single step
             break
     assert finished_first == "short"

@@ -1,0 +1,182 @@
+"""Token ids to what callers see: detokenizing (and stop strings), logprob dicts and RequestOutputs.
+
+The output processor keeps, per sequence, what only the caller needs (its text so far, its
+logprobs); the scheduler keeps what scheduling needs. It finds stop strings before the
+scheduler takes a step's tokens, so the scheduler's `check_stop` decides every stop in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxpaged.core.request import ParentRequest, Request
+from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
+from jaxpaged.engine.beam_search import BeamSearch
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.worker.model_runner import StepResult
+
+
+@dataclasses.dataclass(eq=False)
+class SequenceOutputState:
+    """One sequence's caller-facing state."""
+
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; None for the first
+    cumulative_logprob: float = 0.0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}  # unfinished requests by id
+        self.beams: dict[str, BeamSearch] = {}  # use_beam_search requests' search state, by request id
+        self._states: dict[Request, SequenceOutputState] = {}
+
+    def add_request(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+
+    def add_sequence(self, seq: Request) -> None:
+        """A sampled sequence (not a beam): its detokenizer and logprob lists."""
+        params, ids = seq.params, seq.prompt_token_ids
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
+                include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids,
+                min_tokens=params.min_tokens,
+            )  # fmt: skip
+        self._states[seq] = SequenceOutputState(
+            detok, logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if seq.wants_prompt_logprobs else None,
+        )  # fmt: skip
+
+    def add_beam_search(self, parent: ParentRequest, search: BeamSearch) -> None:
+        self.parents[parent.request_id] = parent
+        self.beams[parent.request_id] = search
+
+    def detokenize(self, output: SchedulerOutput, result: StepResult) -> dict[Request, str]:
+        """Push each live sampling sequence's new token through its detokenizer; returns the stop strings hit."""
+        stops = {}
+        for item in output.scheduled:
+            req = item.request
+            if req.finished or not item.samples or req.is_beam:
+                continue
+            detok = self._states[req].detokenizer
+            if detok is not None:
+                detok.push(int(result.tokens[item.row]))
+                if detok.finished:
+                    stops[req] = detok.stop_reason
+        return stops
+
+    def process(self, live: list[ScheduledSequence], result: StepResult, finished_beams: Sequence[str] = ()) -> list[RequestOutput]:
+        """Logprobs of the scheduled sequences the scheduler took, then the outputs of every request that moved."""
+        touched: dict[str, ParentRequest] = {}
+        for item in live:
+            req = item.request
+            state = self._states.get(req)
+            if state is None:  # a beam: its outputs come when the search ends
+                continue
+            if result.prompt is not None and state.prompt_logprobs is not None:
+                self._record_prompt_logprobs(req, state, item.start, item.num_tokens, item.first_token_row, result.prompt)
+            if not item.samples:
+                continue
+            token = int(result.tokens[item.row])
+            if state.logprobs is not None:
+                self._record_logprobs(req, state, token, result, item.row)
+            if req.finished and state.detokenizer is not None:
+                state.detokenizer.flush()
+            touched[req.parent.request_id] = req.parent
+        for request_id in finished_beams:
+            touched[request_id] = self.parents[request_id]
+        outputs = []
+        for parent in touched.values():
+            outputs.append(self.output(parent))
+            if parent.finished:
+                self._forget(parent)
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """The final output of a request the engine just aborted."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        out = self.output(parent)
+        self._forget(parent)
+        return out
+
+    def _forget(self, parent: ParentRequest) -> None:
+        self.parents.pop(parent.request_id, None)
+        self.beams.pop(parent.request_id, None)
+        for seq in parent.sequences:
+            self._states.pop(seq, None)
+
+    def _record_logprobs(self, req: Request, state: SequenceOutputState, token: int, result: StepResult, row: int) -> None:
+        lp = float(result.logprobs[row])
+        state.cumulative_logprob += lp
+        entry = {token: Logprob(lp, None, self._decode_one(token))}
+        if req.params.logprobs and result.top_ids is not None:
+            for rank, (tid, tlp) in enumerate(zip(result.top_ids[row, : req.params.logprobs], result.top_logprobs[row])):
+                tid = int(tid)
+                if tid == token:
+                    entry[token].rank = rank + 1
+                else:
+                    entry[tid] = Logprob(float(tlp), rank + 1, self._decode_one(tid))
+        state.logprobs.append(entry)
+
+    def _record_prompt_logprobs(self, req: Request, state: SequenceOutputState, start: int, count: int, row: int, prompt) -> None:
+        """Entries for the prompt tokens this chunk predicts (recomputed chunks after a preemption add nothing)."""
+        chosen, rank, top_ids, top_lps = prompt
+        wanted = req.params.prompt_logprobs
+        for offset in range(count):
+            position = start + offset + 1  # the prompt token row `row + offset` predicts
+            if position >= len(req.prompt_token_ids) or position < len(state.prompt_logprobs):
+                continue
+            token, r = req.prompt_token_ids[position], row + offset
+            entry = {token: Logprob(float(chosen[r]), int(rank[r]), self._decode_one(token))}
+            for rank_i, (tid, tlp) in enumerate(zip(top_ids[r, :wanted], top_lps[r, :wanted])):
+                if int(tid) != token:
+                    entry[int(tid)] = Logprob(float(tlp), rank_i + 1, self._decode_one(int(tid)))
+            state.prompt_logprobs.append(entry)
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if self.tokenizer is not None else ""
+
+    # -- RequestOutputs ------------------------------------------------------------------------
+
+    def output(self, parent: ParentRequest) -> RequestOutput:
+        search = self.beams.get(parent.request_id)
+        if search is not None:
+            skip = parent.params.skip_special_tokens
+            return RequestOutput(
+                request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=list(parent.prompt_token_ids),
+                outputs=search.completions(parent.params.n, lambda ids: self._decode(ids, skip)) if search.done else [],
+                finished=search.done,
+            )  # fmt: skip
+        first = self._states[parent.sequences[0]]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=list(parent.prompt_token_ids),
+            outputs=[self._completion(seq) for seq in parent.sequences],
+            finished=parent.finished,
+            prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=parent.sequences[0].num_cached_tokens,
+        )
+
+    def _completion(self, seq: Request) -> CompletionOutput:
+        state = self._states[seq]
+        return CompletionOutput(
+            index=seq.index,
+            text=state.detokenizer.output_text if state.detokenizer is not None else "",  # after the final flush, all of it
+            token_ids=seq.output_token_ids[: seq.num_sampled_tokens],
+            cumulative_logprob=state.cumulative_logprob if seq.params.logprobs is not None else None,
+            logprobs=state.logprobs,
+            finish_reason=seq.status.value if seq.finished else None,
+            stop_reason=seq.stop_reason,
+        )

@@ -1,0 +1,87 @@
+"""A SchedulerOutput as the runner's padded StepInputs: token ids, positions, slots, block tables, sampling rows.
+
+The scheduler hands over each sequence's block table with the step, so the runner never asks
+the KV cache manager; everything is padded to the runner's bucket, so a step never recompiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.pallas_kernels import AttentionMetadata
+from jaxpaged.worker.model_runner import ModelRunner, StepInputs
+from jaxpaged.worker.sampler import SamplingRow, build_sampling_metadata
+
+
+class _OutputsAtScheduling(Sequence):
+    """A request's output ids as they were when its step was formed (later PLACEHOLDERs left out), without a copy."""
+
+    __slots__ = ("ids", "n")
+
+    def __init__(self, ids: list[int], n: int):
+        self.ids, self.n = ids, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        return self.ids[: self.n][index]
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.ids[: self.n], dtype=dtype)
+
+
+class InputBatchBuilder:
+    def __init__(self, runner: ModelRunner, block_size: int, eos_token_ids: Sequence[int], max_suppress: int):
+        self.runner = runner
+        self.block_size = block_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_suppress = max_suppress  # ids min_tokens may forbid per row
+
+    def blank_sampling(self, rows: int, width: int):
+        return build_sampling_metadata([], rows, width, self.max_suppress)
+
+    def build(self, output: SchedulerOutput) -> StepInputs:
+        t, s = self.runner.bucket_for(output.num_tokens)
+        ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        tables = np.zeros((s, self.runner.table_width), np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        query_start_loc = np.zeros(s + 1, np.int32)
+        logit_rows = np.zeros(s, np.int32)
+        prompt_next = prev_rows = None
+        rows = []
+        cursor = 0
+        bs = self.block_size
+        for j, item in enumerate(output.scheduled):
+            req, start, n = item.request, item.start, item.num_tokens
+            table = np.asarray(item.block_table, np.int32)
+            ids[cursor : cursor + n] = req.tokens_at(start, n)
+            if item.prev_row >= 0:  # its last token is the previous step's output, still on the device
+                prev_rows = np.full(t, -1, np.int32) if prev_rows is None else prev_rows
+                prev_rows[cursor + n - 1] = item.prev_row
+            pos = np.arange(start, start + n, dtype=np.int32)
+            positions[cursor : cursor + n] = pos
+            slots[cursor : cursor + n] = table[pos // bs] * bs + pos % bs
+            tables[j, : len(table)] = table
+            prompt_len = len(req.prompt_token_ids)
+            if req.wants_prompt_logprobs and start < prompt_len - 1:
+                prompt_next = np.full(t, -1, np.int32) if prompt_next is None else prompt_next
+                stop = min(start + n, prompt_len - 1)  # rows that predict a prompt token
+                prompt_next[cursor : cursor + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
+            seq_lens[j] = start + n
+            cursor += n
+            query_start_loc[j + 1] = cursor
+            logit_rows[j] = cursor - 1
+            outputs = req.output_token_ids
+            if len(outputs) != item.num_output_tokens:
+                outputs = _OutputsAtScheduling(outputs, item.num_output_tokens)
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids))
+        query_start_loc[len(output.scheduled) + 1 :] = cursor
+        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress)
+        attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
+        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)
