@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
     here = jax.default_backend()
     for item in items:
         for mark in DEVICE_MARKS:
-            if mark in item.keywords and mark != here:
+            if item.get_closest_marker(mark) is not None and mark != here:
                 item.add_marker(pytest.mark.skip(reason=f"needs a {mark.upper()} (this is {here})"))
 
 CYCLE_MODEL = "cycle"

@@ -20,6 +20,12 @@ import numpy as np
 from jaxpaged.core.block_pool import BlockPool
 
 
+def slot_mapping(block_table: list[int], start: int, count: int, block_size: int) -> np.ndarray:
+    """Flat KV slots (block_id * block_size + offset) of positions [start, start + count) through a block table."""
+    positions = np.arange(start, start + count, dtype=np.int32)
+    return np.asarray(block_table, np.int32)[positions // block_size] * block_size + positions % block_size
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -86,9 +92,7 @@ class KVCacheManager:
 
     def slots(self, seq_id: str, start: int, count: int) -> np.ndarray:
         """Flat slots (block_id * block_size + offset) of positions [start, start + count)."""
-        positions = np.arange(start, start + count, dtype=np.int32)
-        table = np.asarray(self._tables[seq_id], np.int32)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return slot_mapping(self._tables[seq_id], start, count, self.block_size)
 
     # -- prefix caching -------------------------------------------------------------------------
 

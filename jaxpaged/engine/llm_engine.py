@@ -349,20 +349,13 @@ class LLMEngine:
     # -- introspection -------------------------------------------------------------------------
 
     def get_stats(self) -> dict[str, Any]:
-        kv = self.scheduler.kv_stats()
         return {
-            "kv_blocks_total": kv["kv_blocks_total"],
-            "kv_blocks_free": kv["kv_blocks_free"],
-            "kv_blocks_used": kv["kv_blocks_used"],
-            "kv_blocks_cached": kv["kv_blocks_cached"],
-            "prefix_cache_queries": kv["prefix_cache_queries"],
-            "prefix_cache_hits": kv["prefix_cache_hits"],
+            **self.scheduler.kv_stats(),
             "num_computed_tokens": self.scheduler.num_computed_tokens_total,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles_after_warmup": self.num_compiles_after_warmup,
             "num_overlapped_steps": self.num_overlapped_steps,
-            "kv_token_utilization": kv["kv_token_utilization"],
             "warmup_seconds": self.warmup_seconds,
         }

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxpaged.core.kv_cache_manager import slot_mapping
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.worker.model_runner import ModelRunner, StepInputs
@@ -56,18 +57,15 @@ class InputBatchBuilder:
         prompt_next = prev_rows = None
         rows = []
         cursor = 0
-        bs = self.block_size
         for j, item in enumerate(output.scheduled):
             req, start, n = item.request, item.start, item.num_tokens
-            table = np.asarray(item.block_table, np.int32)
             ids[cursor : cursor + n] = req.tokens_at(start, n)
             if item.prev_row >= 0:  # its last token is the previous step's output, still on the device
                 prev_rows = np.full(t, -1, np.int32) if prev_rows is None else prev_rows
                 prev_rows[cursor + n - 1] = item.prev_row
-            pos = np.arange(start, start + n, dtype=np.int32)
-            positions[cursor : cursor + n] = pos
-            slots[cursor : cursor + n] = table[pos // bs] * bs + pos % bs
-            tables[j, : len(table)] = table
+            positions[cursor : cursor + n] = np.arange(start, start + n, dtype=np.int32)
+            slots[cursor : cursor + n] = slot_mapping(item.block_table, start, n, self.block_size)
+            tables[j, : len(item.block_table)] = item.block_table
             prompt_len = len(req.prompt_token_ids)
             if req.wants_prompt_logprobs and start < prompt_len - 1:
                 prompt_next = np.full(t, -1, np.int32) if prompt_next is None else prompt_next
