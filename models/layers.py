@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, RopeConfig
-from jaxpaged.pallas_kernels import AttentionBackend, AttentionMetadata, ReferenceAttention, paged_attention, stack_new_kv, write_kv
+from jaxpaged.pallas_kernels import (
+    AttentionBackend, AttentionMetadata, AttentionSpec, ReferenceAttention, paged_attention, stack_new_kv, write_kv,
+)  # fmt: skip
 
 REFERENCE_ATTENTION = ReferenceAttention()  # a port's default: the definition, on any device
 
@@ -229,8 +231,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.layer = layer
         self.shape = (h, hd)
-        self.scale = hd**-0.5 if scale is None else scale
-        self.window = cfg.window(layer)
+        self.spec = AttentionSpec(hd**-0.5 if scale is None else scale, cfg.window(layer))
         self.clip_qkv = clip_qkv
         self.backend = attention
         self.interleaved = cfg.rope_interleaved
@@ -249,10 +250,7 @@ class Attention(nnx.Module):
             q = apply_rope(q, rope, interleaved=self.interleaved)
             k = apply_rope(k, rope, interleaved=self.interleaved)
         slopes = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
-        out = paged_attention(
-            q, k, v, kv_cache, self.layer, attn_metadata, scale=self.scale, sliding_window=self.window, alibi_slopes=slopes,
-            backend=self.backend,
-        )  # fmt: skip
+        out = paged_attention(q, k, v, kv_cache, self.layer, attn_metadata, self.spec, slopes, backend=self.backend)
         return self.o_proj(out.reshape(t, h * hd)), (k, v)
 
 

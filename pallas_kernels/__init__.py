@@ -3,11 +3,12 @@ Pallas kernels and the pure-JAX reference; the native CPU kernel lives with the 
 
 from jaxpaged.pallas_kernels.attention import copy_blocks, paged_attention, stack_new_kv, write_kv
 from jaxpaged.pallas_kernels.backends import AttentionBackend, MosaicAttention, ReferenceAttention, TritonAttention
-from jaxpaged.pallas_kernels.metadata import AttentionMetadata, kv_cache_shape
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec, kv_cache_shape
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionSpec",
     "MosaicAttention",
     "ReferenceAttention",
     "TritonAttention",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxpaged.pallas_kernels.backends import AttentionBackend
-from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 
 TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 
@@ -39,24 +39,11 @@ def stack_new_kv(per_layer: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     return jnp.stack([jnp.stack([k, v], axis=1) for k, v in per_layer], axis=1)
 
 
-def paged_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    kv_cache: jax.Array,
-    layer: int,
-    attn_metadata: AttentionMetadata,
-    *,
-    backend: AttentionBackend,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None,
-) -> jax.Array:
+def paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None, *,
+                    backend: AttentionBackend) -> jax.Array:  # fmt: skip
     """`backend`'s attention (AttentionBackend's contract), per device under shard_map when traced under a TP mesh."""
-    kw = {"scale": scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
-    attend = functools.partial(_attend, layer=layer, backend=backend, use_alibi=alibi_slopes is not None, **kw)
+    attend = functools.partial(_attend, layer=layer, spec=spec, backend=backend, use_alibi=alibi_slopes is not None)
     n = tp_size()
     if n > 1 and kv_cache.shape[3] % n == 0:
         heads = P(None, TP_AXIS, None)
@@ -73,5 +60,5 @@ def tp_size() -> int:
     return int(mesh.shape[TP_AXIS])
 
 
-def _attend(q, k, v, kv_cache, attn_metadata, slopes, *, layer, backend, use_alibi, **kw):
-    return backend(q, k, v, kv_cache, layer, attn_metadata, alibi_slopes=slopes if use_alibi else None, **kw)
+def _attend(q, k, v, kv_cache, attn_metadata, slopes, *, layer, spec, backend, use_alibi):
+    return backend(q, k, v, kv_cache, layer, attn_metadata, spec, slopes if use_alibi else None)

@@ -10,23 +10,21 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 from jaxpaged.pallas_kernels.reference import reference_paged_attention
+from jaxpaged.pallas_kernels.tiles import check_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    """q [T, H, D] with this step's k/v [T, H_kv, D] over the cached context of `layer` -> out [T, H, D].
-
-    alibi_slopes: float32 [H] or None; adds slope * (key_pos - query_pos) after scale and soft-cap.
-    """
+    """The contract every kernel keeps: q [T, H, D] with this step's k/v [T, H_kv, D] (not yet in the cache) over the
+    cached context of `layer` -> out [T, H, D], as naive_paged_attention defines it. alibi_slopes: float32 [H] or
+    None; adds slope * (key_pos - query_pos) after scale and soft-cap."""
 
     name: ClassVar[str]
 
-    def __call__(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, layer: int, attn_metadata: AttentionMetadata,
-        *, scale: float, sliding_window: int | None = None, soft_cap: float | None = None, alibi_slopes: jax.Array | None = None,
-    ) -> jax.Array:  # fmt: skip
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, layer: int,
+                 attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes: jax.Array | None = None) -> jax.Array:  # fmt: skip
         raise NotImplementedError
 
 
@@ -40,8 +38,8 @@ class ReferenceAttention(AttentionBackend):
     def name(self) -> str:
         return "reference_invariant" if self.batch_invariant else "reference"
 
-    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
-        return reference_paged_attention(q, k, v, kv_cache, layer, attn_metadata, batch_invariant=self.batch_invariant, **kw)
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None):
+        return reference_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, batch_invariant=self.batch_invariant)
 
 
 def _as_floats(kv_cache: jax.Array, dtype) -> jax.Array:
@@ -50,33 +48,40 @@ def _as_floats(kv_cache: jax.Array, dtype) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonAttention(AttentionBackend):
-    """The GPU kernel in Pallas' Triton dialect; interpret=True runs it on any device (tests, CPU)."""
+class PallasAttention(AttentionBackend):
+    """A Pallas kernel; interpret=True runs it on any device (tests, CPU)."""
 
     name: ClassVar[str] = "pallas"
     interpret: bool = False
 
-    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
-        from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention  # Pallas is imported only where used
+    def kernel(self):
+        raise NotImplementedError
 
-        return gpu_paged_attention(q, k, v, _as_floats(kv_cache, q.dtype), layer, attn_metadata, interpret=self.interpret, **kw)
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None):
+        cache = _as_floats(kv_cache, q.dtype)
+        return self.kernel()(q, k, v, cache, layer, attn_metadata, spec, alibi_slopes, interpret=self.interpret)
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicAttention(AttentionBackend):
-    """The TPU kernel in Pallas' Mosaic dialect; interpret=True runs it on any device."""
+class TritonAttention(PallasAttention):
+    """The GPU kernel, in Pallas' Triton dialect."""
 
-    name: ClassVar[str] = "pallas"
-    interpret: bool = False
+    def kernel(self):
+        from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention  # Pallas is imported only where used
 
-    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
+        return gpu_paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttention(PallasAttention):
+    """The TPU kernel, in Pallas' Mosaic dialect."""
+
+    def kernel(self):
         from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 
-        return tpu_paged_attention(q, k, v, _as_floats(kv_cache, q.dtype), layer, attn_metadata, interpret=self.interpret, **kw)
+        return tpu_paged_attention
 
 
 def check_pallas_head_dim(head_dim: int) -> None:
     """A ValueError naming attention_backend when the Pallas kernels cannot take this head dim."""
-    from jaxpaged.pallas_kernels.gpu_attention import check_head_dim
-
     check_head_dim(head_dim)

@@ -22,32 +22,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxpaged.pallas_kernels.metadata import AttentionMetadata
-from jaxpaged.pallas_kernels.tiles import query_tiles, tile_shape
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
+from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, query_tiles, tile_shape
 
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so fully masked rows never make NaN
 MIN_ROWS = 16  # tl.dot's smallest M, N and K
 KV_TOKENS_PER_ITER = 64  # cached tokens per inner iteration (whole blocks)
 NEW_KEYS_PER_ITER = 32  # this step's keys per inner iteration
 
 
-def check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(
-            f"the Pallas attention kernel needs head_dim a power of two from 16 to 256 (64, 128 and 256 in real models); "
-            f"got head_dim={head_dim}. Use attention_backend='reference' for this model."
-        )
-
-
 def _kernel(
     tile_seq_ref, tile_start_ref, tile_len_ref, qsl_ref, seq_lens_ref, tables_ref,
     q_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, slope_ref, _zeros_ref, o_ref,
-    *, group_pad, tokens_per_tile, pages_per_iter, new_per_iter, num_blocks, scale, sliding_window, soft_cap,
+    *, group_pad, tokens_per_tile, pages_per_iter, new_per_iter, num_blocks, spec,
     use_alibi, precision,
 ):  # fmt: skip
+    scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
     tile = pl.program_id(0)
     n_tok = tile_len_ref[tile]
     rows = tokens_per_tile * group_pad
@@ -116,25 +107,9 @@ def _kernel(
         plgpu.store(o_ref.at[pl.ds(t0 * group_pad, rows), :], out.astype(o_ref.dtype), mask=live)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("layer", "scale", "sliding_window", "soft_cap", "interpret", "num_warps", "num_stages")
-)
-def gpu_paged_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    kv_cache: jax.Array,
-    layer: int,
-    attn_metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None,
-    interpret: bool = False,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("layer", "spec", "interpret", "num_warps", "num_stages"))
+def gpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
+                        *, interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D]."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -167,8 +142,7 @@ def gpu_paged_attention(
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel, group_pad=group_pad, tokens_per_tile=tokens_per_tile, pages_per_iter=pages_per_iter,
-        new_per_iter=NEW_KEYS_PER_ITER, num_blocks=num_blocks, scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, use_alibi=use_alibi, precision=precision,
+        new_per_iter=NEW_KEYS_PER_ITER, num_blocks=num_blocks, spec=spec, use_alibi=use_alibi, precision=precision,
     )  # fmt: skip
     out_rows = qg.shape[1]
     out = pl.pallas_call(

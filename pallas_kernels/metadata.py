@@ -32,5 +32,14 @@ class AttentionMetadata:
     query_start_loc: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends, fixed when the model is built (a static argument of the kernels)."""
+
+    scale: float  # on q.k
+    sliding_window: int | None = None  # a query sees the keys at most this many positions back, itself included
+    soft_cap: float | None = None  # scores -> soft_cap * tanh(scores / soft_cap), before ALiBi and the mask
+
+
 def kv_cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int):
     return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)

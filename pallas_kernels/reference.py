@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 
 CHUNK_TOKENS = 128  # context positions per loop iteration
 
@@ -59,21 +59,10 @@ def alibi_bias(slopes: jax.Array, key_pos: jax.Array, query_pos: jax.Array, num_
     return slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1) * rel[:, None, None, :].astype(jnp.float32)
 
 
-def naive_paged_attention(
-    q: jax.Array,
-    kv_cache: jax.Array,
-    layer: int,
-    attn_metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None,
-) -> jax.Array:
-    """q: [T, H, D] -> [T, H, D]; causal attention over each token's paged context.
-
-    alibi_slopes [H] (float32), when given, adds slope * (key_pos - query_pos) to each score.
-    """
+def naive_paged_attention(q, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None):
+    """The definition: q [T, H, D] -> [T, H, D], causal attention over each token's paged context (this step's K/V
+    already written); alibi_slopes [H] float32 adds slope * (key_pos - query_pos) to each score."""
+    scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -105,20 +94,8 @@ def naive_paged_attention(
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def reference_paged_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    kv_cache: jax.Array,
-    layer: int,
-    attn_metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    batch_invariant: bool = False,
-    alibi_slopes: jax.Array | None = None,
-) -> jax.Array:
+def reference_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec,
+                              alibi_slopes=None, *, batch_invariant: bool = False) -> jax.Array:  # fmt: skip
     """naive_paged_attention's result, with this step's K/V (k, v: [T, H_kv, D]) not yet in the cache.
 
     Keys come from two places: this step's own tokens, taken from k/v directly (a [T, T] mask keeps
@@ -129,8 +106,8 @@ def reference_paged_attention(
     cached, do not pay for the decode rows' long contexts.
     """
     if batch_invariant:
-        return batch_invariant_attention(q, k, v, kv_cache, layer, attn_metadata, scale=scale, sliding_window=sliding_window,
-                                         soft_cap=soft_cap, alibi_slopes=alibi_slopes)  # fmt: skip
+        return batch_invariant_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes)
+    sliding_window = spec.sliding_window
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -138,14 +115,13 @@ def reference_paged_attention(
     chunk = cols * block_size
     width = attn_metadata.block_tables.shape[1]
     prec = _precision(q.dtype)
-    kw = {"scale": scale, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
+    kw = {"spec": spec, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
 
     seq, pos, valid = token_layout(attn_metadata, num_tokens)
     q_lens = attn_metadata.query_start_loc[seq + 1] - attn_metadata.query_start_loc[seq]
     cached = jnp.where(valid, attn_metadata.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    carry = fresh_token_softmax(q, k, v, attn_metadata, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                                alibi_slopes=alibi_slopes)  # fmt: skip
+    carry = fresh_token_softmax(q, k, v, attn_metadata, spec, alibi_slopes)
 
     tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
 
@@ -176,17 +152,17 @@ def reference_paged_attention(
     return normalized(tuple(jnp.concatenate(xs) for xs in zip(*parts)), q.dtype)
 
 
-def _scores(spec, q_rows, keys, mask, key_pos, query_pos, *, scale, soft_cap, alibi_slopes, num_kv_heads, prec):
-    s = jnp.einsum(spec, q_rows, keys, preferred_element_type=jnp.float32, precision=prec) * scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
+def _scores(equation, q_rows, keys, mask, key_pos, query_pos, *, spec, alibi_slopes, num_kv_heads, prec):
+    s = jnp.einsum(equation, q_rows, keys, preferred_element_type=jnp.float32, precision=prec) * spec.scale
+    if spec.soft_cap is not None:
+        s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
     if alibi_slopes is not None:
         bias = alibi_bias(alibi_slopes, key_pos, query_pos, num_kv_heads)
         s = s + bias.reshape(bias.shape[:3] + s.shape[3:])
     return s if mask is None else jnp.where(mask[:, None, None, :], s, -jnp.inf)
 
 
-def _fold(carry, s, spec, values, prec):
+def _fold(carry, s, equation, values, prec):
     """Online softmax: fold scores s [n, H_kv, G, keys...] over `values` into (peak, denom, acc)."""
     peak, denom, acc = carry
     key_axes = tuple(range(3, s.ndim))
@@ -194,7 +170,7 @@ def _fold(carry, s, spec, values, prec):
     safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
     p = jnp.exp(s - safe.reshape(safe.shape + (1,) * len(key_axes)))
     correction = jnp.exp(peak - safe)
-    pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
+    pv = jnp.einsum(equation, p.astype(values.dtype), values, preferred_element_type=jnp.float32, precision=prec)
     return new_peak, denom * correction + jnp.sum(p, axis=key_axes), acc * correction[..., None] + pv
 
 
@@ -207,7 +183,7 @@ def _empty_softmax(num_tokens: int, num_kv_heads: int, group: int, head_dim: int
     )
 
 
-def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, *, scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
+def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None):
     """The partial softmax (peak, denom, acc), [T, H_kv, G] and [T, H_kv, G, D] float32, of each row over
     this step's own keys: same sequence, not in the future; one [T, T] product."""
     num_tokens, num_heads, head_dim = q.shape
@@ -217,10 +193,10 @@ def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, *, scale, sli
     seq, pos, valid = token_layout(attn_metadata, num_tokens)
     init = _empty_softmax(num_tokens, num_kv_heads, group, head_dim)
     mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
-    if sliding_window is not None:
-        mask &= pos[None, :] > pos[:, None] - sliding_window
+    if spec.sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - spec.sliding_window
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    kw = {"scale": scale, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
+    kw = {"spec": spec, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
     return _fold(init, _scores("tkgd,ukd->tkgu", qg, k, mask, pos, pos, **kw), "tkgu,ukd->tkgd", v, prec)
 
 
@@ -231,19 +207,8 @@ def normalized(carry, dtype) -> jax.Array:
     return out.reshape(out.shape[0], -1, out.shape[-1]).astype(dtype)
 
 
-def batch_invariant_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    kv_cache: jax.Array,
-    layer: int,
-    attn_metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None,
-) -> jax.Array:
+def batch_invariant_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec,
+                              alibi_slopes=None) -> jax.Array:  # fmt: skip
     """reference_paged_attention's result, with every row's arithmetic fixed by its own context alone.
 
     The fast path folds this step's keys in first and the cached ones after, so a key's place in a
@@ -275,13 +240,13 @@ def batch_invariant_attention(
         is_new = (ctx_pos[None, :] >= cached[:, None])[..., None, None]
         return jnp.where(is_new, new[idx].astype(from_cache.dtype), from_cache)
 
-    kw = {"scale": scale, "soft_cap": soft_cap, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
+    kw = {"spec": spec, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
 
     def body(i, carry):
         ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = (ctx_pos[None, :] <= pos[:, None]) & valid[:, None]
-        if sliding_window is not None:
-            mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
+        if spec.sliding_window is not None:
+            mask &= ctx_pos[None, :] > pos[:, None] - spec.sliding_window
         kc, vc = keys(i, 0, k_new), keys(i, 1, v_new)
         s = _scores("tkgd,tckd->tkgc", qg, kc, mask, ctx_pos, pos, **kw)
         return _fold(carry, s, "tkgc,tckd->tkgd", vc, prec)

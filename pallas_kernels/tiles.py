@@ -12,6 +12,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so fully masked rows never make NaN
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The Pallas kernels take head dims that are powers of two from 16 to 256; a ValueError naming the fallback."""
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"the Pallas attention kernel needs head_dim a power of two from 16 to 256 (64, 128 and 256 in real models); "
+            f"got head_dim={head_dim}. Use attention_backend='reference' for this model."
+        )
 
 
 def num_query_tiles(num_tokens: int, num_seqs: int, tokens_per_tile: int) -> int:

@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxpaged.pallas_kernels.gpu_attention import MASK_VALUE, check_head_dim
-from jaxpaged.pallas_kernels.metadata import AttentionMetadata
-from jaxpaged.pallas_kernels.tiles import query_tiles, tile_shape
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
+from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, query_tiles, tile_shape
 
 ROWS = 16  # query rows per program: tokens x padded group
 KV_TOKENS_PER_ITER = 64
@@ -41,8 +40,9 @@ def _div(a, b: int):
 def _kernel(
     tile_seq_ref, tile_start_ref, tile_len_ref, qsl_ref, seq_lens_ref, tables_ref,  # scalar prefetch (SMEM)
     q_ref, *refs,
-    group_pad, pages_per_iter, cached_steps, scale, sliding_window, soft_cap, use_alibi, precision,
+    group_pad, pages_per_iter, cached_steps, spec, use_alibi, precision,
 ):  # fmt: skip
+    scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
     k_pages, v_pages = refs[:pages_per_iter], refs[pages_per_iter : 2 * pages_per_iter]
     k_new_ref, v_new_ref, slope_ref, o_ref, acc_ref, peak_ref, denom_ref = refs[2 * pages_per_iter :]
     tile, step = pl.program_id(0), pl.program_id(2)
@@ -136,21 +136,9 @@ def _index_maps(layer, pages_per_iter, cached_steps, width, block_size, new_per_
     return page, new_keys
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "scale", "sliding_window", "soft_cap", "interpret"))
-def tpu_paged_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    kv_cache: jax.Array,
-    layer: int,
-    attn_metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    alibi_slopes: jax.Array | None = None,
-    interpret: bool = False,
-) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("layer", "spec", "interpret"))
+def tpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
+                        *, interpret: bool = False) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D]."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -187,7 +175,7 @@ def tpu_paged_attention(
     slope_spec = pl.BlockSpec((None, rows, 1), lambda i, h, j, *_: (h, 0, 0))
     kernel = functools.partial(
         _kernel, group_pad=group_pad, pages_per_iter=pages_per_iter, cached_steps=cached_steps,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, use_alibi=use_alibi,
+        spec=spec, use_alibi=use_alibi,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     out_tiles = pl.pallas_call(

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jaxpaged import platforms  # noqa: E402
-from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, paged_attention  # noqa: E402
+from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, kv_cache_shape, paged_attention  # noqa: E402
 
 TARGET = {"batch": 64, "context": 2048, "head_dim": 128, "kv_heads": 8, "dtype": "bfloat16"}
 
@@ -89,7 +89,7 @@ def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_si
     for backend in backends:
         attend = platforms.get().attention_backend(backend, head_dim)
         fn = jax.jit(
-            lambda q, k, v, c, attn_metadata, b=attend: paged_attention(q, k, v, c, 0, attn_metadata, scale=head_dim**-0.5, backend=b)
+            lambda q, k, v, c, attn_metadata, b=attend: paged_attention(q, k, v, c, 0, attn_metadata, AttentionSpec(head_dim**-0.5), backend=b)
         )
         seconds = _time(fn, *args, iters=iters)
         row[f"{backend}_ms"] = seconds * 1e3

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
+from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, kv_cache_shape
 
 
 @dataclasses.dataclass
@@ -17,6 +17,11 @@ class Case:
     kv_cache: jnp.ndarray  # one layer, kv_cache_shape(1, ...), this step's K/V not yet written
     attn_metadata: AttentionMetadata
     num_real_tokens: int
+
+
+def attention_args(scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
+    """The kernels' trailing arguments, (AttentionSpec, alibi_slopes), from keywords."""
+    return AttentionSpec(scale, sliding_window, soft_cap), alibi_slopes
 
 
 def random_case(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jaxpaged.pallas_kernels import stack_new_kv, write_kv
+from jaxpaged.pallas_kernels import AttentionSpec, stack_new_kv, write_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention, reference_paged_attention
 
 from jaxpaged import LLM, SamplingParams
@@ -28,9 +28,9 @@ def test_invariant_attention_equals_the_definition():
                        num_kv_heads=2, head_dim=32, block_size=16)  # fmt: skip
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     for window in (None, 9):
-        want = naive_paged_attention(case.q, written, 0, case.attn_metadata, scale=0.2, sliding_window=window)
+        want = naive_paged_attention(case.q, written, 0, case.attn_metadata, AttentionSpec(0.2, window))
         got = jax.jit(lambda q, k, v, c, attn_metadata, w=window: reference_paged_attention(
-            q, k, v, c, 0, attn_metadata, scale=0.2, sliding_window=w, batch_invariant=True))(case.q, case.k, case.v, case.kv_cache, case.attn_metadata)  # fmt: skip
+            q, k, v, c, 0, attn_metadata, AttentionSpec(0.2, w), batch_invariant=True))(case.q, case.k, case.v, case.kv_cache, case.attn_metadata)  # fmt: skip
         n = case.num_real_tokens
         np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxpaged import platforms
-from jaxpaged.pallas_kernels import AttentionMetadata, ReferenceAttention, kv_cache_shape, paged_attention, write_kv
+from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, ReferenceAttention, kv_cache_shape, paged_attention, write_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 
 SHAPE = kv_cache_shape(2, 2, 8, 4, 16)  # layers, KV heads, blocks, block size, head dim
@@ -35,11 +35,11 @@ def test_cpu_stores_16_bit_floats_as_bits_and_reads_them_back_exactly(dtype):
         seq_lens=jnp.asarray([11], jnp.int32), query_start_loc=jnp.asarray([0, 1], jnp.int32),
     )
     k_new, v_new = new[3:4, 0, 0], new[3:4, 0, 1]
-    outs = [paged_attention(q, k_new, v_new, cache, 0, attn_metadata, backend=ReferenceAttention(), scale=0.25) for cache in (as_bits, as_floats)]
+    outs = [paged_attention(q, k_new, v_new, cache, 0, attn_metadata, AttentionSpec(0.25), backend=ReferenceAttention()) for cache in (as_bits, as_floats)]
     np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
     assert not np.allclose(np.asarray(outs[0], np.float32), 0)
     with_new = write_kv(as_floats, new[3:4], attn_metadata.slot_mapping)  # the naive form reads this step's K/V from the cache
-    ref = naive_paged_attention(q, with_new, 0, attn_metadata, scale=0.25)
+    ref = naive_paged_attention(q, with_new, 0, attn_metadata, AttentionSpec(0.25))
     np.testing.assert_allclose(np.asarray(outs[0], np.float32), np.asarray(ref, np.float32), atol=2e-2)
 
 

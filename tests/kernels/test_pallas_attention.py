@@ -19,13 +19,13 @@ from jax import export
 from jaxpaged import platforms
 from jaxpaged.pallas_kernels import AttentionMetadata, stack_new_kv, write_kv
 from jaxpaged.config import EngineConfig
-from jaxpaged.pallas_kernels import MosaicAttention, TritonAttention
+from jaxpaged.pallas_kernels import AttentionSpec, MosaicAttention, TritonAttention
 from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 
 from jaxpaged.platforms.cpu import attention as cpu_attention
-from tests.attention_cases import random_case
+from tests.attention_cases import attention_args, random_case
 
 KERNELS = {
     "gpu": functools.partial(gpu_paged_attention, interpret=True),
@@ -61,11 +61,11 @@ CASES = [
 def _expected(case, **kw):
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     f32 = lambda x: x.astype(jnp.float32)
-    return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, **kw))
+    return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, *attention_args(**kw)))
 
 
 def _check(kernel, case, atol, **kw):
-    got = kernel(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, **kw)
+    got = kernel(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, *attention_args(**kw))
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     n = case.num_real_tokens
     got = np.asarray(got.astype(jnp.float32))
@@ -146,7 +146,7 @@ def test_unsupported_head_dim_is_a_clear_error(kernel):
     case = random_case(np.random.default_rng(0), seq_lens=[4], q_lens=[4], num_heads=2, num_kv_heads=1, head_dim=80,
                        block_size=8)  # fmt: skip
     with pytest.raises(ValueError, match="head_dim=80"):
-        KERNELS[kernel](case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, scale=1.0)
+        KERNELS[kernel](case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, AttentionSpec(1.0))
 
 
 def resolve_attention_backend(requested, head_dim, platform, batch_invariant=False):
@@ -196,7 +196,7 @@ def _export(kernel, platform, dtype, block_size, head_dim, **checks):
     )
     alibi = jnp.linspace(0.5, 0.01, heads, dtype=jnp.float32) if block_size == 16 else None  # with and without
     fn = jax.jit(
-        lambda q, k, v, c, attn_metadata: kernel(q, k, v, c, 1, attn_metadata, scale=0.1, sliding_window=64, soft_cap=30.0, alibi_slopes=alibi)
+        lambda q, k, v, c, attn_metadata: kernel(q, k, v, c, 1, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi)
     )
     exported = export.export(fn, platforms=[platform], **checks)(
         _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
@@ -242,4 +242,4 @@ def _compiled_equals_definition(platform, dtype, shape, block_size, heads, head_
     (seq_lens, q_lens), (num_heads, num_kv_heads) = shape, heads
     case = random_case(np.random.default_rng(0), seq_lens=seq_lens, q_lens=q_lens, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)  # fmt: skip
-    _check(jax.jit(backend, static_argnames=("layer", "scale")), case, 1e-5 if dtype == jnp.float32 else 2e-2, scale=head_dim**-0.5)
+    _check(jax.jit(backend, static_argnums=(4, 6)), case, 1e-5 if dtype == jnp.float32 else 2e-2, scale=head_dim**-0.5)

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpaged.pallas_kernels import stack_new_kv, write_kv
+from jaxpaged.pallas_kernels import AttentionSpec, stack_new_kv, write_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention, reference_paged_attention
 
-from tests.attention_cases import random_case
+from tests.attention_cases import attention_args, random_case
 
 SHAPES = [
     # (seq_lens, q_lens): decode, prefill chunks over cached context, fresh prefills, partial blocks
@@ -32,8 +32,8 @@ def test_reference_equals_naive(shape, block_size, heads):
         rng, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=32, block_size=block_size
     )
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
-    want = naive_paged_attention(case.q, written, 0, case.attn_metadata, scale=0.2)
-    attend = jax.jit(lambda q, k, v, cache, attn_metadata: reference_paged_attention(q, k, v, cache, 0, attn_metadata, scale=0.2))
+    want = naive_paged_attention(case.q, written, 0, case.attn_metadata, AttentionSpec(0.2))
+    attend = jax.jit(lambda q, k, v, cache, attn_metadata: reference_paged_attention(q, k, v, cache, 0, attn_metadata, AttentionSpec(0.2)))
     got = attend(case.q, case.k, case.v, case.kv_cache, case.attn_metadata)
     n = case.num_real_tokens
     np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
@@ -49,10 +49,10 @@ def test_sliding_window_soft_cap_and_alibi(window, cap, alibi):
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     slopes = jnp.asarray([0.5, 0.25, 0.0625, 0.01], jnp.float32) if alibi else None
     kw = dict(scale=0.25, sliding_window=window, soft_cap=cap, alibi_slopes=slopes)
-    want = naive_paged_attention(case.q, written, 0, case.attn_metadata, **kw)
+    want = naive_paged_attention(case.q, written, 0, case.attn_metadata, *attention_args(**kw))
     n = case.num_real_tokens
     for batch_invariant in (False, True):  # the fast path and the batch-invariant one
-        got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, batch_invariant=batch_invariant, **kw)
+        got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, *attention_args(**kw), batch_invariant=batch_invariant)
         np.testing.assert_allclose(np.asarray(got[:n]), np.asarray(want[:n]), atol=1e-5, rtol=0)
 
 
@@ -63,8 +63,8 @@ def test_bfloat16_inputs_accumulate_in_float32():
     )
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want = naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, scale=0.125)
-    got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, scale=0.125)
+    want = naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, AttentionSpec(0.125))
+    got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, AttentionSpec(0.125))
     assert got.dtype == jnp.bfloat16
     n = case.num_real_tokens
     np.testing.assert_allclose(np.asarray(f32(got[:n])), np.asarray(want[:n]), atol=2e-2, rtol=0)
@@ -93,7 +93,7 @@ def test_alibi_definition_matches_an_explicit_bias():
                        padded_seqs=0, padded_tokens=0)  # fmt: skip
     slopes = np.array([0.3, 0.07], np.float32)
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
-    got = np.asarray(naive_paged_attention(case.q, written, 0, case.attn_metadata, scale=0.5, alibi_slopes=jnp.asarray(slopes)))
+    got = np.asarray(naive_paged_attention(case.q, written, 0, case.attn_metadata, AttentionSpec(0.5), jnp.asarray(slopes)))
     table = np.asarray(case.attn_metadata.block_tables[0])
     cache = np.asarray(written)[0]
     keys = np.concatenate([cache[0, b, 0] for b in table])[:12]  # [12, D], one KV head

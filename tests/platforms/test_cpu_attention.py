@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, paged_attention
+from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, kv_cache_shape, paged_attention
 from jaxpaged.pallas_kernels.reference import reference_paged_attention
 
 from jaxpaged.platforms.cpu import attention as cpu_attention
@@ -51,7 +51,7 @@ def test_the_cache_is_read_in_place():
 
     def layers(q, k, v, cache, attn_metadata):
         for layer in range(shape[0]):
-            q = paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125, backend=cpu_attention.NativeCpuAttention())
+            q = paged_attention(q, k, v, cache, layer, attn_metadata, AttentionSpec(0.125), backend=cpu_attention.NativeCpuAttention())
         return q
 
     cache = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -80,8 +80,8 @@ def _decode_batch_against_the_reference(monkeypatch=None, target=None):
     q = jnp.asarray(rng.normal(size=(seqs, heads, dim)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(seqs, kv_heads, dim)), jnp.float32) for _ in range(2))
     for layer in range(layers):
-        got = cpu_attention.cpu_paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125)
-        want = reference_paged_attention(q, k, v, cache, layer, attn_metadata, scale=0.125)
+        got = cpu_attention.cpu_paged_attention(q, k, v, cache, layer, attn_metadata, AttentionSpec(0.125))
+        want = reference_paged_attention(q, k, v, cache, layer, attn_metadata, AttentionSpec(0.125))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=0)
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.pallas_kernels.backends import AttentionBackend
-from jaxpaged.pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 from jaxpaged.platforms.cpu import native_build
 from jaxpaged.platforms.cpu.native_build import compiler  # noqa: F401 - part of this module's interface
 
@@ -63,8 +63,8 @@ def available() -> bool:
         return False
 
 
-def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, *, scale, sliding_window=None,
-                        soft_cap=None, alibi_slopes=None) -> jax.Array:  # fmt: skip
+def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec,
+                        alibi_slopes=None) -> jax.Array:  # fmt: skip
     """reference_paged_attention's result, from the kernel: q [T, H, D], this step's k/v [T, H_kv, D]."""
     if not available():
         raise RuntimeError("the native CPU attention kernel could not be built; see the warning logged above")
@@ -76,8 +76,8 @@ def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionM
     f32 = lambda x: x.astype(jnp.float32)
     out = call(
         f32(q), f32(k), f32(v), kv_cache, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes,
-        layer=layer, storage=storage, window=sliding_window or 0, scale=np.float32(scale),
-        soft_cap=np.float32(soft_cap or 0.0), alibi=alibi_slopes is not None,
+        layer=layer, storage=storage, window=spec.sliding_window or 0, scale=np.float32(spec.scale),
+        soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None,
     )  # fmt: skip
     return out.astype(q.dtype)
 
@@ -88,5 +88,5 @@ class NativeCpuAttention(AttentionBackend):
 
     name = "native"
 
-    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, **kw):
-        return cpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, **kw)
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None):
+        return cpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes)
