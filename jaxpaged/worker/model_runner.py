@@ -1,17 +1,10 @@
-"""The device side: parameters, the KV-block array, bucketed inputs and the jitted step.
+"""The device side: parameters, the KV-block array and the jitted step, one compiled shape per token bucket.
 
-A step's tokens are flattened and padded to a token bucket T (`token_buckets`: 4, 8, 16, then ~25% apart up to
-max_num_seqs, then powers of two up to the token budget); its sequence slots are padded to
-S = min(T, max_num_seqs); block tables always have the full width W = blocks for max_model_len
-(attention loops only over live context, so width costs nothing but a small transfer). One compiled step per
-token bucket: all at warm-up, or each on first use with precompile off; each is stored as an executable that later
-starts load (executable_cache.py) and is called directly, so no other shape can compile. The step only reads the cache; a second jitted call, donating the cache, writes the new K/V
-in place (see pallas_kernels/attention.py for why the two are separate).
-
-With tensor_parallel_size N > 1 the runner builds a mesh over N devices, places the parameters and the
-KV array with NamedShardings (models/sharding.py), and traces and runs both jitted calls under that
-mesh, so attention runs per device under shard_map and GSPMD partitions the rest. The scheduler and
-everything host-side are unchanged: one process drives all N devices.
+A step's tokens are padded to a bucket T (`token_buckets`), its sequence slots to S = min(T, max_num_seqs), its
+block tables to the width of max_model_len (attention loops over live context only). Each bucket compiles at
+warm-up (or on first use with precompile off), is stored as an executable later starts load, and is called
+directly, so no other shape can compile. The step only reads the cache; a second jitted call, donating it, writes
+the new K/V in place. Under tensor parallelism both run under the runner's mesh (models/sharding.py).
 """
 
 from __future__ import annotations
@@ -41,13 +34,9 @@ logger = logging.getLogger("jaxpaged.runner")
 
 
 def token_buckets(max_tokens: int, max_seqs: int | None = None, smallest: int = 4) -> list[int]:
-    """Step sizes T that steps are padded to: 4, 8, 16, then about 25% apart (multiples of 8) up to
-    max_seqs, where decode-only steps fall and the batch shrinks one finished request at a time, then
-    powers of two up to max_tokens, the last bucket (prefill steps mostly fill it). Powers of two
-    throughout padded a draining decode batch to ~77% full; this spacing keeps it ~90% full for a few
-    more compiles. The small buckets are for the last few requests and for a lone one: on the 2-core
-    CPU a step of 2 rows costs ~44 ms padded to 4 against ~64 ms padded to 16 (every step streams all
-    the weights, but the matmuls' cost still grows with the rows)."""
+    """Step sizes T that steps are padded to: 4, 8, 16, then about 25% apart (multiples of 8) up to max_seqs, then
+    powers of two up to max_tokens. Decode steps fall below max_seqs and shrink one finished request at a time, so
+    the finer spacing there keeps a draining batch fuller for a few more compiles (docs/benchmarks.md)."""
     buckets, b = [], min(smallest, max_tokens)
     while b < max_tokens:
         buckets.append(b)
