@@ -33,7 +33,7 @@ NEW_KEYS_PER_ITER = 32  # this step's keys per inner iteration
 
 
 def _kernel(
-    tile_seq_ref, tile_start_ref, tile_len_ref, qsl_ref, seq_lens_ref, tables_ref,
+    tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,
     q_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, slope_ref, _zeros_ref, o_ref,
     *, group_pad, tokens_per_tile, pages_per_iter, new_per_iter, num_blocks, spec,
     use_alibi, precision,
@@ -48,7 +48,7 @@ def _kernel(
     @pl.when(n_tok > 0)
     def _():
         seq, t0 = tile_seq_ref[tile], tile_start_ref[tile]
-        q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
+        q_start, q_end = query_start_ref[seq], query_start_ref[seq + 1]
         cached = seq_lens_ref[seq] - (q_end - q_start)  # context positions already in the cache
         pos0 = cached + t0 - q_start  # position of the tile's first token
         q = q_ref[pl.ds(t0 * group_pad, rows), :]

@@ -38,7 +38,7 @@ def _div(a, b: int):
 
 
 def _kernel(
-    tile_seq_ref, tile_start_ref, tile_len_ref, qsl_ref, seq_lens_ref, tables_ref,  # scalar prefetch (SMEM)
+    tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,  # scalar prefetch (SMEM)
     q_ref, *refs,
     group_pad, pages_per_iter, cached_steps, spec, use_alibi, precision,
 ):  # fmt: skip
@@ -58,7 +58,7 @@ def _kernel(
 
     n_tok = tile_len_ref[tile]
     seq, t0 = tile_seq_ref[tile], tile_start_ref[tile]
-    q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
+    q_start, q_end = query_start_ref[seq], query_start_ref[seq + 1]
     cached = seq_lens_ref[seq] - (q_end - q_start)
     pos0 = cached + t0 - q_start
     lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)

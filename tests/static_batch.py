@@ -141,7 +141,7 @@ class StaticBatchRunner:
         done = np.zeros(n, bool)
         stops = set(stop_token_ids)
         tables = attn_metadata.block_tables
-        decode_qsl = jnp.arange(n + 1, dtype=jnp.int32)
+        decode_query_start_loc = jnp.arange(n + 1, dtype=jnp.int32)
         rows = jnp.arange(n, dtype=jnp.int32)
         for step in range(max_new_tokens):
             host_tokens = np.asarray(tokens)
@@ -160,7 +160,7 @@ class StaticBatchRunner:
                 slot_mapping=jnp.asarray(np.arange(n, dtype=np.int32) * width * self.block_size + pos),
                 block_tables=tables,
                 seq_lens=jnp.asarray(pos + 1),
-                query_start_loc=decode_qsl,
+                query_start_loc=decode_query_start_loc,
             )
             key, sub = jax.random.split(key)
             _, tokens, kv = self._forward(self.state, kv, tokens, jnp.asarray(pos), attn_metadata, rows, temperature, sub)

@@ -10,6 +10,7 @@ import time
 
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
 from jaxpaged.utils.logging_utils import setup_logging
+from jaxpaged.utils.text import ChatPrompt
 
 logger = logging.getLogger("jaxpaged.generate")
 
@@ -71,9 +72,7 @@ class Session:
     def prompt_input(self, text: str, history: list[dict] | None = None):
         if not self.args.chat:
             return text
-        from jaxpaged.utils.text import chat_prompt_ids
-
-        return {"prompt_token_ids": chat_prompt_ids(self.llm.get_tokenizer(), _messages(self.args.system, history or [], text)), "prompt": text}
+        return ChatPrompt(_messages(self.args.system, history or [], text))  # rendered by the engine, as LLM.chat and the server
 
     def stream(self, text: str, history: list[dict] | None = None, out=None) -> str:
         out = out or sys.stdout  # looked up per call: a default bound at import would keep a replaced stream

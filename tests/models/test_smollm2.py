@@ -141,8 +141,9 @@ def test_cli_prompts_file_and_interactive(cache_dir, tmp_path, monkeypatch, caps
     add_request = LLMEngine.add_request
 
     def spy(self, request_id, prompt, params=None):
-        prompt_lengths.append(len(prompt["prompt_token_ids"]))
-        return add_request(self, request_id, prompt, params)
+        request_id = add_request(self, request_id, prompt, params)
+        prompt_lengths.append(len(self.get_prompt_token_ids(request_id)))  # the conversation as the engine rendered it
+        return request_id
 
     monkeypatch.setattr(LLMEngine, "add_request", spy)
 
