@@ -90,10 +90,6 @@ class KVCacheManager:
         self.pool.free(reversed(self._tables.pop(seq_id, [])))
         self._num_registered.pop(seq_id, None)
 
-    def slots(self, seq_id: str, start: int, count: int) -> np.ndarray:
-        """Flat slots (block_id * block_size + offset) of positions [start, start + count)."""
-        return slot_mapping(self._tables[seq_id], start, count, self.block_size)
-
     # -- prefix caching -------------------------------------------------------------------------
 
     def take_cached_prefix(self, seq: HashedSequence) -> int:

@@ -83,10 +83,10 @@ class CpuPlatform(Platform):
         backend = cpu_matmul.resolve_matmul_backend(
             matmul_backend, platform=self.name, dtype=dtype, tensor_parallel_size=tensor_parallel_size
         )
+        head = _tied_head(model)
         if backend == "native":
             logger.info("matmuls: native CPU kernel, %d weights packed into panels", pack_for_cpu_matmul(model))
-        elif jnp.dtype(dtype) != jnp.float32 and _tied_head(model) is not None:
-            head = _tied_head(model)
+        elif jnp.dtype(dtype) != jnp.float32 and head is not None:
             head.output_kernel = nnx.Param(jnp.asarray(head.embedding[...].T))  # the table's size again in memory
             head.method = TransposedHead()
         return backend
