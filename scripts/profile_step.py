@@ -57,7 +57,7 @@ class PhaseTimer:
 def instrumented(engine, timer: PhaseTimer):
     undo = [
         timer.wrap(engine.scheduler, "schedule", "schedule"),
-        timer.wrap(engine.input_batch, "build", "pack"),
+        timer.wrap(engine.runner.input_batch, "build", "pack"),
         timer.wrap(engine.runner, "dispatch", "dispatch"),
         timer.wrap(DispatchedStep, "fetch", "wait"),
         timer.wrap(engine, "_update", "process"),  # the update stage: the device's tokens are already read
@@ -72,8 +72,7 @@ def instrumented(engine, timer: PhaseTimer):
 def device_step_seconds(engine, batch: int, ctx: int, repeats: int = 10) -> float:
     """One decode step of `batch` rows on the device alone: the same jitted call, back to back, blocked."""
     runner = engine.runner
-    _, s = runner.bucket_for(batch)
-    step = runner.blank_step(batch, engine._blank_sampling(s, runner.history_width))
+    step = runner.input_batch.blank(batch)
     # a realistic decode: every row reads a context of ~ the workload's length
     attn_metadata = step.attention
     blocks = -(-ctx // runner.block_size)

@@ -33,10 +33,9 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.utils import compile_monitor
 from jaxpaged.utils.text import ChatPrompt, render_chat_prompt
-from jaxpaged.worker.input_batch import InputBatchBuilder
 from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, StepResult
 
 logger = logging.getLogger("jaxpaged.engine")
@@ -87,9 +86,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         self.eos_token_ids = self._eos_ids()
         executables = cache_root(config.cache_dir) / "executables"
-        self.runner = ModelRunner(self.loaded, config, self.max_model_len, executable_dir=executables)
-        self.input_batch = InputBatchBuilder(
-            self.runner, config.block_size, self.eos_token_ids, MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)
+        self.runner = ModelRunner(
+            self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables
         )
         pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
         self.num_kv_blocks = pool.num_blocks
@@ -105,7 +103,7 @@ class LLMEngine:
             pool.num_blocks, config.block_size, pool.num_blocks * self.runner.block_bytes / 1e6,
             pool.num_blocks * config.block_size, self.max_model_len,
         )
-        self.warmup_seconds = self.runner.warmup(self.input_batch.blank_sampling)
+        self.warmup_seconds = self.runner.warmup()
         self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds}
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
@@ -327,9 +325,7 @@ class LLMEngine:
             if prev is None and self.scheduler.has_unfinished() and not scheduler_output.preempted:  # admission checks prevent it
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return None
-        step_inputs = self.input_batch.build(scheduler_output)
-        dispatched = self.runner.dispatch(step_inputs, scheduler_output.block_copies, prev.dispatched if prev else None)
-        return InFlightStep(scheduler_output, dispatched)
+        return InFlightStep(scheduler_output, self.runner.execute_model(scheduler_output, prev.dispatched if prev else None))
 
     def _update(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """update: stop strings from the detokenizer, then the scheduler takes the tokens (and checks every

@@ -6,15 +6,32 @@ the KV cache manager; everything is padded to the runner's bucket, so a step nev
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxpaged.core.kv_cache_manager import slot_mapping
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.pallas_kernels import AttentionMetadata
-from jaxpaged.worker.model_runner import ModelRunner, StepInputs
-from jaxpaged.worker.sampler import SamplingRow, build_sampling_metadata
+from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, build_sampling_metadata
+
+if TYPE_CHECKING:
+    from jaxpaged.worker.model_runner import ModelRunner
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One step, already padded to its bucket, as numpy arrays."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    attention: AttentionMetadata  # numpy leaves
+    logit_rows: np.ndarray  # [S] row of each sequence's last token
+    sampling: SamplingMetadata  # numpy leaves
+    prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
+    prev_rows: np.ndarray | None = None  # [T] row of the previous step whose sampled token is this input, else -1
 
 
 class _OutputsAtScheduling(Sequence):
@@ -36,14 +53,25 @@ class _OutputsAtScheduling(Sequence):
 
 
 class InputBatchBuilder:
-    def __init__(self, runner: ModelRunner, block_size: int, eos_token_ids: Sequence[int], max_suppress: int):
+    """The runner's: its buckets and table width fix every array's shape."""
+
+    def __init__(self, runner: ModelRunner, eos_token_ids: Sequence[int], max_suppress: int):
         self.runner = runner
-        self.block_size = block_size
+        self.block_size = runner.block_size
         self.eos_token_ids = list(eos_token_ids)
         self.max_suppress = max_suppress  # ids min_tokens may forbid per row
 
-    def blank_sampling(self, rows: int, width: int):
-        return build_sampling_metadata([], rows, width, self.max_suppress)
+    def blank(self, num_tokens: int) -> StepInputs:
+        """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
+        t, s = self.runner.bucket_for(num_tokens)
+        attn_metadata = AttentionMetadata(
+            slot_mapping=np.full(t, -1, np.int32),
+            block_tables=np.zeros((s, self.runner.table_width), np.int32),
+            seq_lens=np.zeros(s, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32),
+        )
+        sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress)
+        return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
     def build(self, output: SchedulerOutput) -> StepInputs:
         t, s = self.runner.bucket_for(output.num_tokens)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -23,11 +24,14 @@ from tqdm.auto import tqdm
 
 from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
+from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.weights import param_bytes
-from jaxpaged.pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, write_kv
+from jaxpaged.pallas_kernels import copy_blocks, kv_cache_shape, write_kv
+from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
+from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
 from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
@@ -55,19 +59,6 @@ def _abstract(leaf):
 
 
 @dataclasses.dataclass
-class StepInputs:
-    """One step, already padded to its bucket, as numpy arrays."""
-
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    attention: AttentionMetadata  # numpy leaves
-    logit_rows: np.ndarray  # [S] row of each sequence's last token
-    sampling: SamplingMetadata  # numpy leaves
-    prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
-    prev_rows: np.ndarray | None = None  # [T] row of the previous step whose sampled token is this input, else -1
-
-
-@dataclasses.dataclass
 class DispatchedStep:
     """A step handed to the device: its outputs are futures until fetch() reads them back."""
 
@@ -92,7 +83,8 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, executable_dir=None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
+                 executable_dir=None):  # fmt: skip
         self.config = config
         self.platform = platforms.get(config.platform)
         self.model_config = loaded.config
@@ -148,8 +140,8 @@ class ModelRunner:
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}  # (function, bucket) -> executable
         self._pending: dict[int, Future] = {}  # bucket -> its (step, write) compiling in the background
         self._background: ThreadPoolExecutor | None = None
-        self._blank_sampling = None  # the engine's all-padding sampling metadata builder, given at warm-up
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
+        self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self._blank_history: dict[int, jax.Array] = {}
         self._blank_prompt_ids: dict[int, jax.Array] = {}
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
@@ -226,6 +218,10 @@ class ModelRunner:
         with self._on_mesh():
             self.kv_cache = self._executable("copy", self._copy, 0, args)(*args)
 
+    def execute_model(self, scheduler_output: SchedulerOutput, prev: DispatchedStep | None = None) -> DispatchedStep:
+        """The scheduler's step as this runner's padded input batch, queued on the device (see dispatch)."""
+        return self.dispatch(self.input_batch.build(scheduler_output), scheduler_output.block_copies, prev)
+
     def dispatch(self, step: StepInputs, copies: list[tuple[int, int]] = (), prev: DispatchedStep | None = None) -> DispatchedStep:
         """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at."""
         if copies:
@@ -254,10 +250,10 @@ class ModelRunner:
     def prefetch(self, num_tokens: int) -> None:
         """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
         One device only; the compile is one that precompile-off asked for."""
-        t, s = self.bucket_for(num_tokens)
-        if self.mesh is not None or ("step", t) in self._compiled or t in self._pending or self._blank_sampling is None:
+        t, _ = self.bucket_for(num_tokens)
+        if self.mesh is not None or ("step", t) in self._compiled or t in self._pending:
             return
-        step = self.blank_step(t, self._blank_sampling(s, self.history_width))
+        step = self.input_batch.blank(t)
         args = jax.tree_util.tree_map(_abstract, self._step_args(step, None))
         slots = step.attention.slot_mapping
 
@@ -298,27 +294,14 @@ class ModelRunner:
 
     # -- warm-up -----------------------------------------------------------------------------
 
-    def blank_step(self, num_tokens: int, sampling: SamplingMetadata) -> StepInputs:
-        """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
-        t, s = self.bucket_for(num_tokens)
-        attn_metadata = AttentionMetadata(
-            slot_mapping=np.full(t, -1, np.int32),
-            block_tables=np.zeros((s, self.table_width), np.int32),
-            seq_lens=np.zeros(s, np.int32),
-            query_start_loc=np.zeros(s + 1, np.int32),
-        )
-        return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
-
-    def warmup(self, blank_sampling) -> float:
+    def warmup(self) -> float:
         """Compile (or load) every bucket now, so serving never compiles; nothing when precompile is off."""
-        self._blank_sampling = blank_sampling
         if not self.config.precompile:
             logger.info("step buckets %s are compiled on first use (precompile off)", self.buckets)
             return 0.0
         t0 = time.perf_counter()
         for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
-            _, s = self.bucket_for(t)
-            self.execute(self.blank_step(t, blank_sampling(s, self.history_width)))
+            self.execute(self.input_batch.blank(t))
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - t0
