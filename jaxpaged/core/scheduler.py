@@ -226,12 +226,11 @@ class Scheduler:
         child._block_hashes = list(parent._block_hashes)
 
     def kv_stats(self) -> dict[str, Any]:
-        held = {}
+        held: set[int] = set()  # blocks shared by several sequences count once
         stored = 0
         for req in self.running:
             stored += req.num_computed_tokens
-            for b in self.kv.block_table(req.seq_id):
-                held[b] = True
+            held.update(self.kv.block_table(req.seq_id))
         pool, slots = self.kv.pool, len(held) * self.kv.block_size
         return {
             "kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free, "kv_blocks_used": pool.num_used,

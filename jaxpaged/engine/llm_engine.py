@@ -90,7 +90,6 @@ class LLMEngine:
             self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables
         )
         pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.num_kv_blocks = pool.num_blocks
         self.scheduler = Scheduler(
             KVCacheManager(pool, config.block_size), config.max_num_seqs, config.max_num_batched_tokens,
             self.eos_token_ids, self.max_model_len,
@@ -147,16 +146,16 @@ class LLMEngine:
             )
         max_tokens = params.max_tokens
         if max_tokens is None:
-            capacity = min(self.max_model_len, self.num_kv_blocks * self.config.block_size) - num_prompt_tokens
+            capacity = min(self.max_model_len, self.runner.num_blocks * self.config.block_size) - num_prompt_tokens
             max_tokens = capacity if capacity >= 1 else room  # none fit in the pool: refused just below
         if max_tokens > room:
             raise ValueError(
                 f"max_tokens ({max_tokens}) plus the prompt's {num_prompt_tokens} tokens exceeds max_model_len ({self.max_model_len})"
             )
         need = blocks_for(num_prompt_tokens + max_tokens, self.config.block_size)
-        if need > self.num_kv_blocks:
+        if need > self.runner.num_blocks:
             raise ValueError(
-                f"prompt plus max_tokens needs {need} KV blocks but the whole pool has {self.num_kv_blocks}; "
+                f"prompt plus max_tokens needs {need} KV blocks but the whole pool has {self.runner.num_blocks}; "
                 "raise num_kv_blocks or lower max_tokens"
             )
         return max_tokens
