@@ -57,14 +57,26 @@ class PallasAttention(AttentionBackend):
     def kernel(self):
         raise NotImplementedError
 
+    def options(self) -> dict:
+        """The kernel's keyword arguments beyond the contract's."""
+        return {"interpret": self.interpret}
+
     def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None):
         cache = _as_floats(kv_cache, q.dtype)
-        return self.kernel()(q, k, v, cache, layer, attn_metadata, spec, alibi_slopes, interpret=self.interpret)
+        return self.kernel()(q, k, v, cache, layer, attn_metadata, spec, alibi_slopes, **self.options())
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonAttention(PallasAttention):
-    """The GPU kernel, in Pallas' Triton dialect."""
+    """The GPU kernel, in Pallas' Triton dialect. num_cores (SMs; 0 when unknown) and shared_memory (bytes per
+    block; 0 for the kernel's default) describe the GPU its launches are sized for."""
+
+    num_cores: int = 0
+    shared_memory: int = 0
+
+    def options(self) -> dict:
+        options = {"interpret": self.interpret, "num_cores": self.num_cores}
+        return options | ({"shared_memory": self.shared_memory} if self.shared_memory else {})
 
     def kernel(self):
         from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention  # Pallas is imported only where used

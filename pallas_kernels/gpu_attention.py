@@ -1,23 +1,29 @@
 """Ragged paged attention for GPUs, in Pallas' Triton dialect (also run in interpret mode on CPU).
 
-One program per (query tile, KV head). It holds a tile's query rows for all the query heads
-that share the KV head (tokens x padded group, at least 16 rows for the tensor cores), streams
-the sequence's cached K/V through its block-table row, a few blocks per iteration, then this
-step's own K/V (not in the cache yet: the runner writes it after the forward pass), with an
-online softmax in float32. Each KV block is loaded once per program and serves every query
-head of its group.
+One program per (query tile, KV head, KV split). A program holds a tile's query rows for all the
+query heads that share its KV head (tokens x padded group), streams its share of the sequence's
+cached K/V, gathered token by token through the block table (so a chunk may span blocks or part of
+one), then this step's own K/V (not in the cache yet: the runner writes it after the forward pass),
+with an online softmax in float32. Each K/V chunk is loaded once and serves every query head of its
+group.
 
-Triton rather than Mosaic GPU: it runs on every NVIDIA GPU JAX supports, exports for "cuda"
-without one, and runs interpreted on CPU (docs/design.md, "The Pallas kernels").
+Decode buckets split each sequence's context over several programs when batch x KV heads would leave
+most of the GPU's cores idle (one long request has only its KV heads' worth of programs); each split
+returns its unnormalised sum, running max and denominator, and a combine step merges them, as
+FlashDecoding does. Prefill buckets take bigger tiles (up to 128 query rows, more warps and pipeline
+stages) as far as the device's shared memory allows. The layer is a runtime operand (an offset into
+the cache), so every layer of a model runs the same compiled kernel.
 
-Shapes the wrapper fixes so the kernel never reads out of bounds: the flat token axis gets
-one tile of padding rows, the block table is padded to whole iterations, and block ids are
-clamped into the pool. Padding rows and padded sequence slots are covered by no tile; their
-output rows stay zero.
+Triton rather than Mosaic GPU: it runs on every NVIDIA GPU JAX supports (Colab's T4, L4 and A100
+included; Mosaic GPU needs Hopper), exports for "cuda" without one, and runs interpreted on CPU.
+
+The wrapper pads the token axis by one tile and the block table to whole chunks, and clamps block
+ids into the pool, so the kernel never reads out of bounds; rows no tile covers (padding) are zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,22 +34,79 @@ from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, query_tiles, tile_shape
 
 MIN_ROWS = 16  # tl.dot's smallest M, N and K
-KV_TOKENS_PER_ITER = 64  # cached tokens per inner iteration (whole blocks)
-NEW_KEYS_PER_ITER = 32  # this step's keys per inner iteration
+MAX_SPLITS = 16
+DEFAULT_SHARED_MEMORY = 99 * 1024  # sm_86/89/120 (A10, L4, RTX); A100 has 163 KiB, H100 227 KiB, T4 64 KiB
+SHARED_MEMORY_MARGIN = 0.85  # the estimate leaves Triton's own buffers (layout conversions, barriers) this much room
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How one bucket's kernel is cut: query rows and keys per program step, Triton's warps and stages, KV splits."""
+
+    rows: int  # query rows per program (tokens x padded group), at least MIN_ROWS
+    kv_chunk: int  # keys per inner iteration, cached or new
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+
+
+# Preferred first; the first that fits the device's shared memory is taken.
+PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2),
+                   (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)]  # fmt: skip
+DECODE_CONFIGS = [(16, 128, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)]
+
+
+def shared_memory_estimate(rows: int, kv_chunk: int, head_dim: int, itemsize: int, num_stages: int) -> int:
+    """Bytes of shared memory a program needs: K and V chunks per pipeline stage, the query tile, the
+    probabilities staged for the second dot."""
+    return (2 * num_stages * kv_chunk * head_dim + rows * head_dim + rows * kv_chunk) * itemsize
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, num_cores: int) -> int:
+    """Splits enough for num_seqs x KV heads x splits programs to fill the cores: a power of two up to MAX_SPLITS
+    (1 when the core count is unknown)."""
+    splits = 1
+    while splits < MAX_SPLITS and num_seqs * num_kv_heads * splits * 2 <= num_cores:
+        splits *= 2
+    return splits
+
+
+def launch_config(num_tokens: int, num_seqs: int, head_dim: int, itemsize: int, *, shared_memory: int,
+                  num_cores: int, num_kv_heads: int) -> LaunchConfig:  # fmt: skip
+    """Decode buckets (a token per sequence at most) take MIN_ROWS-row tiles and split the context; prefill
+    buckets take the biggest tile that fits, with at most 16k accumulator elements per program (registers)."""
+    decode = num_tokens <= num_seqs
+    budget = shared_memory * SHARED_MEMORY_MARGIN
+    for rows, kv_chunk, warps, stages in DECODE_CONFIGS if decode else PREFILL_CONFIGS:
+        if rows * head_dim <= 128 * 128 and shared_memory_estimate(rows, kv_chunk, head_dim, itemsize, stages) <= budget:
+            break
+    # The grid's splits: enough for the fewest sequences a decode bucket holds (a quarter of its slots; buckets
+    # double); the kernel then uses as many as the step's live sequences need (_live_splits).
+    splits = choose_splits(max(1, num_seqs // 4), num_kv_heads, num_cores) if decode else 1
+    return LaunchConfig(rows, kv_chunk, warps, stages, splits)
+
+
+def _live_splits(tile_len, num_kv_heads: int, num_cores: int, grid_splits: int):
+    """On device, from this step's live tiles: the splits that fill the cores, at most the grid's; the programs
+    of the others exit at once."""
+    if num_cores <= 0 or grid_splits == 1:
+        return jnp.full((1,), grid_splits, jnp.int32)
+    programs = jnp.maximum(jnp.sum(tile_len > 0), 1) * num_kv_heads
+    return jnp.clip(num_cores // programs, 1, grid_splits).astype(jnp.int32).reshape(1)
 
 
 def _kernel(
-    tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,
-    q_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, slope_ref, _zeros_ref, o_ref,
-    *, group_pad, tokens_per_tile, pages_per_iter, new_per_iter, num_blocks, spec,
-    use_alibi, precision,
+    layer_ref, splits_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,
+    q_ref, k_new_ref, v_new_ref, cache_ref, slope_ref, *out_refs,
+    group_pad, tokens_per_tile, kv_chunk, num_blocks, grid_splits, spec, use_alibi, precision,
 ):  # fmt: skip
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
-    tile = pl.program_id(0)
+    tile, split = pl.program_id(0), pl.program_id(2)
     n_tok = tile_len_ref[tile]
     rows = tokens_per_tile * group_pad
-    block_size, head_dim = k_cache_ref.shape[-2], k_cache_ref.shape[-1]
-    kv_tokens = pages_per_iter * block_size
+    block_size = cache_ref.shape[-2]
+    k_base = layer_ref[0] * 2 * num_blocks  # this layer's K blocks; its V blocks follow
+    v_base = k_base + num_blocks
 
     @pl.when(n_tok > 0)
     def _():
@@ -54,6 +117,7 @@ def _kernel(
         q = q_ref[pl.ds(t0 * group_pad, rows), :]
         row_pos = pos0 + jnp.arange(rows, dtype=jnp.int32) // group_pad
         slopes = slope_ref[...] if use_alibi else None  # [rows]: each row's query head's ALiBi slope
+        offsets = jnp.arange(kv_chunk, dtype=jnp.int32)
 
         def fold(carry, k, v, mask, key_pos):
             acc, peak, denom = carry
@@ -72,97 +136,149 @@ def _kernel(
         lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
 
         def cached_iter(j, carry):
-            ids = jnp.clip(tables_ref[seq, pl.ds(j * pages_per_iter, pages_per_iter)], 0, num_blocks - 1)
-            k = k_cache_ref[ids].reshape(kv_tokens, head_dim)
-            v = v_cache_ref[ids].reshape(kv_tokens, head_dim)
-            key_pos = j * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)
-            mask = jnp.broadcast_to(key_pos[None, :] < cached, (rows, kv_tokens))
+            key_pos = j * kv_chunk + offsets
+            block = jnp.clip(tables_ref[seq, key_pos // block_size], 0, num_blocks - 1)
+            within = key_pos % block_size
+            k = cache_ref[k_base + block, within]
+            v = cache_ref[v_base + block, within]
+            mask = jnp.broadcast_to(key_pos[None, :] < cached, (rows, kv_chunk))
             if sliding_window is not None:
                 mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
             return fold(carry, k, v, mask, key_pos)
 
         carry = (
-            jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.zeros((rows, q.shape[1]), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
         )
-        carry = jax.lax.fori_loop(lowest // kv_tokens, pl.cdiv(cached, kv_tokens), cached_iter, carry)
+        first, end = lowest // kv_chunk, pl.cdiv(cached, kv_chunk)  # this program's share of the chunks
+        num_splits = splits_ref[0]  # the splits this step uses: programs past them find no chunks and no new keys
+        per_split = pl.cdiv(jnp.maximum(end - first, 0), num_splits)
+        lo = first + split * per_split
+        carry = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, end), cached_iter, carry)
 
         first_new = q_start + jnp.maximum(0, lowest - cached)  # this step's keys the tile can see
         last_new = t0 + n_tok  # exclusive: causal
 
         def new_iter(j, carry):
-            start = first_new + j * new_per_iter
-            k = k_new_ref[pl.ds(start, new_per_iter), :]
-            v = v_new_ref[pl.ds(start, new_per_iter), :]
-            key_pos = cached + start - q_start + jnp.arange(new_per_iter, dtype=jnp.int32)
+            start = first_new + j * kv_chunk
+            k = k_new_ref[pl.ds(start, kv_chunk), :]
+            v = v_new_ref[pl.ds(start, kv_chunk), :]
+            key_pos = cached + start - q_start + offsets
             mask = key_pos[None, :] <= row_pos[:, None]
             if sliding_window is not None:
                 mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
             return fold(carry, k, v, mask, key_pos)
 
-        acc, _, denom = jax.lax.fori_loop(0, pl.cdiv(last_new - first_new, new_per_iter), new_iter, carry)
-        out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
-        live = (jnp.arange(rows, dtype=jnp.int32) // group_pad < n_tok)[:, None]
-        plgpu.store(o_ref.at[pl.ds(t0 * group_pad, rows), :], out.astype(o_ref.dtype), mask=live)
+        new_iters = jnp.where(split == num_splits - 1, pl.cdiv(last_new - first_new, kv_chunk), 0)  # the last split's
+        acc, peak, denom = jax.lax.fori_loop(0, new_iters, new_iter, carry)
+        live = jnp.arange(rows, dtype=jnp.int32) // group_pad < n_tok
+        here = pl.ds(t0 * group_pad, rows)
+        if grid_splits == 1:
+            (o_ref,) = out_refs
+            out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+            plgpu.store(o_ref.at[here, :], out.astype(o_ref.dtype), mask=live[:, None])
+        else:  # partial results, merged by _combine
+            acc_ref, peak_ref, denom_ref = out_refs
+            plgpu.store(acc_ref.at[here, :], acc, mask=live[:, None])
+            plgpu.store(peak_ref.at[here], peak, mask=live)
+            plgpu.store(denom_ref.at[here], denom, mask=live)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "spec", "interpret", "num_warps", "num_stages"))
-def gpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
-                        *, interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:  # fmt: skip
-    """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D]."""
+def _combine(acc, peak, denom):
+    """Merge the splits' online-softmax states [splits, ...] into normalised outputs."""
+    top = jnp.max(peak, axis=0)
+    weight = jnp.exp(peak - top)  # a split that saw no key has denom 0 and adds nothing
+    total = jnp.sum(weight * denom, axis=0)
+    out = jnp.sum(weight[..., None] * acc, axis=0)
+    return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "num_cores", "shared_memory", "launch"))
+def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
+                        *, interpret: bool = False, num_cores: int = 0, shared_memory: int = DEFAULT_SHARED_MEMORY,
+                        launch: LaunchConfig | None = None) -> jax.Array:  # fmt: skip
+    """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
+
+    layer: an int or int32 scalar, traced (one kernel for every layer). num_cores (the GPU's SMs; 0: unknown)
+    and shared_memory (bytes per block) choose the launch; `launch` overrides the choice (tests)."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    num_seqs = attn_metadata.block_tables.shape[0]
     check_head_dim(head_dim)
-    shape = tile_shape(num_heads, num_kv_heads, block_size, MIN_ROWS, KV_TOKENS_PER_ITER)
-    group, group_pad, tokens_per_tile = shape.group, shape.group_pad, shape.tokens_per_tile
-    rows, pages_per_iter = shape.rows, shape.pages_per_iter
+    if launch is None:
+        launch = launch_config(num_tokens, num_seqs, head_dim, q.dtype.itemsize, shared_memory=shared_memory,
+                               num_cores=num_cores, num_kv_heads=num_kv_heads)  # fmt: skip
+    shape = tile_shape(num_heads, num_kv_heads, block_size, launch.rows, launch.kv_chunk)
+    group, group_pad, tokens_per_tile, rows = shape.group, shape.group_pad, shape.tokens_per_tile, shape.rows
+    kv_chunk, splits = launch.kv_chunk, launch.num_splits
 
     seq, start, length = query_tiles(attn_metadata.query_start_loc, num_tokens, tokens_per_tile)
     width = attn_metadata.block_tables.shape[1]
-    tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -width % pages_per_iter)))
+    keys = -(-width * block_size // kv_chunk) * kv_chunk  # the table padded to whole chunks
+    tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -(-keys // block_size) - width)))
 
     # [T, H, D] -> [H_kv, (T + tile) * G', D]: a KV head's query rows, token-major, group padded to G'.
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, tokens_per_tile), (0, 0), (0, group_pad - group), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-    kn, vn = (jnp.pad(x, ((0, NEW_KEYS_PER_ITER), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
+    kn, vn = (jnp.pad(x, ((0, kv_chunk), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
+    # the cache as [L * 2 * blocks, H_kv, block_size, D] (a free reshape): the layer becomes an offset
+    cache = kv_cache.reshape(num_layers * 2 * num_blocks, num_kv_heads, block_size, head_dim)
     # Each query row's slope, [H_kv, rows]: row r of a tile is head r % G' of its KV head's group.
     use_alibi = alibi_slopes is not None
     slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     slopes = jnp.pad(slopes.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
     slopes = jnp.tile(slopes, (1, tokens_per_tile))
 
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
-    per_head = lambda n: pl.BlockSpec((None, n, head_dim), lambda i, h: (h, 0, 0))
-    slope_spec = pl.BlockSpec((None, rows), lambda i, h: (h, 0))
-    cache_spec = lambda kv: pl.BlockSpec(
-        (None, None, num_blocks, None, block_size, head_dim), lambda i, h: (layer, kv, 0, h, 0, 0)
-    )
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(
-        _kernel, group_pad=group_pad, tokens_per_tile=tokens_per_tile, pages_per_iter=pages_per_iter,
-        new_per_iter=NEW_KEYS_PER_ITER, num_blocks=num_blocks, spec=spec, use_alibi=use_alibi, precision=precision,
-    )  # fmt: skip
     out_rows = qg.shape[1]
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h, s: (0,) * len(shape))
+    per_head = lambda n: pl.BlockSpec((None, n, head_dim), lambda i, h, s: (h, 0, 0))
+    cache_spec = pl.BlockSpec((cache.shape[0], None, block_size, head_dim), lambda i, h, s: (0, h, 0, 0))
+    if splits == 1:
+        out_specs = per_head(out_rows)
+        out_shape = jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype)
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, out_rows, head_dim), lambda i, h, s: (s, h, 0, 0)),
+            pl.BlockSpec((None, None, out_rows), lambda i, h, s: (s, h, 0)),
+            pl.BlockSpec((None, None, out_rows), lambda i, h, s: (s, h, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32),
+        ]
+    kernel = functools.partial(
+        _kernel, group_pad=group_pad, tokens_per_tile=tokens_per_tile, kv_chunk=kv_chunk, num_blocks=num_blocks,
+        grid_splits=splits, spec=spec, use_alibi=use_alibi,
+        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+    )  # fmt: skip
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     out = pl.pallas_call(
         kernel,
-        grid=(seq.shape[0], num_kv_heads),
+        grid=(seq.shape[0], num_kv_heads, splits),
         in_specs=[
-            whole(seq.shape), whole(start.shape), whole(length.shape),
+            whole((1,)), whole((1,)), whole(seq.shape), whole(start.shape), whole(length.shape),
             whole(attn_metadata.query_start_loc.shape), whole(attn_metadata.seq_lens.shape), whole(tables.shape),
-            per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec(0), cache_spec(1),
-            slope_spec, per_head(out_rows),
+            per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec,
+            pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)),
         ],
-        out_specs=per_head(out_rows),
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype),
-        input_output_aliases={12: 0},  # start from zeros: rows no tile covers (padding) stay 0
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_r{rows}_kv{pages_per_iter * block_size}",
+        name=f"ragged_paged_attention_r{rows}_kv{kv_chunk}_s{splits}",
     )(
-        seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
-        qg, kn, vn, kv_cache, kv_cache, slopes, jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype),
-    )
+        layer, _live_splits(length, num_kv_heads, num_cores, splits), seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
+        qg, kn, vn, cache, slopes,
+    )  # fmt: skip
+    if splits > 1:
+        out = _combine(*out).astype(q.dtype)
     out = out.reshape(num_kv_heads, num_tokens + tokens_per_tile, group_pad, head_dim)[:, :num_tokens, :group]
-    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
+    covered = jnp.arange(num_tokens) < attn_metadata.query_start_loc[-1]  # rows no tile wrote hold garbage
+    return jnp.where(covered[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+__all__ = ["LaunchConfig", "gpu_paged_attention", "launch_config"]

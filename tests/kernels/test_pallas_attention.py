@@ -20,12 +20,17 @@ from jaxpaged import platforms
 from jaxpaged.pallas_kernels import AttentionMetadata, stack_new_kv, write_kv
 from jaxpaged.config import EngineConfig
 from jaxpaged.pallas_kernels import AttentionSpec, MosaicAttention, TritonAttention
-from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
+from jaxpaged.pallas_kernels.gpu_attention import (
+    DEFAULT_SHARED_MEMORY, SHARED_MEMORY_MARGIN, LaunchConfig, choose_splits, gpu_paged_attention, launch_config,
+    shared_memory_estimate,
+)  # fmt: skip
+from jaxpaged.platforms.gpu import SHARED_MEMORY_KIB
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 
 from jaxpaged.platforms.cpu import attention as cpu_attention
 from tests.attention_cases import attention_args, random_case
+from tests.exporting import MOSAIC_CALL, TRITON_CALLS, export_checks, kernel_calls, lowering_for
 
 KERNELS = {
     "gpu": functools.partial(gpu_paged_attention, interpret=True),
@@ -175,7 +180,8 @@ def test_each_platform_hands_models_a_backend_object():
     assert platforms.get("gpu").attention_backend("auto", 128) == TritonAttention(interpret=False)
     assert platforms.get("tpu").attention_backend("auto", 128) == MosaicAttention(interpret=False)
     assert platforms.get("cpu").attention_backend("pallas", 128) == TritonAttention(interpret=True)
-    assert repr(TritonAttention(interpret=False)) == "TritonAttention(interpret=False)"  # stable: keys the executable cache
+    # stable: keys the executable cache
+    assert repr(TritonAttention(interpret=False)) == "TritonAttention(interpret=False, num_cores=0, shared_memory=0)"
     with pytest.raises(ValueError, match="platform"):
         platforms.get("quantum")
 
@@ -189,33 +195,97 @@ LOWERINGS = [
 ]
 
 
-def _export(kernel, platform, dtype, block_size, head_dim, **checks):
-    tokens, seqs, width, blocks, heads, kv_heads = 64, 32, 16, 256, 32, 8
+def _export(kernel, platform, dtype, block_size, head_dim, tokens=64, seqs=32, traced_layer=True, **kw):
+    width, blocks, heads, kv_heads = 16, 256, 32, 8
     attn_metadata = AttentionMetadata(
         _sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32), _sd((seqs + 1,), jnp.int32)
     )
     alibi = jnp.linspace(0.5, 0.01, heads, dtype=jnp.float32) if block_size == 16 else None  # with and without
-    fn = jax.jit(
-        lambda q, k, v, c, attn_metadata: kernel(q, k, v, c, 1, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi)
-    )
-    exported = export.export(fn, platforms=[platform], **checks)(
-        _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
-        _sd((tokens, kv_heads, head_dim), dtype), _sd((2, 2, blocks, kv_heads, block_size, head_dim), dtype), attn_metadata,
-    )  # fmt: skip
+    fn = jax.jit(lambda q, k, v, c, layer, attn_metadata: kernel(
+        q, k, v, c, layer if traced_layer else 1, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi, **kw
+    ))  # fmt: skip
+    with lowering_for(platform):
+        exported = export.export(fn, platforms=[platform], **export_checks(platform))(
+            _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
+            _sd((tokens, kv_heads, head_dim), dtype), _sd((2, 2, blocks, kv_heads, block_size, head_dim), dtype),
+            _sd((), jnp.int32), attn_metadata,
+        )  # fmt: skip
     return exported.mlir_module()
 
 
 @pytest.mark.parametrize("dtype,block_size,head_dim", LOWERINGS)
 def test_gpu_kernel_lowers_for_cuda(dtype, block_size, head_dim):
-    checks = {"disabled_checks": [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]}
-    module = _export(gpu_paged_attention, "cuda", dtype, block_size, head_dim, **checks)
-    assert module.count("__gpu$xla.gpu.triton") == 1  # compiled Triton, not an interpreted loop
+    module = _export(gpu_paged_attention, "cuda", dtype, block_size, head_dim)
+    assert len(kernel_calls(module, TRITON_CALLS)) == 1  # compiled Triton, not an interpreted loop
 
 
 @pytest.mark.parametrize("dtype,block_size,head_dim", LOWERINGS)
 def test_tpu_kernel_lowers_for_tpu(dtype, block_size, head_dim):
-    module = _export(tpu_paged_attention, "tpu", dtype, block_size, head_dim)
-    assert module.count("tpu_custom_call") == 1
+    module = _export(tpu_paged_attention, "tpu", dtype, block_size, head_dim, traced_layer=False)
+    assert len(kernel_calls(module, (MOSAIC_CALL,))) == 1
+
+
+# Split-KV decode: a sequence's context shared among programs, merged by the combine step.
+@pytest.mark.parametrize("kernel", ["gpu"])
+def test_split_kv_decode_equals_definition(kernel):
+    """Every split count from 1 to 16, over contexts shorter and longer than one chunk per split, with a window
+    that leaves some splits no keys, GQA and soft-cap."""
+    rng = np.random.default_rng(16)
+    case = random_case(rng, seq_lens=[3, 40, 700, 1333], q_lens=[1, 1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=32,
+                       block_size=16)  # fmt: skip
+    for splits in range(1, 17):
+        launch = LaunchConfig(rows=16, kv_chunk=16 if splits % 2 else 32, num_warps=4, num_stages=2, num_splits=splits)
+        run = functools.partial(gpu_paged_attention, interpret=True, launch=launch)
+        _check(run, case, 1e-5, scale=32**-0.5, soft_cap=25.0, sliding_window=None if splits % 3 else 500)
+
+
+def test_split_kv_takes_the_splits_the_live_sequences_need():
+    """The grid has 16 splits; with 24 cores and 2 live sequences x 2 KV heads the step uses 6 of them (decided on
+    device), and a prefill chunk among the rows still sees its own keys."""
+    rng = np.random.default_rng(6)
+    case = random_case(rng, seq_lens=[900, 77], q_lens=[1, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=32)
+    launch = LaunchConfig(rows=16, kv_chunk=32, num_warps=4, num_stages=2, num_splits=16)
+    _check(functools.partial(gpu_paged_attention, interpret=True, launch=launch, num_cores=24), case, 1e-5, scale=0.125)
+
+
+def test_splits_fill_the_cores():
+    assert choose_splits(1, 8, 132) == 16  # one long request on an H100: 8 KV heads x 16 splits
+    assert choose_splits(8, 8, 132) == 2
+    assert choose_splits(64, 8, 132) == 1  # batch 64 fills it without splitting
+    assert choose_splits(1, 8, 0) == 1  # unknown core count
+    decode = launch_config(4, 4, 128, 2, shared_memory=227 * 1024, num_cores=132, num_kv_heads=8)
+    prefill = launch_config(512, 64, 128, 2, shared_memory=227 * 1024, num_cores=132, num_kv_heads=8)
+    assert decode.num_splits == 16 and decode.rows == 16
+    assert prefill.num_splits == 1 and prefill.rows == 128 and prefill.num_warps == 8 and prefill.num_stages == 3
+
+
+# Launches for every block size and head dim, in every dtype, on every GPU's shared memory: fit, and lower.
+GPU_MEMORIES = sorted({kib * 1024 for kib in SHARED_MEMORY_KIB.values()} | {DEFAULT_SHARED_MEMORY})
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_launches_fit_shared_memory(head_dim, dtype):
+    itemsize = jnp.dtype(dtype).itemsize
+    for memory in GPU_MEMORIES:
+        for tokens, seqs in ((8, 8), (2048, 64)):  # decode and prefill buckets
+            launch = launch_config(tokens, seqs, head_dim, itemsize, shared_memory=memory, num_cores=132, num_kv_heads=8)
+            used = shared_memory_estimate(launch.rows, launch.kv_chunk, head_dim, itemsize, launch.num_stages)
+            assert used <= memory * SHARED_MEMORY_MARGIN, (memory, tokens, launch)
+            if tokens > seqs and itemsize == 2 and head_dim <= 128 and memory >= 99 * 1024:
+                assert launch.rows >= 64 and launch.num_warps >= 4, launch  # prefill tiles: 64-128 rows
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_launch_lowers_for_cuda(block_size, head_dim):
+    """Decode (split) and prefill launches, 16- and 32-bit, on the smallest and the largest shared memory."""
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for tokens, seqs in ((8, 8), (64, 8)):
+            for memory in (GPU_MEMORIES[0], GPU_MEMORIES[-1]):
+                module = _export(gpu_paged_attention, "cuda", dtype, block_size, head_dim, tokens=tokens, seqs=seqs,
+                                 num_cores=132, shared_memory=memory)  # fmt: skip
+                assert len(kernel_calls(module, TRITON_CALLS)) == 1
 
 
 # Compiled, on the device itself: the interpreted runs' cases, through the backend each platform picks.
