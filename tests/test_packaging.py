@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import site as site_module
 import subprocess
 import sys
-import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -53,7 +53,8 @@ def test_a_users_models_py_does_not_shadow_jaxpaged(wheel, tmp_path):
     python = env_dir / "bin" / "python"
     site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
-    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # (every site dir: a venv made with --system-site-packages keeps the dependencies in its base's)
+    (site / "dependencies.pth").write_text("".join(f"{d}\n" for d in site_module.getsitepackages()))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)], check=True)
 
     project = tmp_path / "my_project"
