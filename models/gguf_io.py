@@ -2,7 +2,7 @@
 
 Everything here works without torch: the tokenizer is rebuilt from the file's vocabulary
 with the `tokenizers` library the same way transformers does it, and tensors are
-dequantized with the `gguf` package.
+dequantized with the `gguf` package (the `gguf` extra; imported only when a file is read).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator
 
 import numpy as np
+from jaxpaged.utils.extras import require
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,12 @@ PRE_TOKENIZER_SPLITS = {
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def open_gguf(path: str):
-    import gguf
+def _gguf(path: str):
+    return require("gguf", f"reading the GGUF file {path}")
 
+
+def open_gguf(path: str):
+    gguf = _gguf(path)
     try:
         return gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises many kinds on a damaged file
@@ -179,7 +183,7 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_tensors(reader, path: str, hf_names: list[str], hf_config) -> Iterator[tuple[str, np.ndarray, str]]:
     """HF-named float32 tensors, dequantized one at a time."""
-    import gguf
+    gguf = _gguf(path)
     from gguf.quants import dequantize
 
     arch = gguf_architecture(reader, path)

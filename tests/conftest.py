@@ -11,6 +11,8 @@ DEVICE_MARKS = ("gpu", "tpu")  # tests that run compiled on that device; skipped
 def pytest_configure(config):
     for mark in DEVICE_MARKS:
         config.addinivalue_line("markers", f"{mark}: needs a {mark.upper()}: runs compiled there, skipped elsewhere")
+    config.addinivalue_line("markers", "network: installs packages from PyPI (skipped when it is unreachable; "
+                            "deselect with -m 'not network')")
 
 
 def pytest_collection_modifyitems(config, items):

