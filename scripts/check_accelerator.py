@@ -59,11 +59,9 @@ SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(REPO))  # this checkout's jaxpaged and tests/, not an installed copy
 
-_SET_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
-if _SET_PREALLOCATE:  # this process only checks; the benchmarks, in their own processes, need the device's memory
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-
 import machine_load  # noqa: E402
+
+_SET_PREALLOCATE = False  # main() stops this process taking most of the device's memory (the benchmarks need it)
 
 THROUGHPUT_MODEL = "scripts/configs/llama-3.2-1b.json"
 THROUGHPUT_ARGS = {  # the workload, and a short one
@@ -331,7 +329,11 @@ def goal_line(g: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global _SET_PREALLOCATE
     args = parse_args(argv)
+    if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:  # read when JAX first opens the device, below
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        _SET_PREALLOCATE = True
     import jax
 
     from jaxpaged import platforms
