@@ -19,7 +19,8 @@ How, stage by stage (each runs even when an earlier one failed; a stage's error 
    bandwidth; with --quick its short grid, which still holds the goals' cases).
 4. bench_throughput: scripts/bench_throughput.py --json on Llama-3.2-1B's shape (scripts/configs/llama-3.2-1b.json,
    random weights, bf16, 256 requests of 100-1024 prompt and output tokens, transformers one request at a time on
-   the first 16 and in static batches; --quick: 64 requests of 100-512, the first 4, no static batches).
+   the first 16 and in static batches; --quick: 64 requests of 100-512, the first 4, no static batches; on a TPU
+   without transformers, which would run on the host's CPU).
 
 The benchmarks run as subprocesses (their own memory; their output is echoed). The goals (issue 20, step 8):
 decode at batch 64, context 2k reads >= 70% of the copy bandwidth; one request at context 32k >= 50%;
@@ -363,6 +364,8 @@ def main(argv=None) -> int:
         run_stage(report, "bench_attention", lambda: bench_stage("bench_attention.py", ["--quick"] if args.quick else [], args.bench_timeout))
         throughput_args = ["--model", THROUGHPUT_MODEL, "--dtype", "bfloat16", "--settle-s", "0"]
         throughput_args += THROUGHPUT_ARGS["quick" if args.quick else "full"]
+        if platform.name == "tpu":  # torch has no TPU here: transformers would run on the host's CPU, no comparison
+            throughput_args += ["--skip-hf-single", "--skip-hf-batch"]
         run_stage(report, "bench_throughput", lambda: bench_stage("bench_throughput.py", throughput_args, args.bench_timeout))
     report["goals"] = goals(report, args.quick)
     correct = all(report["stages"][name]["status"] == "ok" for name in ("kernel_cases", "parity"))
