@@ -282,14 +282,16 @@ def run_stage(report: dict, name: str, fn) -> dict:
 
 def goals(report: dict, quick: bool) -> list[dict]:
     """The issue's four goals, each with its measured value and passed True/False (None: not measured)."""
+    from bench_attention import GOALS  # the sibling script's goals: their cases and thresholds
+
     out = []
     attention = report["stages"].get("bench_attention", {}).get("report") or {}
-    by_name = {g["name"]: g for g in attention.get("goals", [])}
-    for name, what in (("decode_batch64_ctx2k", "decode, batch 64, context 2k"), ("decode_batch1_ctx32k", "decode, batch 1, context 32k")):
-        g = by_name.get(name, {})
-        minimum = g.get("min_of_copy_bw", 0.70 if "64" in name else 0.50)
-        out.append({"name": f"attention_{name}", "what": f"{what}: K/V read >= {minimum:.0%} of copy bandwidth",
-                    "value": g.get("of_copy_bw"), "target": minimum, "passed": g.get("passed")})  # fmt: skip
+    measured = {g["name"]: g for g in attention.get("goals", [])}
+    for goal in GOALS:
+        g = measured.get(goal["name"], {})
+        what = f"decode, batch {goal['batch']}, context {goal['context']}: K/V read >= {goal['min_of_copy_bw']:.0%} of copy bandwidth"
+        out.append({"name": f"attention_{goal['name']}", "what": what, "value": g.get("of_copy_bw"),
+                    "target": goal["min_of_copy_bw"], "passed": g.get("passed")})  # fmt: skip
     throughput = report["stages"].get("bench_throughput", {}).get("report") or {}
     ratio = (throughput.get("ratios") or {}).get("jaxpaged/hf-single")
     achieved = (throughput.get("roofline") or {}).get("achieved")
