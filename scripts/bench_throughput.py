@@ -19,6 +19,14 @@ With --output-lens 32,64,128 the same prompts run once per fixed output length o
 (one model load each; jaxpaged's prefix caching off, so no length reuses another's prefill); the JSON
 then also holds `output_len_sweep`, one entry per length, which scripts/plot_benchmarks.py draws as
 output speed against output length.
+
+For the jaxpaged run it also prints (and writes as `roofline`) the least time the workload could take on this device
+and the fraction of it jaxpaged achieved. Memory: each request holds one of max_num_seqs slots from its prefill to its
+last token (first come, first served), so the run has at least as many steps as that schedule; every step reads all
+the weights once, each decode step reads its batch's cached K/V, and every token's K/V is written once. Compute: two
+FLOPs per weight per token processed plus attention's. The roofline is the larger of the two times, at the device's
+copy bandwidth and matmul rate measured here as scripts/bench_attention.py measures them (or --bandwidth-gbs,
+--peak-tflops). The token budget per step and the host are not modelled: they can only add time.
 """
 
 from __future__ import annotations
@@ -66,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf-single", action="store_true", help="do not run transformers one request at a time")
     p.add_argument("--skip-hf-batch", action="store_true", help="do not run transformers static batches")
     p.add_argument("--output-lens", type=_len_list, metavar="L1,L2,...", help="sweep: the same prompts at each fixed output length (overrides the drawn output lengths)")
+    p.add_argument("--bandwidth-gbs", type=float, metavar="GB/S", help="roofline: the device's memory bandwidth (default: its copy bandwidth, measured)")
+    p.add_argument("--peak-tflops", type=float, metavar="TFLOP/S", help="roofline: the device's matmul rate in --dtype (default: measured)")
     p.add_argument("--json", metavar="PATH", help="write workload, results, ratios and machine info to PATH")
     args = p.parse_args(argv)
     args.input_len_range = tuple(args.input_len_range or (args.min_len, args.max_len))
@@ -160,7 +170,116 @@ def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
         log.info("jaxpaged: %.1f tok/s", results[-1].tok_s)
     if hasattr(llm, "get_stats"):
         extra["stats"] = dict(llm.get_stats())
+    extra["max_num_seqs"] = llm.engine.config.max_num_seqs  # the engine's, default included: the roofline's slots
     return results, extra
+
+
+# -- roofline ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    """What one token costs the device: weights streamed per step, K/V bytes per cached token, FLOPs."""
+
+    weight_bytes: int  # read once per step: every weight but an untied embedding table (only gathered from)
+    matmul_params: int  # multiplied by each token processed (the LM head included)
+    kv_bytes_per_token: int  # K and V of every layer
+    attn_flops_per_pair: int  # QK and PV, all layers and heads, per (query token, key) pair
+
+
+def model_cost(config, dtype: str) -> ModelCost:
+    """From a transformers config, by building the model on the meta device (no memory, any architecture)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied head counts once
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
+    streamed = total if tied else total - embedding.numel()
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers, kv_heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads
+    return ModelCost(
+        weight_bytes=streamed * itemsize, matmul_params=streamed,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * itemsize, attn_flops_per_pair=4 * layers * heads * head_dim,
+    )  # fmt: skip
+
+
+def schedule(workload: list[tuple[list[int], int]], max_num_seqs: int) -> dict:
+    """The least steps and cached-K/V reads of a run: each request takes the first free of max_num_seqs slots in
+    arrival order and holds it for its output length (the prefill step gives its first token, each decode step one
+    more). Decode step k >= 1 of a request with p prompt tokens reads p + k - 1 cached tokens (its input's K/V is
+    computed in the step)."""
+    import heapq
+
+    free_at = [0] * min(max_num_seqs, len(workload))  # the step at which each slot is next free
+    steps = kv_read = attn_pairs = tokens = 0
+    for ids, out in workload:
+        p, o = len(ids), out
+        start = heapq.heappop(free_at)
+        heapq.heappush(free_at, start + o)
+        steps = max(steps, start + o)
+        reads = (o - 1) * p + (o - 1) * (o - 2) // 2  # p + (p + 1) + ... + (p + o - 2)
+        kv_read += reads
+        attn_pairs += p * (p + 1) // 2 + reads + (o - 1)  # causal prefill, then each decode's cached keys and its own
+        tokens += p + o - 1  # the last token is never fed back
+    return {"steps": steps, "kv_tokens_read": kv_read, "tokens_processed": tokens, "attention_pairs": attn_pairs,
+            "kv_tokens_written": sum(len(ids) + o - 1 for ids, o in workload)}  # fmt: skip
+
+
+def roofline(workloads, cost: ModelCost, max_num_seqs: int, bandwidth: float, flops: float | None) -> dict:
+    """Least seconds for the workloads at `bandwidth` bytes/s and (when given) `flops` FLOP/s; see the module docstring."""
+    plans = [schedule(w, max_num_seqs) for w in workloads]  # a sweep's lengths run one after another
+    total = {k: sum(p[k] for p in plans) for k in plans[0]}
+    weight_bytes = total["steps"] * cost.weight_bytes
+    kv_bytes = (total["kv_tokens_read"] + total["kv_tokens_written"]) * cost.kv_bytes_per_token
+    memory_s = (weight_bytes + kv_bytes) / bandwidth
+    flop = 2 * cost.matmul_params * total["tokens_processed"] + cost.attn_flops_per_pair * total["attention_pairs"]
+    compute_s = flop / flops if flops else None
+    out_tokens = sum(o for w in workloads for _, o in w)
+    seconds = max(memory_s, compute_s or 0.0)
+    return total | {
+        "max_num_seqs": max_num_seqs, "weight_bytes_per_step": cost.weight_bytes, "kv_bytes_per_token": cost.kv_bytes_per_token,
+        "bytes": weight_bytes + kv_bytes, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bandwidth_gbs": bandwidth / 1e9,
+        "memory_s": memory_s, "flop": flop, "peak_tflops": flops / 1e12 if flops else None, "compute_s": compute_s,
+        "seconds": seconds, "bound": "compute" if compute_s and compute_s > memory_s else "memory",
+        "output_tokens": out_tokens, "tok_s": out_tokens / seconds if seconds > 0 else float("nan"),
+    }  # fmt: skip
+
+
+def device_rates(args) -> tuple[float, float | None, dict]:
+    """(bytes/s, FLOP/s, how each was found): --bandwidth-gbs / --peak-tflops, else measured with bench_attention's
+    functions (a 2 GiB copy and an 8192^3 matmul on GPU/TPU, 256 MiB and 2048^3 on CPU)."""
+    import jax
+
+    from bench_attention import copy_bandwidth, matmul_rate
+
+    cpu = jax.default_backend() == "cpu"
+    if args.bandwidth_gbs:
+        bandwidth, how_bw = args.bandwidth_gbs * 1e9, "given"
+    else:
+        bandwidth, how_bw = copy_bandwidth(args.dtype, nbytes=(256 << 20) if cpu else (2 << 30)), "measured copy"
+    if args.peak_tflops:
+        flops, how_fl = args.peak_tflops * 1e12, "given"
+    else:
+        flops, how_fl = matmul_rate(args.dtype, n=2048 if cpu else 8192), "measured matmul"
+    return bandwidth, flops, {"bandwidth": how_bw, "peak": how_fl}
+
+
+def print_roofline(roof: dict, jaxpaged: Result | None) -> None:
+    compute = (f"; compute {roof['flop']:.3g} FLOP at {roof['peak_tflops']:.1f} TFLOP/s ({roof['peak_source']}) = {roof['compute_s']:.2f}s"
+               if roof["compute_s"] is not None else "")  # fmt: skip
+    print(f"roofline (max_num_seqs {roof['max_num_seqs']}: {roof['steps']} steps): memory {roof['bytes'] / 1e9:.3g} GB "
+          f"(weights {roof['weight_bytes'] / 1e9:.3g}, K/V {roof['kv_bytes'] / 1e9:.3g}) at {roof['bandwidth_gbs']:.0f} GB/s "
+          f"({roof['bandwidth_source']}) = {roof['memory_s']:.2f}s{compute}")  # fmt: skip
+    line = f"roofline: at least {roof['seconds']:.2f}s ({roof['bound']}-bound), {roof['tok_s']:.1f} out tok/s"
+    if jaxpaged is not None:
+        line += f"; jaxpaged {jaxpaged.seconds:.2f}s = {roof['achieved']:.1%} of the roofline"
+    print(line)
 
 
 def run_vllm(args, src: Path, workloads) -> tuple[list[Result], dict]:
@@ -411,7 +530,9 @@ def main(argv=None) -> None:
 
     if run_both_hf and hf_first:
         hf_side()
+    rates = None
     if not args.skip_jaxpaged:
+        rates = device_rates(args)  # before jaxpaged claims the device's memory for its KV cache
         jp, extra = watched(args, "jaxpaged", sides, lambda: run_jaxpaged(args, workloads))
         per_workload = [{"jaxpaged": r} | results for r, results in zip(jp, per_workload)]
     if args.vllm_python:
@@ -431,6 +552,12 @@ def main(argv=None) -> None:
     print_table(results, ratio, extra)
     if vllm_extra:
         print(f"vllm warm-up (LLM constructor, untimed): {vllm_extra['warmup_seconds']:.1f}s")
+    roof = None
+    if rates is not None:
+        bandwidth, flops, how = rates
+        roof = roofline(workloads, model_cost(hf_config(src), args.dtype), extra["max_num_seqs"], bandwidth, flops)
+        roof |= {"bandwidth_source": how["bandwidth"], "peak_source": how["peak"], "achieved": roof["seconds"] / results["jaxpaged"].seconds}
+        print_roofline(roof, results["jaxpaged"])
     print_load(sides)
     speed = calibrate()  # last: torch's threads would slow jaxpaged, and the systems' runs are what matter
     print("this machine: " + ", ".join(f"{k} {v:.1f}" for k, v in speed.items()))
@@ -441,7 +568,7 @@ def main(argv=None) -> None:
             "results": result_dicts(results),
             "ratios": ratio, "jaxpaged": extra, "machine": machine_info() | versions | speed,
             "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]}, "load": sides,
-        } | ({"vllm": vllm_extra} if vllm_extra else {}) | ({"output_len_sweep": sweep} if sweep else {})
+        } | ({"vllm": vllm_extra} if vllm_extra else {}) | ({"output_len_sweep": sweep} if sweep else {}) | ({"roofline": roof} if roof else {})
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
         log.info("wrote %s", args.json)
 
