@@ -13,11 +13,13 @@ How, stage by stage (each runs even when an earlier one failed; a stage's error 
 1. kernel cases: the platform's kernel (jaxpaged.platforms.get().attention_backend("pallas", head_dim), compiled,
    not interpret) against the definition (naive_paged_attention) on tests/attention_cases.py's ACCELERATOR_CASES:
    float32 and bfloat16, GQA 1/4/8, sliding windows, soft-caps, ALiBi, block sizes 16-128, head dims 64/128/256.
-2. engine parity: the engine (float32, attention_backend="pallas") on a random tiny Llama against transformers'
+2. launches: the kernel compiled for every block size (8-128) and head dim (16-256), 16- and 32-bit, decode and
+   prefill buckets: each launch the kernel picks must fit the device's shared memory and registers.
+3. engine parity: the engine (float32, attention_backend="pallas") on a random tiny Llama against transformers'
    greedy generate: every prompt's tokens must be equal.
-3. bench_attention: scripts/bench_attention.py --json (the kernel's K/V bandwidth against the measured copy
+4. bench_attention: scripts/bench_attention.py --json (the kernel's K/V bandwidth against the measured copy
    bandwidth; with --quick its short grid, which still holds the goals' cases).
-4. bench_throughput: scripts/bench_throughput.py --json on Llama-3.2-1B's shape (scripts/configs/llama-3.2-1b.json,
+5. bench_throughput: scripts/bench_throughput.py --json on Llama-3.2-1B's shape (scripts/configs/llama-3.2-1b.json,
    random weights, bf16, 256 requests of 100-1024 prompt and output tokens, transformers one request at a time on
    the first 16 and in static batches; --quick: 64 requests of 100-512, the first 4, no static batches; on a TPU
    without transformers, which would run on the host's CPU).
@@ -26,7 +28,7 @@ The benchmarks run as subprocesses (their own memory; their output is echoed). T
 decode at batch 64, context 2k reads >= 70% of the copy bandwidth; one request at context 32k >= 50%;
 end-to-end output tokens/s >= 24x transformers' generate one request at a time and >= 50% of the roofline
 bench_throughput prints. A missed goal is reported, not a failure; the exit status is 1 when a correctness stage
-(1 or 2) fails or errs, else 0.
+(1-3) fails or errs, else 0.
 
 Everything goes into one JSON, docs/data/check_accelerator_<device-kind>_<date>.json (--out DIR, --json PATH):
 device, JAX/jaxlib/plugin versions, driver and CUDA version where nvidia-smi says, every case's max error and
@@ -175,6 +177,41 @@ def kernel_stage(cases, *, interpret: bool) -> dict:
     return {"status": "ok" if passed == len(results) else "failed", "passed": passed, "total": len(results), "cases": results}
 
 
+def launch_stage(head_dims=(16, 32, 64, 128, 256), block_sizes=(8, 16, 32, 64, 128)) -> dict:
+    """Compile the platform's kernel for every block size (8-128) and head dim (16-256), 16- and 32-bit, in a
+    decode and a prefill bucket: the launch each picks must fit the device (shared memory, registers)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged import platforms
+    from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec
+
+    platform = platforms.get()
+    sd = jax.ShapeDtypeStruct
+    results = []
+    for head_dim in head_dims:
+        backend = platform.attention_backend("pallas", head_dim)
+        for block_size in block_sizes:
+            for dtype in (jnp.bfloat16, jnp.float32):
+                for tokens, seqs in ((8, 8), (512, 16)):
+                    name = f"d{head_dim}_b{block_size}_{jnp.dtype(dtype).name}_{'decode' if tokens <= seqs else 'prefill'}"
+                    width = 4096 // block_size
+                    md = AttentionMetadata(sd((tokens,), jnp.int32), sd((seqs, width), jnp.int32), sd((seqs,), jnp.int32),
+                                           sd((seqs + 1,), jnp.int32))  # fmt: skip
+                    args = (sd((tokens, 32, head_dim), dtype), sd((tokens, 8, head_dim), dtype), sd((tokens, 8, head_dim), dtype),
+                            sd((2, 2, seqs * width, 8, block_size, head_dim), dtype), sd((), jnp.int32), md)  # fmt: skip
+                    fn = jax.jit(lambda q, k, v, c, layer, md: backend(q, k, v, c, layer, md, AttentionSpec(head_dim**-0.5)))
+                    try:
+                        fn.lower(*args).compile()
+                        results.append({"launch": name, "passed": True})
+                    except Exception as e:  # noqa: BLE001 - recorded as this launch's failure
+                        results.append({"launch": name, "passed": False, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                        print(f"  FAIL {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    passed = sum(r["passed"] for r in results)
+    print(f"  {passed}/{len(results)} launches compiled", flush=True)
+    return {"status": "ok" if passed == len(results) else "failed", "passed": passed, "total": len(results), "launches": results}
+
+
 def parity_stage(size: str, *, interpret: bool) -> dict:
     """The engine with the Pallas kernel against transformers' greedy generate, float32, one random tiny Llama."""
     from jaxpaged import LLM, SamplingParams
@@ -319,6 +356,8 @@ def stage_line(name: str, stage: dict | None) -> str:
                 errors[c["dtype"]] = max(errors.get(c["dtype"], 0.0), c["max_abs_error"])
         worst = ", ".join(f"{d} {e:.1e}" for d, e in errors.items())
         return f"{name:18} {stage['passed']}/{stage['total']} cases within tolerance (largest error: {worst}) ({seconds:.0f}s)"
+    if name == "launches":
+        return f"{name:18} {stage['passed']}/{stage['total']} launches compiled ({seconds:.0f}s)"
     if name == "parity":
         return f"{name:18} {stage['equal']}/{stage['total']} prompts' greedy tokens equal to transformers' ({seconds:.0f}s)"
     return f"{name:18} ok ({seconds:.0f}s)"
@@ -361,6 +400,8 @@ def main(argv=None) -> int:
     from tests.attention_cases import ACCELERATOR_CASES, SMOKE_CASES
 
     run_stage(report, "kernel_cases", lambda: kernel_stage(SMOKE_CASES if interpret else ACCELERATOR_CASES, interpret=interpret))
+    if not interpret:
+        run_stage(report, "launches", launch_stage)
     run_stage(report, "parity", lambda: parity_stage("tiny" if interpret else "full", interpret=interpret))
     if not args.skip_bench:
         run_stage(report, "bench_attention", lambda: bench_stage("bench_attention.py", ["--quick"] if args.quick else [], args.bench_timeout))
@@ -370,7 +411,8 @@ def main(argv=None) -> int:
             throughput_args += ["--skip-hf-single", "--skip-hf-batch"]
         run_stage(report, "bench_throughput", lambda: bench_stage("bench_throughput.py", throughput_args, args.bench_timeout))
     report["goals"] = goals(report, args.quick)
-    correct = all(report["stages"][name]["status"] == "ok" for name in ("kernel_cases", "parity"))
+    correct = all(report["stages"][name]["status"] == "ok" for name in ("kernel_cases", "launches", "parity")
+                  if name in report["stages"])  # fmt: skip
     report["correct"] = correct
     report["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -380,7 +422,7 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
     print(f"\n== summary: {env['device_kind']} ({platform.name})")
-    for name in ("kernel_cases", "parity", "bench_attention", "bench_throughput"):
+    for name in ("kernel_cases", "launches", "parity", "bench_attention", "bench_throughput"):
         print(stage_line(name, report["stages"].get(name)))
         if name == "kernel_cases" and name in report["stages"]:
             for c in report["stages"][name].get("cases", []):

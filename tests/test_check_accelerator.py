@@ -167,3 +167,22 @@ def test_the_real_check_passes_quick_on_a_gpu(tmp_path):
     for name in ("bench_attention", "bench_throughput"):
         assert report["stages"][name]["status"] == "ok", report["stages"][name]
     assert "roofline" in report["stages"]["bench_throughput"]["report"]
+
+
+@on_cpu
+def test_the_launch_stage_compiles_each_launch_and_records_failures(monkeypatch):
+    """Here the platform's kernel is the interpreted one, so every launch compiles; a backend that raises is
+    recorded per launch and fails the stage."""
+    stage = check_accelerator.launch_stage(head_dims=(64,), block_sizes=(16,))
+    assert stage["status"] == "ok" and stage["total"] == 4 and stage["passed"] == 4
+
+    from jaxpaged.platforms.cpu import CpuPlatform
+
+    def refuse(self, requested, head_dim, batch_invariant=False):
+        def backend(*args):
+            raise RuntimeError("out of resource: shared memory")
+        return backend
+
+    monkeypatch.setattr(CpuPlatform, "attention_backend", refuse)
+    stage = check_accelerator.launch_stage(head_dims=(64,), block_sizes=(16,))
+    assert stage["status"] == "failed" and stage["passed"] == 0 and "shared memory" in stage["launches"][0]["error"]
