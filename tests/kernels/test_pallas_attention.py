@@ -4,7 +4,9 @@ mode here) and the native CPU one.
 Every case is a ragged step over a paged cache built by tests/attention_cases.py: decode rows,
 prefill chunks on top of cached context, fresh prompts, contexts up to 2,000 tokens ending
 partway through a block, padded sequence slots and padded token rows. The kernels are also
-exported for "cuda" and "tpu" so CI catches a kernel that no longer lowers.
+exported for "cuda" and "tpu" so CI catches a kernel that no longer lowers, and the GPU kernel's
+split-KV decode and launch choices are checked here; tests/kernels/test_compiled_attention.py runs
+the kernels compiled on a GPU or TPU.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 from jax import export
 from jaxpaged import platforms
-from jaxpaged.pallas_kernels import AttentionMetadata, stack_new_kv, write_kv
+from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.config import EngineConfig
 from jaxpaged.pallas_kernels import AttentionSpec, MosaicAttention, TritonAttention
 from jaxpaged.pallas_kernels.gpu_attention import (
@@ -25,11 +27,10 @@ from jaxpaged.pallas_kernels.gpu_attention import (
     shared_memory_estimate,
 )  # fmt: skip
 from jaxpaged.platforms.gpu import SHARED_MEMORY_KIB
-from jaxpaged.pallas_kernels.reference import naive_paged_attention
 from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 
 from jaxpaged.platforms.cpu import attention as cpu_attention
-from tests.attention_cases import attention_args, random_case
+from tests.attention_cases import attention_args, expected_output, random_case
 from tests.exporting import MOSAIC_CALL, TRITON_CALLS, export_checks, kernel_calls, lowering_for
 
 KERNELS = {
@@ -63,18 +64,12 @@ CASES = [
 ]
 
 
-def _expected(case, **kw):
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
-    f32 = lambda x: x.astype(jnp.float32)
-    return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, *attention_args(**kw)))
-
-
 def _check(kernel, case, atol, **kw):
     got = kernel(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, *attention_args(**kw))
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     n = case.num_real_tokens
     got = np.asarray(got.astype(jnp.float32))
-    np.testing.assert_allclose(got[:n], _expected(case, **kw)[:n], atol=atol, rtol=0)
+    np.testing.assert_allclose(got[:n], expected_output(case, **kw)[:n], atol=atol, rtol=0)
     assert np.all(got[n:] == 0)  # padding rows are covered by no tile
 
 
@@ -286,30 +281,3 @@ def test_every_launch_lowers_for_cuda(block_size, head_dim):
                 module = _export(gpu_paged_attention, "cuda", dtype, block_size, head_dim, tokens=tokens, seqs=seqs,
                                  num_cores=132, shared_memory=memory)  # fmt: skip
                 assert len(kernel_calls(module, TRITON_CALLS)) == 1
-
-
-# Compiled, on the device itself: the interpreted runs' cases, through the backend each platform picks.
-COMPILED = [(SHAPES[1], 16, (8, 2), 128), (SHAPES[3], 64, (4, 4), 64)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape,block_size,heads,head_dim", COMPILED)
-def test_compiled_gpu_kernel_equals_definition(dtype, shape, block_size, heads, head_dim):
-    _compiled_equals_definition("gpu", dtype, shape, block_size, heads, head_dim)
-
-
-@pytest.mark.tpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape,block_size,heads,head_dim", COMPILED)
-def test_compiled_tpu_kernel_equals_definition(dtype, shape, block_size, heads, head_dim):
-    _compiled_equals_definition("tpu", dtype, shape, block_size, heads, head_dim)
-
-
-def _compiled_equals_definition(platform, dtype, shape, block_size, heads, head_dim):
-    backend = platforms.get(platform).attention_backend("auto", head_dim)
-    assert backend.name == "pallas" and not backend.interpret
-    (seq_lens, q_lens), (num_heads, num_kv_heads) = shape, heads
-    case = random_case(np.random.default_rng(0), seq_lens=seq_lens, q_lens=q_lens, num_heads=num_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)  # fmt: skip
-    _check(jax.jit(backend, static_argnums=(4, 6)), case, 1e-5 if dtype == jnp.float32 else 2e-2, scale=head_dim**-0.5)
