@@ -1,24 +1,24 @@
 """Ragged paged attention for TPUs, in Pallas' Mosaic TPU dialect.
 
-Same work split as the GPU kernel (one program per query tile and KV head, each KV block
-loaded once for the whole head group, online softmax in float32), written the TPU way: the
-tile list and block tables are scalar-prefetched into SMEM, and the innermost grid axis walks
-KV blocks through BlockSpecs whose index maps read the block table, so Pallas' pipeline DMAs
-block j+1 while block j is computed. Steps past a sequence's last block repeat the previous
-block index, which Pallas does not fetch again, and skip their compute.
+Same work split as the GPU kernel (one program per query tile and KV head, each KV block loaded
+once for the whole head group, online softmax in float32). The grid is only (tiles, KV heads):
+a grid axis over block-table columns would give every program one mostly idle step per column of
+the padded table, thousands at long max_model_len. Instead the cache stays in HBM and each program
+DMAs just the pages it reads (from the first one its sliding window reaches to its sequence's last),
+double-buffered, and starts the next program's first DMA before it finishes, so the grid runs in
+order. This step's own K/V is DMA'd the same way in aligned chunks. (The block tables are still
+scalar-prefetched whole, S x W int32 in SMEM.) The layer is a scalar operand, so a model's layers
+share one compiled kernel. Queries and outputs are laid out tile-major by the wrapper because a
+BlockSpec cannot start at a ragged row.
 
-The axis first walks the cached context (pages_per_iter blocks per step), then this step's
-own K/V in aligned tiles of NEW_KEYS_PER_ITER rows (rows of other sequences are masked).
-Queries and outputs are laid out tile-major by the wrapper (a cheap gather of q-sized
-arrays) because a BlockSpec cannot start at a ragged row.
-
-Checked on CPU with Pallas' generic interpreter and by exporting for "tpu"; no TPU was at hand
-to run it compiled.
+Checked on CPU in interpret mode (TPU interpret mode counts its DMAs and looks for races) and by
+exporting for "tpu"; no TPU was at hand to run it compiled.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,46 +37,114 @@ def _div(a, b: int):
     return jax.lax.div(a, jnp.int32(b))
 
 
+class _Tile(NamedTuple):
+    """Where one query tile's work lies (scalars read from SMEM)."""
+
+    seq: jax.Array
+    t0: jax.Array  # first flat row
+    n_tok: jax.Array
+    q_start: jax.Array  # its sequence's first flat row
+    cached: jax.Array  # its sequence's context before this step
+    pos0: jax.Array  # its first query position
+    lowest: jax.Array  # the first key position any of its rows sees
+    first_page: jax.Array  # it reads cached pages first_page .. first_page + num_pages - 1
+    num_pages: jax.Array
+    num_groups: jax.Array  # ... in groups of pages_per_iter
+
+
 def _kernel(
-    tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,  # scalar prefetch (SMEM)
-    q_ref, *refs,
-    group_pad, pages_per_iter, cached_steps, spec, use_alibi, precision,
+    layer_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,  # SMEM
+    q_ref, slope_ref, cache_hbm, k_new_hbm, v_new_hbm,  # inputs; the last three stay in HBM
+    o_ref,
+    k_buf, v_buf, k_new_buf, v_new_buf, sems, acc_ref, peak_ref, denom_ref, state_ref,  # scratch
+    *, group_pad, width, spec, use_alibi, precision,
 ):  # fmt: skip
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
-    k_pages, v_pages = refs[:pages_per_iter], refs[pages_per_iter : 2 * pages_per_iter]
-    k_new_ref, v_new_ref, slope_ref, o_ref, acc_ref, peak_ref, denom_ref = refs[2 * pages_per_iter :]
-    tile, step = pl.program_id(0), pl.program_id(2)
+    tile, head = pl.program_id(0), pl.program_id(1)
+    num_tiles, num_heads = pl.num_programs(0), pl.num_programs(1)
     rows = q_ref.shape[0]
-    block_size = k_pages[0].shape[0]
-    new_per_iter = k_new_ref.shape[0]
+    _, pages_per_iter, block_size, _ = k_buf.shape
+    new_per_iter = k_new_buf.shape[1]
+    num_blocks = cache_hbm.shape[2]
+    layer = jnp.clip(layer_ref[0], 0, cache_hbm.shape[0] - 1)
 
-    @pl.when(step == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-        peak_ref[...] = jnp.full_like(peak_ref, MASK_VALUE)
-        denom_ref[...] = jnp.zeros_like(denom_ref)
+    def tile_info(i) -> _Tile:
+        n_tok = tile_len_ref[i]
+        seq, t0 = tile_seq_ref[i], tile_start_ref[i]
+        q_start, q_end = query_start_ref[seq], query_start_ref[seq + 1]
+        cached = seq_lens_ref[seq] - (q_end - q_start)
+        pos0 = cached + t0 - q_start
+        lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
+        first_page = _div(lowest, block_size)
+        end_page = _div(cached + block_size - 1, block_size)
+        num_pages = jnp.where((n_tok > 0) & (cached > lowest), end_page - first_page, 0)
+        num_groups = _div(num_pages + pages_per_iter - 1, pages_per_iter)
+        return _Tile(seq, t0, n_tok, q_start, cached, pos0, lowest, first_page, num_pages, num_groups)
 
-    n_tok = tile_len_ref[tile]
-    seq, t0 = tile_seq_ref[tile], tile_start_ref[tile]
-    q_start, q_end = query_start_ref[seq], query_start_ref[seq + 1]
-    cached = seq_lens_ref[seq] - (q_end - q_start)
-    pos0 = cached + t0 - q_start
-    lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
+    def page_copies(t: _Tile, h, group, slot):
+        """(needed, copy) for K and V of each page of a group; pages past the tile's last are neither fetched
+        nor folded."""
+        copies = []
+        for p in range(pages_per_iter):
+            i = group * pages_per_iter + p
+            col = t.first_page + jnp.minimum(i, t.num_pages - 1)
+            block = jnp.clip(tables_ref[t.seq * width + col], 0, num_blocks - 1)
+            for kv, buf in ((0, k_buf), (1, v_buf)):
+                src = cache_hbm.at[layer, kv, block, h]
+                copies.append((i < t.num_pages, pltpu.make_async_copy(src, buf.at[slot, p], sems.at[0, slot])))
+        return copies
 
-    def fold(k, v, key_pos, extra_mask=None):
+    def start(copies):
+        for needed, copy in copies:
+            pl.when(needed)(copy.start)
+
+    def wait(copies):
+        for needed, copy in copies:
+            pl.when(needed)(copy.wait)
+
+    cur = tile_info(tile)
+    # The program after this one (the grid runs in order, heads innermost) and whether it reads any page: if so,
+    # this program starts its first group's DMA, so no program waits for its first pages from scratch.
+    last_head = head == num_heads - 1
+    next_head = jnp.where(last_head, 0, head + 1)
+    next_tile = jnp.where(last_head, tile + 1, tile)
+    nxt = tile_info(jnp.minimum(next_tile, num_tiles - 1))
+    prefetch_next = (next_tile < num_tiles) & (nxt.num_groups > 0)
+    # state_ref: [slot of this program's first group, whether the previous program started that group].
+    first_program = (tile == 0) & (head == 0)
+    base = jnp.where(first_program, 0, state_ref[0])
+    started = jnp.where(first_program, 0, state_ref[1]) == 1
+
+    # This step's keys the tile reads: aligned chunks from the first one the window reaches to its last row.
+    first_chunk = _div(jnp.maximum(cur.q_start, cur.lowest - cur.cached + cur.q_start), new_per_iter)
+    num_chunks = jnp.where(cur.n_tok > 0, _div(cur.t0 + cur.n_tok - 1, new_per_iter) - first_chunk + 1, 0)
+
+    def chunk_copies(chunk, slot):
+        return [
+            (True, pltpu.make_async_copy(src.at[head, first_chunk + chunk], buf.at[slot], sems.at[1, slot]))
+            for src, buf in ((k_new_hbm, k_new_buf), (v_new_hbm, v_new_buf))
+        ]
+
+    pl.when((cur.num_groups > 0) & ~started)(lambda: start(page_copies(cur, head, 0, base)))
+    pl.when((cur.num_groups == 0) & prefetch_next)(lambda: start(page_copies(nxt, next_head, 0, base)))
+    pl.when(num_chunks > 0)(lambda: start(chunk_copies(0, 0)))  # arrives while the context is folded
+
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+    peak_ref[...] = jnp.full_like(peak_ref, MASK_VALUE)
+    denom_ref[...] = jnp.zeros_like(denom_ref)
+
+    def fold(k, v, key_pos, extra_mask):
         q = q_ref[...]
-        row_pos = pos0 + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, k.shape[0]), 0), group_pad)
+        row_pos = cur.pos0 + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, k.shape[0]), 0), group_pad)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         if use_alibi:  # slope_ref: [rows, 1], each row's query head's slope
             s = s + slope_ref[...] * (key_pos - row_pos).astype(jnp.float32)
-        mask = key_pos <= row_pos
+        mask = (key_pos <= row_pos) & extra_mask
         if sliding_window is not None:
             mask &= key_pos > row_pos - sliding_window
-        if extra_mask is not None:
-            mask &= extra_mask
         s = jnp.where(mask, s, MASK_VALUE)
         peak = peak_ref[...]
         new_peak = jnp.maximum(peak, jnp.max(s, axis=1, keepdims=True))
@@ -87,59 +155,48 @@ def _kernel(
         denom_ref[...] = denom_ref[...] * correction + jnp.sum(p, axis=1, keepdims=True)
         peak_ref[...] = new_peak
 
-    kv_tokens = pages_per_iter * block_size
-    live = n_tok > 0
-
-    @pl.when(live & (step < cached_steps) & (step * kv_tokens < cached) & ((step + 1) * kv_tokens > lowest))
-    def _():
+    def context_group(group, carry):
+        slot = jax.lax.rem(base + group, 2)
+        last = group + 1 == cur.num_groups
+        pl.when(~last)(lambda: start(page_copies(cur, head, group + 1, 1 - slot)))
+        pl.when(last & prefetch_next)(lambda: start(page_copies(nxt, next_head, 0, 1 - slot)))
+        wait(page_copies(cur, head, group, slot))
         for p in range(pages_per_iter):
-            first = (step * pages_per_iter + p) * block_size
-            key_pos = first + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
-            fold(k_pages[p][...], v_pages[p][...], key_pos, key_pos < cached)
+            i = group * pages_per_iter + p
 
-    new_block = _div(q_start, new_per_iter) + step - cached_steps  # the window, if any, is left to the mask
+            @pl.when(i < cur.num_pages)
+            def _():
+                key_pos = (cur.first_page + i) * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+                fold(k_buf[slot, p], v_buf[slot, p], key_pos, key_pos < cur.cached)
 
-    @pl.when(live & (step >= cached_steps) & (new_block * new_per_iter < t0 + n_tok))
-    def _():
-        flat = new_block * new_per_iter + jax.lax.broadcasted_iota(jnp.int32, (rows, new_per_iter), 1)
-        fold(k_new_ref[...], v_new_ref[...], cached + flat - q_start, flat >= q_start)
+        return carry
 
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _():
-        denom = denom_ref[...]
-        o_ref[...] = (acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
+    jax.lax.fori_loop(0, cur.num_groups, context_group, 0)
+    state_ref[0] = jax.lax.rem(base + cur.num_groups, 2)
+    state_ref[1] = prefetch_next.astype(jnp.int32)
 
+    def new_chunk(chunk, carry):
+        slot = jax.lax.rem(chunk, 2)
+        pl.when(chunk + 1 < num_chunks)(lambda: start(chunk_copies(chunk + 1, 1 - slot)))
+        wait(chunk_copies(chunk, slot))
+        flat = (first_chunk + chunk) * new_per_iter + jax.lax.broadcasted_iota(jnp.int32, (rows, new_per_iter), 1)
+        fold(k_new_buf[slot], v_new_buf[slot], cur.cached + flat - cur.q_start, flat >= cur.q_start)
+        return carry
 
-def _index_maps(layer, pages_per_iter, cached_steps, width, block_size, new_per_iter, num_blocks):
-    """BlockSpec index maps; each clamps to the last block its program needs so idle steps fetch nothing."""
+    jax.lax.fori_loop(0, num_chunks, new_chunk, 0)
 
-    def tile_info(tile, tile_seq, tile_start, tile_len, query_start_loc, seq_lens):
-        seq = tile_seq[tile]
-        q_start, q_end = query_start_loc[seq], query_start_loc[seq + 1]
-        return seq, q_start, seq_lens[seq] - (q_end - q_start), tile_start[tile] + tile_len[tile]
-
-    def page(kv, p):
-        def index(tile, h, step, tile_seq, tile_start, tile_len, query_start_loc, seq_lens, tables):
-            seq, _, cached, _ = tile_info(tile, tile_seq, tile_start, tile_len, query_start_loc, seq_lens)
-            last = jnp.maximum(_div(cached + pages_per_iter * block_size - 1, pages_per_iter * block_size) - 1, 0)
-            col = jnp.minimum(jnp.minimum(step, cached_steps - 1), last) * pages_per_iter + p
-            block = jnp.clip(tables[seq * width + col], 0, num_blocks - 1)
-            return layer, kv, block, h, 0, 0
-
-        return index
-
-    def new_keys(tile, h, step, tile_seq, tile_start, tile_len, query_start_loc, seq_lens, tables):
-        _, q_start, _, end = tile_info(tile, tile_seq, tile_start, tile_len, query_start_loc, seq_lens)
-        first, last = _div(q_start, new_per_iter), _div(jnp.maximum(end - 1, 0), new_per_iter)
-        return h, jnp.clip(first + step - cached_steps, first, last), 0
-
-    return page, new_keys
+    denom = denom_ref[...]
+    o_ref[...] = (acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "spec", "interpret"))
-def tpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
-                        *, interpret: bool = False) -> jax.Array:  # fmt: skip
-    """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D]."""
+@functools.partial(jax.jit, static_argnames=("spec", "interpret"))
+def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
+                        *, interpret: bool | pltpu.InterpretParams = False) -> jax.Array:  # fmt: skip
+    """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
+
+    `layer` (a Python int or an int32 scalar) is traced: every layer runs the same compiled kernel.
+    `interpret`: True for Pallas' generic interpreter, or pltpu.InterpretParams for TPU interpret mode
+    (which simulates the DMAs and semaphores and can detect races)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_head_dim(head_dim)
@@ -149,58 +206,61 @@ def tpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionM
 
     seq, start, length = query_tiles(attn_metadata.query_start_loc, num_tokens, tokens_per_tile)
     num_tiles = seq.shape[0]
-    width = attn_metadata.block_tables.shape[1] + (-attn_metadata.block_tables.shape[1] % pages_per_iter)
-    tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, width - attn_metadata.block_tables.shape[1]))).reshape(-1)
-    cached_steps = width // pages_per_iter
-    new_steps = -(-num_tokens // NEW_KEYS_PER_ITER) + 1  # aligned tiles a ragged run of <= T keys can touch
+    width = attn_metadata.block_tables.shape[1]
+    tables = attn_metadata.block_tables.reshape(-1)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
     # Tile-major queries: [tiles, H_kv, tokens_per_tile * G', D].
     token = jnp.minimum(start[:, None] + jnp.arange(tokens_per_tile, dtype=jnp.int32)[None, :], num_tokens - 1)
     qg = jnp.pad(q.reshape(num_tokens, num_kv_heads, group, head_dim), ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     q_tiles = qg[token].transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
-    pad_new = -(-num_tokens // NEW_KEYS_PER_ITER) * NEW_KEYS_PER_ITER - num_tokens
-    kn, vn = (jnp.pad(x, ((0, pad_new), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
+    # This step's K/V in aligned chunks, [H_kv, chunks, NEW_KEYS_PER_ITER, D]: a chunk is one DMA.
+    num_chunks = -(-num_tokens // NEW_KEYS_PER_ITER)
+    pad_new = num_chunks * NEW_KEYS_PER_ITER - num_tokens
+    kn, vn = (
+        jnp.pad(x, ((0, pad_new), (0, 0), (0, 0))).reshape(num_chunks, NEW_KEYS_PER_ITER, num_kv_heads, head_dim)
+        .transpose(2, 0, 1, 3)
+        for x in (k, v)
+    )  # fmt: skip
     # Each query row's ALiBi slope, [H_kv, rows, 1]: row r of a tile is head r % G' of its group.
     use_alibi = alibi_slopes is not None
     slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     slopes = jnp.pad(slopes.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
     slopes = jnp.tile(slopes, (1, tokens_per_tile))[..., None]
 
-    page, new_keys = _index_maps(
-        layer, pages_per_iter, cached_steps, width, block_size, NEW_KEYS_PER_ITER, num_blocks
-    )
-    page_spec = lambda kv, p: pl.BlockSpec((None, None, None, None, block_size, head_dim), page(kv, p))
-    tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda i, h, j, *_: (i, h, 0, 0))
-    new_spec = pl.BlockSpec((None, NEW_KEYS_PER_ITER, head_dim), new_keys)
-    slope_spec = pl.BlockSpec((None, rows, 1), lambda i, h, j, *_: (h, 0, 0))
+    tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda i, h, *_: (i, h, 0, 0))
+    slope_spec = pl.BlockSpec((None, rows, 1), lambda i, h, *_: (h, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
-        _kernel, group_pad=group_pad, pages_per_iter=pages_per_iter, cached_steps=cached_steps,
-        spec=spec, use_alibi=use_alibi,
+        _kernel, group_pad=group_pad, width=width, spec=spec, use_alibi=use_alibi,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     out_tiles = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
-            grid=(num_tiles, num_kv_heads, cached_steps + new_steps),
-            in_specs=[tile_spec]
-            + [page_spec(0, p) for p in range(pages_per_iter)]
-            + [page_spec(1, p) for p in range(pages_per_iter)]
-            + [new_spec, new_spec, slope_spec],
+            num_scalar_prefetch=7,
+            grid=(num_tiles, num_kv_heads),
+            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm],
             out_specs=tile_spec,
             scratch_shapes=[
+                pltpu.VMEM((2, pages_per_iter, block_size, head_dim), kv_cache.dtype),
+                pltpu.VMEM((2, pages_per_iter, block_size, head_dim), kv_cache.dtype),
+                pltpu.VMEM((2, NEW_KEYS_PER_ITER, head_dim), kn.dtype),
+                pltpu.VMEM((2, NEW_KEYS_PER_ITER, head_dim), vn.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),  # [context pages | new keys, buffer slot]
                 pltpu.VMEM((rows, head_dim), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
+                pltpu.SMEM((2,), jnp.int32),  # carried from program to program (see _kernel)
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret,
         name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}",
     )(
-        seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
-        q_tiles, *([kv_cache] * (2 * pages_per_iter)), kn, vn, slopes,
+        layer, seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
+        q_tiles, slopes, kv_cache, kn, vn,
     )  # fmt: skip
 
     # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.
