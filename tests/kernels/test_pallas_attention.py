@@ -190,15 +190,15 @@ LOWERINGS = [
 ]
 
 
-def _export(kernel, platform, dtype, block_size, head_dim, tokens=64, seqs=32, traced_layer=True, **kw):
+def _export(kernel, platform, dtype, block_size, head_dim, tokens=64, seqs=32, **kw):
     width, blocks, heads, kv_heads = 16, 256, 32, 8
     attn_metadata = AttentionMetadata(
         _sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32), _sd((seqs + 1,), jnp.int32)
     )
     alibi = jnp.linspace(0.5, 0.01, heads, dtype=jnp.float32) if block_size == 16 else None  # with and without
-    fn = jax.jit(lambda q, k, v, c, layer, attn_metadata: kernel(
-        q, k, v, c, layer if traced_layer else 1, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi, **kw
-    ))  # fmt: skip
+    fn = jax.jit(
+        lambda q, k, v, c, layer, attn_metadata: kernel(q, k, v, c, layer, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi, **kw)
+    )
     with lowering_for(platform):
         exported = export.export(fn, platforms=[platform], **export_checks(platform))(
             _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
@@ -216,7 +216,7 @@ def test_gpu_kernel_lowers_for_cuda(dtype, block_size, head_dim):
 
 @pytest.mark.parametrize("dtype,block_size,head_dim", LOWERINGS)
 def test_tpu_kernel_lowers_for_tpu(dtype, block_size, head_dim):
-    module = _export(tpu_paged_attention, "tpu", dtype, block_size, head_dim, traced_layer=False)
+    module = _export(tpu_paged_attention, "tpu", dtype, block_size, head_dim)
     assert len(kernel_calls(module, (MOSAIC_CALL,))) == 1
 
 
