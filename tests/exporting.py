@@ -31,9 +31,13 @@ def export_checks(platform: str) -> dict:
 
 
 def kernel_bodies(module_text: str, targets) -> set[str]:
-    """The distinct kernels the module launches: each call's backend config without its grid (Triton's `ir`
-    attribute, or Mosaic's serialized kernel)."""
-    return {re.sub(r"grid_[xyz] = \d+ : i32", "", call.split("backend_config", 1)[-1]) for call in kernel_calls(module_text, targets)}
+    """The distinct kernels the module launches: each call's backend config (Triton's `ir` attribute, or Mosaic's
+    serialized kernel), without its grid or source location."""
+    bodies = set()
+    for call in kernel_calls(module_text, targets):
+        body = re.sub(r"grid_[xyz] = \d+ : i32", "", call.split("backend_config", 1)[-1])
+        bodies.add(re.sub(r"loc\(#loc\d+\)\s*$", "", body))
+    return bodies
 
 
 def kernel_calls(module_text: str, targets) -> list[str]:

@@ -55,7 +55,7 @@ def test_interpret_on_cpu_runs_the_correctness_stages_and_writes_the_json(tmp_pa
         assert case["passed"] and case["max_abs_error"] <= case["atol"] and case["backend"].startswith("TritonAttention(interpret=True")
     parity = report["stages"]["parity"]
     assert parity["status"] == "ok" and parity["equal"] == parity["total"] == 3
-    assert parity["backend"] == "TritonAttention(interpret=True)" and parity["model"]["head_dim"] == 64
+    assert parity["backend"].startswith("TritonAttention(interpret=True") and parity["model"]["head_dim"] == 64
     assert set(report["stages"]) == {"kernel_cases", "parity"}  # --skip-bench
     assert set(report["machine_load"]["stages"]) == {"kernel_cases", "parity"}
     assert [g["passed"] for g in report["goals"]] == [None] * 4  # nothing measured

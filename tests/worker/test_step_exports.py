@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import pytest
+import transformers
 from jax import export
 from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
@@ -13,16 +14,18 @@ from jaxpaged.models.loader import load_model
 from jaxpaged.worker.model_runner import ModelRunner, _abstract
 
 from tests.exporting import MOSAIC_CALL, TRITON_CALLS, export_checks, kernel_bodies, kernel_calls, lowering_for
-from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 
 NUM_LAYERS = 4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # head_dim 64 (a size the Pallas kernels take), GQA 4:2
-    config = tiny_llama_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=NUM_LAYERS)
-    return save_hf_model(random_hf_model(config), tmp_path_factory.mktemp("llama"))
+    """A bare config.json (random weights; no torch needed): head_dim 64, a size the Pallas kernels take, GQA 4:2."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=NUM_LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    folder = tmp_path_factory.mktemp("llama")
+    config.to_json_file(folder / "config.json")
+    return folder / "config.json"
 
 
 def _runner(model_dir, platform: str) -> ModelRunner:
