@@ -6,8 +6,11 @@ a grid axis over block-table columns would give every program one mostly idle st
 the padded table, thousands at long max_model_len. Instead the cache stays in HBM and each program
 DMAs just the pages it reads (from the first one its sliding window reaches to its sequence's last),
 double-buffered, and starts the next program's first DMA before it finishes, so the grid runs in
-order. This step's own K/V is DMA'd the same way in aligned chunks. (The block tables are still
-scalar-prefetched whole, S x W int32 in SMEM.) The layer is a scalar operand, so a model's layers
+order. This step's own K/V is DMA'd the same way in aligned chunks. The block tables stay in HBM too
+(S x W int32 is 8 MiB at 256 slots and max_model_len 131072, far beyond SMEM): each program DMAs the
+span of its row it walks into SMEM in chunks of TABLE_CHUNK entries, double-buffered and refilled as its
+page loop advances, and fetches the next program's first chunk before starting that program's first page
+DMA, so SMEM holds a few KiB whatever the table width. The layer is a scalar operand, so a model's layers
 share one compiled kernel. Queries and outputs are laid out tile-major by the wrapper because a
 BlockSpec cannot start at a ragged row.
 
@@ -266,7 +269,8 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("spec", "interpret", "table_chunk"))
 def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
-                        *, interpret: bool | pltpu.InterpretParams = False, table_chunk: int = TABLE_CHUNK) -> jax.Array:  # fmt: skip
+                        *, interpret: bool | pltpu.InterpretParams = False,
+                        table_chunk: int = TABLE_CHUNK) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
 
     `layer` (a Python int or an int32 scalar) is traced: every layer runs the same compiled kernel.
@@ -287,7 +291,7 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     # slices of their rows.
     tables = attn_metadata.block_tables
     table_chunk = max(pages_per_iter, table_chunk // pages_per_iter * pages_per_iter)
-    table_chunk = width if table_chunk >= width else table_chunk
+    table_chunk = min(width, table_chunk)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
     # Tile-major queries: [tiles, H_kv, tokens_per_tile * G', D].

@@ -101,7 +101,10 @@ def _kernel_call(width, seqs=8, tokens=64, heads=8, kv_heads=2, head_dim=128, bl
 
 def test_grid_does_not_grow_with_block_table_width():
     """max_model_len 131072 at block 16 is a table 8192 wide: the grid is the same as for width 16."""
-    grid = lambda width: tuple(_kernel_call(width).params["grid_mapping"].grid)  # noqa: E731
+
+    def grid(width):
+        return tuple(_kernel_call(width).params["grid_mapping"].grid)
+
     assert grid(16) == grid(8192) == (64 // 4 + 8, 2)  # (query tiles, KV heads); 4 tokens x G'=4 rows
 
 
