@@ -6,8 +6,11 @@ a grid axis over block-table columns would give every program one mostly idle st
 the padded table, thousands at long max_model_len. Instead the cache stays in HBM and each program
 DMAs just the pages it reads (from the first one its sliding window reaches to its sequence's last),
 double-buffered, and starts the next program's first DMA before it finishes, so the grid runs in
-order. This step's own K/V is DMA'd the same way in aligned chunks. (The block tables are still
-scalar-prefetched whole, S x W int32 in SMEM.) The layer is a scalar operand, so a model's layers
+order. This step's own K/V is DMA'd the same way in aligned chunks. The block tables stay in HBM too
+(S x W int32 is 8 MiB at 256 slots and max_model_len 131072, far beyond SMEM): each program DMAs the
+span of its row it walks into SMEM in chunks of TABLE_CHUNK entries, double-buffered and refilled as its
+page loop advances, and fetches the next program's first chunk before starting that program's first page
+DMA, so SMEM holds a few KiB whatever the table width. The layer is a scalar operand, so a model's layers
 share one compiled kernel. Queries and outputs are laid out tile-major by the wrapper because a
 BlockSpec cannot start at a ragged row.
 
@@ -30,6 +33,7 @@ from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, query_tile
 ROWS = 16  # query rows per program: tokens x padded group
 KV_TOKENS_PER_ITER = 64
 NEW_KEYS_PER_ITER = 32
+TABLE_CHUNK = 128  # block-table entries per DMA into SMEM (512 bytes; two slots)
 
 
 def _div(a, b: int):
@@ -53,10 +57,11 @@ class _Tile(NamedTuple):
 
 
 def _kernel(
-    layer_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,  # SMEM
-    q_ref, slope_ref, cache_hbm, k_new_hbm, v_new_hbm,  # inputs; the last three stay in HBM
+    layer_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref,  # SMEM
+    q_ref, slope_ref, tables_hbm, cache_hbm, k_new_hbm, v_new_hbm,  # inputs; the last four stay in HBM
     o_ref,
-    k_buf, v_buf, k_new_buf, v_new_buf, sems, acc_ref, peak_ref, denom_ref, state_ref,  # scratch
+    k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref,
+    state_ref,  # scratch
     *, group_pad, width, spec, use_alibi, precision,
 ):  # fmt: skip
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
@@ -81,17 +86,46 @@ def _kernel(
         num_groups = _div(num_pages + pages_per_iter - 1, pages_per_iter)
         return _Tile(seq, t0, n_tok, q_start, cached, pos0, lowest, first_page, num_pages, num_groups)
 
-    def page_copies(t: _Tile, h, group, slot):
+    # The block tables stay in HBM: table entries come in chunks of `table_chunk` columns (the whole row if it
+    # is narrower), DMA'd into the two slots of table_buf. A tile's chunk k holds the entries of its pages
+    # k * table_chunk .. (k + 1) * table_chunk - 1 (a multiple of pages_per_iter, so a group lies in one chunk)
+    # and starts at column chunk_col(t, k), moved left at the row's end so the DMA stays inside the row.
+    # A program's table "units" 0 .. n_table - 1 are its own chunks and unit n_table the next program's
+    # chunk 0 (for the first group this program starts for it); unit u goes to slot (tbase + u) % 2.
+    table_chunk = table_buf.shape[1]
+
+    def num_table_chunks(t: _Tile):
+        return _div(t.num_pages + table_chunk - 1, table_chunk)
+
+    def chunk_col(t: _Tile, k):
+        return jnp.minimum(t.first_page + k * table_chunk, width - table_chunk)
+
+    def table_copy(t: _Tile, k, tslot):
+        src = tables_hbm.at[t.seq, pl.ds(chunk_col(t, k), table_chunk)]
+        return pltpu.make_async_copy(src, table_buf.at[tslot], table_sems.at[tslot])
+
+    def page_copies(t: _Tile, h, group, slot, tbase):
         """(needed, copy) for K and V of each page of a group; pages past the tile's last are neither fetched
-        nor folded."""
+        nor folded. The group's table chunk must be in table_buf (slot (tbase + its chunk) % 2)."""
         copies = []
         for p in range(pages_per_iter):
             i = group * pages_per_iter + p
-            col = t.first_page + jnp.minimum(i, t.num_pages - 1)
-            block = jnp.clip(tables_ref[t.seq * width + col], 0, num_blocks - 1)
+            page = jnp.minimum(i, jnp.maximum(t.num_pages - 1, 0))
+            k = _div(page, table_chunk)
+            entry = jnp.clip(t.first_page + page - chunk_col(t, k), 0, table_chunk - 1)
+            block = jnp.clip(table_buf[jax.lax.rem(tbase + k, 2), entry], 0, num_blocks - 1)
             for kv, buf in ((0, k_buf), (1, v_buf)):
                 src = cache_hbm.at[layer, kv, block, h]
                 copies.append((i < t.num_pages, pltpu.make_async_copy(src, buf.at[slot, p], sems.at[0, slot])))
+        return copies
+
+    def page_waits(t: _Tile, group, slot):
+        """Waits for a group's pages: the same sizes and semaphore, no table entry read."""
+        copies = []
+        for p in range(pages_per_iter):
+            for kv, buf in ((0, k_buf), (1, v_buf)):
+                copy = pltpu.make_async_copy(cache_hbm.at[0, kv, 0, 0], buf.at[slot, p], sems.at[0, slot])
+                copies.append((group * pages_per_iter + p < t.num_pages, copy))
         return copies
 
     def start(copies):
@@ -110,10 +144,24 @@ def _kernel(
     next_tile = jnp.where(last_head, tile + 1, tile)
     nxt = tile_info(jnp.minimum(next_tile, num_tiles - 1))
     prefetch_next = (next_tile < num_tiles) & (nxt.num_groups > 0)
-    # state_ref: [slot of this program's first group, whether the previous program started that group].
+    # state_ref: [slot of this program's first group, whether the previous program started that group (having
+    # fetched this program's table chunk 0 for it), table_buf slot of this program's chunk 0].
     first_program = (tile == 0) & (head == 0)
     base = jnp.where(first_program, 0, state_ref[0])
     started = jnp.where(first_program, 0, state_ref[1]) == 1
+    tbase = jnp.where(first_program, 0, state_ref[2])
+    n_table = num_table_chunks(cur)
+    tbase_next = jax.lax.rem(tbase + n_table, 2)
+
+    def start_table_unit(u):
+        """Starts table unit u's DMA (own chunk u, or the next program's chunk 0 for u == n_table)."""
+        tslot = jax.lax.rem(tbase + u, 2)
+        pl.when(u < n_table)(lambda: table_copy(cur, u, tslot).start())
+        pl.when((u == n_table) & prefetch_next)(lambda: table_copy(nxt, 0, tslot).start())
+
+    def wait_table_unit(u):
+        tslot = jax.lax.rem(tbase + u, 2)
+        table_copy(cur, 0, tslot).wait()  # the size and semaphore are the same for every unit
 
     # This step's keys the tile reads: aligned chunks from the first one the window reaches to its last row.
     first_chunk = _div(jnp.maximum(cur.q_start, cur.lowest - cur.cached + cur.q_start), new_per_iter)
@@ -125,8 +173,23 @@ def _kernel(
             for src, buf in ((k_new_hbm, k_new_buf), (v_new_hbm, v_new_buf))
         ]
 
-    pl.when((cur.num_groups > 0) & ~started)(lambda: start(page_copies(cur, head, 0, base)))
-    pl.when((cur.num_groups == 0) & prefetch_next)(lambda: start(page_copies(nxt, next_head, 0, base)))
+    # Table chunk 0 (unless the previous program fetched it), then unit 1: chunk 1, or the next program's chunk 0
+    # when this program reads at most one chunk. Units 0 and 1 use different slots, and neither holds entries
+    # still to be read (the previous program's last chunk was read when it started its last group).
+    @pl.when((cur.num_groups > 0) & ~started)
+    def _():
+        table_copy(cur, 0, tbase).start()
+        table_copy(cur, 0, tbase).wait()
+        start(page_copies(cur, head, 0, base, tbase))
+
+    pl.when(n_table > 0)(lambda: start_table_unit(1))
+
+    @pl.when((cur.num_groups == 0) & prefetch_next)
+    def _():
+        start_table_unit(0)
+        wait_table_unit(0)
+        start(page_copies(nxt, next_head, 0, base, tbase_next))
+
     pl.when(num_chunks > 0)(lambda: start(chunk_copies(0, 0)))  # arrives while the context is folded
 
     acc_ref[...] = jnp.zeros_like(acc_ref)
@@ -158,9 +221,23 @@ def _kernel(
     def context_group(group, carry):
         slot = jax.lax.rem(base + group, 2)
         last = group + 1 == cur.num_groups
-        pl.when(~last)(lambda: start(page_copies(cur, head, group + 1, 1 - slot)))
-        pl.when(last & prefetch_next)(lambda: start(page_copies(nxt, next_head, 0, 1 - slot)))
-        wait(page_copies(cur, head, group, slot))
+        # The next group's table chunk k: if it is a new one (k >= 1), wait for it; once that group's DMAs are
+        # started, chunk k - 1 is done with, so its slot takes unit k + 1.
+        k = _div((group + 1) * pages_per_iter, table_chunk)
+        new_chunk = jax.lax.rem((group + 1) * pages_per_iter, table_chunk) == 0
+
+        @pl.when(~last)
+        def _():
+            pl.when(new_chunk)(lambda: wait_table_unit(k))
+            start(page_copies(cur, head, group + 1, 1 - slot, tbase))
+            pl.when(new_chunk)(lambda: start_table_unit(k + 1))
+
+        @pl.when(last & prefetch_next)
+        def _():
+            wait_table_unit(n_table)
+            start(page_copies(nxt, next_head, 0, 1 - slot, tbase_next))
+
+        wait(page_waits(cur, group, slot))
         for p in range(pages_per_iter):
             i = group * pages_per_iter + p
 
@@ -174,8 +251,9 @@ def _kernel(
     jax.lax.fori_loop(0, cur.num_groups, context_group, 0)
     state_ref[0] = jax.lax.rem(base + cur.num_groups, 2)
     state_ref[1] = prefetch_next.astype(jnp.int32)
+    state_ref[2] = tbase_next
 
-    def new_chunk(chunk, carry):
+    def new_keys(chunk, carry):
         slot = jax.lax.rem(chunk, 2)
         pl.when(chunk + 1 < num_chunks)(lambda: start(chunk_copies(chunk + 1, 1 - slot)))
         wait(chunk_copies(chunk, slot))
@@ -183,20 +261,22 @@ def _kernel(
         fold(k_new_buf[slot], v_new_buf[slot], cur.cached + flat - cur.q_start, flat >= cur.q_start)
         return carry
 
-    jax.lax.fori_loop(0, num_chunks, new_chunk, 0)
+    jax.lax.fori_loop(0, num_chunks, new_keys, 0)
 
     denom = denom_ref[...]
     o_ref[...] = (acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "interpret"))
+@functools.partial(jax.jit, static_argnames=("spec", "interpret", "table_chunk"))
 def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
-                        *, interpret: bool | pltpu.InterpretParams = False) -> jax.Array:  # fmt: skip
+                        *, interpret: bool | pltpu.InterpretParams = False,
+                        table_chunk: int = TABLE_CHUNK) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
 
     `layer` (a Python int or an int32 scalar) is traced: every layer runs the same compiled kernel.
     `interpret`: True for Pallas' generic interpreter, or pltpu.InterpretParams for TPU interpret mode
-    (which simulates the DMAs and semaphores and can detect races)."""
+    (which simulates the DMAs and semaphores and can detect races). `table_chunk`: block-table entries per
+    DMA into SMEM (rounded down to a multiple of the pages per iteration; a narrower table is fetched whole)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_head_dim(head_dim)
@@ -207,7 +287,11 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     seq, start, length = query_tiles(attn_metadata.query_start_loc, num_tokens, tokens_per_tile)
     num_tiles = seq.shape[0]
     width = attn_metadata.block_tables.shape[1]
-    tables = attn_metadata.block_tables.reshape(-1)
+    # The block tables stay in HBM, [S, W] (a rank-1 operand in HBM would need a TPU to lower); programs DMA
+    # slices of their rows.
+    tables = attn_metadata.block_tables
+    table_chunk = max(pages_per_iter, table_chunk // pages_per_iter * pages_per_iter)
+    table_chunk = min(width, table_chunk)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
     # Tile-major queries: [tiles, H_kv, tokens_per_tile * G', D].
@@ -238,9 +322,9 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     out_tiles = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=7,
+            num_scalar_prefetch=6,
             grid=(num_tiles, num_kv_heads),
-            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm],
+            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm, hbm],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_iter, block_size, head_dim), kv_cache.dtype),
@@ -248,10 +332,12 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
                 pltpu.VMEM((2, NEW_KEYS_PER_ITER, head_dim), kn.dtype),
                 pltpu.VMEM((2, NEW_KEYS_PER_ITER, head_dim), vn.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),  # [context pages | new keys, buffer slot]
+                pltpu.SMEM((2, table_chunk), jnp.int32),  # block-table chunks, double-buffered
+                pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((rows, head_dim), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.SMEM((2,), jnp.int32),  # carried from program to program (see _kernel)
+                pltpu.SMEM((3,), jnp.int32),  # carried from program to program (see _kernel)
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
@@ -259,8 +345,8 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         interpret=interpret,
         name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}",
     )(
-        layer, seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
-        q_tiles, slopes, kv_cache, kn, vn,
+        layer, seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+        q_tiles, slopes, tables, kv_cache, kn, vn,
     )  # fmt: skip
 
     # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.

@@ -35,12 +35,13 @@ def _expected(case, kv_cache=None, layer=0, **kw):
     return np.asarray(naive_paged_attention(q, written, layer, case.attn_metadata, *attention_args(**kw)))
 
 
-def _run(case, block_tables=None, kv_cache=None, layer=0, interpret=True, **kw):
+def _run(case, block_tables=None, kv_cache=None, layer=0, interpret=True, table_chunk=128, **kw):
     md = case.attn_metadata
     if block_tables is not None:
         md = AttentionMetadata(md.slot_mapping, jnp.asarray(block_tables), md.seq_lens, md.query_start_loc)
     cache = case.kv_cache if kv_cache is None else kv_cache
-    got = tpu_paged_attention(case.q, case.k, case.v, cache, layer, md, *attention_args(**kw), interpret=interpret)
+    got = tpu_paged_attention(case.q, case.k, case.v, cache, layer, md, *attention_args(**kw), interpret=interpret,
+                              table_chunk=table_chunk)  # fmt: skip
     assert got.shape == case.q.shape and got.dtype == case.q.dtype
     return np.asarray(got.astype(jnp.float32))
 
@@ -71,49 +72,74 @@ def _garbage_tables(rng, case, seq_lens, q_lens, block_size, width, window=None)
     return tables, skipped
 
 
-def _pallas_grids(jaxpr):
-    """The grid of every pallas_call in a (closed) jaxpr, nested calls included."""
-    grids = []
+def _pallas_calls(jaxpr):
+    """Every pallas_call equation in a (closed) jaxpr, nested calls included."""
+    calls = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            grids.append(tuple(eqn.params["grid_mapping"].grid))
+            calls.append(eqn)
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    grids += _pallas_grids(sub)
-    return grids
+                    calls += _pallas_calls(sub)
+    return calls
+
+
+def _kernel_call(width, seqs=8, tokens=64, heads=8, kv_heads=2, head_dim=128, block_size=16):
+    """The kernel's pallas_call equation for a batch of `seqs` sequence slots and a table `width` wide."""
+    md = AttentionMetadata(_sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32),
+                           _sd((seqs + 1,), jnp.int32))  # fmt: skip
+    jaxpr = jax.make_jaxpr(
+        lambda q, k, v, c, md: tpu_paged_attention(q, k, v, c, 0, md, AttentionSpec(0.1, 128))
+    )(_sd((tokens, heads, head_dim), jnp.bfloat16), _sd((tokens, kv_heads, head_dim), jnp.bfloat16),
+      _sd((tokens, kv_heads, head_dim), jnp.bfloat16),
+      _sd((1, 2, 1024, kv_heads, block_size, head_dim), jnp.bfloat16), md)  # fmt: skip
+    (eqn,) = _pallas_calls(jaxpr.jaxpr)
+    return eqn
 
 
 def test_grid_does_not_grow_with_block_table_width():
     """max_model_len 131072 at block 16 is a table 8192 wide: the grid is the same as for width 16."""
-    tokens, seqs, heads, kv_heads, head_dim, block_size = 64, 8, 8, 2, 128, 16
 
     def grid(width):
-        md = AttentionMetadata(_sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32),
-                               _sd((seqs + 1,), jnp.int32))  # fmt: skip
-        jaxpr = jax.make_jaxpr(
-            lambda q, k, v, c, md: tpu_paged_attention(q, k, v, c, 0, md, AttentionSpec(0.1, 128))
-        )(_sd((tokens, heads, head_dim), jnp.bfloat16), _sd((tokens, kv_heads, head_dim), jnp.bfloat16),
-          _sd((tokens, kv_heads, head_dim), jnp.bfloat16),
-          _sd((1, 2, 1024, kv_heads, block_size, head_dim), jnp.bfloat16), md)  # fmt: skip
-        (g,) = _pallas_grids(jaxpr.jaxpr)
-        return g
+        return tuple(_kernel_call(width).params["grid_mapping"].grid)
 
-    assert grid(16) == grid(8192) == (tokens // 4 + seqs, kv_heads)  # (query tiles, KV heads); 4 tokens x G'=4 rows
+    assert grid(16) == grid(8192) == (64 // 4 + 8, 2)  # (query tiles, KV heads); 4 tokens x G'=4 rows
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_entries_outside_the_live_span_are_never_read(window):
-    """A 2,048-wide table (max_model_len 32768 at block 16) full of garbage outside each sequence's live pages."""
+def test_smem_does_not_grow_with_block_tables():
+    """256 slots x 8192 columns (max_model_len 131072 at block 16) is 8 MiB of block table, far beyond SMEM:
+    the tables stay in HBM. The scalar-prefetched operands (per-tile and per-sequence metadata) are the same
+    for widths 16 and 8192, and all SMEM (those plus the table chunks and carried state) is a few KiB, the
+    same for widths 512 and 8192 (a table narrower than a chunk is fetched whole, so it takes less)."""
+
+    def smem(width):
+        eqn = _kernel_call(width, seqs=256)
+        prefetched = [v.aval.shape for v in eqn.invars[: eqn.params["grid_mapping"].num_index_operands]]
+        refs = eqn.params["jaxpr"].invars
+        assert all(str(r.aval.memory_space) == "any" for r in refs if r.aval.shape == (256, width))  # in HBM
+        words = sum(int(np.prod(r.aval.shape)) for r in refs if str(r.aval.memory_space) == "smem")
+        return prefetched, words
+
+    (pre16, words16), (pre512, words512), (pre8192, words8192) = smem(16), smem(512), smem(8192)
+    assert pre16 == pre512 == pre8192 and all(256 * 16 not in shape for shape in pre16)
+    assert words16 <= words512 == words8192 <= 1024  # 4 KiB of int32, vs the 8 MiB table
+
+
+@pytest.mark.parametrize("window,table_chunk", [(None, 128), (40, 128), (None, 8), (200, 8)])
+def test_entries_outside_the_live_span_are_never_read(window, table_chunk):
+    """A 2,048-wide table (max_model_len 32768 at block 16) full of garbage outside each sequence's live pages.
+    With table chunks of 8 entries the long sequence's row is fetched in many refills (from the window's
+    first page, too)."""
     rng = np.random.default_rng(20)
     seq_lens, q_lens, block_size = [1500, 9, 300, 70], [1, 9, 40, 3], 16
     case = random_case(rng, seq_lens=seq_lens, q_lens=q_lens, num_heads=4, num_kv_heads=2, head_dim=32,
                        block_size=block_size)  # fmt: skip
     tables, skipped = _garbage_tables(rng, case, seq_lens, q_lens, block_size, 2048, window)
-    assert window is None or skipped > 90  # the window skips most of the long context
+    assert window is None or skipped > 80  # the window skips most of the long context
     kw = dict(scale=32**-0.5, sliding_window=window)
-    _check(_run(case, tables, **kw), case, _expected(case, **kw), 1e-5)
+    _check(_run(case, tables, table_chunk=table_chunk, **kw), case, _expected(case, **kw), 1e-5)
 
 
 def _tpu_interpret_state():
@@ -126,25 +152,30 @@ def _tpu_interpret_state():
     return counter.value - 100, races.races_found  # DMA ids count up from 100
 
 
-@pytest.mark.parametrize("window,dmas_per_head", [(None, 140), (40, 20)])
-def test_dmas_fetch_only_live_pages(window, dmas_per_head):
+@pytest.mark.parametrize(
+    "window,table_chunk,width,dmas_per_head",
+    [(None, 128, 8192, 140 + 2), (40, 128, 8192, 20 + 2), (None, 8, 63, 140 + 8 + 1), (40, 8, 63, 20 + 1 + 1)],
+)
+def test_dmas_fetch_only_live_pages(window, table_chunk, width, dmas_per_head):
     """TPU interpret mode simulates each DMA and semaphore: count the kernel's DMAs and check the double
-    buffering (within a program and into the next one) for races. Per KV head, K and V of: a fresh 24-token
-    prompt's three tiles, one 32-row chunk of this step's keys each; a decode at 1000, 63 pages (60-62 with
-    a window of 40) and a chunk; a 5-token chunk at 37, 2 pages and a chunk. Nothing else, from a table
-    8,192 wide (max_model_len 131072) of garbage."""
+    buffering (within a program and into the next one, pages and table chunks) for races. Per KV head, K and V
+    of: a fresh 24-token prompt's three tiles, one 32-row chunk of this step's keys each; a decode at 1000,
+    63 pages (60-62 with a window of 40) and a chunk; a 5-token chunk at 37, 2 pages and a chunk. Plus the
+    table chunks of the two programs that read pages: one each, or with 8-entry chunks 8 for the decode's 63
+    pages (the last moved left to end at the row's end: the table is exactly 63 wide). Nothing else, from a
+    table of garbage (8,192 wide is max_model_len 131072)."""
     rng = np.random.default_rng(3)
     seq_lens, q_lens, block_size = [24, 1000, 37], [24, 1, 5], 16
     case = random_case(rng, seq_lens=seq_lens, q_lens=q_lens, num_heads=4, num_kv_heads=2, head_dim=32,
                        block_size=block_size)  # fmt: skip
-    tables, _ = _garbage_tables(rng, case, seq_lens, q_lens, block_size, 8192, window)
+    tables, _ = _garbage_tables(rng, case, seq_lens, q_lens, block_size, width, window)
     kw = dict(scale=32**-0.5, sliding_window=window)
     try:
-        got = _run(case, tables, interpret=pltpu.InterpretParams(detect_races=True), **kw)
+        got = _run(case, tables, interpret=pltpu.InterpretParams(detect_races=True), table_chunk=table_chunk, **kw)
         dmas, races = _tpu_interpret_state()
     finally:
         pltpu.reset_tpu_interpret_mode_state()
-    assert dmas == 2 * dmas_per_head and not races
+    assert dmas == 2 * dmas_per_head and not races  # two KV heads
     _check(got, case, _expected(case, **kw), 1e-5)
 
 
