@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -16,4 +16,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -24,6 +24,53 @@ _GREEDY_EPS = 1e-5
 
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint on what the request may generate.
+
+    json: a JSON schema (a dict, or its text); json_object: any JSON object; regex: the whole output
+    matches it; choice: the output is one of these strings; grammar: a Lark (EBNF) grammar. They are
+    compiled (llguidance) when the request is added: one llguidance cannot compile is refused there
+    with a ValueError naming the field (engine/structured_output.py).
+    """
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
+                f"(got {', '.join(given) or 'none'})"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a dict or a JSON string (got {type(self.json).__name__})")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool (got {self.json_object!r})")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string (got {value!r})")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, Sequence) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings (got {self.choice!r})")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must hold non-empty strings (got {self.choice!r})")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which field is set."""
+        for name in ("json", "json_object", "regex", "choice", "grammar"):
+            if getattr(self, name) not in (None, False):
+                return name
+        raise AssertionError("unreachable")
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -131,6 +178,7 @@ class SamplingParams:
     use_beam_search: bool = False  # older vLLM: beam width = best_of, the n best beams come back
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -188,6 +236,11 @@ class SamplingParams:
 
         check_early_stopping(self.early_stopping)  # checked even without beam search: a typo is an error, not a no-op
 
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be None or a StructuredOutputsParams (got {type(self.structured_outputs).__name__})"
+            )
+
         if self.use_beam_search:
             self._check_beam_search()
         elif self.best_of is not None and self.best_of > self.n:
@@ -207,6 +260,7 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty != 1.0, "logprobs": self.logprobs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
         }  # fmt: skip
         for name, value in unsupported.items():
             if value:

@@ -48,6 +48,7 @@ class Request:
     hold_at: int | None = None  # n > 1: compute no further until the parent's other samples fork from here
     _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
+    grammar: object | None = None  # structured outputs: the engine's GrammarState, advanced by each sampled token
 
     @property
     def is_beam(self) -> bool:

@@ -201,6 +201,12 @@ class Scheduler:
         req.output_token_ids[n_out - 1] = token
         req.num_in_flight -= 1
         status = check_stop(req, token, stop_string, self.eos_token_ids, self.max_model_len)
+        if req.grammar is not None:
+            # structured outputs: a grammar that has ended (or refused the token, which its mask forbids) is a stop
+            accepted = req.grammar.accept(token)
+            if (req.grammar.is_terminated or not accepted) and status is not RequestStatus.FINISHED_STOPPED:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = None
         if status is not None:
             del req.output_token_ids[n_out:]  # a token the next step sampled for it (async) is dropped
             req.num_in_flight = 0

@@ -30,6 +30,7 @@ from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.structured_output import StructuredOutputManager
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.outputs import RequestOutput
@@ -95,6 +96,7 @@ class LLMEngine:
             self.eos_token_ids, self.max_model_len,
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.eos_token_ids, self.loaded.config.vocab_size)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         logger.info(
@@ -176,6 +178,9 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
         max_tokens = self._max_tokens(params, len(ids))
+        grammars = None
+        if params.structured_outputs is not None:  # compiled (or found in the cache) here: a bad one is refused now
+            grammars = [self.structured_outputs.new_state(params.structured_outputs) for _ in range(params.n)]
         parent = ParentRequest(request_id, text, ids, params)
         if params.use_beam_search:
             self._add_beam_search(parent, max_tokens)
@@ -190,6 +195,7 @@ class LLMEngine:
                 seq_id=f"{request_id}#{index}", parent=parent, index=index, prompt_token_ids=ids, params=params,
                 max_tokens=max_tokens, seed=(base_seed + index) % 2**63,
             )  # fmt: skip
+            seq.grammar = grammars[index] if grammars else None
             parent.sequences.append(seq)
             self.output_processor.add_sequence(seq)  # may refuse the stop strings: before anything is queued
             sequences.append(seq)
@@ -335,11 +341,12 @@ class LLMEngine:
         return self.output_processor.process(live, result, ended_searches)
 
     def _can_overlap(self, step: InFlightStep) -> bool:
-        """The next step can be formed without this one's results: no beam search (the host picks the next beams)
-        and no penalties on a sequence whose next input is still on the device (they read the token history)."""
+        """The next step can be formed without this one's results: no beam search (the host picks the next beams),
+        no penalties on a sequence whose next input is still on the device (they read the token history), and no
+        grammar on one (its next mask needs the token: docs/design.md, "Structured outputs")."""
         if self.output_processor.beams:
             return False
-        return not any(req.params.has_penalties for req in step.sampled_rows)
+        return not any(req.params.has_penalties or req.grammar is not None for req in step.sampled_rows)
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import numpy as np
 from jaxpaged.core.kv_cache_manager import slot_mapping
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.pallas_kernels import AttentionMetadata
-from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, build_sampling_metadata
+from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, bitmask_words, build_sampling_metadata
 
 if TYPE_CHECKING:
     from jaxpaged.worker.model_runner import ModelRunner
@@ -60,6 +60,7 @@ class InputBatchBuilder:
         self.block_size = runner.block_size
         self.eos_token_ids = list(eos_token_ids)
         self.max_suppress = max_suppress  # ids min_tokens may forbid per row
+        self.mask_words = bitmask_words(runner.model_config.vocab_size)  # structured outputs' packed bitmask
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
@@ -70,7 +71,7 @@ class InputBatchBuilder:
             seq_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
         )
-        sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress)
+        sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
     def build(self, output: SchedulerOutput) -> StepInputs:
@@ -106,8 +107,9 @@ class InputBatchBuilder:
             outputs = req.output_token_ids
             if len(outputs) != item.num_output_tokens:
                 outputs = _OutputsAtScheduling(outputs, item.num_output_tokens)
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids))
+            grammar = req.grammar if item.samples else None  # a chunk that samples nothing needs no mask
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar))
         query_start_loc[len(output.scheduled) + 1 :] = cursor
-        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress)
+        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)
         attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
         return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)

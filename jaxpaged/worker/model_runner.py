@@ -143,6 +143,7 @@ class ModelRunner:
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self._blank_history: dict[int, jax.Array] = {}
+        self._blank_bitmask: dict[int, jax.Array] = {}
         self._blank_prompt_ids: dict[int, jax.Array] = {}
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
         # under TP), so both kinds of step hit the one compiled executable
@@ -199,6 +200,15 @@ class ModelRunner:
             self._blank_history[rows] = jax.device_put(sampling_metadata.history)
         return self._blank_history[rows]
 
+    def _bitmask(self, sampling_metadata: SamplingMetadata) -> jax.Array | np.ndarray:
+        """Steps without a constrained row reuse one device-resident all-ones mask instead of sending a new one."""
+        if bool(sampling_metadata.any_constrained):
+            return sampling_metadata.bitmask
+        rows = sampling_metadata.bitmask.shape[0]
+        if rows not in self._blank_bitmask:
+            self._blank_bitmask[rows] = jax.device_put(sampling_metadata.bitmask)
+        return self._blank_bitmask[rows]
+
     def _on_mesh(self):
         """Trace and run under the TP mesh, so attention sees it (shard_map); nothing without TP."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -239,7 +249,9 @@ class ModelRunner:
 
     def _step_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
         t = step.input_ids.shape[0]
-        sampling_metadata = dataclasses.replace(step.sampling, history=self._history(step.sampling))
+        sampling_metadata = dataclasses.replace(
+            step.sampling, history=self._history(step.sampling), bitmask=self._bitmask(step.sampling)
+        )
         next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else self._all_minus_one(t)
         prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
         return (

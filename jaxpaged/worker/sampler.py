@@ -42,6 +42,8 @@ class SamplingMetadata:
     any_penalty: jax.Array  # [] bool some row has a non-neutral penalty
     any_top: jax.Array  # [] bool some row uses top_k / top_p / min_p
     want_logprobs: jax.Array  # [] bool some row asked for logprobs (0 included); otherwise none are computed
+    bitmask: jax.Array  # [S, ceil(V / 32)] i32 structured outputs: bit i of word w allows token 32 w + i; all ones when free
+    any_constrained: jax.Array  # [] bool some row has a structured-outputs constraint (otherwise the mask is not read)
 
 
 @jax.tree_util.register_dataclass
@@ -72,6 +74,18 @@ def _softmax(logits: jax.Array) -> jax.Array:
     e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     total = jnp.sum(e, axis=-1, keepdims=True)
     return e / jnp.where(total > 0, total, 1.0)
+
+
+MASKED_LOGIT = -1e30  # a token the row's grammar forbids: far below any real logit, finite (no inf - inf NaNs)
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Structured outputs: every token whose bit is 0 in its row's packed mask gets MASKED_LOGIT."""
+    vocab = logits.shape[1]
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    words = jnp.take(bitmask, jnp.minimum(ids // 32, bitmask.shape[1] - 1), axis=1)  # [S, V]
+    allowed = ((words >> (ids % 32)) & 1).astype(bool) & (ids < 32 * bitmask.shape[1])
+    return jnp.where(allowed, logits, MASKED_LOGIT)
 
 
 def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
@@ -181,7 +195,7 @@ def _no_logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
 
 
 def sample(logits: jax.Array, attn_metadata: SamplingMetadata) -> SamplerOutput:
-    """Next token of every row: suppress -> repetition -> presence/frequency -> (greedy argmax)
+    """Next token of every row: grammar bitmask -> suppress -> repetition -> presence/frequency -> (greedy argmax)
     -> temperature -> top-k -> top-p -> min-p -> Gumbel-max. `logits` is [S, V] float32.
 
     Each stage a batch does not use is skipped at run time (lax.cond), so an all-greedy batch
@@ -189,7 +203,10 @@ def sample(logits: jax.Array, attn_metadata: SamplingMetadata) -> SamplerOutput:
     """
     raw = logits.astype(jnp.float32)
     logits = jax.lax.cond(
-        jnp.any(attn_metadata.suppress_ids >= 0), lambda x: apply_suppression(x, attn_metadata.suppress_ids), lambda x: x, raw
+        attn_metadata.any_constrained, lambda x: apply_bitmask(x, attn_metadata.bitmask), lambda x: x, raw
+    )
+    logits = jax.lax.cond(
+        jnp.any(attn_metadata.suppress_ids >= 0), lambda x: apply_suppression(x, attn_metadata.suppress_ids), lambda x: x, logits
     )
     logits = jax.lax.cond(attn_metadata.any_penalty, apply_penalties, lambda x, _: x, logits, attn_metadata)
     greedy_tokens = first_argmax(logits)
@@ -222,6 +239,11 @@ class SamplingRow:
     output_ids: Sequence[int]
     seed: int  # the request's seed, or one the engine drew for it; any non-negative int
     eos_token_ids: Sequence[int] = ()
+    grammar: object | None = None  # structured outputs: a GrammarState (engine/structured_output.py), up to date
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
 
 
 def _seed_u32(seed: int) -> int:
@@ -240,13 +262,14 @@ def _suppressed(row: SamplingRow) -> list[int]:
 
 
 def build_sampling_metadata(
-    rows: Sequence[SamplingRow], num_rows: int, history_width: int, max_suppress: int = 64
+    rows: Sequence[SamplingRow], num_rows: int, history_width: int, max_suppress: int = 64, mask_words: int = 1
 ) -> SamplingMetadata:
     """Host-side numpy metadata for `sample`, padded to `num_rows` greedy, neutral rows.
 
     The history is filled only when some row has a penalty; otherwise it is all -1 (same shape,
     so the same compile) and `sample` never reads it. `want_logprobs` is set by any row asking for
-    logprobs, 0 included (the sampled id's own logprob).
+    logprobs, 0 included (the sampled id's own logprob). A row with a grammar gets its next allowed tokens in
+    `bitmask` (`mask_words` words, covering the model's vocabulary); the others, all ones.
     """
     if len(rows) > num_rows:
         raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({len(rows)})")
@@ -266,6 +289,8 @@ def build_sampling_metadata(
     prompt_lens = np.zeros(num_rows, np.int32)
     suppress_ids = np.full((num_rows, max_suppress), -1, np.int32)
     history = np.full((num_rows, history_width), -1, np.int32)
+    bitmask = np.full((num_rows, mask_words), -1, np.int32)
+    any_constrained = False
 
     any_penalty = any(r.params.has_penalties for r in rows)
     for i, row in enumerate(rows):
@@ -281,6 +306,11 @@ def build_sampling_metadata(
         if len(banned) > max_suppress:
             raise ValueError(f"max_suppress ({max_suppress}) must be >= the ids row {i} suppresses ({len(banned)})")
         suppress_ids[i, : len(banned)] = banned
+        if row.grammar is not None:
+            if row.grammar.num_consumed != len(row.output_ids):  # the engine syncs before such a step (design.md)
+                raise RuntimeError(f"row {i}'s grammar has consumed {row.grammar.num_consumed} of {len(row.output_ids)} outputs")
+            row.grammar.fill_bitmask(bitmask[i])
+            any_constrained = True
         if any_penalty:
             n = len(row.prompt_ids)
             history[i, :n] = row.prompt_ids
@@ -302,4 +332,6 @@ def build_sampling_metadata(
         any_penalty=np.array(any_penalty),
         any_top=np.array(any(r.params.uses_truncation for r in rows if not r.params.is_greedy)),
         want_logprobs=np.array(any(r.params.logprobs is not None for r in rows)),
+        bitmask=bitmask,
+        any_constrained=np.array(any_constrained),
     )

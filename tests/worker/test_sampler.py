@@ -48,6 +48,8 @@ def make_md(num_rows: int, history_width: int = 8, num_suppress: int = 4, **fiel
         any_penalty=np.array(False),
         any_top=np.array(False),
         want_logprobs=np.array(False),
+        bitmask=np.full((s, 8), -1, np.int32),  # a vocabulary of up to 256
+        any_constrained=np.array(False),
     )
     for name, value in fields.items():
         old = base[name]

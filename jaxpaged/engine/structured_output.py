@@ -1,0 +1,153 @@
+"""Structured outputs: each constrained sequence's grammar state, and the token bitmask of its next step.
+
+As vLLM V1's StructuredOutputManager, with llguidance as the backend: a request's
+`StructuredOutputsParams` becomes an llguidance grammar, compiled once per (kind, text) for this
+engine's tokenizer (the manager belongs to one engine, so to one tokenizer) and kept in a cache; each
+sequence gets a copy of the compiled matcher, advanced by every token it samples. Before a step the
+host writes each constrained row's allowed tokens as a packed bitmask ([vocab / 32] int32, bit i of
+word w allows token 32 w + i); the jitted sampler masks the logits with it (worker/sampler.py).
+A grammar that has finished ends its sequence with finish_reason "stop", as EOS does; EOS itself is
+allowed exactly where the grammar accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxpaged.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("jaxpaged.structured_output")
+
+MAX_CACHED_GRAMMARS = 256
+
+
+def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, text): the cache key, and what is compiled."""
+    kind = params.kind
+    if kind == "json":
+        schema = params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema object")
+        return kind, json.dumps(schema, sort_keys=True)
+    if kind == "json_object":
+        return kind, ""
+    if kind == "regex":
+        return kind, params.regex
+    if kind == "choice":
+        return kind, json.dumps(params.choice)
+    return kind, params.grammar
+
+
+class GrammarState:
+    """One sequence's matcher: where its output stands in the grammar."""
+
+    __slots__ = ("matcher", "manager", "num_consumed")
+
+    def __init__(self, matcher, manager: StructuredOutputManager):
+        self.matcher = matcher
+        self.manager = manager
+        self.num_consumed = 0  # output tokens consumed: the mask is for output token num_consumed
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        """Write the tokens allowed next into one bitmask row ([vocab / 32] int32)."""
+        self.manager.fill_row(self, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar refuses it (the sequence is then ended)."""
+        self.num_consumed += 1
+        return bool(self.matcher.consume_token(int(token)))
+
+    @property
+    def is_terminated(self) -> bool:
+        """Nothing more can follow (the grammar ended, EOS consumed, or an error)."""
+        return bool(self.matcher.is_stopped() or self.matcher.is_error())
+
+
+class StructuredOutputManager:
+    """One engine's grammars: compiles and caches them, and fills the bitmask rows of a step."""
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width, which the mask must cover
+        self.bitmask_words = -(-vocab_size // 32)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._ll_tokenizer = None
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # (kind, text) -> a fresh LLMatcher
+        self._scratch: np.ndarray | None = None
+
+    @property
+    def ll_tokenizer(self):
+        """The tokenizer as llguidance sees it, built on first use (about a second for a large vocabulary)."""
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+            n_vocab = max(self.vocab_size, len(self.tokenizer))
+            eos = [t for t in self.eos_token_ids if t < n_vocab]
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab, eos_token=eos or None)
+            self._scratch = np.full((1, -(-n_vocab // 32)), -1, np.int32)
+        return self._ll_tokenizer
+
+    def _compile(self, params: StructuredOutputsParams):
+        from llguidance import LLMatcher
+
+        kind, text = _grammar_text(params)
+        key = (kind, text)
+        cached = self._compiled.get(key)
+        if cached is not None:
+            self._compiled.move_to_end(key)
+            return cached
+        compact = {"whitespace_flexible": False}  # no free whitespace: a weak model could pad with it forever
+        try:
+            if kind == "json":
+                grammar = LLMatcher.grammar_from_json_schema(text, overrides=compact)
+            elif kind == "json_object":
+                grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
+            elif kind == "regex":
+                grammar = LLMatcher.grammar_from_regex(text)
+            elif kind == "choice":
+                grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+            else:
+                grammar = LLMatcher.grammar_from_lark(text)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {e}") from None
+        error = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {error.strip().splitlines()[0]}")
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {matcher.get_error().splitlines()[0]}")
+        self._compiled[key] = matcher
+        if len(self._compiled) > MAX_CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return matcher
+
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A sequence's own matcher (a copy of the cached compiled one). Raises ValueError naming the field."""
+        return GrammarState(self._compile(params).deep_copy(), self)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._compiled)
+
+    def fill_row(self, state: GrammarState, row: np.ndarray) -> None:
+        """Write the tokens `state` allows next into one bitmask row ([bitmask_words] int32)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        self.ll_tokenizer  # noqa: B018 - sizes the scratch row
+        scratch = self._scratch
+        fill_next_token_bitmask(state.matcher, scratch, 0)
+        n = min(scratch.shape[1], row.shape[0])
+        row[:n] = scratch[0, :n]
+        row[n:] = 0
