@@ -20,7 +20,7 @@ from jaxpaged.engine.beam_search import BeamSearchParams
 from jaxpaged.entrypoints.generate import build_parser as generate_parser
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.entrypoints.serve import build_parser as serve_parser
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from tests import REPO as ROOT
 
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
@@ -30,6 +30,7 @@ DATACLASS_SECTIONS = {
     "## EngineConfig": EngineConfig,
     "## SamplingParams": SamplingParams,
     "## BeamSearchParams": BeamSearchParams,
+    "## StructuredOutputsParams": StructuredOutputsParams,
 }
 CLI_SECTIONS = {
     "## python -m jaxpaged.generate": generate_parser,
