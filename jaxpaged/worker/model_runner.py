@@ -32,7 +32,7 @@ from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
-from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
+from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
 
@@ -142,8 +142,7 @@ class ModelRunner:
         self._background: ThreadPoolExecutor | None = None
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
-        self._blank_history: dict[int, jax.Array] = {}
-        self._blank_bitmask: dict[int, jax.Array] = {}
+        self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
         self._blank_prompt_ids: dict[int, jax.Array] = {}
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
         # under TP), so both kinds of step hit the one compiled executable
@@ -191,23 +190,15 @@ class ModelRunner:
                 return b, min(b, self.config.max_num_seqs)
         raise ValueError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens ({self.buckets[-1]})")
 
-    def _history(self, sampling_metadata: SamplingMetadata) -> jax.Array | np.ndarray:
-        """Penalty-free steps reuse one device-resident blank history instead of sending a new one."""
-        if bool(sampling_metadata.any_penalty):
-            return sampling_metadata.history
-        rows = sampling_metadata.history.shape[0]
-        if rows not in self._blank_history:
-            self._blank_history[rows] = jax.device_put(sampling_metadata.history)
-        return self._blank_history[rows]
-
-    def _bitmask(self, sampling_metadata: SamplingMetadata) -> jax.Array | np.ndarray:
-        """Steps without a constrained row reuse one device-resident all-ones mask instead of sending a new one."""
-        if bool(sampling_metadata.any_constrained):
-            return sampling_metadata.bitmask
-        rows = sampling_metadata.bitmask.shape[0]
-        if rows not in self._blank_bitmask:
-            self._blank_bitmask[rows] = jax.device_put(sampling_metadata.bitmask)
-        return self._blank_bitmask[rows]
+    def _blank(self, name: str, array: np.ndarray, needed: bool) -> jax.Array | np.ndarray:
+        """A per-row input that is blank in this step (no penalties: the history; no constraint: the mask) is one
+        device-resident array per shape, reused instead of sent again."""
+        if needed:
+            return array
+        key = (name, array.shape)
+        if key not in self._blanks:
+            self._blanks[key] = jax.device_put(array)
+        return self._blanks[key]
 
     def _on_mesh(self):
         """Trace and run under the TP mesh, so attention sees it (shard_map); nothing without TP."""
@@ -249,9 +240,11 @@ class ModelRunner:
 
     def _step_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
         t = step.input_ids.shape[0]
+        sampling = step.sampling
         sampling_metadata = dataclasses.replace(
-            step.sampling, history=self._history(step.sampling), bitmask=self._bitmask(step.sampling)
-        )
+            sampling, history=self._blank("history", sampling.history, bool(sampling.any_penalty)),
+            bitmask=self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),
+        )  # fmt: skip
         next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else self._all_minus_one(t)
         prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
         return (
