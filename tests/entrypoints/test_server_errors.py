@@ -95,7 +95,8 @@ BAD_JSON_BODIES = [
     (CHAT, _chat(stop="x" * 300), "stop"),
     (CHAT, _chat(stream_options={"include_usage": True}), "stream_options"),
     (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (CHAT, _chat(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, _chat(response_format={"type": "json_object", "json_schema": 1}, guided_regex="a"), "guided_regex"),
+    (C, _c(response_format={"type": "xml"}), "response_format.type"),
 ]
 
 

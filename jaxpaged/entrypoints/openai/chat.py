@@ -20,6 +20,7 @@ def _fields(body: ChatCompletionRequest) -> dict[str, str]:
     return {
         **SAMPLING_FIELDS, "prompt": "messages", "prompt_token_ids": "messages", "messages": "messages",
         "max_tokens": body.max_tokens_field, "logprobs": "top_logprobs",
+        "structured_outputs": body.constraint_field,
     }
 
 

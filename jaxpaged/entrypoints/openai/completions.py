@@ -22,10 +22,11 @@ FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "
 
 async def create_completion(serving: Serving, http_request: Request):
     body: CompletionRequest = await serving.parse(http_request, CompletionRequest)
-    params = serving.sampling_params(body, FIELDS)
+    fields = {**FIELDS, "structured_outputs": body.constraint_field}
+    params = serving.sampling_params(body, fields)
     prompts = body.prompts()
     engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p, "prompt": None} for p in prompts]
-    request_id, run = await serving.submit(http_request, "cmpl", engine_prompts, params, FIELDS, "prompt")
+    request_id, run = await serving.submit(http_request, "cmpl", engine_prompts, params, fields, "prompt")
     meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": serving.model_name}
     echoes = [_echo(serving, p) for p in prompts] if body.echo else None  # after submit: token ids are validated
     if body.stream:

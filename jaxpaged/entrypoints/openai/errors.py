@@ -38,6 +38,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class FieldError(ValueError):
+    """Bad input whose request field is known (a dotted path such as `response_format.json_schema.schema`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -72,8 +80,16 @@ def from_value_error(exc: Exception, fields: Mapping[str, str], default: str | N
     """A ValueError from SamplingParams or the engine; `fields` maps the words they use to request fields."""
     message = str(exc)
     match = _FIRST_WORD.match(message)
+    if match and match.group(0) == "structured_outputs" and fields.get("structured_outputs"):
+        param = fields["structured_outputs"]  # the engine words it as the offline field: use the request's
+        return bad_request(rename_constraint(message, param), param=param)
     param = fields.get(match.group(0), default) if match else default
     return bad_request(message, param=param)
+
+
+def rename_constraint(message: str, field: str) -> str:
+    """An engine message about `structured_outputs.<kind>`, worded with the request's field."""
+    return re.sub(r"^structured_outputs(\.\w+)?", field, message, count=1)
 
 
 def model_not_found(name: str, served: list[str]) -> APIError:

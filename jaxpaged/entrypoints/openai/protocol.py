@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.entrypoints.openai.errors import FieldError, rename_constraint
+from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_PROMPTS = 128  # prompts in one completions request
@@ -52,6 +53,13 @@ class _SamplingRequest(_Strict):
     stop_token_ids: Any = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -71,6 +79,73 @@ class _SamplingRequest(_Strict):
             "skip_special_tokens": self.skip_special_tokens, "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         return {k: v for k, v in values.items() if v is not None}
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(request field, StructuredOutputsParams' arguments) for each constraint the body sets; a malformed
+        response_format or structured_outputs raises FieldError naming the field."""
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            if not isinstance(rf, dict):
+                raise FieldError("response_format must be an object with a 'type'", "response_format")
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise FieldError("response_format.json_schema must be an object with a 'schema'", "response_format.json_schema")
+                schema = spec.get("schema")
+                if not isinstance(schema, dict):
+                    raise FieldError(
+                        f"response_format.json_schema.schema must be a JSON schema object (got {type(schema).__name__})",
+                        "response_format.json_schema.schema",
+                    )
+                found.append(("response_format.json_schema.schema", {"json": schema}))
+            elif kind != "text":
+                raise FieldError(
+                    f"response_format.type must be one of text, json_object, json_schema (got {kind!r})", "response_format.type"
+                )
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, dict):
+                raise FieldError("structured_outputs must be an object", "structured_outputs")
+            unknown = sorted(set(so) - set(_KINDS))
+            if unknown:
+                raise FieldError(
+                    f"structured_outputs.{unknown[0]} is not supported (set one of {', '.join(_KINDS)})",
+                    f"structured_outputs.{unknown[0]}",
+                )
+            given = [k for k in _KINDS if so.get(k) not in (None, False)]
+            found.append((f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs", dict(so)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, name) is not None:
+                found.append((name, {kind: getattr(self, name)}))
+        if len(found) > 1:
+            raise FieldError(
+                f"{found[1][0]} cannot be combined with {found[0][0]}: set one output constraint", found[1][0].split(".")[0]
+            )
+        return found
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The request field the output constraint came from, to name it in errors."""
+        try:
+            found = self._constraints()
+        except FieldError:  # reported by structured_outputs_params, when the sampling params are built
+            return None
+        return found[0][0] if found else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        found = self._constraints()
+        if not found:
+            return None
+        field, kwargs = found[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except ValueError as exc:
+            raise FieldError(rename_constraint(str(exc), field), field) from None
 
     @property
     def include_usage(self) -> bool:
@@ -135,8 +210,11 @@ class CompletionRequest(_SamplingRequest):
         prompt_logprobs = self.logprobs if self.echo else None  # echo lists the prompt tokens' logprobs too
         return SamplingParams(
             max_tokens=1 if self.prompt_only else self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
-            best_of=self.best_of, **self.sampling_kwargs(),
+            best_of=self.best_of, structured_outputs=self.structured_outputs_params(), **self.sampling_kwargs(),
         )
+
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _is_token(value) -> bool:
@@ -179,7 +257,6 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     @field_validator("messages")
     @classmethod
@@ -194,8 +271,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("tools are not supported")
         if self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice is not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
@@ -216,4 +291,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.sampling_kwargs())
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self.structured_outputs_params(), **self.sampling_kwargs()
+        )

@@ -61,6 +61,8 @@ class Serving:
             raise errors.bad_request(f"n must be in [1, {self.settings.max_n}] (got {body.n})", param="n")
         try:
             return body.sampling_params()
+        except errors.FieldError as exc:
+            raise errors.bad_request(str(exc), param=exc.param) from None
         except (ValueError, NotImplementedError) as exc:
             raise errors.from_value_error(exc, fields) from None
 

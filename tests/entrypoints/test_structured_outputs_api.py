@@ -1,0 +1,200 @@
+"""Structured outputs through the server: response_format, vLLM's structured_outputs and guided_* fields,
+on both endpoints, streamed and not, through httpx and the openai client; bad constraints are 400s.
+
+The cycle model writes its fixed byte cycle (greedy) or noise (sampled), so an output that parses is
+the constraint's doing (tests/engine/test_structured_outputs.py covers the engine side).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.conftest import CYCLE_MODEL
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "answer"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "ok", "color"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{2,4}-\d{1,3}"
+CHOICES = ["yes", "no", "maybe é"]
+GRAMMAR = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'
+
+# (name, request fields, check of the text)
+CASES = [
+    ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}},
+     lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    ("structured_outputs.regex", {"structured_outputs": {"regex": REGEX}}, lambda t: _assert(re.fullmatch(REGEX, t), t)),
+    ("structured_outputs.choice", {"structured_outputs": {"choice": CHOICES}}, lambda t: _assert(t in CHOICES, t)),
+    ("guided_json", {"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    ("guided_regex", {"guided_regex": REGEX}, lambda t: _assert(re.fullmatch(REGEX, t), t)),
+    ("guided_choice", {"guided_choice": CHOICES}, lambda t: _assert(t in CHOICES, t)),
+    ("guided_grammar", {"guided_grammar": GRAMMAR}, lambda t: _assert(re.fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", t), t)),
+]
+
+
+def _assert(ok, text):
+    assert ok, text
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _body(path: str, fields: dict, **extra) -> dict:
+    base = {"model": CYCLE_MODEL, "max_tokens": 200, "seed": 5, **extra, **fields}
+    return {**base, "messages": USER} if path == CHAT else {**base, "prompt": "answer: "}
+
+
+def _texts(path: str, r: httpx.Response) -> list[tuple[str, str]]:
+    assert r.status_code == 200, r.text
+    key = (lambda c: c["message"]["content"]) if path == CHAT else (lambda c: c["text"])
+    return [(key(c), c["finish_reason"]) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def _streamed(http: httpx.Client, path: str, body: dict) -> list[tuple[str, str]]:
+    texts: dict[int, list[str]] = {}
+    finish: dict[int, str] = {}
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        for c in json.loads(line.removeprefix("data: "))["choices"]:
+            piece = c["delta"].get("content") if path == CHAT else c["text"]
+            texts.setdefault(c["index"], []).append(piece or "")
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    return [("".join(texts[i]), finish[i]) for i in sorted(texts)]
+
+
+@pytest.mark.parametrize("path", [CHAT, C])
+@pytest.mark.parametrize(("name", "fields", "check"), CASES, ids=[c[0] for c in CASES])
+def test_constraint_greedy_and_sampled(http, path, name, fields, check):
+    for temperature, n in ((0.0, 1), (1.0, 2)):
+        for text, finish in _texts(path, http.post(path, json=_body(path, fields, temperature=temperature, n=n))):
+            assert finish == "stop", (name, text)
+            check(text)
+
+
+@pytest.mark.parametrize("path", [CHAT, C])
+@pytest.mark.parametrize(("name", "fields", "check"), [CASES[0], CASES[1]], ids=["json_schema", "regex"])
+def test_streamed_equals_unstreamed(http, path, name, fields, check):
+    body = _body(path, fields, temperature=1.0, n=2)
+    plain = _texts(path, http.post(path, json=body))
+    assert _streamed(http, path, body) == plain
+    for text, _ in plain:
+        check(text)
+
+
+@pytest.mark.parametrize("path", [CHAT, C])
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object(http, path, stream):
+    # any key is allowed, which a near-uniform model rarely closes: the samples that end in time must parse
+    body = _body(path, {"response_format": {"type": "json_object"}}, temperature=1.0, n=6, max_tokens=48, seed=1)
+    outs = _streamed(http, path, body) if stream else _texts(path, http.post(path, json=body))
+    stopped = [text for text, finish in outs if finish == "stop"]
+    assert stopped, outs
+    for text in stopped:
+        assert isinstance(json.loads(text), dict), text
+
+
+def test_text_response_format_is_unconstrained(http):
+    plain = _texts(CHAT, http.post(CHAT, json=_body(CHAT, {}, temperature=0, max_tokens=10)))
+    text = _texts(CHAT, http.post(CHAT, json=_body(CHAT, {"response_format": {"type": "text"}}, temperature=0, max_tokens=10)))
+    assert plain == text
+
+
+def test_openai_client_response_format(client):
+    r = client.chat.completions.create(
+        model=CYCLE_MODEL, messages=USER, max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    stream = client.chat.completions.create(
+        model=CYCLE_MODEL, messages=USER, max_tokens=200, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"choice": CHOICES}},
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in CHOICES
+
+
+class Answer(pydantic.BaseModel):
+    ok: bool
+    color: Literal["red", "green", "blue"]
+    count: int = pydantic.Field(ge=0, le=99)
+
+
+def test_openai_client_parse_returns_the_pydantic_object(client):
+    parse = client.chat.completions.parse if hasattr(client.chat.completions, "parse") else client.beta.chat.completions.parse
+    r = parse(model=CYCLE_MODEL, messages=USER, max_tokens=200, temperature=0, response_format=Answer)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Answer) and r.choices[0].finish_reason == "stop"
+
+
+def _schema_rf(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
+# (path, request fields, the param the 400 must name)
+BAD = [
+    (CHAT, {"response_format": _schema_rf({"type": "not-a-type"})}, "response_format.json_schema.schema"),
+    (C, {"response_format": _schema_rf({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})},
+     "response_format.json_schema.schema"),
+    (CHAT, {"response_format": _schema_rf("{}")}, "response_format.json_schema.schema"),
+    (CHAT, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
+    (C, {"response_format": "json"}, "response_format"),
+    (CHAT, {"guided_regex": "(ab"}, "guided_regex"),
+    (C, {"guided_regex": "(ab"}, "guided_regex"),
+    (C, {"guided_json": {"type": "not-a-type"}}, "guided_json"),
+    (CHAT, {"guided_json": "{not json"}, "guided_json"),
+    (C, {"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    (CHAT, {"guided_choice": []}, "guided_choice"),
+    (CHAT, {"guided_choice": "yes"}, "guided_choice"),
+    (CHAT, {"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
+    (C, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    (C, {"structured_outputs": {}}, "structured_outputs"),
+    (CHAT, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    (CHAT, {"structured_outputs": ["regex"]}, "structured_outputs"),
+    (CHAT, {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    (C, {"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice"),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), BAD, ids=[f"{i}-{p[4:]}-{f}" for i, (p, _, f) in enumerate(BAD)])
+def test_bad_constraint_is_400_naming_the_field(http, server, path, fields, param):
+    r = http.post(path, json=_body(path, fields, max_tokens=5, n=2))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert err["message"].startswith(param), err
+    ok = http.post(path, json=_body(path, {}, max_tokens=3, temperature=0))  # still serving
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_no_leak_after_constrained_and_refused_requests(server):
+    assert "Traceback" not in server.log()
+    m = server.wait_metrics(lambda v: v["jaxpaged:kv_blocks_used"] == 0)
+    assert m["jaxpaged:kv_blocks_used"] == 0 and m["jaxpaged:num_requests_waiting"] == 0 and m["jaxpaged:engine_alive"] == 1
