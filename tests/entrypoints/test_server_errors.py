@@ -94,7 +94,8 @@ BAD_JSON_BODIES = [
     (CHAT, _chat(seed=1.5), "seed"),
     (CHAT, _chat(stop="x" * 300), "stop"),
     (CHAT, _chat(stream_options={"include_usage": True}), "stream_options"),
-    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),  # "auto"
+    (CHAT, _chat(tools=[{"type": "function"}], tool_choice="required"), "tools"),
     (CHAT, _chat(response_format={"type": "json_object", "json_schema": 1}, guided_regex="a"), "guided_regex"),
     (C, _c(response_format={"type": "xml"}), "response_format.type"),
 ]

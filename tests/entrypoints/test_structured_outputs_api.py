@@ -198,3 +198,87 @@ def test_no_leak_after_constrained_and_refused_requests(server):
     assert "Traceback" not in server.log()
     m = server.wait_metrics(lambda v: v["jaxpaged:kv_blocks_used"] == 0)
     assert m["jaxpaged:kv_blocks_used"] == 0 and m["jaxpaged:num_requests_waiting"] == 0 and m["jaxpaged:engine_alive"] == 1
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now"}},  # no parameters: called with {}
+]
+
+
+def _check_call(call) -> None:
+    args = json.loads(call["function"]["arguments"])
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    if call["function"]["name"] == "weather":
+        jsonschema.validate(args, WEATHER)
+    else:
+        assert call["function"]["name"] == "now" and args == {}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}], ids=["required", "named"])
+def test_tool_choice_constrains_and_returns_tool_calls(http, tool_choice):
+    body = _body(CHAT, {"tools": TOOLS, "tool_choice": tool_choice}, temperature=1.0, n=3, max_tokens=300)
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    plain = []
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        message = choice["message"]
+        assert message["content"] is None and message["tool_calls"]
+        for call in message["tool_calls"]:
+            _check_call(call)
+        if tool_choice != "required":
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["weather"]
+        plain.append([c["function"] for c in message["tool_calls"]])
+    streamed: dict[int, list] = {}
+    with http.stream("POST", CHAT, json={**body, "stream": True}) as s:
+        lines = [line for line in s.iter_lines() if line]
+    for line in lines[:-1]:
+        for c in json.loads(line.removeprefix("data: "))["choices"]:
+            assert not c["delta"].get("content")
+            if c["finish_reason"]:
+                assert c["finish_reason"] == "tool_calls"
+                streamed[c["index"]] = [call["function"] for call in c["delta"]["tool_calls"]]
+    assert [streamed[i] for i in range(3)] == plain  # same seed: the same calls
+
+
+def test_tool_choice_none_ignores_tools(http):
+    base = _body(CHAT, {}, temperature=0, max_tokens=10)
+    with_tools = _texts(CHAT, http.post(CHAT, json={**base, "tools": TOOLS, "tool_choice": "none"}))
+    assert with_tools == _texts(CHAT, http.post(CHAT, json=base))
+
+
+def test_openai_client_tool_calls(client):
+    r = client.chat.completions.create(model=CYCLE_MODEL, messages=USER, max_tokens=300, temperature=0, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "weather"}})  # fmt: skip
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "weather"
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), WEATHER)
+
+
+BAD_TOOLS = [
+    ({"tools": TOOLS}, "tool_choice"),  # "auto", the default with tools
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "tool_choice": "required"},
+     "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_TOOLS, ids=[str(i) for i in range(len(BAD_TOOLS))])
+def test_bad_tools_are_400(http, fields, param):
+    r = http.post(CHAT, json=_body(CHAT, fields, max_tokens=5))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    ok = http.post(CHAT, json=_body(CHAT, {}, max_tokens=3, temperature=0))
+    assert ok.status_code == 200
+
+
+def test_no_leak_at_the_end(server):
+    test_no_leak_after_constrained_and_refused_requests(server)

@@ -45,12 +45,20 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     choices = []
     for c in final.outputs:
         logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids), top, serving.token_bytes)} if body.logprobs else None
-        choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-        })
+        message, finish = _message(body, c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
     generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)})
+
+
+def _message(body: ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message and finish reason; under a tool choice, a finished output's calls as tool_calls."""
+    if body.tool_mode is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    calls = body.tool_calls(text) if finish_reason == "stop" else None
+    if calls is None:  # cut short (length, abort): the partial text, as it is
+        return {"role": "assistant", "content": text, "tool_calls": None}, finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
 
 async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[str]:
@@ -64,6 +72,15 @@ async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest
 
     def chunk_for(_i, _out, c) -> dict | None:
         text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
+        if body.tool_mode is not None:  # the calls are sent whole, once the output is finished
+            if c.finish_reason is None:
+                return None
+            message, finish = _message(body, c.text, c.finish_reason)
+            logprobs = {"content": chat_logprobs(c, 0, end, top, serving.token_bytes)} if body.logprobs else None
+            if message["tool_calls"] is None:
+                return {"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs, "finish_reason": finish}
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            return {"index": c.index, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": finish}
         if not text and c.finish_reason is None and (not body.logprobs or start == end):
             return None
         logprobs = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)} if body.logprobs else None

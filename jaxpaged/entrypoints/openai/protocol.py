@@ -9,6 +9,8 @@ vLLM does, so clients that send extras keep working.
 
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -267,13 +269,91 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported")
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    def _check_tools(self) -> None:
+        """tools: OpenAI's function list; tool_choice: "none", "required", a named function ("auto" is refused)."""
+        names = []
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools.{i} must be {{'type': 'function', 'function': {{'name': str, 'parameters': object}}}}")
+            if not isinstance(fn.get("parameters", {}), dict):
+                raise ValueError(f"tools.{i}.function.parameters must be a JSON schema object")
+            names.append(fn["name"])
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
+            if not isinstance(name, str):
+                raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': str}}")
+            if name not in names:
+                raise ValueError(f"tool_choice names the function {name!r}, which tools does not hold")
+        elif choice not in (None, "none", "auto", "required"):
+            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function (got {choice!r})")
+        elif choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        elif choice in (None, "auto") and names:
+            raise ValueError(
+                "tool_choice 'auto' (the default with tools) is not supported: set 'required', a named function, or 'none'"
+            )
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tool calls), "required", or the name of the function that must be called."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        return "required" if self.tool_choice == "required" else self.tool_choice["function"]["name"]
+
+    def _functions(self) -> dict[str, dict]:
+        """Each function's name and its parameters' schema (no parameters: an empty object)."""
+        empty = {"type": "object", "properties": {}, "additionalProperties": False}
+        return {t["function"]["name"]: t["function"].get("parameters") or empty for t in self.tools or []}
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema the output must follow: a named function's parameters, or for "required" a non-empty
+        array of {"name", "parameters"} calls (as vLLM)."""
+        mode = self.tool_mode
+        if mode is None:
+            return None
+        functions = self._functions()
+        if mode != "required":
+            return functions[mode]
+        calls = [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, params in functions.items()
+        ]  # fmt: skip
+        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        found = super()._constraints()
+        schema = self.tool_schema()
+        if schema is None:
+            return found
+        if found:
+            raise FieldError(f"{found[0][0]} cannot be combined with tool_choice {self.tool_choice!r}", found[0][0].split(".")[0])
+        return [("tools", {"json": schema})]
+
+    def tool_calls(self, text: str) -> list[dict] | None:
+        """The calls in a finished output under tool_mode, as OpenAI's message.tool_calls (None if it does not parse)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        mode = self.tool_mode
+        try:
+            calls = [(mode, value)] if mode != "required" else [(c["name"], c["parameters"]) for c in value]
+        except (TypeError, KeyError):
+            return None
+        return [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+            for name, args in calls
+        ]  # fmt: skip
 
     @property
     def max_tokens_field(self) -> str:
