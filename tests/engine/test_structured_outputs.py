@@ -15,21 +15,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
 from jaxpaged.worker.sampler import apply_bitmask
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "ok": {"type": "boolean"},
-        "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
-    },
-    "required": ["name", "ok", "color", "tags"],
-    "additionalProperties": False,
-}
-REGEX = r"[a-c]{2,4}-\d{1,3}"
-CHOICES = ["yes", "no", "maybe é"]
-GRAMMAR = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'
+from tests.structured_cases import CHOICES, GRAMMAR, REGEX, SCHEMA
 
 
 @pytest.fixture(scope="module")

@@ -18,22 +18,10 @@ import pydantic
 import pytest
 
 from tests.conftest import CYCLE_MODEL
+from tests.structured_cases import CHOICES, GRAMMAR, REGEX, SMALL_SCHEMA as SCHEMA
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "answer"}]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "ok": {"type": "boolean"},
-        "color": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["name", "ok", "color"],
-    "additionalProperties": False,
-}
-REGEX = r"[a-c]{2,4}-\d{1,3}"
-CHOICES = ["yes", "no", "maybe é"]
-GRAMMAR = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'
 
 # (name, request fields, check of the text)
 CASES = [
