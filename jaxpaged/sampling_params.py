@@ -24,6 +24,9 @@ _GREEDY_EPS = 1e-5
 
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's structured outputs: exactly one constraint on what the request may generate.
@@ -41,10 +44,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name) not in (None, False)]
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar "
+                f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} "
                 f"(got {', '.join(given) or 'none'})"
             )
         if self.json is not None and not isinstance(self.json, (dict, str)):
@@ -65,10 +68,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which field is set."""
-        for name in ("json", "json_object", "regex", "choice", "grammar"):
-            if getattr(self, name) not in (None, False):
-                return name
-        raise AssertionError("unreachable")
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
 
 
 class SamplingType(enum.IntEnum):

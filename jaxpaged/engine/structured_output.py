@@ -79,7 +79,6 @@ class StructuredOutputManager:
     def __init__(self, tokenizer, eos_token_ids: Sequence[int], vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's logits width, which the mask must cover
-        self.bitmask_words = -(-vocab_size // 32)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._ll_tokenizer = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # (kind, text) -> a fresh LLMatcher
@@ -142,7 +141,7 @@ class StructuredOutputManager:
         return len(self._compiled)
 
     def fill_row(self, state: GrammarState, row: np.ndarray) -> None:
-        """Write the tokens `state` allows next into one bitmask row ([bitmask_words] int32)."""
+        """Write the tokens `state` allows next into one bitmask row (sampler.bitmask_words(vocab) int32)."""
         from llguidance.numpy import fill_next_token_bitmask
 
         self.ll_tokenizer  # noqa: B018 - sizes the scratch row

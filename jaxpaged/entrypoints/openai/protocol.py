@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from jaxpaged.entrypoints.openai.errors import FieldError, rename_constraint
-from jaxpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxpaged.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_PROMPTS = 128  # prompts in one completions request
@@ -112,13 +112,13 @@ class _SamplingRequest(_Strict):
         if so is not None:
             if not isinstance(so, dict):
                 raise FieldError("structured_outputs must be an object", "structured_outputs")
-            unknown = sorted(set(so) - set(_KINDS))
+            unknown = sorted(set(so) - set(STRUCTURED_OUTPUT_KINDS))
             if unknown:
                 raise FieldError(
-                    f"structured_outputs.{unknown[0]} is not supported (set one of {', '.join(_KINDS)})",
+                    f"structured_outputs.{unknown[0]} is not supported (set one of {', '.join(STRUCTURED_OUTPUT_KINDS)})",
                     f"structured_outputs.{unknown[0]}",
                 )
-            given = [k for k in _KINDS if so.get(k) not in (None, False)]
+            given = [k for k in STRUCTURED_OUTPUT_KINDS if so.get(k) not in (None, False)]
             found.append((f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs", dict(so)))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):  # fmt: skip
@@ -214,9 +214,6 @@ class CompletionRequest(_SamplingRequest):
             max_tokens=1 if self.prompt_only else self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
             best_of=self.best_of, structured_outputs=self.structured_outputs_params(), **self.sampling_kwargs(),
         )
-
-
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _is_token(value) -> bool:
