@@ -25,6 +25,8 @@ _GREEDY_EPS = 1e-5
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's JSON options beside the constraint (structural_tag, also vLLM's, is refused)
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties", "disable_fallback")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,12 @@ class StructuredOutputsParams:
     matches it; choice: the output is one of these strings; grammar: a Lark (EBNF) grammar. They are
     compiled (llguidance) when the request is added: one llguidance cannot compile is refused there
     with a ValueError naming the field (engine/structured_output.py).
+
+    vLLM's JSON options: disable_any_whitespace (None: this engine's default, compact JSON, because a weak
+    model can pad with whitespace forever; False: whitespace allowed between tokens, vLLM's default),
+    whitespace_pattern (a regex for that whitespace), disable_additional_properties (objects take only the
+    properties their schema lists). disable_fallback is accepted and has no effect: there is one backend.
+    structural_tag is refused.
     """
 
     json: dict | str | None = None
@@ -42,8 +50,15 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported")
         given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
@@ -64,6 +79,22 @@ class StructuredOutputsParams:
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"structured_outputs.choice must hold non-empty strings (got {self.choice!r})")
             object.__setattr__(self, "choice", list(self.choice))
+        self._check_json_options()
+
+    def _check_json_options(self) -> None:
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool (got {value!r})")
+        pattern = self.whitespace_pattern
+        if pattern is not None and (not isinstance(pattern, str) or not pattern):
+            raise ValueError(f"structured_outputs.whitespace_pattern must be a non-empty string (got {pattern!r})")
+        json_kind = self.kind in ("json", "json_object")
+        for name in ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties"):
+            if getattr(self, name) not in (None, False) and not json_kind:
+                raise ValueError(f"structured_outputs.{name} applies to json and json_object only")
+        if pattern is not None and self.disable_any_whitespace:
+            raise ValueError("structured_outputs.whitespace_pattern cannot be combined with disable_any_whitespace=True")
 
     @property
     def kind(self) -> str:
@@ -260,7 +291,6 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty != 1.0, "logprobs": self.logprobs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
-            "structured_outputs": self.structured_outputs is not None,
         }  # fmt: skip
         for name, value in unsupported.items():
             if value:

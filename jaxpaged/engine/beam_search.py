@@ -80,6 +80,7 @@ class _Hypothesis:
     tokens: list[int] | None  # generated tokens; None for transformers' empty placeholder slots
     cum_logprob: float = 0.0
     finished: bool = False
+    stopped: bool = False  # ended by EOS or its grammar, not by max_tokens
 
 
 class BeamSearch:
@@ -99,19 +100,25 @@ class BeamSearch:
         self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
         self.done = False
 
-    def advance(self, tops: list[tuple[np.ndarray, np.ndarray]], outputs: list[list[int]]) -> list[tuple[int, int]]:
-        """One round. tops[b] = (ids, logprobs) of running beam b, best first; outputs[b] its tokens so far.
+    def advance(self, tops: list[tuple[np.ndarray, np.ndarray]], outputs: list[list[int]], ends=None) -> list[tuple[int, int]]:
+        """One round. tops[b] = (ids, logprobs) of running beam b, best first; outputs[b] its tokens so far;
+        ends(b, token): whether that token ends beam b's grammar (structured outputs), a finish as EOS is.
 
         Returns the next running beams as (parent beam, token); empty once the search is done.
         """
         cands = []  # (score, beam, token, logprob)
         for b, (ids, lps) in enumerate(tops):
             for token, lp in zip(ids[: self.num_candidates], lps[: self.num_candidates]):
-                cands.append((np.float32(self.scores[b] + np.float32(lp)), b, int(token), float(lp)))
+                if np.isfinite(lp):  # -inf: a token the beam's grammar forbids (fewer allowed than candidates)
+                    cands.append((np.float32(self.scores[b] + np.float32(lp)), b, int(token), float(lp)))
         cands.sort(key=lambda c: -c[0])  # stable: ties keep beam order, as a flattened top-k would
         cands = cands[: self.num_candidates]
+        if not cands:  # every beam's grammar is spent: nothing can follow
+            self.done = True
+            return []
         length = self.generated + 1
-        hits = [token in self.eos_ids or length >= self.max_tokens for _, _, token, _ in cands]
+        stops = [token in self.eos_ids or (ends is not None and ends(b, token)) for _, b, token, _ in cands]
+        hits = [stop or length >= self.max_tokens for stop in stops]
 
         # Finished hypotheses: only the top `width` candidates may enter, and only while improvement is possible.
         full = all(h.finished for h in self.finished) and self.early_stopping is True
@@ -122,7 +129,7 @@ class BeamSearch:
             if full or not self.improvable or not enters:
                 normalised = np.float32(normalised + NEG)
             tokens = outputs[b] + [token]
-            entries.append(_Hypothesis(normalised, tokens, self.cum_logprobs[b] + lp, enters))
+            entries.append(_Hypothesis(normalised, tokens, self.cum_logprobs[b] + lp, enters, stops[i]))
         entries.sort(key=lambda h: -h.score)
         self.finished = entries[: self.width]
 
@@ -157,4 +164,4 @@ class BeamSearch:
         ]  # fmt: skip
 
     def finish_reason(self, h: _Hypothesis) -> str:
-        return "stop" if h.tokens and h.tokens[-1] in self.eos_ids else "length"
+        return "stop" if h.stopped else "length"

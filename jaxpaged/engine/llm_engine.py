@@ -180,10 +180,11 @@ class LLMEngine:
         max_tokens = self._max_tokens(params, len(ids))
         grammars = None
         if params.structured_outputs is not None:  # compiled (or found in the cache) here: a bad one is refused now
-            grammars = [self.structured_outputs.new_state(params.structured_outputs) for _ in range(params.n)]
+            count = 1 if params.use_beam_search else params.n  # beams copy the root's as they fork
+            grammars = [self.structured_outputs.new_state(params.structured_outputs) for _ in range(count)]
         parent = ParentRequest(request_id, text, ids, params)
         if params.use_beam_search:
-            self._add_beam_search(parent, max_tokens)
+            self._add_beam_search(parent, max_tokens, grammars[0] if grammars else None)
             return request_id
         base_seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**63 - 1))
         # n > 1: the first sample computes the prompt but its last token, then the others fork from it and
@@ -208,7 +209,7 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return request_id
 
-    def _add_beam_search(self, parent: ParentRequest, max_tokens: int) -> None:
+    def _add_beam_search(self, parent: ParentRequest, max_tokens: int, grammar) -> None:
         params = parent.params
         eos = [] if params.ignore_eos else self.eos_token_ids
         search = BeamSearch(params.best_of, max_tokens, eos, params.length_penalty, params.early_stopping)
@@ -218,6 +219,7 @@ class LLMEngine:
                 f"beam search ranks max(2, 1 + {len(eos)} EOS ids) x width candidates per beam (got {params.best_of})"
             )
         root = self._beam_sequence(parent, search, 0, [])
+        root.grammar = grammar
         search.running = parent.sequences = [root]
         self.output_processor.add_beam_search(parent, search)
         self.scheduler.add(root)
@@ -252,12 +254,17 @@ class LLMEngine:
 
     def _advance_beams(self, parent: ParentRequest, search: BeamSearch) -> None:
         beams = search.running
-        chosen = search.advance([search.tops[b] for b in beams], [b.output_token_ids for b in beams])
+        constrained = beams[0].grammar is not None
+        ends = (lambda b, token: beams[b].grammar.ends_after(token)) if constrained else None
+        chosen = search.advance([search.tops[b] for b in beams], [b.output_token_ids for b in beams], ends)
         children = []
         for beam_index, token in chosen:
             beam = beams[beam_index]
             self._beam_count += 1
             child = self._beam_sequence(parent, search, self._beam_count, [*beam.output_token_ids, token])
+            if constrained:  # the child's grammar: its parent's, advanced by the chosen token
+                child.grammar = beam.grammar.copy()
+                child.grammar.accept(token)
             self.scheduler.fork(beam, child)  # before the parents let go of the shared blocks
             children.append(child)
         for beam in beams:

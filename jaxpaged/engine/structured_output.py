@@ -27,10 +27,10 @@ MAX_CACHED_GRAMMARS = 256
 
 
 def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
-    """(kind, text): the cache key, and what is compiled."""
+    """(kind, text): the cache key, and what is compiled (a JSON schema with its options in llguidance's x-guidance)."""
     kind = params.kind
-    if kind == "json":
-        schema = params.json
+    if kind in ("json", "json_object"):
+        schema = params.json if kind == "json" else {"type": "object"}
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -38,14 +38,29 @@ def _grammar_text(params: StructuredOutputsParams) -> tuple[str, str]:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ValueError("structured_outputs.json must be a JSON schema object")
-        return kind, json.dumps(schema, sort_keys=True)
-    if kind == "json_object":
-        return kind, ""
+        if params.disable_additional_properties:
+            schema = _closed_objects(schema)
+        options = {"whitespace_flexible": params.disable_any_whitespace is False}
+        if params.whitespace_pattern is not None:
+            options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
+        return kind, json.dumps({**schema, "x-guidance": options}, sort_keys=True)
     if kind == "regex":
         return kind, params.regex
     if kind == "choice":
         return kind, json.dumps(params.choice)
     return kind, params.grammar
+
+
+def _closed_objects(schema):
+    """vLLM's disable_additional_properties: every object schema that does not say otherwise takes no other keys."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed_objects(value) for key, value in schema.items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class GrammarState:
@@ -61,6 +76,20 @@ class GrammarState:
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Write the tokens allowed next into one bitmask row ([vocab / 32] int32)."""
         self.manager.fill_row(self, row)
+
+    def copy(self) -> GrammarState:
+        """A beam's child: the parent's grammar as it stands, to be advanced on its own."""
+        state = GrammarState(self.matcher.deep_copy(), self.manager)
+        state.num_consumed = self.num_consumed
+        return state
+
+    def ends_after(self, token: int) -> bool:
+        """Whether `token` would end the grammar (left where it is): a beam candidate that finishes."""
+        if self.matcher.validate_tokens([int(token)]) != 1 or not self.matcher.consume_token(int(token)):
+            return False
+        ended = bool(self.matcher.is_stopped())
+        self.matcher.rollback(1)
+        return ended
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar refuses it (the sequence is then ended)."""
@@ -107,12 +136,9 @@ class StructuredOutputManager:
         if cached is not None:
             self._compiled.move_to_end(key)
             return cached
-        compact = {"whitespace_flexible": False}  # no free whitespace: a weak model could pad with it forever
         try:
-            if kind == "json":
-                grammar = LLMatcher.grammar_from_json_schema(text, overrides=compact)
-            elif kind == "json_object":
-                grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
+            if kind in ("json", "json_object"):  # options in x-guidance (compact unless asked: _grammar_text)
+                grammar = LLMatcher.grammar_from_json_schema(text)
             elif kind == "regex":
                 grammar = LLMatcher.grammar_from_regex(text)
             elif kind == "choice":

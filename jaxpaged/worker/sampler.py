@@ -177,6 +177,7 @@ def _no_top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
     raw_logprobs = _log_softmax(raw_logits)
+    raw_logprobs = jnp.where(raw_logits <= MASKED_LOGIT, -jnp.inf, raw_logprobs)  # a token the grammar forbids
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return (chosen, *_top_logprobs(raw_logprobs))
 
@@ -202,9 +203,10 @@ def sample(logits: jax.Array, attn_metadata: SamplingMetadata) -> SamplerOutput:
     without penalties or logprobs costs one argmax over the vocabulary.
     """
     raw = logits.astype(jnp.float32)
-    logits = jax.lax.cond(
+    raw = jax.lax.cond(  # logprobs are of this distribution: the model's, renormalised over the allowed tokens
         attn_metadata.any_constrained, lambda x: apply_bitmask(x, attn_metadata.bitmask), lambda x: x, raw
     )
+    logits = raw
     logits = jax.lax.cond(
         jnp.any(attn_metadata.suppress_ids >= 0), lambda x: apply_suppression(x, attn_metadata.suppress_ids), lambda x: x, logits
     )

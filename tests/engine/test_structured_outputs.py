@@ -134,9 +134,80 @@ def test_params_validation():
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"regex": "a"})
-    with pytest.raises(ValueError, match="structured_outputs is not supported with use_beam_search"):
-        SamplingParams(temperature=0, use_beam_search=True, best_of=2,
-                       structured_outputs=StructuredOutputsParams(regex="a"))  # fmt: skip
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag is not supported"):
+        StructuredOutputsParams(json_object=True, structural_tag="{}")
+    with pytest.raises(ValueError, match="structured_outputs.whitespace_pattern applies to json"):
+        StructuredOutputsParams(regex="a", whitespace_pattern=" ")
+    with pytest.raises(ValueError, match="structured_outputs.disable_any_whitespace must be a bool"):
+        StructuredOutputsParams(json_object=True, disable_any_whitespace="yes")
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar"])
+def test_beam_search_under_a_constraint(llm, kind):
+    """Every hypothesis of every beam follows the constraint and ends there (finish "stop"); the scores are the
+    model's logprobs renormalised over the allowed tokens, so they stay finite."""
+    width = 3
+    params = SamplingParams(temperature=0.0, use_beam_search=True, best_of=width, n=width, max_tokens=200,
+                            structured_outputs=StructuredOutputsParams(**CONSTRAINTS[kind]))  # fmt: skip
+    (out,) = llm.generate([f"beams of {kind}"], params, use_tqdm=False)
+    assert len(out.outputs) == width
+    texts = [c.text for c in out.outputs]
+    assert len(set(texts)) == width, texts
+    for c in out.outputs:
+        assert c.finish_reason == "stop", (kind, c.text)
+        assert np.isfinite(c.cumulative_logprob) and c.cumulative_logprob <= 0
+        _check(kind, c.text)
+    if kind == "choice":  # width 3 over three choices: the search must find each of them, best first
+        assert sorted(texts) == sorted(CHOICES)
+    _assert_all_blocks_back(llm)
+
+
+def test_beam_search_choice_scores_are_the_renormalised_logprobs(llm):
+    """A beam's score is the sum of its tokens' logprobs under the masked distribution: the choice greedy decoding
+    writes is among the beams, with the cumulative logprob greedy reports for it, and no beam scores better
+    than the best."""
+    constraint = StructuredOutputsParams(choice=CHOICES)
+    params = SamplingParams(temperature=0.0, use_beam_search=True, best_of=3, n=3, max_tokens=50, structured_outputs=constraint)
+    (beams,) = llm.generate(["pick"], params, use_tqdm=False)
+    scores = [c.cumulative_logprob for c in beams.outputs]
+    assert scores == sorted(scores, reverse=True)
+    greedy_params = SamplingParams(temperature=0.0, max_tokens=50, logprobs=0, structured_outputs=constraint)
+    (greedy,) = llm.generate(["pick"], greedy_params, use_tqdm=False)
+    g = greedy.outputs[0]
+    by_text = {c.text: c.cumulative_logprob for c in beams.outputs}
+    assert g.text in by_text
+    assert np.isclose(by_text[g.text], g.cumulative_logprob, atol=1e-4)
+    assert scores[0] >= g.cumulative_logprob - 1e-4
+
+
+def test_logprobs_under_a_constraint_exclude_forbidden_tokens(llm):
+    """As vLLM: logprobs are of the masked distribution, renormalised over the allowed tokens; a forbidden token
+    that makes the top list comes back as -inf."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=5,
+                            structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))  # fmt: skip
+    (out,) = llm.generate(["x"], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert re.fullmatch("[ab]{3}", c.text)
+    for token, entry in zip(c.token_ids[:3], c.logprobs[:3]):
+        finite = {t: lp.logprob for t, lp in entry.items() if np.isfinite(lp.logprob)}
+        assert set(finite) <= {ord("a"), ord("b")}, entry
+        assert np.isclose(np.logaddexp.reduce(list(finite.values())), 0.0, atol=1e-4)  # they sum to one
+        assert token in finite
+
+
+def test_json_options(llm):
+    """vLLM's disable_additional_properties closes every object; whitespace_pattern allows that whitespace."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    closed = StructuredOutputsParams(json=open_schema, disable_additional_properties=True)
+    for out in llm.generate(["j"] * 4, SamplingParams(temperature=1.0, seed=1, max_tokens=100, structured_outputs=closed),
+                            use_tqdm=False):  # fmt: skip
+        value = json.loads(out.outputs[0].text)
+        assert set(value) == {"a"}, value
+    spaced = StructuredOutputsParams(json=open_schema, whitespace_pattern="[ ]{2}", disable_additional_properties=True)
+    (out,) = llm.generate(["k"], SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=spaced), use_tqdm=False)
+    text = out.outputs[0].text
+    assert json.loads(text)["a"] is not None
+    assert re.sub(r'"[^"]*"', "", text).replace("  ", "").count(" ") == 0, text  # any whitespace comes in pairs
 
 
 def test_compiled_grammars_are_cached(llm):

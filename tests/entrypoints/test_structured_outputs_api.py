@@ -165,6 +165,7 @@ BAD = [
     (C, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     (C, {"structured_outputs": {}}, "structured_outputs"),
     (CHAT, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    (C, {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.regex"),
     (CHAT, {"structured_outputs": ["regex"]}, "structured_outputs"),
     (CHAT, {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     (C, {"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice"),
@@ -180,6 +181,27 @@ def test_bad_constraint_is_400_naming_the_field(http, server, path, fields, para
     assert err["message"].startswith(param), err
     ok = http.post(path, json=_body(path, {}, max_tokens=3, temperature=0))  # still serving
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_vllm_json_options_and_logprobs_under_a_constraint(http, path):
+    """vLLM's JSON options pass through; logprobs come from the masked distribution, and a forbidden token in the
+    top list reports -9999.0 (JSON has no -inf), as vLLM's server does."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    so = {"json": schema, "disable_additional_properties": True, "disable_fallback": True}
+    logprobs = {"logprobs": 5} if path == C else {"logprobs": True, "top_logprobs": 5}
+    r = http.post(path, json=_body(path, {"structured_outputs": so}, max_tokens=60, temperature=1.0, seed=2, **logprobs))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["text"] if path == C else choice["message"]["content"]
+    assert set(json.loads(text)) == {"a"}
+    if path == C:
+        first = choice["logprobs"]["top_logprobs"][0]  # the first token can only be "{"
+        assert first["{"] == pytest.approx(0.0, abs=1e-5) and sorted(first.values())[0] == -9999.0
+    else:
+        first = choice["logprobs"]["content"][0]
+        assert first["token"] == "{" and first["logprob"] == pytest.approx(0.0, abs=1e-5)
+        assert [t["logprob"] for t in first["top_logprobs"]][1:] == [-9999.0] * 4
 
 
 def test_no_leak_after_constrained_and_refused_requests(server):

@@ -33,6 +33,13 @@ def _ranked(entry: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
     return ranked[:limit]
 
 
+FLOOR = -9999.0  # JSON has no -inf: a token a grammar forbids reports this, as vLLM's server does
+
+
+def _value(lp: Logprob) -> float:
+    return max(lp.logprob, FLOOR)
+
+
 def _text(lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
@@ -44,8 +51,8 @@ def _completion_lists() -> dict[str, list]:
 def _add_token(lists: dict, token_id: int, entry: dict[int, Logprob], top: int, offset: int) -> int:
     chosen = entry[token_id]
     lists["tokens"].append(_text(chosen))
-    lists["token_logprobs"].append(chosen.logprob)
-    lists["top_logprobs"].append({_text(lp): lp.logprob for _, lp in _ranked(entry, top)})
+    lists["token_logprobs"].append(_value(chosen))
+    lists["top_logprobs"].append({_text(lp): _value(lp) for _, lp in _ranked(entry, top)})
     lists["text_offset"].append(offset)
     return offset + len(_text(chosen))
 
@@ -83,9 +90,9 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int, token_byt
         tid = c.token_ids[k]
         chosen = entry[tid]
         content.append({
-            "token": _text(chosen), "logprob": chosen.logprob, "bytes": token_bytes(tid, _text(chosen)),
+            "token": _text(chosen), "logprob": _value(chosen), "bytes": token_bytes(tid, _text(chosen)),
             "top_logprobs": [
-                {"token": _text(lp), "logprob": lp.logprob, "bytes": token_bytes(t, _text(lp))} for t, lp in _ranked(entry, top)
+                {"token": _text(lp), "logprob": _value(lp), "bytes": token_bytes(t, _text(lp))} for t, lp in _ranked(entry, top)
             ],
         })
     return content

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from jaxpaged.entrypoints.openai.errors import FieldError, rename_constraint
-from jaxpaged.sampling_params import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputsParams
+from jaxpaged.sampling_params import STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_OPTIONS, SamplingParams, StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_PROMPTS = 128  # prompts in one completions request
@@ -112,7 +112,7 @@ class _SamplingRequest(_Strict):
         if so is not None:
             if not isinstance(so, dict):
                 raise FieldError("structured_outputs must be an object", "structured_outputs")
-            unknown = sorted(set(so) - set(STRUCTURED_OUTPUT_KINDS))
+            unknown = sorted(set(so) - set(STRUCTURED_OUTPUT_KINDS) - set(STRUCTURED_OUTPUT_OPTIONS))
             if unknown:
                 raise FieldError(
                     f"structured_outputs.{unknown[0]} is not supported (set one of {', '.join(STRUCTURED_OUTPUT_KINDS)})",
