@@ -78,6 +78,16 @@ def test_offline_generate_and_chat(executed):
     assert re.search(r"num_compiles_after_warmup: 0$", chat, re.MULTILINE)  # get_stats() printed, nothing recompiled
 
 
+def test_structured_outputs_parse(executed):
+    import json
+
+    out = stdout(executed, "structured")
+    value = json.loads(quoted_after(out, "structured -> ")[0])
+    assert set(value) == {"city", "country"} and all(isinstance(v, str) for v in value.values())
+    assert quoted_after(out, "choice -> ")[0] in ("yes", "no")
+    assert re.search(r"parsed -> Capital\(city='[^']*', country='[^']*'\)", stdout(executed, "openai-structured"))
+
+
 def test_server_answered_the_openai_client(executed):
     assert re.search(r"server pid \d+ healthy on http://127\.0\.0\.1:\d+", stdout(executed, "server"))
     assert "Paris" in quoted_after(stdout(executed, "openai-chat"), "chat completion -> ")[0]

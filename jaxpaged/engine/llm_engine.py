@@ -50,6 +50,7 @@ class InFlightStep:
 
     scheduler_output: SchedulerOutput
     dispatched: DispatchedStep
+    sample_later: bool = False  # only its forward is dispatched: sampled once the previous step's tokens are in
 
     @property
     def sampled_rows(self) -> dict[Request, int]:
@@ -65,6 +66,11 @@ def _enable_compilation_cache(config: EngineConfig) -> None:
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _needs_host_tokens(req: Request) -> bool:
+    """Sampling this sequence reads its latest tokens on the host: its grammar's mask, or its penalties' history."""
+    return req.grammar is not None or req.params.has_penalties
 
 
 class LLMEngine:
@@ -319,6 +325,8 @@ class LLMEngine:
         """schedule -> execute -> update. With async scheduling the host schedules and dispatches step N+1
         before it reads step N's tokens: the inputs N+1 takes from N never leave the device (PLACEHOLDER on
         the host until read). Sequences that end in step N cost N+1 one wasted row, whose results are dropped.
+        Where N+1's sampling needs N's tokens on the host (a grammar's mask, a penalty's history), only its
+        forward is dispatched, and its sampler once N is read and processed (docs/design.md, "Structured outputs").
         """
         step, self._in_flight = self._in_flight, None
         if step is None:
@@ -328,7 +336,13 @@ class LLMEngine:
         if self.config.async_scheduling and self._can_overlap(step):
             self._in_flight = self._schedule_and_dispatch(step)
             self.num_overlapped_steps += self._in_flight is not None
-        return self._update(step.scheduler_output, step.dispatched.fetch())
+        try:
+            return self._update(step.scheduler_output, step.dispatched.fetch())
+        finally:
+            following = self._in_flight
+            if following is not None and following.sample_later:
+                self.runner.sample_later(following.scheduler_output, following.dispatched)
+                following.sample_later = False
 
     def _schedule_and_dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
         """schedule + execute (queued on the device, read back later); None when nothing can run."""
@@ -337,7 +351,9 @@ class LLMEngine:
             if prev is None and self.scheduler.has_unfinished() and not scheduler_output.preempted:  # admission checks prevent it
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return None
-        return InFlightStep(scheduler_output, self.runner.execute_model(scheduler_output, prev.dispatched if prev else None))
+        later = prev is not None and any(_needs_host_tokens(req) for req in scheduler_output.sampled_rows)
+        dispatched = self.runner.execute_model(scheduler_output, prev.dispatched if prev else None, defer_sampling=later)
+        return InFlightStep(scheduler_output, dispatched, later)
 
     def _update(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """update: stop strings from the detokenizer, then the scheduler takes the tokens (and checks every
@@ -348,12 +364,9 @@ class LLMEngine:
         return self.output_processor.process(live, result, ended_searches)
 
     def _can_overlap(self, step: InFlightStep) -> bool:
-        """The next step can be formed without this one's results: no beam search (the host picks the next beams),
-        no penalties on a sequence whose next input is still on the device (they read the token history), and no
-        grammar on one (its next mask needs the token: docs/design.md, "Structured outputs")."""
-        if self.output_processor.beams:
-            return False
-        return not any(req.params.has_penalties or req.grammar is not None for req in step.sampled_rows)
+        """The next step can be formed without this one's results: no beam search (the host picks the next beams
+        from them). Grammars and penalties need them only to sample, which waits (sample_later)."""
+        return not self.output_processor.beams
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import numpy as np
 from jaxpaged.core.kv_cache_manager import slot_mapping
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.pallas_kernels import AttentionMetadata
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, bitmask_words, build_sampling_metadata
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ class StepInputs:
     positions: np.ndarray  # [T]
     attention: AttentionMetadata  # numpy leaves
     logit_rows: np.ndarray  # [S] row of each sequence's last token
-    sampling: SamplingMetadata  # numpy leaves
+    sampling: SamplingMetadata | None  # numpy leaves; None: built later (ModelRunner.sample_later)
     prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
     prev_rows: np.ndarray | None = None  # [T] row of the previous step whose sampled token is this input, else -1
 
@@ -50,6 +51,9 @@ class _OutputsAtScheduling(Sequence):
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.ids[: self.n], dtype=dtype)
+
+
+_FINISHED_ROW = SamplingParams(temperature=0.0, max_tokens=1)  # a row whose result will be dropped
 
 
 class InputBatchBuilder:
@@ -74,7 +78,7 @@ class InputBatchBuilder:
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
-    def build(self, output: SchedulerOutput) -> StepInputs:
+    def build(self, output: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
         t, s = self.runner.bucket_for(output.num_tokens)
         ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -84,7 +88,6 @@ class InputBatchBuilder:
         query_start_loc = np.zeros(s + 1, np.int32)
         logit_rows = np.zeros(s, np.int32)
         prompt_next = prev_rows = None
-        rows = []
         cursor = 0
         for j, item in enumerate(output.scheduled):
             req, start, n = item.request, item.start, item.num_tokens
@@ -104,12 +107,24 @@ class InputBatchBuilder:
             cursor += n
             query_start_loc[j + 1] = cursor
             logit_rows[j] = cursor - 1
+        query_start_loc[len(output.scheduled) + 1 :] = cursor
+        sampling = self.sampling(output, t) if with_sampling else None
+        attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
+        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)
+
+    def sampling(self, output: SchedulerOutput, num_tokens: int) -> SamplingMetadata:
+        """The step's sampling rows from its requests as they stand: at scheduling, or (deferred) once the previous
+        step's tokens are in, when a sequence that finished meanwhile gets a neutral row (its result is dropped)."""
+        rows = []
+        for item in output.scheduled:
+            req = item.request
+            if req.finished:
+                rows.append(SamplingRow(_FINISHED_ROW, (), (), 0))
+                continue
             outputs = req.output_token_ids
             if len(outputs) != item.num_output_tokens:
                 outputs = _OutputsAtScheduling(outputs, item.num_output_tokens)
             grammar = req.grammar if item.samples else None  # a chunk that samples nothing needs no mask
             rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar))
-        query_start_loc[len(output.scheduled) + 1 :] = cursor
-        sampling = build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)
-        attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
-        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)
+        _, s = self.runner.bucket_for(num_tokens)
+        return build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)

@@ -32,7 +32,7 @@ from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
-from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, prompt_logprobs, sample
+from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
 
@@ -60,12 +60,19 @@ def _abstract(leaf):
 
 @dataclasses.dataclass
 class DispatchedStep:
-    """A step handed to the device: its outputs are futures until fetch() reads them back."""
+    """A step handed to the device: its outputs are futures until fetch() reads them back.
 
-    out: object  # the sampler's output (device arrays)
+    The forward pass and the sampler are two dispatches: a step whose sampling needs the previous step's
+    tokens on the host (a grammar's mask, a penalty's history) runs its forward first and is sampled once
+    they are read (ModelRunner.sample), so the device computes the forward while the host catches up.
+    """
+
+    bucket: int
+    logits: jax.Array | None  # [S, V] of the sampling rows, until sampled
     prompt: tuple | None  # prompt logprobs (device arrays), when some row wants them
-    sampled: jax.Array  # [max_num_seqs] the sampled tokens, padded: the next step's inputs, never leaving the device
-    want_top: bool
+    out: object = None  # the sampler's output (device arrays)
+    sampled: jax.Array | None = None  # [max_num_seqs] the sampled tokens, padded: the next step's inputs, kept on the device
+    want_top: bool = False
 
     def fetch(self) -> StepResult:
         tokens, logprobs = jax.device_get((self.out.tokens, self.out.logprobs))
@@ -116,7 +123,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.mesh is None:
             self.kv_cache = jnp.zeros(shape, kv_dtype)
-            self._step = jax.jit(self._step_impl)
+            self._forward = jax.jit(self._forward_impl)
+            self._sample = jax.jit(self._sample_impl)
             self._write = jax.jit(write_kv, donate_argnums=(0,))
             self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
         else:
@@ -127,9 +135,8 @@ class ModelRunner:
             cache = kv_cache_sharding(self.mesh)
             self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=cache)()
             replicated = NamedSharding(self.mesh, PartitionSpec())
-            self._step = jax.jit(
-                self._step_impl, out_shardings=(replicated, replicated, replicated, new_kv_sharding(self.mesh))
-            )
+            self._forward = jax.jit(self._forward_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh)))
+            self._sample = jax.jit(self._sample_impl, out_shardings=(replicated, replicated))
             self._write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache)
             self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache)
         jax.block_until_ready(self.kv_cache)
@@ -137,8 +144,9 @@ class ModelRunner:
         # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
         stored = executable_dir if self.mesh is None else None
         self.executables = ExecutableCache(stored, salt=repr(self.graphdef))
-        self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}  # (function, bucket) -> executable
-        self._pending: dict[int, Future] = {}  # bucket -> its (step, write) compiling in the background
+        # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
+        self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
+        self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
         self._background: ThreadPoolExecutor | None = None
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
@@ -166,7 +174,7 @@ class ModelRunner:
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _step_impl(self, state, kv_cache, input_ids, positions, attn_metadata, logit_rows, sampling_metadata, prompt_next_ids, prev_sampled, prev_rows):
+    def _forward_impl(self, state, kv_cache, input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_sampled, prev_rows):
         # Inputs sampled by the previous step come from its device output: the host never waited for them.
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
@@ -179,9 +187,14 @@ class ModelRunner:
             lambda: prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids),
             lambda: blank,
         )
+        return logits, prompt, new_kv
+
+    def _sample_impl(self, logits, sampling_metadata, no_sampled):
+        # no_sampled ([max_num_seqs] zeros) is an argument, not a constant, so its width is part of the signature
+        # the executable cache keys on.
         out = sample(logits, sampling_metadata)
-        sampled = jnp.zeros(prev_sampled.shape, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
-        return out, prompt, sampled, new_kv
+        sampled = jnp.zeros_like(no_sampled).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
+        return out, sampled
 
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
         """(T, S) padded sizes for a step of num_tokens tokens."""
@@ -219,36 +232,56 @@ class ModelRunner:
         with self._on_mesh():
             self.kv_cache = self._executable("copy", self._copy, 0, args)(*args)
 
-    def execute_model(self, scheduler_output: SchedulerOutput, prev: DispatchedStep | None = None) -> DispatchedStep:
-        """The scheduler's step as this runner's padded input batch, queued on the device (see dispatch)."""
-        return self.dispatch(self.input_batch.build(scheduler_output), scheduler_output.block_copies, prev)
+    def execute_model(self, scheduler_output: SchedulerOutput, prev: DispatchedStep | None = None,
+                      defer_sampling: bool = False) -> DispatchedStep:  # fmt: skip
+        """The scheduler's step as this runner's padded input batch, queued on the device (see dispatch).
+        defer_sampling: only the forward now; sample_later(scheduler_output, step) once the host is up to date."""
+        step = self.input_batch.build(scheduler_output, with_sampling=not defer_sampling)
+        return self.dispatch(step, scheduler_output.block_copies, prev)
+
+    def sample_later(self, scheduler_output: SchedulerOutput, dispatched: DispatchedStep) -> None:
+        """Sample a step dispatched with defer_sampling, its sampling rows built from the requests as they are now."""
+        self.sample(dispatched, self.input_batch.sampling(scheduler_output, dispatched.bucket))
 
     def dispatch(self, step: StepInputs, copies: list[tuple[int, int]] = (), prev: DispatchedStep | None = None) -> DispatchedStep:
-        """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at."""
+        """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at.
+        A step without sampling metadata is only run forward: sample() it later."""
         if copies:
             self.copy(copies)
-        args = self._step_args(step, prev)
+        args = self._forward_args(step, prev)
         t = step.input_ids.shape[0]
-        if not self.config.precompile and ("step", t) not in self._compiled and t != self.buckets[0]:
+        if not self.config.precompile and ("forward", t) not in self._compiled and t != self.buckets[0]:
             self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
         with self._on_mesh():
-            out, prompt, sampled, new_kv = self._executable("step", self._step, t, args)(*args)
+            logits, prompt, new_kv = self._executable("forward", self._forward, t, args)(*args)
             args = (self.kv_cache, new_kv, step.attention.slot_mapping)
             self.kv_cache = self._executable("write", self._write, t, args)(*args)
         want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
-        return DispatchedStep(out, prompt if want_prompt else None, sampled, bool(step.sampling.want_logprobs))
+        dispatched = DispatchedStep(t, logits, prompt if want_prompt else None)
+        if step.sampling is not None:
+            self.sample(dispatched, step.sampling)
+        return dispatched
 
-    def _step_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
-        t = step.input_ids.shape[0]
-        sampling = step.sampling
-        sampling_metadata = dataclasses.replace(
+    def sample(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
+        """Queue the sampler on a dispatched forward's logits."""
+        args = (dispatched.logits, self._sampling_args(sampling), self._no_sampled)
+        rows = dispatched.logits.shape[0]  # buckets with as many sampling rows share one sampler
+        with self._on_mesh():
+            dispatched.out, dispatched.sampled = self._executable("sample", self._sample, rows, args)(*args)
+        dispatched.logits, dispatched.want_top = None, bool(sampling.want_logprobs)
+
+    def _sampling_args(self, sampling: SamplingMetadata) -> SamplingMetadata:
+        return dataclasses.replace(
             sampling, history=self._blank("history", sampling.history, bool(sampling.any_penalty)),
             bitmask=self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),
         )  # fmt: skip
+
+    def _forward_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
+        t = step.input_ids.shape[0]
         next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else self._all_minus_one(t)
         prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
         return (
-            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows, sampling_metadata,
+            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows,
             next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
         )  # fmt: skip
 
@@ -256,21 +289,27 @@ class ModelRunner:
         """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
         One device only; the compile is one that precompile-off asked for."""
         t, _ = self.bucket_for(num_tokens)
-        if self.mesh is not None or ("step", t) in self._compiled or t in self._pending:
+        if self.mesh is not None or ("forward", t) in self._compiled or t in self._pending:
             return
         step = self.input_batch.blank(t)
-        args = jax.tree_util.tree_map(_abstract, self._step_args(step, None))
+        args = jax.tree_util.tree_map(_abstract, self._forward_args(step, None))
+        sampling = jax.tree_util.tree_map(_abstract, self._sampling_args(step.sampling))
         slots = step.attention.slot_mapping
 
-        def compile_both():
+        _, rows = self.bucket_for(t)
+
+        def compile_all():
             with compile_monitor.expected():
-                step_exe = self.executables.compile("step", self._step, args)
-                write_exe = self.executables.compile("write", self._write, (args[1], step_exe.out_info[3], slots))
-            return step_exe, write_exe
+                forward = self.executables.compile("forward", self._forward, args)
+                write = self.executables.compile("write", self._write, (args[1], forward.out_info[2], slots))
+                ready = {("forward", t): forward, ("write", t): write}
+                if ("sample", rows) not in self._compiled:
+                    ready["sample", rows] = self.executables.compile("sample", self._sample, (forward.out_info[0], sampling, args[7]))
+            return ready
 
         if self._background is None:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-compile")
-        self._pending[t] = self._background.submit(compile_both)
+        self._pending[t] = self._background.submit(compile_all)
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         return self.dispatch(step, copies).fetch()
@@ -286,9 +325,9 @@ class ModelRunner:
         compiled = self._compiled.get((name, bucket))
         if compiled is None:
             t0 = time.perf_counter()
-            pending = self._pending.pop(bucket, None) if name in ("step", "write") else None
+            pending = self._pending.pop(bucket, None) if name in ("forward", "write") else None
             if pending is not None:  # prefetched: wait for the background compile
-                self._compiled[("step", bucket)], self._compiled[("write", bucket)] = pending.result()
+                self._compiled.update(pending.result())
                 compiled = self._compiled[(name, bucket)]
             else:
                 lazily = contextlib.nullcontext() if self.config.precompile else compile_monitor.expected()

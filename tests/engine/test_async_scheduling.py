@@ -122,3 +122,29 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     for i in (0, 2, 3):
         assert done[str(i)].outputs[0].token_ids == want[i]
     _assert_clean(llm)
+
+
+def test_constrained_and_penalised_steps_overlap_and_equal_synchronous_steps(cycle_model_dir):
+    """A grammar's mask and a penalty's history need the previous token on the host: the next step's forward is
+    dispatched before it is read, its sampler after, and the outputs are those of synchronous steps."""
+    from jaxpaged import StructuredOutputsParams
+    from tests.structured_cases import REGEX, SCHEMA
+
+    constraints = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": ["yes", "no", "maybe é"]}, None]
+    prompts, params = [], []
+    for i in range(12):
+        constraint = constraints[i % 4]
+        prompts.append(f"request {i}")
+        params.append(SamplingParams(
+            temperature=0.0 if i % 3 == 0 else 1.0, seed=i, max_tokens=60 if constraint else 5 + i, n=2 if i % 5 == 0 else 1,
+            repetition_penalty=1.2 if i % 4 == 3 else 1.0, logprobs=1 if i % 2 else None,
+            structured_outputs=StructuredOutputsParams(**constraint) if constraint else None,
+        ))  # fmt: skip
+    runs = {}
+    for mode in (False, True):
+        llm = LLM(str(cycle_model_dir), async_scheduling=mode, dtype="float32", max_num_seqs=8, max_num_batched_tokens=32,
+                  block_size=8, max_model_len=256, log_level="WARNING")  # fmt: skip
+        runs[mode] = _summary(llm.generate(prompts, params, use_tqdm=False))
+        assert (llm.get_stats()["num_overlapped_steps"] > 0) == mode
+        _assert_clean(llm)
+    _assert_same(runs[True], runs[False], exact=False)

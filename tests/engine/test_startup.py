@@ -62,7 +62,9 @@ def _in_new_process(model: Path, cache: Path) -> dict:
 def test_a_second_start_loads_every_executable_and_compiles_nothing(model_dir, tmp_path):
     first = _in_new_process(model_dir, tmp_path)  # a process of its own: the first compile of each program in it
     stored = sorted((tmp_path / "executables").rglob("*.exe"))
-    count = 2 * len(_engine(model_dir, tmp_path / "buckets", precompile=False).runner.buckets) + 1  # step, write; copy
+    runner = _engine(model_dir, tmp_path / "buckets", precompile=False).runner
+    rows = {runner.bucket_for(t)[1] for t in runner.buckets}  # buckets with as many sampling rows share a sampler
+    count = 2 * len(runner.buckets) + len(rows) + 1  # forward and write per bucket, sample per row count; copy
     assert first["compiled"] == count and len(stored) == count
 
     assert _in_new_process(model_dir, tmp_path) == {"loaded": count, "compiled": 0, "tokens": first["tokens"]}

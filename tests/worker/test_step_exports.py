@@ -1,4 +1,4 @@
-"""The model's whole jitted step lowers for an accelerator with the compiled kernel in it (not Pallas'
+"""The model's jitted forward pass lowers for an accelerator with the compiled kernel in it (not Pallas'
 interpreted loops), and with one kernel per bucket whatever the number of layers: the layer is a runtime
 operand. Exported from this CPU host for "cuda" (and "tpu") by the runner the GPU (TPU) platform configures."""
 
@@ -38,9 +38,9 @@ def _runner(model_dir, platform: str) -> ModelRunner:
 
 def _exported_steps(runner: ModelRunner, platform: str):
     for bucket in runner.buckets:  # decode-sized and prefill-sized steps: different launches
-        args = jax.tree_util.tree_map(_abstract, runner._step_args(runner.input_batch.blank(bucket), None))
+        args = jax.tree_util.tree_map(_abstract, runner._forward_args(runner.input_batch.blank(bucket), None))
         with lowering_for(platform):
-            yield bucket, export.export(runner._step, platforms=[platform], **export_checks(platform))(*args).mlir_module()
+            yield bucket, export.export(runner._forward, platforms=[platform], **export_checks(platform))(*args).mlir_module()
 
 
 @pytest.mark.parametrize("platform,targets", [("cuda", TRITON_CALLS), ("tpu", (MOSAIC_CALL,))])
