@@ -102,7 +102,7 @@ def write_cycle_model(
     folder.mkdir(parents=True, exist_ok=True)
     heads, kv_heads, intermediate = 4, 2, 64
     vocab = VOCAB + len(words)
-    vocab += -vocab % (2 * heads)  # the hidden size is the vocabulary's: whole heads of even size (spare ids are never a successor)
+    vocab += -vocab % (2 * heads)  # hidden size = vocabulary: whole heads of even size (spare ids are no successor)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": vocab,
         "intermediate_size": intermediate, "num_hidden_layers": num_layers, "num_attention_heads": heads,

@@ -34,14 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-n", type=int, default=128, help="largest n (choices per request) accepted (default: 128)")
     g.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body in bytes; larger get 413 (default: 4 MiB)")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="how tool_choice 'auto' reads calls from the output: hermes (<tool_call> JSON: Qwen2.5, Hermes) "
-                   "or llama3_json (Llama 3.1/3.2 JSON calls) (default: detected from the chat template; a template "
-                   "with neither gets 400 for 'auto')")
+                   help="how tool_choice 'auto' reads calls from the output: hermes (<tool_call> JSON: Qwen2.5, "
+                   "Hermes) or llama3_json (Llama 3.1/3.2 JSON calls) (default: detected from the chat template; a "
+                   "template with neither gets 400 for 'auto')")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag: 'auto' is served whenever a parser is known; with this flag, starting without "
                    "one is an error")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                   help="with tool_choice 'none', leave the tools out of the chat template (default: they go in, as in vLLM)")
+                   help="with tool_choice 'none', leave the tools out of the chat template (default: they go in, "
+                   "as in vLLM)")
     g.add_argument("--log-level", default="INFO", help="jaxpaged log level (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     add_engine_args(p)

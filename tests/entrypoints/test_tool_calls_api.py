@@ -6,12 +6,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
+from tests import REPO
 from tests.conftest import ENGINE_ARGS
 from tests.tool_model import CALL_TEXT, CALLS, CONTENT, write_tool_model
 
@@ -101,7 +105,8 @@ def test_auto_streams_content_then_each_call_in_pieces(http):
         first = [p for p in pieces if "id" in p]
         assert [(p["index"], p["type"], p["function"]) for p in first] == [
             (0, "function", {"name": "weather", "arguments": ""}), (1, "function", {"name": "now", "arguments": ""})]
-        args = ["".join(p["function"]["arguments"] for p in pieces if p["index"] == k and "id" not in p) for k in (0, 1)]
+        args = ["".join(p["function"]["arguments"] for p in pieces if p["index"] == k and "id" not in p)
+                for k in (0, 1)]
         assert args == [a for _, a in CALLS]  # the pieces add up to the unstreamed arguments, exactly
         assert 1 <= sum(p["index"] == 0 and "id" not in p for p in pieces) <= 3  # at most one per token
         assert all(c["finish_reason"] is None for c in choices[:-1]) and choices[-1]["finish_reason"] == "tool_calls"
@@ -206,6 +211,33 @@ def test_llm_chat_passes_tools_to_the_template(model_dir):
     assert with_tools.outputs[0].text == CALL_TEXT  # the calls stay in the text; a parser reads them
     content, calls = tool_reader("auto", "hermes").parse(with_tools.outputs[0].text)
     assert (content, [(c.name, c.arguments) for c in calls]) == (CONTENT, CALLS)
+
+
+def test_flags_choose_the_parser_and_keep_tools_out_under_none(model_dir, tmp_path):
+    from tests.server_harness import ServerProcess
+
+    flags = ["--tool-call-parser", "llama3_json", "--exclude-tools-when-tool-choice-none", "--enable-auto-tool-choice"]
+    args = ["--model", str(model_dir), "--served-model-name", MODEL, *flags, *ENGINE_ARGS]
+    proc = ServerProcess(args, tmp_path / "log")
+    try:
+        with httpx.Client(base_url=proc.url, timeout=120) as http:
+            (choice,) = _chat(http, tools=TOOLS)["choices"]  # read as Llama 3.1 JSON, the Hermes answer is text
+            assert choice["finish_reason"] == "stop"
+            assert choice["message"] == {"role": "assistant", "content": CALL_TEXT, "tool_calls": []}
+            prompt = {k: _chat(http, **f)["usage"]["prompt_tokens"] for k, f in
+                      (("none", {"tools": TOOLS, "tool_choice": "none"}), ("auto", {"tools": TOOLS}), ("no tools", {}))}
+            assert prompt["none"] == prompt["no tools"] < prompt["auto"]
+    finally:
+        proc.stop()
+
+
+def test_enable_auto_tool_choice_needs_a_parser(cycle_model_dir):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    args = ["--model", str(cycle_model_dir), "--enable-auto-tool-choice", "--no-precompile", "--port", "1",
+            *ENGINE_ARGS]
+    out = subprocess.run([sys.executable, "-m", "jaxpaged.serve", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 2 and "--tool-call-parser" in out.stderr, out.stderr[-2000:]
 
 
 def test_no_leak(tool_server):
