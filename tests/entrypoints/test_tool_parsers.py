@@ -144,6 +144,8 @@ LLAMA31 = ("{%- if tools is not none and not tools_in_user_message %}{{- 'Given 
 @pytest.mark.parametrize(
     ("template", "parser"),
     [(QWEN25, "hermes"), (LLAMA31, "llama3_json"), ("<|python_tag|>", "llama3_json"),
+     ("<|start_header_id|>...Respond in the format {\"name\": function name, \"parameters\": ...}", "llama3_json"),
+     ('{{ "[AVAILABLE_TOOLS]" }}{"type": "function", "function": {"name": ..., "parameters": ...}}', None),
      ("{% for m in messages %}{{ m['content'] }}{% endfor %}", None), (None, None), ("", None),
      ({"default": "{{ messages }}", "tool_use": QWEN25}, "hermes")],
 )  # fmt: skip

@@ -27,7 +27,8 @@ def detect_parser(chat_template) -> str | None:
         return None
     if "<tool_call>" in chat_template:
         return "hermes"
-    if "<|python_tag|>" in chat_template or '"parameters"' in chat_template:
+    llama3 = "<|start_header_id|>" in chat_template and '"parameters"' in chat_template  # its tool instructions
+    if "<|python_tag|>" in chat_template or llama3:
         return "llama3_json"
     return None
 
