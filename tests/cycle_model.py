@@ -5,6 +5,8 @@ one-hot embeddings (hidden size = vocabulary) and an lm_head that scores one suc
 Greedy decoding therefore walks a fixed cycle of byte tokens that spells `CYCLE_TEXT`, which mixes
 1- to 4-byte UTF-8 characters: a stream that splits a character between tokens shows up at once.
 The successor's margin is only `MARGIN` logits, so sampling at temperature 1 is genuinely random.
+`write_cycle_model` also takes extra whole-word tokens, another successor table and another chat template, for
+outputs bytes alone cannot spell (tests/tool_model.py).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def greedy_text(last_prompt_token: int, count: int) -> str:
     return greedy_bytes(last_prompt_token, count).decode("utf-8", errors="replace")
 
 
-def _tokenizer():
+def _tokenizer(words=(), chat_template=CHAT_TEMPLATE):
     from jaxpaged.models.gguf_io import _bytes_to_unicode
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -57,20 +59,23 @@ def _tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIALS])
+    backend.add_tokens([AddedToken(w, normalized=False, special=False) for w in words])  # ids VOCAB, VOCAB + 1, ...
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, chat_template=CHAT_TEMPLATE, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+        tokenizer_object=backend, chat_template=chat_template, eos_token="<|im_end|>", bos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
     )
 
 
-def _weights(num_layers: int, heads: int, kv_heads: int, intermediate: int, seed: int) -> dict[str, np.ndarray]:
+def _weights(
+    num_layers: int, heads: int, kv_heads: int, intermediate: int, seed: int, vocab: int = VOCAB, succ=successor
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    d = VOCAB
+    d = vocab
     hd = d // heads
-    w = {"model.embed_tokens.weight": np.eye(VOCAB, d, dtype=np.float32), "model.norm.weight": np.ones(d, np.float32)}
-    head = np.zeros((VOCAB, d), np.float32)  # torch Linear layout [out, in]
-    for tok in range(VOCAB):
-        head[successor(tok), tok] = MARGIN / np.sqrt(d)  # the RMS-normed one-hot is sqrt(d) * e_tok
+    w = {"model.embed_tokens.weight": np.eye(vocab, d, dtype=np.float32), "model.norm.weight": np.ones(d, np.float32)}
+    head = np.zeros((vocab, d), np.float32)  # torch Linear layout [out, in]
+    for tok in range(vocab):
+        head[succ(tok), tok] = MARGIN / np.sqrt(d)  # the RMS-normed one-hot is sqrt(d) * e_tok
     w["lm_head.weight"] = head
     for i in range(num_layers):
         p = f"model.layers.{i}"
@@ -85,21 +90,27 @@ def _weights(num_layers: int, heads: int, kv_heads: int, intermediate: int, seed
     return w
 
 
-def write_cycle_model(folder: Path, *, max_position_embeddings: int = 512, num_layers: int = 2, seed: int = 0) -> Path:
-    """config.json + model.safetensors + tokenizer files in `folder`; returns the folder."""
+def write_cycle_model(
+    folder: Path, *, max_position_embeddings: int = 512, num_layers: int = 2, seed: int = 0, words=(), succ=successor,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
+    """config.json + model.safetensors + tokenizer files in `folder`; returns the folder. `words` are extra tokens
+    (ids VOCAB, VOCAB + 1, ...) and `succ` the greedy next token of every token."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     heads, kv_heads, intermediate = 4, 2, 64
+    vocab = VOCAB + len(words)
+    vocab += -vocab % (2 * heads)  # hidden size = vocabulary: whole heads of even size (spare ids are no successor)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": VOCAB,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": vocab,
         "intermediate_size": intermediate, "num_hidden_layers": num_layers, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 256, "eos_token_id": EOS_ID,
         "hidden_act": "silu", "torch_dtype": "float32",
     }
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(_weights(num_layers, heads, kv_heads, intermediate, seed), str(folder / "model.safetensors"))
-    _tokenizer().save_pretrained(str(folder))
+    save_file(_weights(num_layers, heads, kv_heads, intermediate, seed, vocab, succ), str(folder / "model.safetensors"))
+    _tokenizer(words, chat_template).save_pretrained(str(folder))
     return folder

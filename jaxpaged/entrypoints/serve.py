@@ -11,6 +11,8 @@ from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
 from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # tool_parsers.PARSERS, which needs the serve extra to import
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -31,6 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests queued for a slot; beyond it requests get 503 with Retry-After (default: 1024)")
     g.add_argument("--max-n", type=int, default=128, help="largest n (choices per request) accepted (default: 128)")
     g.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body in bytes; larger get 413 (default: 4 MiB)")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool_choice 'auto' reads calls from the output: hermes (<tool_call> JSON: Qwen2.5, "
+                   "Hermes) or llama3_json (Llama 3.1/3.2 JSON calls) (default: detected from the chat template; a "
+                   "template with neither gets 400 for 'auto')")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag: 'auto' is served whenever a parser is known; with this flag, starting without "
+                   "one is an error")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="with tool_choice 'none', leave the tools out of the chat template (default: they go in, "
+                   "as in vLLM)")
     g.add_argument("--log-level", default="INFO", help="jaxpaged log level (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     add_engine_args(p)
@@ -61,14 +73,16 @@ def main(argv: list[str] | None = None) -> int:
 
         settings = ServerSettings(
             served_model_names=served_names(args), api_key=args.api_key or None, max_n=args.max_n,
-            max_request_bytes=args.max_request_bytes,
+            max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         )
         config = EngineConfig(**engine_kwargs(args), seed=args.seed)
         engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
+        app = build_app(engine, settings)  # finds the tool-call parser in the chat template
     except (ValueError, FileNotFoundError, MissingExtraError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine, settings)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
         timeout_graceful_shutdown=5,

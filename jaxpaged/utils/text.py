@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
+    """`tools` (OpenAI tool dicts) reach the template as transformers' `tools`; templates without tool support
+    ignore them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -21,6 +26,7 @@ class ChatPrompt:
 
     messages: list[dict]
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None  # OpenAI tool dicts, for templates that describe tools to the model
 
 
 def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
@@ -28,7 +34,7 @@ def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer, so it has no chat template")
     try:
-        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt)
+        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.tools)
     except ValueError:
         raise
     except Exception as exc:  # a template's own raise_exception(), or a message it cannot render

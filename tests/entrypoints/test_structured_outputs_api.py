@@ -237,21 +237,47 @@ def test_tool_choice_constrains_and_returns_tool_calls(http, tool_choice):
         assert choice["finish_reason"] == "tool_calls", choice
         message = choice["message"]
         assert message["content"] is None and message["tool_calls"]
+        assert len({c["id"] for c in message["tool_calls"]}) == len(message["tool_calls"])
         for call in message["tool_calls"]:
             _check_call(call)
         if tool_choice != "required":
             assert [c["function"]["name"] for c in message["tool_calls"]] == ["weather"]
         plain.append([c["function"] for c in message["tool_calls"]])
-    streamed: dict[int, list] = {}
+    streamed: dict[int, dict[int, dict]] = {}  # choice -> call index -> its name and arguments, put together
+    pieces = 0
     with http.stream("POST", CHAT, json={**body, "stream": True}) as s:
         lines = [line for line in s.iter_lines() if line]
     for line in lines[:-1]:
         for c in json.loads(line.removeprefix("data: "))["choices"]:
             assert not c["delta"].get("content")
+            for piece in c["delta"].get("tool_calls") or ():
+                calls = streamed.setdefault(c["index"], {})
+                if "id" in piece:  # a call opens with its id and name, then its arguments come in pieces
+                    assert piece["function"]["arguments"] == "" and piece["type"] == "function"
+                    calls[piece["index"]] = {"name": piece["function"]["name"], "arguments": ""}
+                else:
+                    calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
+                    pieces += 1
             if c["finish_reason"]:
                 assert c["finish_reason"] == "tool_calls"
-                streamed[c["index"]] = [call["function"] for call in c["delta"]["tool_calls"]]
-    assert [streamed[i] for i in range(3)] == plain  # same seed: the same calls
+    assert [[streamed[i][k] for k in sorted(streamed[i])] for i in range(3)] == plain  # same seed: the same calls
+    assert pieces > sum(len(p) for p in plain)  # sent as they were written, not at the end
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_cut_short_keeps_its_partial_arguments(http, stream):
+    body = _body(CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}},
+                 temperature=1.0, max_tokens=6)  # fmt: skip
+    r = http.post(CHAT, json=body)
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    ((name, arguments),) = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert name == "weather" and arguments.startswith("{") and r.json()["usage"]["completion_tokens"] == 6
+    if stream:  # the same seed: the same pieces, and the same end
+        with http.stream("POST", CHAT, json={**body, "stream": True}) as s:
+            chunks = [json.loads(line.removeprefix("data: ")) for line in s.iter_lines() if line and line != "data: [DONE]"]
+        pieces = [t["function"]["arguments"] for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or ()]
+        assert "".join(pieces) == arguments and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_tool_choice_none_ignores_tools(http):
@@ -270,7 +296,8 @@ def test_openai_client_tool_calls(client):
 
 BAD_TOOLS = [
     ({"tools": TOOLS}, "tool_choice"),  # "auto", the default with tools
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),  # this model's template shows no call format
+    ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
@@ -286,6 +313,8 @@ def test_bad_tools_are_400(http, fields, param):
     r = http.post(CHAT, json=_body(CHAT, fields, max_tokens=5))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+    if fields.get("tools") and fields.get("tool_choice", "auto") == "auto":
+        assert "--tool-call-parser" in r.json()["error"]["message"]
     ok = http.post(CHAT, json=_body(CHAT, {}, max_tokens=3, temperature=0))
     assert ok.status_code == 200
 

@@ -14,6 +14,7 @@ from jaxpaged.entrypoints.openai.logprobs import chat_logprobs
 from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun, sse
+from jaxpaged.entrypoints.openai.tool_parsers import ToolCallReader, tool_reader
 
 
 def _fields(body: ChatCompletionRequest) -> dict[str, str]:
@@ -27,8 +28,16 @@ def _fields(body: ChatCompletionRequest) -> dict[str, str]:
 async def create_chat_completion(serving: Serving, http_request: Request):
     body: ChatCompletionRequest = await serving.parse(http_request, ChatCompletionRequest)
     fields = _fields(body)
+    if body.tool_mode == "auto" and serving.tool_parser is None:  # vLLM refuses it too
+        raise errors.bad_request(
+            "tool_choice 'auto' (the default with tools) needs a tool-call parser: this model's chat template shows "
+            "no tool-call format the server can read and no --tool-call-parser was given; set tool_choice 'required', "
+            "a named function or 'none'",
+            param="tool_choice",
+        )
     params = serving.sampling_params(body, fields)
-    prompt = ChatPrompt(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+    exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none
+    prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, None if exclude else body.tools or None)
     request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages")
     meta = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
     if body.stream:
@@ -45,47 +54,59 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     choices = []
     for c in final.outputs:
         logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids), top, serving.token_bytes)} if body.logprobs else None
-        message, finish = _message(body, c.text, c.finish_reason)
+        message, finish = _message(_reader(serving, body), c.text, c.finish_reason)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
     generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)})
 
 
-def _message(body: ChatCompletionRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """The assistant message and finish reason; under a tool choice, a finished output's calls as tool_calls."""
-    if body.tool_mode is None:
+def _reader(serving: Serving, body: ChatCompletionRequest) -> ToolCallReader | None:
+    """What reads a choice's tool calls: the model's own format under "auto", the grammar's otherwise."""
+    return None if body.tool_mode is None else tool_reader(body.tool_mode, serving.tool_parser)
+
+
+def _finish(reader: ToolCallReader | None, finish_reason: str | None) -> str | None:
+    """"tool_calls" when the output ended by itself with calls in it; one cut short keeps its reason."""
+    return "tool_calls" if reader is not None and reader.calls and finish_reason == "stop" else finish_reason
+
+
+def _message(reader: ToolCallReader | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message and finish reason; under tools, the calls as tool_calls and the rest as content."""
+    if reader is None:
         return {"role": "assistant", "content": text}, finish_reason
-    calls = body.tool_calls(text) if finish_reason == "stop" else None
-    if calls is None:  # cut short (length, abort): the partial text, as it is
-        return {"role": "assistant", "content": text, "tool_calls": None}, finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    content, calls = reader.parse(text)
+    if not calls:
+        content = content or ""
+    return {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}, _finish(reader, finish_reason)
 
 
 async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[str]:
     meta = {**meta, "object": "chat.completion.chunk"}
     extra = {"usage": usage(run.prompt_tokens, 0) if body.continuous_usage else None} if body.include_usage else {}
     deltas = Deltas(body.n)
+    readers = [_reader(serving, body) for _ in range(body.n)]
     top = body.top_logprobs or 0
     for index in range(body.n):  # OpenAI opens every choice with the role
         delta = {"role": "assistant", "content": ""}
         yield sse({**meta, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra})
 
-    def chunk_for(_i, _out, c) -> dict | None:
+    def chunk_for(_i, _out, c) -> list[dict] | None:
+        """A chunk per delta: content, or under tools a call's opening (id, name) and then its arguments' pieces."""
         text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
-        if body.tool_mode is not None:  # the calls are sent whole, once the output is finished
-            if c.finish_reason is None:
+        reader = readers[c.index]
+        if reader is None:
+            new = [{"content": text}] if text else []
+        else:
+            new = reader.feed(c.text) + (reader.finish() if c.finish_reason is not None else [])
+        if not new:
+            if c.finish_reason is None and (not body.logprobs or start == end):
                 return None
-            message, finish = _message(body, c.text, c.finish_reason)
-            logprobs = {"content": chat_logprobs(c, 0, end, top, serving.token_bytes)} if body.logprobs else None
-            if message["tool_calls"] is None:
-                return {"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs, "finish_reason": finish}
-            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-            return {"index": c.index, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": finish}
-        if not text and c.finish_reason is None and (not body.logprobs or start == end):
-            return None
-        logprobs = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)} if body.logprobs else None
-        delta = {"content": text} if text else {}
-        return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            new = [{}]
+        choices = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in new]
+        if body.logprobs:
+            choices[0]["logprobs"] = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)}
+        choices[-1]["finish_reason"] = _finish(reader, c.finish_reason)
+        return choices
 
     async for chunk in stream_choices(run, meta, body, chunk_for):
         yield chunk

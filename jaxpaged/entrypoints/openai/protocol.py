@@ -10,15 +10,14 @@ vLLM does, so clients that send extras keep working.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from jaxpaged.entrypoints.openai.errors import FieldError, rename_constraint
 from jaxpaged.sampling_params import STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_OPTIONS, SamplingParams, StructuredOutputsParams
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_PROMPTS = 128  # prompts in one completions request
 
 
@@ -222,8 +221,10 @@ def _is_token(value) -> bool:
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[dict] | None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
+    content: str | list[dict] | None = Field(None, validate_default=True)  # last: its check reads the fields above
 
     @field_validator("role")
     @classmethod
@@ -232,15 +233,35 @@ class ChatMessage(_Strict):
             raise ValueError(f"role must be one of {', '.join(ROLES)} (got {value!r})")
         return value
 
-    @field_validator("content")
+    @field_validator("tool_calls")
     @classmethod
-    def _content(cls, value):
+    def _tool_calls(cls, value):
+        """As the templates want them: `arguments` parsed into an object (vLLM does the same)."""
         if value is None:
+            return None
+        calls = []
+        for call in value:
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+                raise ValueError("tool_calls must be [{'id': str, 'type': 'function', 'function': {'name': str, 'arguments': str}}]")
+            try:
+                arguments = json.loads(fn["arguments"])
+            except ValueError:
+                raise ValueError(f"tool_calls: the arguments of {fn['name']!r} are not JSON") from None
+            calls.append({**call, "function": {**fn, "arguments": arguments}})
+        return calls
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value, info: ValidationInfo):
+        if value is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return None
             raise ValueError("content must be a string or a list of text parts")
         if isinstance(value, list):
             texts = []
             for part in value:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("content parts must be {'type': 'text', 'text': str}; other kinds are not supported")
                 texts.append(part["text"])
             return "".join(texts)
@@ -272,7 +293,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return self
 
     def _check_tools(self) -> None:
-        """tools: OpenAI's function list; tool_choice: "none", "required", a named function ("auto" is refused)."""
+        """tools: OpenAI's function list; tool_choice: "none", "auto" (the default with tools), "required", or a
+        named function. Whether "auto" can be served depends on the model (the server checks that)."""
         names = []
         for i, tool in enumerate(self.tools or []):
             fn = tool.get("function")
@@ -291,19 +313,18 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError(f"tool_choice names the function {name!r}, which tools does not hold")
         elif choice not in (None, "none", "auto", "required"):
             raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function (got {choice!r})")
-        elif choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        elif choice in (None, "auto") and names:
-            raise ValueError(
-                "tool_choice 'auto' (the default with tools) is not supported: set 'required', a named function, or 'none'"
-            )
+        elif choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
 
     @property
     def tool_mode(self) -> str | None:
-        """None (no tool calls), "required", or the name of the function that must be called."""
-        if not self.tools or self.tool_choice in (None, "none", "auto"):
+        """None (no tool calls), "auto" (read from the text), "required", or the name of the function that must
+        be called."""
+        if not self.tools or self.tool_choice == "none":
             return None
-        return "required" if self.tool_choice == "required" else self.tool_choice["function"]["name"]
+        if self.tool_choice in (None, "auto", "required"):
+            return self.tool_choice or "auto"
+        return self.tool_choice["function"]["name"]
 
     def _functions(self) -> dict[str, dict]:
         """Each function's name and its parameters' schema (no parameters: an empty object)."""
@@ -314,7 +335,7 @@ class ChatCompletionRequest(_SamplingRequest):
         """The JSON schema the output must follow: a named function's parameters, or for "required" a non-empty
         array of {"name", "parameters"} calls (as vLLM)."""
         mode = self.tool_mode
-        if mode is None:
+        if mode in (None, "auto"):
             return None
         functions = self._functions()
         if mode != "required":
@@ -335,23 +356,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise FieldError(f"{found[0][0]} cannot be combined with tool_choice {self.tool_choice!r}", found[0][0].split(".")[0])
         return [("tools", {"json": schema})]
 
-    def tool_calls(self, text: str) -> list[dict] | None:
-        """The calls in a finished output under tool_mode, as OpenAI's message.tool_calls (None if it does not parse)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        mode = self.tool_mode
-        try:
-            calls = [(mode, value)] if mode != "required" else [(c["name"], c["parameters"]) for c in value]
-        except (TypeError, KeyError):
-            return None
-        return [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-            for name, args in calls
-        ]  # fmt: skip
-
     @property
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -360,8 +364,9 @@ class ChatCompletionRequest(_SamplingRequest):
         out = []
         for m in self.messages:
             msg = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            if m.name:
-                msg["name"] = m.name
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key):
+                    msg[key] = getattr(m, key)
             out.append(msg)
         return out
 

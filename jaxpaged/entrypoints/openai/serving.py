@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,7 +15,10 @@ from jaxpaged.engine.llm_engine import PromptType
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.logprobs import TokenBytes
 from jaxpaged.entrypoints.openai.streaming import SSE_DONE, RequestRun, sse
+from jaxpaged.entrypoints.openai.tool_parsers import PARSERS, detect_parser
 from jaxpaged.sampling_params import MAX_N, SamplingParams
+
+logger = logging.getLogger("jaxpaged.server")
 
 
 @dataclasses.dataclass
@@ -24,6 +28,9 @@ class ServerSettings:
     max_n: int = MAX_N  # cap on n (SamplingParams' own cap is the ceiling)
     max_request_bytes: int = 4 << 20
     retry_after_seconds: int = 1
+    tool_call_parser: str | None = None  # tool_choice "auto"'s format; None: detected from the chat template
+    enable_auto_tool_choice: bool = False  # vLLM's flag: insist that "auto" can be served
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -32,6 +39,8 @@ class ServerSettings:
             raise ValueError(f"max_n must be in [1, {MAX_N}] (got {self.max_n})")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024 (got {self.max_request_bytes})")
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)} (got {self.tool_call_parser!r})")
 
 
 class Serving:
@@ -40,6 +49,15 @@ class Serving:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = settings.tool_call_parser or detect_parser(template)
+        if settings.enable_auto_tool_choice and self.tool_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser: this model's chat template shows no tool-call "
+                f"format this server can read ({', '.join(PARSERS)})"
+            )
+        if self.tool_parser:
+            logger.info("tool_choice 'auto' reads calls with the %s parser", self.tool_parser)
 
     @property
     def model_name(self) -> str:
@@ -93,8 +111,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 async def stream_choices(run: RequestRun, meta: dict, body, chunk_for, shown=lambda out: out.outputs) -> AsyncIterator[str]:
     """The SSE both endpoints send after their openers: chunk_for(prompt index, RequestOutput, CompletionOutput)
-    -> a choice or None, for each of `shown(RequestOutput)` per update; then the usage chunk when asked and
-    [DONE]. A dead engine ends the stream with its error."""
+    -> a choice, a list of them (a chunk each) or None, for each of `shown(RequestOutput)` per update; then the
+    usage chunk when asked and [DONE]. A dead engine ends the stream with its error."""
     tokens: dict[tuple[int, int], int] = {}  # (prompt, choice) -> tokens generated so far
 
     def extra() -> dict:
@@ -107,8 +125,8 @@ async def stream_choices(run: RequestRun, meta: dict, body, chunk_for, shown=lam
             for i, out in batch:
                 for c in shown(out):
                     tokens[i, c.index] = len(c.token_ids)
-                    choice = chunk_for(i, out, c)
-                    if choice is not None:
+                    choices = chunk_for(i, out, c)
+                    for choice in [choices] if isinstance(choices, dict) else choices or ():
                         yield sse({**meta, "choices": [choice], **extra()})
     except EngineDeadError as exc:
         yield sse(errors.engine_dead(str(exc)).body())
