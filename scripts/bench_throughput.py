@@ -28,7 +28,8 @@ jaxpaged runs both in one engine (prefix caching off), alternately in the order 
 (--structured-repeats pairs) after an untimed warm-up of each, driving engine.step() itself to time every step and
 what it scheduled: the headline is the median decode step at the full batch (all max_num_seqs rows decoding, or
 the largest batch both modes ran 3 such steps at), constrained against free, with the time llguidance took in it
-(mask rows filled, sampled tokens accepted). vLLM (--vllm-python) runs the same order with
+(mask rows filled, sampled tokens accepted) and the process's CPU time in those steps (work done, which other
+processes on a busy machine disturb less than wall time; it leaves out the overlap a constrained step gives up). vLLM (--vllm-python) runs the same order with
 StructuredOutputsParams(json=schema) and is timed per run. Every constrained output the grammar ended is parsed
 and validated against the schema. The JSON gains `structured`; transformers is not run.
 
@@ -294,9 +295,9 @@ def drive_engine(engine, prompts: list, params: list) -> tuple[list, list[dict],
         ids = [engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
         while engine.has_unfinished_requests():
             now.update(scheduled=[], fill_s=0.0, fill_rows=0, accept_s=0.0)
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             outs = engine.step()
-            steps.append(now | {"seconds": time.perf_counter() - t0})
+            steps.append(now | {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
             finished.update((o.request_id, o) for o in outs if o.finished)
         elapsed = time.perf_counter() - t_start
     except BaseException:
@@ -310,15 +311,15 @@ def drive_engine(engine, prompts: list, params: list) -> tuple[list, list[dict],
     return [finished[rid] for rid in ids], steps, elapsed
 
 
-def decode_steps(steps: list[dict]) -> dict[int, list[float]]:
-    """Step seconds by batch rows, for the calls that touched only pure decode steps of one size (each row one token):
+def decode_steps(steps: list[dict], key: str = "seconds") -> dict[int, list[float]]:
+    """Step seconds (or another key: cpu_s) by batch rows, for the calls that touched only pure decode steps of one size (each row one token):
     the steps scheduled in the call and in the call before it (the step an overlapped call finishes was scheduled then)."""
     by_rows: dict[int, list[float]] = {}
     for prev, step in zip([None, *steps[:-1]], steps):
         touched = step["scheduled"] + (prev["scheduled"] if prev else [])
         rows = {n for n, _ in touched}
         if touched and len(rows) == 1 and all(n == t for n, t in touched):
-            by_rows.setdefault(rows.pop(), []).append(step["seconds"])
+            by_rows.setdefault(rows.pop(), []).append(step[key])
     return by_rows
 
 
@@ -400,7 +401,7 @@ def run_jaxpaged_structured(args, workload, schema: dict) -> tuple[dict[str, Res
         llm.generate([{"prompt_token_ids": ids[:8]} for ids, _ in workload[:2]], params(4, mode), use_tqdm=False)
     compiles_before = engine.num_compiles_after_warmup
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
-    runs, by_rows, fill, per_run_rows = [], {"free": {}, "json": {}}, {}, []
+    runs, by_rows, cpu_rows, fill, per_run_rows = [], {"free": {}, "json": {}}, {"free": {}, "json": {}}, {}, []
     checked = None
     for mode in structured_order(args.structured_repeats):
         with machine_load.SideWatch(f"jaxpaged {mode}", judge_before=False) as watch:
@@ -415,6 +416,8 @@ def run_jaxpaged_structured(args, workload, schema: dict) -> tuple[dict[str, Res
         per_run_rows.append(run_rows)
         for n, seconds in run_rows.items():
             by_rows[mode].setdefault(n, []).extend(seconds)
+        for n, seconds in decode_steps(steps, "cpu_s").items():
+            cpu_rows[mode].setdefault(n, []).extend(seconds)
         if mode == "json":
             fill = llguidance_time(steps)  # the last constrained run's
             checked = check_outputs([(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs], schema)
@@ -424,6 +427,9 @@ def run_jaxpaged_structured(args, workload, schema: dict) -> tuple[dict[str, Res
                      "mean_step_ms": 1e3 * elapsed / max(len(steps), 1), "finish": finish, "load": load})  # fmt: skip
         log.info("jaxpaged %s: %d tokens in %.1fs (%.1f tok/s, %d steps)", mode, tokens, elapsed, tokens / elapsed, len(steps))
     steps_cmp = step_comparison(by_rows["free"], by_rows["json"], extra["max_num_seqs"], fill)
+    if steps_cmp["rows"] is not None:  # the process's CPU time (all its threads) in those steps: work, not waiting
+        cpu_free, cpu_json = (_stats_ms(cpu_rows[m][steps_cmp["rows"]]) for m in ("free", "json"))
+        steps_cmp["cpu"] = {"free": cpu_free, "json": cpu_json, "overhead_pct": _overhead_pct(cpu_free["median_ms"], cpu_json["median_ms"])}
     for run, run_rows in zip(runs, per_run_rows):  # each run's own figure: a run that met contention shows here
         run["decode_step"] = _stats_ms(run_rows.get(steps_cmp["rows"], [])) | {"rows": steps_cmp["rows"]}
     summary = run_summary(runs, "jaxpaged") | {
@@ -786,8 +792,10 @@ def print_structured(section: dict) -> None:
             fill = ""
             if step.get("mask_fill_ms_per_step") is not None:
                 fill = f"; llguidance {step['mask_fill_ms_per_step']:.2f} ms mask + {step['accept_ms_per_step']:.2f} ms accept a step"
+            cpu = step.get("cpu")
+            cpu = f"; CPU time {cpu['free']['median_ms']:.0f} / {cpu['json']['median_ms']:.0f} ms: {cpu['overhead_pct']:+.1f}%" if cpu else ""
             steps = (f"{step['free']['median_ms']:.1f} / {step['json']['median_ms']:.1f} ms at {step['rows']} rows "
-                     f"(medians of {step['free']['steps']} / {step['json']['steps']}): {step['overhead_pct']:+.1f}%{fill}")  # fmt: skip
+                     f"(medians of {step['free']['steps']} / {step['json']['steps']}): {step['overhead_pct']:+.1f}%{cpu}{fill}")  # fmt: skip
         else:
             steps = "not timed" if name == "vllm" else "no batch size with 3 pure decode steps in both modes"
         print(f"{name:<9} {side['free']['tok_s']:>10.1f} {side['json']['tok_s']:>10.1f} {side['json']['output_tokens']:>11} "

@@ -149,6 +149,7 @@ def test_structured_mode_end_to_end_on_the_cycle_model(tmp_path, monkeypatch, ca
         jsonschema.validate(json.loads(text), SMALL_SCHEMA)
     steps = jp["steps"]
     assert steps["rows"] == 4 and steps["full_batch"] and steps["free"]["steps"] >= 3 and steps["json"]["steps"] >= 3
+    assert steps["cpu"]["free"]["steps"] == steps["free"]["steps"] and isinstance(steps["cpu"]["overhead_pct"], float)
     assert steps["mask_fill_us_per_row"] > 0 and steps["mask_fill_ms_per_step"] > 0 and steps["accept_ms_per_step"] > 0
     assert isinstance(steps["overhead_pct"], float) and isinstance(jp["overhead_pct_per_token"], float)
     assert jp["num_compiles_during_runs"] == 0 and report["jaxpaged"]["enable_prefix_caching"] is False
