@@ -6,6 +6,12 @@ writes the workload (token ids and output lengths) to a JSON file, runs this scr
 imported here. Like jaxpaged's side: construct (untimed), one tiny untimed generate, then each
 workload timed, greedy with EOS ignored, every output length checked.
 
+With `structured` in the spec ({"schema": ..., "order": ["free", "json", ...]}), the first workload runs once per
+entry of the order, free or with every request under the JSON schema (vLLM >= 0.11's
+`StructuredOutputsParams(json=...)`, or the older `GuidedDecodingParams`), after one tiny untimed generate of each;
+it reports each run's tokens, seconds and finish reasons, and the last constrained run's texts, which
+bench_throughput.py validates against the schema.
+
     <vllm-venv>/bin/python scripts/vllm_runner.py --workload w.json --out r.json
 """
 
@@ -28,16 +34,64 @@ def versions() -> dict:
     return out
 
 
+def json_params(schema: dict):
+    """(the API's name, a function of SamplingParams' keywords giving params under the schema) for this vLLM."""
+    from vllm import SamplingParams
+
+    try:
+        from vllm.sampling_params import StructuredOutputsParams  # vLLM >= 0.11
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams  # before
+
+        return "guided_decoding", lambda **kw: SamplingParams(**kw, guided_decoding=GuidedDecodingParams(json=schema))
+    return "structured_outputs", lambda **kw: SamplingParams(**kw, structured_outputs=StructuredOutputsParams(json=schema))
+
+
+def run_structured(llm, workload: list, structured: dict) -> dict:
+    """The workload free and under the schema in the given order, each timed; see the module docstring."""
+    from vllm import SamplingParams
+
+    api, constrained = json_params(structured["schema"])
+    make = {"free": SamplingParams, "json": constrained}
+
+    def generate(reqs, mode):
+        prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+        return llm.generate(prompts, [make[mode](max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs], use_tqdm=False)
+
+    for mode in ("free", "json"):
+        generate([(ids[:8], 4) for ids, _ in workload[:2]], mode)
+    runs, texts = [], []
+    for mode in structured["order"]:
+        t0 = time.perf_counter()
+        outputs = generate(workload, mode)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if mode == "free" and tokens != sum(o for _, o in workload):
+            raise RuntimeError(f"vLLM produced {tokens} output tokens free, expected {sum(o for _, o in workload)}")
+        finish: dict = {}
+        for o in outputs:
+            finish[str(o.outputs[0].finish_reason)] = finish.get(str(o.outputs[0].finish_reason), 0) + 1
+        if mode == "json":
+            texts = [[o.outputs[0].text, o.outputs[0].finish_reason] for o in outputs]
+        runs.append({"mode": mode, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "finish": finish})
+        print(f"vllm {mode}: {tokens / elapsed:.1f} tok/s", file=sys.stderr, flush=True)
+    return {"api": api, "runs": runs, "outputs": texts}
+
+
 def run(spec: dict) -> dict:
     """spec: model, dtype, seed, engine_args, workloads (a list of [[ids, out_len], ...])."""
     from vllm import LLM, SamplingParams
 
     args = dict(spec.get("engine_args") or {})
-    if len(spec["workloads"]) > 1:  # a sweep repeats its prompts: no prefill may be skipped
+    structured = spec.get("structured")
+    if len(spec["workloads"]) > 1 or structured:  # a sweep or the structured runs repeat prompts: no prefill may be skipped
         args.setdefault("enable_prefix_caching", False)
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec.get("seed", 0), **args)
     warmup = time.perf_counter() - t0
+    if structured:
+        report = run_structured(llm, spec["workloads"][0], structured)
+        return {"warmup_seconds": warmup, "results": [], "structured": report, "versions": versions(), "engine_args": args}
 
     def generate(reqs):
         prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]

