@@ -6,6 +6,8 @@ import dataclasses
 
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
+QUANTIZATION_CHOICES = ("none", "int8", "fp8")  # applied at load to a float checkpoint (models/quantization.py)
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")  # pallas_kernels/kv_quant.py
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -26,6 +28,12 @@ class EngineConfig:
                                "(org/name, from the HF cache or downloaded: safetensors only); default: the built-in model", group="model")  # fmt: skip
     revision: str | None = option(None, "with a hub id: the branch, tag or commit to load (default: main)", group="model")
     dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)", group="model")
+    quantization: str | None = option(None, "quantize a float checkpoint's linear weights at load: int8 (per output channel) or fp8 "
+                                      "(e4m3, GPUs/TPUs with fp8 units), or none: every weight in dtype, a quantized checkpoint dequantized "
+                                      "(default: as the checkpoint stores it: floats stay floats, GGUF and compressed-tensors "
+                                      "weights stay quantized)", group="model", choices=QUANTIZATION_CHOICES)  # fmt: skip
+    kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model's dtype), int8 or fp8 (8 bits, one scale per "
+                                 "token and head: about twice the tokens of bfloat16)", choices=KV_CACHE_DTYPE_CHOICES)  # fmt: skip
     max_model_len: int | None = option(None, "longest prompt + answer (default: the model's context)")
     max_num_seqs: int | None = option(None, "most sequences in one step (default: 64 on CPU, 256 on GPU/TPU)")
     max_num_batched_tokens: int | None = option(None, "token budget per step (default: 256 on CPU, 2048 on GPU/TPU)")
@@ -69,6 +77,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two between 1 and 256 (got {self.block_size})")
         if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1] (got {self.kv_cache_memory_fraction})")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} (got {self.quantization!r})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES} (got {self.kv_cache_dtype!r})")
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
         if self.matmul_backend not in MATMUL_BACKEND_CHOICES:

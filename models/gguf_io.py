@@ -181,8 +181,63 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader, path: str, hf_names: list[str], hf_config) -> Iterator[tuple[str, np.ndarray, str]]:
-    """HF-named float32 tensors, dequantized one at a time."""
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """llama.cpp's 4-bit order within each `width`-byte run: the run's low nibbles, then its high nibbles."""
+    runs = qs.reshape(*qs.shape[:-1], -1, width)
+    return np.concatenate([runs & 0xF, runs >> 4], axis=-1).reshape(*qs.shape[:-1], -1)
+
+
+def group_quantized(tensor, path: str):
+    """A Q8_0, Q4_0, Q4_1 or Q4_K tensor as GroupQuantized (its [rows, cols] with 32-wide groups along cols,
+    exactly the values gguf's dequantize gives); None for other types."""
+    from gguf import GGMLQuantizationType as Q
+
+    from jaxpaged.models.quantization import GroupQuantized, pack_int4
+
+    kind = tensor.tensor_type
+    if kind not in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        return None
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    data = np.asarray(tensor.data, np.uint8).reshape(rows, -1)
+    if kind == Q.Q4_K:
+        blocks = data.reshape(rows, cols // 256, 144)
+        d, dmin = _f16(blocks[..., 0:2]).astype(np.float32), _f16(blocks[..., 2:4]).astype(np.float32)
+        from gguf.quants import Q4_K
+
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        sc, mn = sc.reshape(rows, -1, 8).astype(np.float32), mn.reshape(rows, -1, 8).astype(np.float32)
+        scale = (d[..., None] * sc).reshape(rows, -1)
+        zero = -(dmin[..., None] * mn).reshape(rows, -1)
+        codes = _nibbles(blocks[..., 16:], 32).reshape(rows, cols)
+        return GroupQuantized(pack_int4(codes, axis=1), scale, zero, 4, 32, "Q4_K")
+    size = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[kind]
+    blocks = data.reshape(rows, cols // 32, size)
+    d = _f16(blocks[..., 0:2])
+    if kind == Q.Q8_0:
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+        return GroupQuantized(codes, d, None, 8, 32, "Q8_0")
+    if kind == Q.Q4_0:  # d * (q - 8)
+        codes = _nibbles(blocks[..., 2:], 16).reshape(rows, cols)
+        return GroupQuantized(pack_int4(codes, axis=1), d, (d.astype(np.float32) * -8.0), 4, 32, "Q4_0")
+    codes = _nibbles(blocks[..., 4:], 16).reshape(rows, cols)  # Q4_1: d * q + m
+    return GroupQuantized(pack_int4(codes, axis=1), d, _f16(blocks[..., 2:4]), 4, 32, "Q4_1")
+
+
+def _unpermute_quantized(q, heads: int):
+    """_unpermute_rope on a quantized weight's rows: a row's codes and group scales move together."""
+    import dataclasses
+
+    rows = lambda a: None if a is None else _unpermute_rope(a, heads)  # noqa: E731
+    return dataclasses.replace(q, codes=rows(q.codes), scale=rows(q.scale), zero=rows(q.zero))
+
+
+def gguf_tensors(reader, path: str, hf_names: list[str], hf_config, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray, str]]:
+    """HF-named tensors, one at a time: float32, or with keep_quantized, GroupQuantized where group_quantized
+    reads the type."""
     gguf = _gguf(path)
     from gguf.quants import dequantize
 
@@ -196,6 +251,16 @@ def gguf_tensors(reader, path: str, hf_names: list[str], hf_config) -> Iterator[
         tensor = by_gguf_name.get(gguf_name)
         if tensor is None:
             continue  # reported as missing by the loader
+        kept = group_quantized(tensor, path) if keep_quantized and len(tensor.shape) == 2 else None
+        if kept is not None:
+            if arch == "llama" and ".self_attn.q_proj." in hf_name:
+                kept = _unpermute_quantized(kept, heads)
+            elif arch == "llama" and ".self_attn.k_proj." in hf_name:
+                kept = _unpermute_quantized(kept, kv_heads)
+            yield hf_name, kept, path
+            continue
+        if keep_quantized and len(tensor.shape) == 2:
+            logger.info("GGUF tensor %s is %s, which stays quantized only as Q8_0/Q4_0/Q4_1/Q4_K: dequantized", gguf_name, tensor.tensor_type.name)
         try:
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         except Exception as exc:

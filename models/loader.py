@@ -125,7 +125,19 @@ def _load_tokenizer(folder: Path):
         raise ValueError(f"could not load the tokenizer in {folder}: {exc}") from exc
 
 
-def _load_hf_folder(folder: Path, dtype_name: str, choose_attention):
+def _checkpoint_quantization(hf_config, folder: Path) -> str | None:
+    """The checkpoint's own quantization method (config.json's quantization_config), refused unless supported."""
+    qcfg = getattr(hf_config, "quantization_config", None)
+    if not qcfg:
+        return None
+    method = (qcfg if isinstance(qcfg, dict) else qcfg.to_dict()).get("quant_method", "unknown")
+    raise ValueError(
+        f"{folder} holds a {method!r}-quantized checkpoint, which jaxpaged cannot load; "
+        "load its float original (quantization='int8' or 'fp8' quantizes at load) or a GGUF"
+    )
+
+
+def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None):
     from transformers import AutoConfig
 
     config_file = folder / "config.json"
@@ -133,14 +145,26 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention):
         hf_config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         raise ValueError(f"could not read {config_file}: {exc}") from exc
+    _checkpoint_quantization(hf_config, folder)
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     files = _safetensors_files(folder)
     tensors, total = _safetensors_tensors(files)
-    load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name])
+    load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name], quantization)
     return model, cfg, hf_config, _load_tokenizer(folder)
 
 
-def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool):
+def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool, quantization: str | None):
+    """Q8_0, Q4_0, Q4_1 and Q4_K tensors stay quantized (models/quantization.py); other types are dequantized to
+    dtype (then quantized if `quantization` asks). quantization="none" dequantizes everything, once: the float
+    result is cached as an HF folder for the next start."""
+    if quantization != "none":
+        reader = gguf_io.open_gguf(str(path))
+        hf_config = gguf_io.gguf_hf_config(reader, str(path))
+        tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
+        cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
+        tensors = gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config, keep_quantized=True)
+        load_tensors_into(model, specs, _progress(tensors, len(specs), "Loading GGUF"), DTYPES[dtype_name], quantization)
+        return model, cfg, hf_config, tokenizer
     t0 = time.perf_counter()
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
@@ -163,7 +187,7 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
     return model, cfg, hf_config, tokenizer
 
 
-def _load_random(config_file: Path, dtype_name: str, choose_attention):
+def _load_random(config_file: Path, dtype_name: str, choose_attention, quantization: str | None = None):
     """A bare config.json: random weights in its shapes, for benchmarks and tests."""
     from transformers import AutoConfig
 
@@ -173,7 +197,7 @@ def _load_random(config_file: Path, dtype_name: str, choose_attention):
     except (ValueError, KeyError) as exc:
         raise ValueError(f"could not read model config {config_file}: {exc}") from exc
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
-    load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name])
+    load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization)
     folder = config_file.parent
     return model, cfg, hf_config, _load_tokenizer(folder)
 
@@ -188,10 +212,13 @@ def load_model(
     cache_dir: str | None = None,
     use_cache: bool = True,
     revision: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port whose attention `platform`
-    (default: the one JAX runs on) resolves from `attention_backend`."""
+    (default: the one JAX runs on) resolves from `attention_backend`. quantization: EngineConfig.quantization."""
     dtype_name = resolve_dtype(dtype)
+    if quantization not in (None, "none", "int8", "fp8"):
+        raise ValueError(f"quantization must be None, 'none', 'int8' or 'fp8' (got {quantization!r})")
     source = builtin_gguf_path() if model is None else str(model)
     if model is not None and hub.is_hub_id(source):
         source = hub.snapshot_folder(source, revision)
@@ -212,11 +239,11 @@ def load_model(
     platform = platform or platforms.get()
     choose_attention = functools.partial(platform.attention_backend, attention_backend, batch_invariant=batch_invariant)
     if path.is_dir():
-        result = _load_hf_folder(path, dtype_name, choose_attention)
+        result = _load_hf_folder(path, dtype_name, choose_attention, quantization)
     elif path.suffix == ".gguf":
-        result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache)
+        result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization)
     elif path.suffix == ".json":
-        result = _load_random(path, dtype_name, choose_attention)
+        result = _load_random(path, dtype_name, choose_attention, quantization)
     else:
         raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
     module, cfg, hf_config, tokenizer = result

@@ -59,11 +59,13 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
 def partition_spec(path: str, shape: tuple[int, ...], n: int) -> P:
     """The PartitionSpec of the parameter at dotted `path` (e.g. "layers.3.self_attn.q_proj.kernel")."""
     parts = path.split(".")
-    leaf, module = parts[-1], parts[-2] if len(parts) > 1 else ""
+    module = parts[-2] if len(parts) > 1 else ""
+    # A quantized projection's scales and offsets (models/quantization.py) split like its kernel: [out] per
+    # channel, [in / group, out] per group; a packed 4-bit kernel [in / 2, out] splits on the same axis.
     if module in COLUMN_PARALLEL:
-        return P(None, TP_AXIS) if leaf == "kernel" else P(TP_AXIS)
+        return P(None, TP_AXIS) if len(shape) == 2 else P(TP_AXIS)
     if module in ROW_PARALLEL:
-        return P(TP_AXIS, None) if leaf == "kernel" else P()
+        return P(TP_AXIS, None) if len(shape) == 2 else P()
     if path == "embed_tokens.embedding" and shape[0] % n == 0:
         return P(TP_AXIS, None)
     if path == "lm_head.kernel" and shape[1] % n == 0:
@@ -91,7 +93,7 @@ def replicate_kv_heads(state, cfg: ModelConfig, n: int):
 
     def widen(keypath, x):
         path = _dotted(keypath)
-        if not path.endswith(("k_proj.kernel", "k_proj.bias", "v_proj.kernel", "v_proj.bias")):
+        if not path.endswith(tuple(f"{p}.{leaf}" for p in ("k_proj", "v_proj") for leaf in ("kernel", "bias", "scale", "zero"))):
             return x
         heads = x.reshape(*x.shape[:-1], kv, hd)
         return jnp.repeat(heads, factor, axis=-2).reshape(*x.shape[:-1], n * hd)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -98,6 +99,46 @@ def _set(var: nnx.Variable, value) -> None:
         var.value = value
 
 
+def _owner(model: nnx.Module, path: str) -> tuple[Any, str]:
+    """The module holding the parameter at `path`, and the parameter's attribute name."""
+    head, _, leaf = path.rpartition(".")
+    return (_variable(model, head) if head else model), leaf
+
+
+def _install(module, leaf: str, value, transpose: bool, dtype, name: str, source: str) -> None:
+    """Put a quantized checkpoint tensor into a Linear's kernel or an Embedding's table, with its scales."""
+    from jaxpaged.models.layers import Embedding, Linear
+    from jaxpaged.models.quantization import ChannelLinear, ChannelQuantized, GroupEmbedding, GroupLinear
+
+    expected = tuple(getattr(module, leaf).shape)
+    shape = value.shape[::-1] if transpose else value.shape
+    if tuple(shape) != expected:
+        raise ValueError(f"tensor {name} in {source} has shape {tuple(shape)}, but the config implies {expected}")
+    put = lambda a: None if a is None else nnx.Param(jax.device_put(np.ascontiguousarray(a)))  # noqa: E731
+    if isinstance(module, Linear) and leaf == "kernel" and transpose:
+        if isinstance(value, ChannelQuantized):
+            module.kernel, module.scale, module.method = put(value.values.T), put(value.scale.astype(np.float32)), ChannelLinear()
+        else:
+            codes, scale, zero = value.transposed()
+            module.kernel, module.scale, module.zero = put(codes), put(scale), put(zero)
+            module.method = GroupLinear(value.bits, value.group_size)
+        return
+    if isinstance(module, Embedding) and leaf == "embedding" and not transpose and not isinstance(value, ChannelQuantized):
+        module.embedding, module.scale, module.zero = put(value.codes), put(value.scale), put(value.zero)
+        module.method = GroupEmbedding(value.bits, value.group_size, jnp.dtype(dtype).name)
+        return
+    raise ValueError(f"tensor {name} in {source} is quantized, but its parameter ({type(module).__name__}.{leaf}) takes floats only")
+
+
+def quantizable(model: nnx.Module, path: str) -> bool:
+    """Whether quantization="int8"|"fp8" quantizes this parameter: every Linear's kernel but the LM head's
+    (logits keep full precision, as vLLM's schemes leave lm_head unquantized by default)."""
+    from jaxpaged.models.layers import Linear
+
+    module, leaf = _owner(model, path)
+    return isinstance(module, Linear) and leaf == "kernel" and not path.startswith("lm_head")
+
+
 def checkpoint_name(model: nnx.Module, name: str, specs: dict[str, WeightSpec]) -> str:
     """Map a checkpoint's spelling onto the spec's: a port's renames (Pythia's embed_out), then its base prefix.
 
@@ -116,8 +157,16 @@ def load_tensors_into(
     specs: dict[str, WeightSpec],
     tensors: Iterable[tuple[str, Any, str]],
     dtype,
+    quantization: str | None = None,
 ) -> None:
-    """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor."""
+    """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor.
+
+    An array may be a quantized weight (models/quantization.py: ChannelQuantized, GroupQuantized), installed as
+    stored; quantization="int8"|"fp8" quantizes float Linear kernels on the host as they arrive, so the device
+    never holds the float weights; "none" dequantizes quantized ones instead.
+    """
+    from jaxpaged.models.quantization import ChannelQuantized, GroupQuantized, quantize_channels
+
     filled: set[str] = set()
     for name, array, source in tensors:
         name = checkpoint_name(model, name, specs)
@@ -126,6 +175,15 @@ def load_tensors_into(
             if not name.endswith(IGNORED_SUFFIXES):
                 logger.warning("ignoring tensor %s from %s: the port has no place for it", name, source)
             continue
+        if isinstance(array, (ChannelQuantized, GroupQuantized)):
+            if quantization == "none":
+                array = array.dequantize()
+            elif spec.split is not None or len(spec.paths) != 1:
+                raise ValueError(f"tensor {name} in {source} is quantized and fused; jaxpaged cannot split it")
+            else:
+                _install(*_owner(model, spec.paths[0]), array, spec.transpose, dtype, name, source)
+                filled.add(name)
+                continue
         value = np.asarray(array)  # host-side until placed: eager jnp ops would compile one program per shape
         if spec.transpose:
             value = value.T
@@ -138,12 +196,16 @@ def load_tensors_into(
             parts = spec.split(value)
         else:
             parts = (value,)
-        for var, part, shape in zip(variables, parts, expected):
+        for path, var, part, shape in zip(spec.paths, variables, parts, expected):
             if tuple(part.shape) != shape:
                 raise ValueError(
                     f"tensor {name} in {source} has shape {tuple(part.shape)}, but the config implies {shape}"
                 )
-            _set(var, jax.device_put(np.ascontiguousarray(part, dtype=dtype)))
+            if quantization in ("int8", "fp8") and quantizable(model, path):
+                q, scale = quantize_channels(part, quantization)
+                _install(*_owner(model, path), ChannelQuantized(q.T, scale), True, dtype, name, source)
+            else:
+                _set(var, jax.device_put(np.ascontiguousarray(part, dtype=dtype)))
         filled.add(name)
     missing = sorted(set(specs) - filled)
     if missing:

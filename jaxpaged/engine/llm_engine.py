@@ -84,6 +84,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(
             config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
             batch_invariant=config.batch_invariant, revision=config.revision, platform=platform,
+            quantization=config.quantization,
         )
         load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer

@@ -1,0 +1,189 @@
+"""Quantized weights: how a Linear or an Embedding holds them, and how a matmul reads them.
+
+Two layouts cover every scheme jaxpaged serves:
+
+- per-channel (`ChannelLinear`): kernel [in, out] int8 or float8_e4m3fn, scale [out] float32; w = kernel * scale.
+  `quantization="int8"|"fp8"` writes it at load from a float checkpoint; compressed-tensors' channel schemes load
+  into it as stored.
+- per-group (`GroupLinear`, `GroupEmbedding`): groups of `group_size` consecutive inputs share a scale and an
+  offset, w = q * scale + zero, with q int8 (8 bits) or 4-bit codes packed two to a byte along the input axis
+  (row 2i in the low nibble, 2i + 1 in the high). GGUF's Q8_0, Q4_0, Q4_1 and Q4_K and GPTQ/AWQ's 4-bit groups all
+  are this with their own scales and offsets.
+
+The matmul dequantizes the weight into the activations' dtype inside the jitted step (XLA fuses the convert into
+the dot where it can) and accumulates in float32, as DenseLinear does; per-channel scales multiply the product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def _precision(x):
+    return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+
+# -- per-channel ------------------------------------------------------------------------------
+
+
+def quantize_channels(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """A float kernel [in, out] -> (q [in, out] int8 or float8_e4m3fn, scale [out] float32), symmetric per output
+    channel: scale = max|w[:, j]| / QMAX. On the host (numpy), one weight at a time as it loads."""
+    w = np.asarray(w, np.float32)
+    amax = np.max(np.abs(w), axis=0)
+    if kind == "int8":
+        scale = np.maximum(amax / 127.0, np.finfo(np.float32).tiny).astype(np.float32)
+        return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+    if kind == "fp8":
+        scale = np.maximum(amax / FP8_MAX, np.finfo(np.float32).tiny).astype(np.float32)
+        return np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+    raise ValueError(f"quantization must be 'int8' or 'fp8' (got {kind!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelLinear:
+    """kernel [in, out] (int8 or fp8) * scale [out]: the weight converted to x's dtype in the dot."""
+
+    def apply(self, layer, x: jax.Array) -> jax.Array:
+        w = layer.kernel[...].astype(x.dtype)
+        y = jnp.dot(x, w, precision=_precision(x), preferred_element_type=jnp.float32)
+        return y * layer.scale[...].astype(jnp.float32)
+
+
+# -- per-group --------------------------------------------------------------------------------
+
+
+def pack_int4(codes: np.ndarray, axis: int = 0) -> np.ndarray:
+    """4-bit codes (0..15, any int dtype) -> uint8, two per byte along `axis` (even index low, odd high)."""
+    codes = np.moveaxis(np.asarray(codes, np.uint8), axis, 0)
+    packed = (codes[0::2] & 0xF) | ((codes[1::2] & 0xF) << 4)
+    return np.moveaxis(packed.astype(np.uint8), 0, axis)
+
+
+def unpack_int4(packed: jax.Array, axis: int = 0) -> jax.Array:
+    """pack_int4's inverse, in the jitted step: uint8 [..., n, ...] -> codes [..., 2n, ...] (uint8, 0..15)."""
+    lo, hi = packed & 0xF, packed >> 4
+    both = jnp.stack([lo, hi], axis=axis + 1)
+    shape = list(packed.shape)
+    shape[axis] *= 2
+    return both.reshape(shape)
+
+
+def dequantize_groups(q: jax.Array, scale: jax.Array, zero: jax.Array | None, *, bits: int, axis: int, dtype) -> jax.Array:
+    """q (int8, or packed uint8 when bits == 4) with scale/zero [..., n_groups, ...] along `axis` -> floats."""
+    codes = unpack_int4(q, axis) if bits == 4 else q
+    n = codes.shape[axis]
+    groups = scale.shape[axis]
+    shape = list(codes.shape)
+    shape[axis : axis + 1] = [groups, n // groups]
+    values = codes.astype(jnp.float32).reshape(shape) * jnp.expand_dims(scale.astype(jnp.float32), axis + 1)
+    if zero is not None:
+        values = values + jnp.expand_dims(zero.astype(jnp.float32), axis + 1)
+    return values.reshape(codes.shape).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLinear:
+    """kernel: int8 [in, out] (bits 8) or uint8 [in / 2, out] (bits 4); scale, zero: [in / group_size, out]
+    (`zero` None when the scheme has no offset)."""
+
+    bits: int
+    group_size: int
+
+    def weight(self, layer, dtype) -> jax.Array:
+        zero = getattr(layer, "zero", None)
+        return dequantize_groups(layer.kernel[...], layer.scale[...], None if zero is None else zero[...], bits=self.bits, axis=0, dtype=dtype)
+
+    def apply(self, layer, x: jax.Array) -> jax.Array:
+        return jnp.dot(x, self.weight(layer, x.dtype), precision=_precision(x), preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupEmbedding:
+    """An Embedding table [V, F] stored per group along F: embedding int8 [V, F] or uint8 [V, F / 2], scale and
+    zero [V, F / group_size]. Lookups dequantize the rows they read; a tied head dequantizes the table."""
+
+    bits: int
+    group_size: int
+    dtype: str = "float32"  # what rows come out as (the model's dtype)
+
+    def _zero(self, layer):
+        zero = getattr(layer, "zero", None)
+        return None if zero is None else zero[...]
+
+    def lookup(self, layer, ids: jax.Array) -> jax.Array:
+        zero = self._zero(layer)
+        rows = lambda a: jnp.take(a, ids, axis=0)  # noqa: E731
+        return dequantize_groups(
+            rows(layer.embedding[...]), rows(layer.scale[...]), None if zero is None else rows(zero),
+            bits=self.bits, axis=1, dtype=jnp.dtype(self.dtype),
+        )  # fmt: skip
+
+    def attend(self, layer, x: jax.Array) -> jax.Array:
+        table = dequantize_groups(layer.embedding[...], layer.scale[...], self._zero(layer), bits=self.bits, axis=1, dtype=x.dtype)
+        return jnp.dot(x, table.T, precision=_precision(x), preferred_element_type=jnp.float32)
+
+
+QUANTIZED_METHODS = (ChannelLinear, GroupLinear, GroupEmbedding)
+
+
+def is_quantized(module) -> bool:
+    return isinstance(getattr(module, "method", None), QUANTIZED_METHODS)
+
+
+# -- weights as checkpoints store them, on the host -------------------------------------------
+
+
+@dataclasses.dataclass
+class ChannelQuantized:
+    """A torch-layout weight [out, in] quantized per output channel (compressed-tensors' channel/tensor schemes)."""
+
+    values: np.ndarray  # [out, in] int8 or float8_e4m3fn
+    scale: np.ndarray  # [out] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    def dequantize(self) -> np.ndarray:
+        return self.values.astype(np.float32) * self.scale.astype(np.float32)[:, None]
+
+
+@dataclasses.dataclass
+class GroupQuantized:
+    """A weight [rows, cols] with groups of group_size along cols (the input features of a torch-layout Linear,
+    the features of an embedding table): w = codes * scale + zero."""
+
+    codes: np.ndarray  # int8 [rows, cols] (bits 8) or uint8 [rows, cols / 2] (bits 4, pack_int4 along cols)
+    scale: np.ndarray  # [rows, cols / group_size]
+    zero: np.ndarray | None  # like scale, or None
+    bits: int
+    group_size: int
+    scheme: str  # what the checkpoint called it (Q4_1, gptq...), for logs
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.codes.shape
+        return (rows, cols * 2 if self.bits == 4 else cols)
+
+    def transposed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes, scale, zero) with the grouped axis first: a Linear kernel's [in, out] layout."""
+        t = lambda a: None if a is None else np.ascontiguousarray(a.T)  # noqa: E731
+        return t(self.codes), t(self.scale), t(self.zero)
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 [rows, cols], on the host (tests, and loading with quantization="none")."""
+        codes = self.codes
+        if self.bits == 4:
+            codes = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
+        rows, cols = codes.shape
+        values = codes.astype(np.float32).reshape(rows, -1, self.group_size) * self.scale.astype(np.float32)[..., None]
+        if self.zero is not None:
+            values = values + self.zero.astype(np.float32)[..., None]
+        return values.reshape(rows, cols)
