@@ -86,7 +86,7 @@ class CpuPlatform(Platform):
         head = _tied_head(model)
         if backend == "native":
             logger.info("matmuls: native CPU kernel, %d weights packed into panels", pack_for_cpu_matmul(model))
-        elif jnp.dtype(dtype) != jnp.float32 and head is not None:
+        elif jnp.dtype(dtype) != jnp.float32 and head is not None and type(head.method) is DenseEmbedding:  # not quantized
             head.output_kernel = nnx.Param(jnp.asarray(head.embedding[...].T))  # the table's size again in memory
             head.method = TransposedHead()
         return backend

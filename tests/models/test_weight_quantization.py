@@ -1,0 +1,155 @@
+"""Quantized weights: int8/fp8 quantized at load, GGUF's Q8_0/Q4_0/Q4_1/Q4_K kept quantized on the device.
+
+Each scheme is checked twice: its matmuls against the same dequantized weights in float (the arithmetic is right,
+to float32 rounding), and its logits against the float model (what quantization costs, bounded per scheme).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jaxpaged.models.gguf_io import group_quantized
+from jaxpaged.models.loader import load_model
+from jaxpaged.models.quantization import (
+    ChannelLinear, GroupEmbedding, GroupLinear, dequantize_groups, pack_int4, quantize_channels, unpack_int4,
+)  # fmt: skip
+from jaxpaged.models.weights import param_bytes
+
+from tests.gguf_writer import quantize_q4_k, write_llama_gguf
+from tests.hf_reference import hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+from tests.static_batch import StaticBatchRunner
+
+# Max |logit error| against the float model on `hf` below (logits reach about 2.5): measured 0.071 (int8), 0.25 (fp8),
+# 0.064 (Q8_0, whose embedding and head are 8-bit too), 1.09 / 0.90 / 0.85 (Q4_0 / Q4_1 / Q4_K), then doubled: the
+# bound catches a broken scheme (errors of the logits' own size), not run-to-run noise.
+FLOAT_ERROR_BOUND = {"int8": 0.15, "fp8": 0.5, "Q8_0": 0.15, "Q4_0": 2.0, "Q4_1": 2.0, "Q4_K": 2.0}
+ARITHMETIC_BOUND = 1e-4  # against the dequantized weights in float32
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """Wide enough for Q4_K's 256-value super-blocks; GQA so k/v rows un-permute with their own head count."""
+    config = tiny_llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    return random_hf_model(config, std=0.05)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf):
+    return random_prompts(hf.config.vocab_size, (4, 19))
+
+
+def _max_error(loaded, reference, prompts) -> float:
+    ours = StaticBatchRunner(loaded).prompt_logits(prompts)
+    return max(float(np.abs(o - r).max()) for o, r in zip(ours, reference))
+
+
+def _hf_logits(model, prompts):
+    return [hf_logits(model, p) for p in prompts]
+
+
+def _weight_bytes(loaded) -> int:
+    return param_bytes(nnx.state(loaded.model, nnx.Param))
+
+
+def test_int4_packing_round_trips():
+    codes = np.random.default_rng(0).integers(0, 16, size=(64, 6)).astype(np.uint8)
+    packed = pack_int4(codes, axis=0)
+    assert packed.shape == (32, 6) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed), axis=0)), codes)
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(pack_int4(codes.T, axis=1)), axis=1)), codes.T)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_channel_quantization_error_is_within_half_a_step(kind):
+    w = np.random.default_rng(1).normal(size=(96, 40)).astype(np.float32)
+    q, scale = quantize_channels(w, kind)
+    assert q.dtype == (np.int8 if kind == "int8" else jnp.float8_e4m3fn) and scale.shape == (40,)
+    error = np.abs(q.astype(np.float32) * scale - w)
+    if kind == "int8":
+        assert (error <= scale / 2 + 1e-7).all()
+    else:  # e4m3: 3 mantissa bits, so half a unit in the last place is 1/16 of the value's power of two
+        assert (error <= np.abs(w) / 16 + scale * 2.0**-9).all()
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_blocks_decode_exactly_as_gguf_does(kind):
+    import gguf
+    from gguf.quants import dequantize
+
+    rows = np.random.default_rng(2).normal(size=(6, 512)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = quantize_q4_k(rows) if kind == "Q4_K" else gguf.quants.quantize(rows, qtype)
+
+    class Tensor:
+        tensor_type, shape, data = qtype, np.array([512, 6]), raw
+
+    kept = group_quantized(Tensor, "test.gguf")
+    expected = dequantize(raw, qtype).reshape(6, 512)
+    np.testing.assert_array_equal(kept.dequantize(), expected)
+    codes, scale, zero = kept.transposed()  # the device path: a Linear kernel [in, out]
+    on_device = dequantize_groups(jnp.asarray(codes), jnp.asarray(scale), None if zero is None else jnp.asarray(zero),
+                                  bits=kept.bits, axis=0, dtype=jnp.float32)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(on_device), expected.T)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_at_load(hf, prompts, tmp_path, kind):
+    folder = save_hf_model(hf, tmp_path / "m")
+    loaded = load_model(str(folder), quantization=kind)
+    q_proj = loaded.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.method, ChannelLinear)
+    assert q_proj.kernel[...].dtype == (jnp.int8 if kind == "int8" else jnp.float8_e4m3fn)
+    assert loaded.model.lm_head.kernel[...].dtype == jnp.float32  # the head keeps full precision
+    assert _weight_bytes(loaded) < 0.4 * _weight_bytes(load_model(str(folder)))
+
+    dequantized = copy.deepcopy(hf)  # HF computing with exactly the weights the device holds
+    with torch.no_grad():
+        for name, module in dequantized.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                ours = loaded.model
+                for part in name.removeprefix("model.").split("."):
+                    ours = ours[int(part)] if part.isdigit() else getattr(ours, part)
+                w = np.asarray(ours.kernel[...]).astype(np.float32) * np.asarray(ours.scale[...])
+                module.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
+    assert _max_error(loaded, _hf_logits(dequantized, prompts), prompts) <= ARITHMETIC_BOUND
+    assert _max_error(loaded, _hf_logits(hf, prompts), prompts) <= FLOAT_ERROR_BOUND[kind]
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_stays_quantized_on_device(hf, prompts, tmp_path, kind):
+    path = write_llama_gguf(hf, tmp_path / f"{kind}.gguf", quant=kind)
+    kept = load_model(str(path))
+    floats = load_model(str(path), quantization="none", cache_dir=str(tmp_path / "cache"))
+    layer = kept.model.layers[1]
+    bits = 8 if kind == "Q8_0" else 4
+    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.down_proj):
+        assert proj.method == GroupLinear(bits, 32)
+        assert proj.kernel[...].dtype == (jnp.int8 if bits == 8 else jnp.uint8)
+    assert isinstance(kept.model.embed_tokens.method, GroupEmbedding)
+    assert _weight_bytes(kept) < (0.3 if bits == 8 else 0.2) * _weight_bytes(floats)
+
+    # q/k rows un-permuted with their scales, and every matmul, lookup and head right: the same logits as the
+    # dequantized floats
+    assert _max_error(kept, StaticBatchRunner(floats).prompt_logits(prompts), prompts) <= ARITHMETIC_BOUND
+    assert _max_error(kept, _hf_logits(hf, prompts), prompts) <= FLOAT_ERROR_BOUND[kind]
+
+
+def test_gguf_with_other_types_dequantizes_them(hf, prompts, tmp_path):
+    """A Q5_0 matrix is not kept quantized: it loads as floats beside the kept Q4_0 ones."""
+    path = write_llama_gguf(hf, tmp_path / "mixed.gguf", quant={"mlp": "Q5_0", "self_attn": "Q4_0"})
+    loaded = load_model(str(path))
+    assert loaded.model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.float32
+    assert isinstance(loaded.model.layers[0].self_attn.v_proj.method, GroupLinear)
+    floats = load_model(str(path), quantization="none", cache_dir=str(tmp_path / "cache"))
+    assert _max_error(loaded, StaticBatchRunner(floats).prompt_logits(prompts), prompts) <= ARITHMETIC_BOUND
+
+
+def test_unknown_quantization_is_refused(tmp_path, hf):
+    folder = save_hf_model(hf, tmp_path / "m")
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(str(folder), quantization="int3")
