@@ -1,0 +1,240 @@
+"""Quantization schemes side by side, in one run: weight bytes, KV tokens a fixed KV budget holds, throughput,
+perplexity on a fixed text and greedy agreement with the float model.
+
+Every scheme is one engine on the same model: float32 (the reference), bfloat16, weights quantized at load (int8,
+fp8), the GGUF as stored (Q4_1/Q8_0 for the built-in model) and the KV cache in int8 or fp8, alone or combined. A
+GGUF model is first exported to an HF folder of its dequantized weights (scripts/export_hf.py), which every scheme
+but "gguf" loads, so all of them start from the same floats.
+
+- weights: bytes of the parameters on the device (scales included);
+- KV: blocks and tokens --kv-budget-mb holds at the scheme's bytes per token;
+- throughput: the engine issue's workload (--num-requests, lengths in --min-len..--max-len, greedy, EOS ignored),
+  output tokens per second, with the machine's load around it (scripts/machine_load.py) and a busy flag;
+- perplexity: exp(mean NLL) of scripts/data/public_domain_text.txt, in --window-token windows (prompt logprobs),
+  and the mean |logprob difference| per token against float32;
+- agreement: --agree-prompts greedy continuations of --agree-tokens tokens from prefixes of the text: the share of
+  outputs identical to float32's, and the mean share of each output's tokens before the first difference.
+
+    python scripts/bench_quantization.py --json docs/data/bench_quantization_cpu.json           # the built-in model
+    python scripts/bench_quantization.py --model llama_config.json --schemes float32,int8,kv-int8  # random weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import machine_load  # noqa: E402 - the sibling script's module (this folder is on sys.path when run as a file)
+
+log = logging.getLogger("bench")
+TEXT = Path(__file__).with_name("data") / "public_domain_text.txt"
+
+# name -> LLM keyword arguments; "gguf" loads the GGUF itself, every other scheme the exported floats
+SCHEMES = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "fp8": {"dtype": "float32", "quantization": "fp8"},
+    "gguf": {"dtype": "float32"},
+    "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
+    "kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8"},
+    "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
+    "gguf+kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a .gguf (default: the built-in model), an HF folder or a config.json")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated, from {', '.join(SCHEMES)}")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-budget-mb", type=float, default=64.0, help="KV pool size every scheme gets (default: 64)")
+    p.add_argument("--window-tokens", type=int, default=256)
+    p.add_argument("--agree-prompts", type=int, default=16)
+    p.add_argument("--agree-tokens", type=int, default=32)
+    p.add_argument("--settle-s", type=float, default=60.0, help="wait up to this long for the load to drop before each scheme")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write every figure here")
+    args = p.parse_args(argv)
+    args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    unknown = [s for s in args.schemes if s not in SCHEMES]
+    if unknown:
+        p.error(f"unknown scheme(s) {unknown}; choose from {', '.join(SCHEMES)}")
+    return args
+
+
+def sources(model: str | None, workdir: Path) -> tuple[str, str | None]:
+    """(the float source every scheme loads, the GGUF the "gguf" schemes load, or None)."""
+    from jaxpaged.models.builtin import builtin_gguf_path
+
+    path = Path(model) if model else Path(builtin_gguf_path())
+    if path.suffix != ".gguf":
+        return str(path), None
+    import export_hf
+
+    log.info("exporting %s to an HF folder of its dequantized weights", path.name)
+    return str(export_hf.export(str(path), workdir / "hf")), str(path)
+
+
+def kv_blocks(llm_config, kv_cache_dtype: str, dtype: str, budget_bytes: float, block_size: int) -> int:
+    from jaxpaged.pallas_kernels.kv_quant import kv_bytes_per_token_head
+
+    cfg = llm_config
+    per_block = cfg.num_layers * 2 * cfg.num_kv_heads * block_size * kv_bytes_per_token_head(cfg.head_dim, kv_cache_dtype, dtype)
+    return max(1, int(budget_bytes // per_block))
+
+
+def text_tokens(tokenizer, vocab: int) -> list[int]:
+    if tokenizer is not None:
+        return tokenizer.encode(TEXT.read_text())
+    rng = np.random.default_rng(0)  # a random-weight model without a tokenizer: a fixed random text
+    return rng.integers(10, vocab - 10, 1500).tolist()
+
+
+def workload(args, vocab: int) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    ins, outs = rng.integers(args.min_len, args.max_len + 1, n), rng.integers(args.min_len, args.max_len + 1, n)
+    return [(rng.integers(10, vocab - 10, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+def perplexity(llm, tokens: list[int], window: int) -> tuple[float, list[float]]:
+    """exp(mean NLL) over the text in windows (each window's first token has no logprob), and every logprob."""
+    from jaxpaged import SamplingParams
+
+    windows = [tokens[i : i + window] for i in range(0, len(tokens) - 1, window)]
+    windows = [w for w in windows if len(w) > 1]
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    logprobs = []
+    for w, out in zip(windows, outs):
+        for tok, entry in zip(w[1:], out.prompt_logprobs[1:]):
+            logprobs.append(entry[tok].logprob)
+    return math.exp(-float(np.mean(logprobs))), logprobs
+
+
+def greedy(llm, tokens: list[int], args) -> list[list[int]]:
+    from jaxpaged import SamplingParams
+
+    step = max(1, (len(tokens) - 64) // args.agree_prompts)
+    prompts = [{"prompt_token_ids": tokens[i * step : i * step + 32]} for i in range(args.agree_prompts)]
+    params = SamplingParams(max_tokens=args.agree_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    def prefix(a, b):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return n / max(1, len(b))
+
+    return {"identical_share": float(np.mean([a == b for a, b in zip(outputs, reference)])),
+            "mean_prefix_share": float(np.mean([prefix(a, b) for a, b in zip(outputs, reference)]))}  # fmt: skip
+
+
+def throughput(llm, reqs) -> tuple[float, int, float]:
+    from jaxpaged import SamplingParams
+
+    llm.generate([{"prompt_token_ids": reqs[0][0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / elapsed, tokens, elapsed
+
+
+def run_scheme(name: str, args, float_source: str, gguf: str | None, reference: dict | None) -> dict:
+    from flax import nnx
+
+    from jaxpaged import LLM
+    from jaxpaged.models.weights import param_bytes
+
+    kwargs = dict(SCHEMES[name])
+    source = gguf if name.startswith("gguf") else float_source
+    if source is None:
+        raise SystemExit(f"scheme {name} needs a GGUF model")
+    block_size = 16
+    probe = LLM(model=source, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=16, precompile=False, **kwargs)
+    cfg = probe.engine.loaded.config
+    blocks = kv_blocks(cfg, kwargs.get("kv_cache_dtype", "auto"), kwargs["dtype"], args.kv_budget_mb * 1e6, block_size)
+    del probe
+    llm = LLM(model=source, num_kv_blocks=blocks, block_size=block_size, max_num_seqs=args.max_num_seqs,
+              max_model_len=max(args.window_tokens, 2 * args.max_len, 32 + args.agree_tokens) + 16, **kwargs)  # fmt: skip
+    runner = llm.engine.runner
+    record = {"scheme": name, "engine": kwargs, "source": source, "weight_bytes": param_bytes(nnx.state(runner.state)),
+              "kv_blocks": blocks, "kv_tokens": blocks * block_size, "kv_block_bytes": runner.block_bytes}  # fmt: skip
+    tokens = text_tokens(llm.get_tokenizer() if hasattr(llm, "get_tokenizer") else llm.engine.tokenizer, cfg.vocab_size)
+    record["perplexity"], logprobs = perplexity(llm, tokens, args.window_tokens)
+    outputs = greedy(llm, tokens, args)
+    if reference is not None:
+        record["mean_abs_logprob_diff"] = float(np.mean(np.abs(np.asarray(logprobs) - np.asarray(reference["logprobs"]))))
+        record["agreement"] = agreement(outputs, reference["outputs"])
+    if not args.skip_throughput:
+        machine_load.settle(args.settle_s, machine_load.cores(), log=log.info)
+        with machine_load.SideWatch(name) as watch:
+            record["tok_s"], record["output_tokens"], record["seconds"] = throughput(llm, workload(args, cfg.vocab_size))
+        record["load"] = watch.record
+    log.info("%s: %s", name, {k: v for k, v in record.items() if k not in ("engine", "load")})
+    return record | {"_logprobs": logprobs, "_outputs": outputs}
+
+
+def table(records: list[dict]) -> str:
+    base = records[0]
+    lines = [f"{'scheme':<14}{'weights MB':>11}{'x':>6}{'KV tokens':>11}{'x':>6}{'tok/s':>8}{'x':>6}{'ppl':>8}"
+             f"{'|dlogp|':>9}{'same out':>9}{'prefix':>8}"]  # fmt: skip
+    for r in records:
+        agree = r.get("agreement", {"identical_share": 1.0, "mean_prefix_share": 1.0})
+        tok_s = r.get("tok_s")
+        lines.append(
+            f"{r['scheme']:<14}{r['weight_bytes'] / 1e6:>11.1f}{base['weight_bytes'] / r['weight_bytes']:>6.2f}"
+            f"{r['kv_tokens']:>11d}{r['kv_tokens'] / base['kv_tokens']:>6.2f}"
+            + (f"{tok_s:>8.1f}{tok_s / base['tok_s']:>6.2f}" if tok_s else f"{'-':>8}{'-':>6}")
+            + f"{r['perplexity']:>8.3f}{r.get('mean_abs_logprob_diff', 0.0):>9.4f}"
+            f"{agree['identical_share']:>9.0%}{agree['mean_prefix_share']:>8.0%}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        float_source, gguf = sources(args.model, Path(tmp))
+        schemes = ["float32"] + [s for s in args.schemes if s != "float32"]
+        if gguf is None:
+            schemes = [s for s in schemes if not s.startswith("gguf")]
+        records, reference = [], None
+        for name in schemes:
+            record = run_scheme(name, args, float_source, gguf, reference)
+            if reference is None:
+                reference = {"logprobs": record["_logprobs"], "outputs": record["_outputs"]}
+            records.append({k: v for k, v in record.items() if not k.startswith("_")})
+    print(table(records))
+    for line in machine_load.busy_lines({r["scheme"]: r["load"] for r in records if "load" in r}):
+        print(line)
+    if args.json:
+        meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": str(jax.devices()[0]),
+                "cpu": machine_load.cpu_model(), "cores": machine_load.cores(), "python": platform.python_version(),
+                "args": {k: v for k, v in vars(args).items()}}  # fmt: skip
+        Path(args.json).write_text(json.dumps({"meta": meta, "schemes": records}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
