@@ -6,7 +6,7 @@ import dataclasses
 
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
-QUANTIZATION_CHOICES = ("none", "int8", "fp8")  # applied at load to a float checkpoint (models/quantization.py)
+QUANTIZATION_CHOICES = ("none", "gguf", "int8", "fp8")  # how weights load (models/loader.py, models/quantization.py)
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")  # pallas_kernels/kv_quant.py
 
 
@@ -28,10 +28,10 @@ class EngineConfig:
                                "(org/name, from the HF cache or downloaded: safetensors only); default: the built-in model", group="model")  # fmt: skip
     revision: str | None = option(None, "with a hub id: the branch, tag or commit to load (default: main)", group="model")
     dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)", group="model")
-    quantization: str | None = option(None, "quantize a float checkpoint's linear weights at load: int8 (per output channel) or fp8 "
-                                      "(e4m3, GPUs/TPUs with fp8 units), or none: every weight in dtype, a quantized checkpoint dequantized "
-                                      "(default: as the checkpoint stores it: floats stay floats, GGUF and compressed-tensors "
-                                      "weights stay quantized)", group="model", choices=QUANTIZATION_CHOICES)  # fmt: skip
+    quantization: str | None = option(None, "int8 or fp8 (e4m3): linear weights quantized per output channel at load; gguf: a GGUF's "
+                                      "Q8_0/Q4_0/Q4_1/Q4_K weights kept quantized; none: every weight dequantized to dtype (default: "
+                                      "as stored, except that a GGUF is dequantized on CPU, where float matmuls are faster)",
+                                      group="model", choices=QUANTIZATION_CHOICES)  # fmt: skip
     kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model's dtype), int8 or fp8 (8 bits, one scale per "
                                  "token and head: about twice the tokens of bfloat16)", choices=KV_CACHE_DTYPE_CHOICES)  # fmt: skip
     max_model_len: int | None = option(None, "longest prompt + answer (default: the model's context)")

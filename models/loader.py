@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxpaged import platforms
+from jaxpaged.config import QUANTIZATION_CHOICES
 from jaxpaged.models import convert_cache, gguf_io, hub
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
@@ -29,6 +30,11 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger("jaxpaged.loader")
 
+GGUF_DEFAULTS = {
+    "gguf": "kept quantized as stored (Q8_0/Q4_0/Q4_1/Q4_K)",
+    "none": "dequantized to floats for this platform's float matmuls (quantization='gguf' keeps them quantized: less "
+            "memory, slower here)",
+}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -154,10 +160,10 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
 
 
 def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool, quantization: str | None):
-    """Q8_0, Q4_0, Q4_1 and Q4_K tensors stay quantized (models/quantization.py); other types are dequantized to
-    dtype (then quantized if `quantization` asks). quantization="none" dequantizes everything, once: the float
-    result is cached as an HF folder for the next start."""
-    if quantization != "none":
+    """quantization="gguf": Q8_0, Q4_0, Q4_1 and Q4_K tensors stay quantized (models/quantization.py), other types
+    are dequantized to dtype. Otherwise every tensor is dequantized, once (the floats are cached as an HF folder
+    for the next start), then quantized at load if quantization is "int8" or "fp8"."""
+    if quantization == "gguf":
         reader = gguf_io.open_gguf(str(path))
         hf_config = gguf_io.gguf_hf_config(reader, str(path))
         tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
@@ -169,7 +175,7 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
         logger.info("loading converted %s from cache %s", path.name, entry)
-        return _load_hf_folder(entry, dtype_name, choose_attention)
+        return _load_hf_folder(entry, dtype_name, choose_attention, quantization)
     reader = gguf_io.open_gguf(str(path))
     hf_config = gguf_io.gguf_hf_config(reader, str(path))
     tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
@@ -179,7 +185,7 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
         name: array.astype(np_dtype)
         for name, array, _ in _progress(gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config), len(specs), "Converting GGUF")
     }
-    load_tensors_into(model, specs, ((n, a, str(path)) for n, a in converted.items()), DTYPES[dtype_name])
+    load_tensors_into(model, specs, ((n, a, str(path)) for n, a in converted.items()), DTYPES[dtype_name], quantization)
     logger.info("converted %s in %.1fs", path.name, time.perf_counter() - t0)
     if use_cache:
         convert_cache.save_entry(entry, converted, hf_config, tokenizer)
@@ -217,8 +223,8 @@ def load_model(
     """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port whose attention `platform`
     (default: the one JAX runs on) resolves from `attention_backend`. quantization: EngineConfig.quantization."""
     dtype_name = resolve_dtype(dtype)
-    if quantization not in (None, "none", "int8", "fp8"):
-        raise ValueError(f"quantization must be None, 'none', 'int8' or 'fp8' (got {quantization!r})")
+    if quantization not in (None, *QUANTIZATION_CHOICES):
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} or None (got {quantization!r})")
     source = builtin_gguf_path() if model is None else str(model)
     if model is not None and hub.is_hub_id(source):
         source = hub.snapshot_folder(source, revision)
@@ -237,6 +243,12 @@ def load_model(
             raise FileNotFoundError(f"{path} has no config.json and {len(ggufs)} .gguf files; expected an HF folder or one .gguf")
         path = ggufs[0]
     platform = platform or platforms.get()
+    is_gguf = path.suffix == ".gguf"
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization='gguf' keeps a GGUF's weights quantized, and {path.name} is not a .gguf file")
+    if quantization is None and is_gguf:
+        quantization = platform.gguf_quantization
+        logger.info("GGUF weights: %s on %s (quantization=%r)", GGUF_DEFAULTS[quantization], platform.name, quantization)
     choose_attention = functools.partial(platform.attention_backend, attention_backend, batch_invariant=batch_invariant)
     if path.is_dir():
         result = _load_hf_folder(path, dtype_name, choose_attention, quantization)
@@ -249,7 +261,7 @@ def load_model(
     module, cfg, hf_config, tokenizer = result
     size = param_bytes(nnx.state(module, nnx.Param))
     logger.info(
-        "loaded %s (%s, %.1f MB of %s weights) in %.1fs",
-        path.name, cfg.architecture, size / 1e6, dtype_name, time.perf_counter() - t0,
+        "loaded %s (%s, %.1f MB of %s weights%s) in %.1fs", path.name, cfg.architecture, size / 1e6, dtype_name,
+        f", quantization {quantization}" if quantization not in (None, "none") else "", time.perf_counter() - t0,
     )
     return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name)

@@ -162,8 +162,8 @@ def load_tensors_into(
     """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor.
 
     An array may be a quantized weight (models/quantization.py: ChannelQuantized, GroupQuantized), installed as
-    stored; quantization="int8"|"fp8" quantizes float Linear kernels on the host as they arrive, so the device
-    never holds the float weights; "none" dequantizes quantized ones instead.
+    stored (quantization None or "gguf"); "int8"|"fp8" quantizes float Linear kernels on the host as they arrive, so
+    the device never holds the float weights; "none" dequantizes quantized ones instead.
     """
     from jaxpaged.models.quantization import ChannelQuantized, GroupQuantized, quantize_channels
 

@@ -46,11 +46,11 @@ SCHEMES = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "fp8": {"dtype": "float32", "quantization": "fp8"},
-    "gguf": {"dtype": "float32"},
+    "gguf": {"dtype": "float32", "quantization": "gguf"},
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8"},
     "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
-    "gguf+kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
+    "gguf+kv-int8": {"dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "int8"},
 }
 
 

@@ -57,10 +57,10 @@ def test_half_dtypes(tiny_hf, tmp_path, dtype):
 def test_gguf_matches_transformers_and_is_cached(tiny_hf, tmp_path, monkeypatch):
     path = write_llama_gguf(tiny_hf, tmp_path / "tiny.gguf", chat_template="{{ messages[0]['content'] }}")
     cache = tmp_path / "cache"
-    plain = load_model(str(path), cache_dir=str(cache))  # float tensors load as they are, with nothing to cache
-    assert _max_logit_error(plain, tiny_hf) <= 1e-4
+    kept = load_model(str(path), cache_dir=str(cache), quantization="gguf")  # float tensors as they are, nothing cached
+    assert _max_logit_error(kept, tiny_hf) <= 1e-4
     assert not (cache / "converted").exists()
-    first = load_model(str(path), cache_dir=str(cache), quantization="none")
+    first = load_model(str(path), cache_dir=str(cache))  # on CPU: dequantized (a no-op here) and cached
     up_proj = np.asarray(first.model.layers[1].mlp.up_proj.kernel[...])  # as loaded (running may pack it in place)
     assert _max_logit_error(first, tiny_hf) <= 1e-4  # q/k rows un-permuted correctly
     assert first.tokenizer.decode(first.tokenizer.encode("héllo <|end|>")) == "héllo <|end|>"
@@ -72,7 +72,7 @@ def test_gguf_matches_transformers_and_is_cached(tiny_hf, tmp_path, monkeypatch)
         raise AssertionError("the second load converted the GGUF again instead of using the cache")
 
     monkeypatch.setattr(gguf_io, "gguf_tensors", no_conversion)
-    second = load_model(str(path), cache_dir=str(cache), quantization="none")
+    second = load_model(str(path), cache_dir=str(cache))
     np.testing.assert_array_equal(np.asarray(second.model.layers[1].mlp.up_proj.kernel[...]), up_proj)
     assert second.tokenizer.encode("abc") == first.tokenizer.encode("abc")
     assert second.tokenizer.chat_template == first.tokenizer.chat_template

@@ -123,7 +123,7 @@ def test_quantized_at_load(hf, prompts, tmp_path, kind):
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
 def test_gguf_stays_quantized_on_device(hf, prompts, tmp_path, kind):
     path = write_llama_gguf(hf, tmp_path / f"{kind}.gguf", quant=kind)
-    kept = load_model(str(path))
+    kept = load_model(str(path), quantization="gguf")
     floats = load_model(str(path), quantization="none", cache_dir=str(tmp_path / "cache"))
     layer = kept.model.layers[1]
     bits = 8 if kind == "Q8_0" else 4
@@ -142,14 +142,30 @@ def test_gguf_stays_quantized_on_device(hf, prompts, tmp_path, kind):
 def test_gguf_with_other_types_dequantizes_them(hf, prompts, tmp_path):
     """A Q5_0 matrix is not kept quantized: it loads as floats beside the kept Q4_0 ones."""
     path = write_llama_gguf(hf, tmp_path / "mixed.gguf", quant={"mlp": "Q5_0", "self_attn": "Q4_0"})
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), quantization="gguf")
     assert loaded.model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.float32
     assert isinstance(loaded.model.layers[0].self_attn.v_proj.method, GroupLinear)
     floats = load_model(str(path), quantization="none", cache_dir=str(tmp_path / "cache"))
     assert _max_error(loaded, StaticBatchRunner(floats).prompt_logits(prompts), prompts) <= ARITHMETIC_BOUND
 
 
+def test_gguf_default_is_the_platforms_and_int8_requantizes_a_gguf(hf, tmp_path):
+    """On CPU a GGUF loads as floats by default (the packed float matmul is faster there); int8 gives int8 weights
+    from any source, a GGUF's dequantized floats included."""
+    path = write_llama_gguf(hf, tmp_path / "q.gguf", quant="Q4_0")
+    default = load_model(str(path), cache_dir=str(tmp_path / "cache"))
+    assert default.model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.float32
+    int8 = load_model(str(path), quantization="int8", cache_dir=str(tmp_path / "cache"))
+    assert isinstance(int8.model.layers[0].self_attn.q_proj.method, ChannelLinear)
+
+
 def test_unknown_quantization_is_refused(tmp_path, hf):
+    from jaxpaged.config import EngineConfig
+
     folder = save_hf_model(hf, tmp_path / "m")
     with pytest.raises(ValueError, match="quantization"):
         load_model(str(folder), quantization="int3")
+    with pytest.raises(ValueError, match="quantization='gguf'.*not a .gguf"):
+        load_model(str(folder), quantization="gguf")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int3")
