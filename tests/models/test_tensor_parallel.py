@@ -162,3 +162,34 @@ def test_head_count_that_does_not_divide_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="only 4"):
         _llm(folder, 8)
     assert len(np.unique([d.id for d in jax.devices()])) == DEVICES
+
+
+@needs_devices
+@pytest.mark.parametrize("scheme", ["int8", "gguf-q4_0"])
+def test_quantized_weights_split_like_their_kernels(scheme, tmp_path):
+    """Scales and offsets split with their kernels (a packed 4-bit kernel on its halved input axis too): TP=2 and
+    TP=4 give TP=1's tokens."""
+    from jaxpaged import LLM
+
+    from tests.gguf_writer import write_llama_gguf
+    from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+
+    hf = random_hf_model(tiny_llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=256), std=0.05)  # fmt: skip
+    if scheme == "int8":
+        source, quantization = save_hf_model(hf, tmp_path / "m"), "int8"
+    else:
+        source, quantization = write_llama_gguf(hf, tmp_path / "q.gguf", quant="Q4_0"), "gguf"
+    prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)
+
+    def run(n):
+        llm = LLM(str(source), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8, tensor_parallel_size=n,
+                  attention_backend="reference", quantization=quantization, log_level="WARNING")  # fmt: skip
+        return _greedy(llm, prompts), llm
+
+    single, _ = run(1)
+    for n in (2, 4):
+        tokens, llm = run(n)
+        assert tokens == single, f"tensor_parallel_size={n} differs"
+        kernel = llm.engine.runner.state["layers"][0]["mlp"]["down_proj"]["kernel"][...]
+        assert all(s.data.shape[0] == kernel.shape[0] // n for s in kernel.addressable_shards)  # row-parallel, split
