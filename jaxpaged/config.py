@@ -30,8 +30,8 @@ class EngineConfig:
     dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)", group="model")
     quantization: str | None = option(None, "quantize a float checkpoint's linear weights at load: int8 (per output channel) or fp8 "
                                       "(e4m3, GPUs/TPUs with fp8 units), or none: every weight in dtype, a quantized checkpoint dequantized "
-                                      "(default: as the checkpoint stores it: floats stay floats, GGUF and compressed-tensors "
-                                      "weights stay quantized)", group="model", choices=QUANTIZATION_CHOICES)  # fmt: skip
+                                      "(default: as the checkpoint stores it: floats stay floats, GGUF, compressed-tensors, GPTQ and "
+                                      "AWQ weights stay quantized)", group="model", choices=QUANTIZATION_CHOICES)  # fmt: skip
     kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model's dtype), int8 or fp8 (8 bits, one scale per "
                                  "token and head: about twice the tokens of bfloat16)", choices=KV_CACHE_DTYPE_CHOICES)  # fmt: skip
     max_model_len: int | None = option(None, "longest prompt + answer (default: the model's context)")
