@@ -308,6 +308,38 @@ def test_mixed_checkpoint_leaves_unquantized_linears_float(tiny_hf, tmp_path):
     assert max_logit_error(loaded, dequantized_hf(tiny_hf, deq)) <= 2e-4
 
 
+def test_sharded_checkpoint_with_a_linear_split_across_shards(tiny_hf, tmp_path):
+    """A quantized Linear's tensors are gathered by name, whichever shard (and order) holds them."""
+    from safetensors.torch import load_file
+
+    quantize, qcfg, _, _ = FORMATS["ct-w4a16-group-asym"]
+    folder = tmp_path / "m"
+    deq = write_quantized(tiny_hf, folder, quantize, qcfg)
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for i, (name, t) in enumerate(sorted(tensors.items())):  # a Linear's parts alternate between the shards
+        shards[list(shards)[i % 2]][name] = t
+    for file, part in shards.items():
+        save_file(part, str(folder / file), metadata={"format": "pt"})
+    index = {name: file for file, part in shards.items() for name in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    loaded = load_model(str(folder))
+    for name, want in deq.items():
+        np.testing.assert_array_equal(device_weight(_module(loaded.model, name)), want, err_msg=name)
+
+
+def test_bfloat16_float_checkpoint_loads(tiny_hf, tmp_path):
+    """BF16 tensors (which safetensors' numpy reader refuses) load: hub checkpoints and quantized scales use them."""
+    ref = copy.deepcopy(tiny_hf)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    copy.deepcopy(ref).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"))
+    assert max_logit_error(loaded, ref) <= 1e-4
+
+
 def test_generate_greedy_end_to_end(tiny_hf, tmp_path):
     from jaxpaged import LLM, SamplingParams
 
