@@ -29,7 +29,7 @@ class EngineConfig:
     revision: str | None = option(None, "with a hub id: the branch, tag or commit to load (default: main)", group="model")
     dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)", group="model")
     quantization: str | None = option(None, "int8 or fp8 (e4m3): linear weights quantized per output channel at load; gguf: a GGUF's "
-                                      "Q8_0/Q4_0/Q4_1/Q4_K weights kept quantized; none: every weight dequantized to dtype (default: "
+                                      "Q8_0/Q4_0/Q4_1/Q4_K weights kept quantized (compressed-tensors, GPTQ and AWQ checkpoints always are); none: every weight dequantized to dtype (default: "
                                       "as stored, except that a GGUF is dequantized on CPU, where float matmuls are faster)",
                                       group="model", choices=QUANTIZATION_CHOICES)  # fmt: skip
     kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model's dtype), int8 or fp8 (8 bits, one scale per "

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jaxpaged import platforms
 from jaxpaged.config import QUANTIZATION_CHOICES
-from jaxpaged.models import convert_cache, gguf_io, hub
+from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.registry import resolve_architecture
@@ -97,26 +97,56 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weights found in {folder}")
 
 
-def _safetensors_tensors(files: list[Path]) -> tuple[Iterator, int]:
+# safetensors dtypes numpy lacks, read through ml_dtypes (bfloat16 weights, fp8 weights and their scales)
+_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _read_ml_dtype(path: Path, name: str, headers: dict) -> np.ndarray | None:
+    """A tensor safetensors' numpy reader refuses for its dtype (BF16, F8_*), read from the file; None otherwise."""
+    import ml_dtypes
+
+    if path not in headers:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            headers[path] = json.loads(fh.read(size)), 8 + size
+    header, start = headers[path]
+    info = header.get(name) or {}
+    if info.get("dtype") not in _ML_DTYPES:
+        return None
+    begin, end = info["data_offsets"]
+    dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[info["dtype"]]))
+    array = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=start + begin)
+    return array.view(dtype).reshape(info["shape"])
+
+
+def _safetensors_tensors(files: list[Path], fmt: checkpoint_quant.CheckpointFormat | None = None) -> tuple[Iterator, int]:
+    """(name, array, file) triples; `fmt` (a pre-quantized checkpoint) groups each quantized Linear's tensors."""
     from safetensors import safe_open
 
-    handles = []
+    where: dict[str, tuple[Path, Any]] = {}
     for f in files:
         try:
-            handles.append((f, safe_open(str(f), framework="numpy")))
+            handle = safe_open(str(f), framework="numpy")
         except Exception as exc:
             raise ValueError(f"could not read safetensors file {f}: {exc}") from exc
-    total = sum(len(h.keys()) for _, h in handles)
+        for name in handle.keys():
+            where.setdefault(name, (f, handle))
 
-    def gen():
-        for f, handle in handles:
-            for name in handle.keys():
-                try:
-                    yield name, handle.get_tensor(name), str(f)
-                except Exception as exc:
-                    raise ValueError(f"could not read tensor {name} from {f}: {exc}") from exc
+    headers: dict = {}
 
-    return gen(), total
+    def read(name: str) -> tuple[np.ndarray, str]:
+        f, handle = where[name]
+        try:
+            return handle.get_tensor(name), str(f)
+        except Exception as exc:
+            array = _read_ml_dtype(f, name, headers)  # the header already parsed once: safe_open read it
+            if array is None:
+                raise ValueError(f"could not read tensor {name} from {f}: {exc}") from exc
+            return array, str(f)
+
+    if fmt is not None:
+        return fmt.tensors(where, read), len(where)
+    return ((name, *read(name)) for name in where), len(where)
 
 
 def _load_tokenizer(folder: Path):
@@ -131,16 +161,23 @@ def _load_tokenizer(folder: Path):
         raise ValueError(f"could not load the tokenizer in {folder}: {exc}") from exc
 
 
-def _checkpoint_quantization(hf_config, folder: Path) -> str | None:
-    """The checkpoint's own quantization method (config.json's quantization_config), refused unless supported."""
+# Where AutoGPTQ and AutoAWQ wrote their settings before config.json carried a quantization_config.
+SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def _checkpoint_quantization(hf_config, folder: Path) -> checkpoint_quant.CheckpointFormat | None:
+    """The reader of the checkpoint's own quantization (config.json's quantization_config, else AutoGPTQ's or
+    AutoAWQ's side file); ValueError naming a method or scheme jaxpaged does not load."""
     qcfg = getattr(hf_config, "quantization_config", None)
-    if not qcfg:
-        return None
-    method = (qcfg if isinstance(qcfg, dict) else qcfg.to_dict()).get("quant_method", "unknown")
-    raise ValueError(
-        f"{folder} holds a {method!r}-quantized checkpoint, which jaxpaged cannot load; "
-        "load its float original (quantization='int8' or 'fp8' quantizes at load) or a GGUF"
-    )
+    if qcfg and not isinstance(qcfg, dict):
+        qcfg = qcfg.to_dict()
+    for name, method in SIDE_QUANT_CONFIGS.items():
+        if not qcfg and (folder / name).exists():
+            try:
+                qcfg = {"quant_method": method, **json.loads((folder / name).read_text())}
+            except ValueError as exc:
+                raise ValueError(f"could not read {folder / name}: {exc}") from exc
+    return checkpoint_quant.checkpoint_format(qcfg, str(folder))
 
 
 def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None):
@@ -151,10 +188,13 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
         hf_config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         raise ValueError(f"could not read {config_file}: {exc}") from exc
-    _checkpoint_quantization(hf_config, folder)
+    fmt = _checkpoint_quantization(hf_config, folder)
+    if fmt is not None and quantization in ("int8", "fp8"):
+        logger.info("%s is already %s-quantized: loading it as stored, not as %s", folder.name, fmt.name, quantization)
+        quantization = None
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     files = _safetensors_files(folder)
-    tensors, total = _safetensors_tensors(files)
+    tensors, total = _safetensors_tensors(files, fmt)
     load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name], quantization)
     return model, cfg, hf_config, _load_tokenizer(folder)
 
