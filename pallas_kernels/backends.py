@@ -10,6 +10,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 from jaxpaged.pallas_kernels.reference import reference_paged_attention
 from jaxpaged.pallas_kernels.tiles import check_head_dim
@@ -42,8 +43,11 @@ class ReferenceAttention(AttentionBackend):
         return reference_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, batch_invariant=self.batch_invariant)
 
 
-def _as_floats(kv_cache: jax.Array, dtype) -> jax.Array:
-    """The Pallas kernels read floats; a CPU cache holds 16-bit floats as uint16 (only when interpreted there)."""
+def _as_floats(kv_cache, dtype):
+    """The Pallas kernels read floats or a QuantizedKV (passed as it is: they read its int8, fp8 or uint8-held fp8
+    values themselves); a CPU cache holds 16-bit floats as uint16 (only when interpreted there)."""
+    if isinstance(kv_cache, QuantizedKV):
+        return kv_cache
     return jax.lax.bitcast_convert_type(kv_cache, dtype) if kv_cache.dtype == jnp.uint16 else kv_cache
 
 

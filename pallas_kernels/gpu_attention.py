@@ -17,6 +17,10 @@ the cache), so every layer of a model runs the same compiled kernel.
 Triton rather than Mosaic GPU: it runs on every NVIDIA GPU JAX supports (Colab's T4, L4 and A100
 included; Mosaic GPU needs Hopper), exports for "cuda" without one, and runs interpreted on CPU.
 
+An int8 or fp8 cache (a QuantizedKV) is read in 8 bits, with its per-token scales as one more operand: a
+chunk is decoded to the queries' dtype (exactly) and its scales multiply the scores' and probabilities'
+columns, so its reads are about half of bfloat16's and the dots stay in the float path's dtype.
+
 The wrapper pads the token axis by one tile and the block table to whole chunks, and clamps block
 ids into the pool, so the kernel never reads out of bounds; rows no tile covers (padding) are zero.
 """
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
-from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, query_tiles, tile_shape
+from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, decode_kv, kv_operands, query_tiles, tile_shape
 
 MIN_ROWS = 16  # tl.dot's smallest M, N and K
 MAX_SPLITS = 16
@@ -56,10 +60,15 @@ PREFILL_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4
 DECODE_CONFIGS = [(16, 128, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1)]
 
 
-def shared_memory_estimate(rows: int, kv_chunk: int, head_dim: int, itemsize: int, num_stages: int) -> int:
+def shared_memory_estimate(rows: int, kv_chunk: int, head_dim: int, itemsize: int, num_stages: int,
+                           kv_itemsize: int | None = None) -> int:  # fmt: skip
     """Bytes of shared memory a program needs: K and V chunks per pipeline stage, the query tile, the
-    probabilities staged for the second dot."""
-    return (2 * num_stages * kv_chunk * head_dim + rows * head_dim + rows * kv_chunk) * itemsize
+    probabilities staged for the second dot. An 8-bit cache (kv_itemsize 1) pipelines its chunks in 8 bits, and
+    one chunk of K and V decoded to the dots' dtype is counted on top (their operands' layout conversion)."""
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
+    decoded = 2 * kv_chunk * head_dim * itemsize if kv_itemsize < itemsize else 0
+    return (2 * num_stages * kv_chunk * head_dim * kv_itemsize + decoded
+            + (rows * head_dim + rows * kv_chunk) * itemsize)  # fmt: skip
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, num_cores: int) -> int:
@@ -72,13 +81,15 @@ def choose_splits(num_seqs: int, num_kv_heads: int, num_cores: int) -> int:
 
 
 def launch_config(num_tokens: int, num_seqs: int, head_dim: int, itemsize: int, *, shared_memory: int,
-                  num_cores: int, num_kv_heads: int) -> LaunchConfig:  # fmt: skip
+                  num_cores: int, num_kv_heads: int, kv_itemsize: int | None = None) -> LaunchConfig:  # fmt: skip
     """Decode buckets (a token per sequence at most) take MIN_ROWS-row tiles and split the context; prefill
-    buckets take the biggest tile that fits, with at most 16k accumulator elements per program (registers)."""
+    buckets take the biggest tile that fits, with at most 16k accumulator elements per program (registers).
+    kv_itemsize: the cache's bytes per value when it differs from the queries' (1 for an int8/fp8 cache)."""
     decode = num_tokens <= num_seqs
     budget = shared_memory * SHARED_MEMORY_MARGIN
     for rows, kv_chunk, warps, stages in DECODE_CONFIGS if decode else PREFILL_CONFIGS:
-        if rows * head_dim <= 128 * 128 and shared_memory_estimate(rows, kv_chunk, head_dim, itemsize, stages) <= budget:
+        used = shared_memory_estimate(rows, kv_chunk, head_dim, itemsize, stages, kv_itemsize)
+        if rows * head_dim <= 128 * 128 and used <= budget:
             break
     # The grid's splits: enough for the fewest sequences a decode bucket holds (a quarter of its slots; buckets
     # double); the kernel then uses as many as the step's live sequences need (_live_splits).
@@ -97,9 +108,10 @@ def _live_splits(tile_len, num_kv_heads: int, num_cores: int, grid_splits: int):
 
 def _kernel(
     layer_ref, splits_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,
-    q_ref, k_new_ref, v_new_ref, cache_ref, slope_ref, *out_refs,
-    group_pad, tokens_per_tile, kv_chunk, num_blocks, grid_splits, spec, use_alibi, precision,
+    q_ref, k_new_ref, v_new_ref, cache_ref, slope_ref, *refs,
+    group_pad, tokens_per_tile, kv_chunk, num_blocks, grid_splits, spec, use_alibi, precision, kv_kind,
 ):  # fmt: skip
+    scale_ref, out_refs = (refs[0], refs[1:]) if kv_kind else (None, refs)  # an int8/fp8 cache's scales
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
     tile, split = pl.program_id(0), pl.program_id(2)
     n_tok = tile_len_ref[tile]
@@ -119,9 +131,12 @@ def _kernel(
         slopes = slope_ref[...] if use_alibi else None  # [rows]: each row's query head's ALiBi slope
         offsets = jnp.arange(kv_chunk, dtype=jnp.int32)
 
-        def fold(carry, k, v, mask, key_pos):
+        def fold(carry, k, v, mask, key_pos, k_scale=None, v_scale=None):
+            """k_scale, v_scale [kv_chunk]: a quantized chunk's per-key scales, applied to the scores' columns
+            (q . k s = (q . k) s) and to p's (p . v s = (p s) . v) rather than to the chunk's head_dim-wide rows."""
             acc, peak, denom = carry
-            s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
+            s = plgpu.dot(q, k, trans_b=True, precision=precision)
+            s = s * scale if k_scale is None else s * (k_scale * scale)[None, :]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if use_alibi:
@@ -130,7 +145,7 @@ def _kernel(
             new_peak = jnp.maximum(peak, jnp.max(s, axis=1))
             p = jnp.where(mask, jnp.exp(s - new_peak[:, None]), 0.0)
             correction = jnp.exp(peak - new_peak)
-            pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+            pv = plgpu.dot((p if v_scale is None else p * v_scale[None, :]).astype(v.dtype), v, precision=precision)
             return acc * correction[:, None] + pv, new_peak, denom * correction + jnp.sum(p, axis=1)
 
         lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
@@ -144,6 +159,10 @@ def _kernel(
             mask = jnp.broadcast_to(key_pos[None, :] < cached, (rows, kv_chunk))
             if sliding_window is not None:
                 mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
+            if kv_kind:
+                k_scale, v_scale = scale_ref[k_base + block, within], scale_ref[v_base + block, within]
+                k, v = decode_kv(k, kv_kind, q.dtype), decode_kv(v, kv_kind, q.dtype)
+                return fold(carry, k, v, mask, key_pos, k_scale, v_scale)
             return fold(carry, k, v, mask, key_pos)
 
         carry = (
@@ -200,15 +219,18 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
                         launch: LaunchConfig | None = None) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
 
-    layer: an int or int32 scalar, traced (one kernel for every layer). num_cores (the GPU's SMs; 0: unknown)
-    and shared_memory (bytes per block) choose the launch; `launch` overrides the choice (tests)."""
+    kv_cache: the float cache or a QuantizedKV. layer: an int or int32 scalar, traced (one kernel for every layer).
+    num_cores (the GPU's SMs; 0: unknown) and shared_memory (bytes per block) choose the launch; `launch` overrides
+    the choice (tests)."""
     num_tokens, num_heads, head_dim = q.shape
+    kv_cache, kv_scale, kv_kind = kv_operands(kv_cache)
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     num_seqs = attn_metadata.block_tables.shape[0]
     check_head_dim(head_dim)
     if launch is None:
         launch = launch_config(num_tokens, num_seqs, head_dim, q.dtype.itemsize, shared_memory=shared_memory,
-                               num_cores=num_cores, num_kv_heads=num_kv_heads)  # fmt: skip
+                               num_cores=num_cores, num_kv_heads=num_kv_heads,
+                               kv_itemsize=kv_cache.dtype.itemsize)  # fmt: skip
     shape = tile_shape(num_heads, num_kv_heads, block_size, launch.rows, launch.kv_chunk)
     group, group_pad, tokens_per_tile, rows = shape.group, shape.group_pad, shape.tokens_per_tile, shape.rows
     kv_chunk, splits = launch.kv_chunk, launch.num_splits
@@ -235,6 +257,10 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h, s: (0,) * len(shape))
     per_head = lambda n: pl.BlockSpec((None, n, head_dim), lambda i, h, s: (h, 0, 0))
     cache_spec = pl.BlockSpec((cache.shape[0], None, block_size, head_dim), lambda i, h, s: (0, h, 0, 0))
+    scale_operands, scale_specs = [], []
+    if kv_kind:  # the scales as the cache, less head_dim: [L * 2 * blocks, H_kv, block_size]
+        scale_operands = [kv_scale.reshape(num_layers * 2 * num_blocks, num_kv_heads, block_size)]
+        scale_specs = [pl.BlockSpec((cache.shape[0], None, block_size), lambda i, h, s: (0, h, 0))]
     if splits == 1:
         out_specs = per_head(out_rows)
         out_shape = jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype)
@@ -251,7 +277,7 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         ]
     kernel = functools.partial(
         _kernel, group_pad=group_pad, tokens_per_tile=tokens_per_tile, kv_chunk=kv_chunk, num_blocks=num_blocks,
-        grid_splits=splits, spec=spec, use_alibi=use_alibi,
+        grid_splits=splits, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
@@ -262,16 +288,16 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
             whole((1,)), whole((1,)), whole(seq.shape), whole(start.shape), whole(length.shape),
             whole(attn_metadata.query_start_loc.shape), whole(attn_metadata.seq_lens.shape), whole(tables.shape),
             per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec,
-            pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)),
+            pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)), *scale_specs,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_r{rows}_kv{kv_chunk}_s{splits}",
+        name=f"ragged_paged_attention_r{rows}_kv{kv_chunk}_s{splits}" + (f"_{kv_kind}" if kv_kind else ""),
     )(
         layer, _live_splits(length, num_kv_heads, num_cores, splits), seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
-        qg, kn, vn, cache, slopes,
+        qg, kn, vn, cache, slopes, *scale_operands,
     )  # fmt: skip
     if splits > 1:
         out = _combine(*out).astype(q.dtype)

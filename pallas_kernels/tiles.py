@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so fully masked rows never make NaN
 
@@ -68,3 +69,28 @@ def tile_shape(num_heads: int, num_kv_heads: int, block_size: int, rows_target: 
     tokens_per_tile = max(1, rows_target // group_pad)
     return TileShape(group, group_pad, tokens_per_tile, tokens_per_tile * group_pad,
                      max(1, kv_tokens_per_iter // block_size))  # fmt: skip
+
+
+def kv_operands(kv_cache):
+    """-> (data, scale or None, kind or None): a QuantizedKV's fp8 or int8 values as int8 (fp8 as its bits, a free
+    bitcast: neither Triton below sm_89 nor older TPUs convert e4m3 natively, so the kernels decode the bits)."""
+    if not isinstance(kv_cache, QuantizedKV):
+        return kv_cache, None, None
+    data = kv_cache.data
+    if data.dtype != jnp.int8:
+        data = jax.lax.bitcast_convert_type(data, jnp.int8)  # float8_e4m3fn or its uint8 bits
+    return data, kv_cache.scale, kv_cache.kind
+
+
+def decode_kv(data: jax.Array, kind: str, dtype) -> jax.Array:
+    """Inside a kernel: a chunk of kv_operands' int8 values -> `dtype` (its scale not applied). Exact in float32,
+    bfloat16 and float16 (an int8 or e4m3 value fits each). fp8 is rebuilt from its bits with integer ops: the
+    exponent rebiased into a float32's (7 -> 127), subnormals (exponent 0) as mantissa * 2^-9, so no float32
+    subnormal is made (flushed on some devices); e4m3fn's NaN is never stored (quantize_kv clips)."""
+    if kind == "int8":
+        return data.astype(jnp.float32).astype(dtype)
+    bits = data.astype(jnp.int32)  # sign-extended: the low 7 bits are the magnitude's
+    mag = bits & 0x7F
+    normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+    value = jnp.where(mag < 8, (mag & 7).astype(jnp.float32) * 2.0**-9, normal)
+    return jnp.where(bits < 0, -value, value).astype(dtype)

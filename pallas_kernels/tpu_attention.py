@@ -12,7 +12,8 @@ span of its row it walks into SMEM in chunks of TABLE_CHUNK entries, double-buff
 page loop advances, and fetches the next program's first chunk before starting that program's first page
 DMA, so SMEM holds a few KiB whatever the table width. The layer is a scalar operand, so a model's layers
 share one compiled kernel. Queries and outputs are laid out tile-major by the wrapper because a
-BlockSpec cannot start at a ragged row.
+BlockSpec cannot start at a ragged row. An int8 or fp8 cache (a QuantizedKV) is DMA'd in 8 bits, each
+page's scales beside it, decoded in VMEM and scaled on the scores' and probabilities' columns.
 
 Checked on CPU in interpret mode (TPU interpret mode counts its DMAs and looks for races) and by
 exporting for "tpu"; no TPU was at hand to run it compiled.
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
-from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, query_tiles, tile_shape
+from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, decode_kv, kv_operands, query_tiles, tile_shape
 
 ROWS = 16  # query rows per program: tokens x padded group
 KV_TOKENS_PER_ITER = 64
@@ -59,11 +60,17 @@ class _Tile(NamedTuple):
 def _kernel(
     layer_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref,  # SMEM
     q_ref, slope_ref, tables_hbm, cache_hbm, k_new_hbm, v_new_hbm,  # inputs; the last four stay in HBM
-    o_ref,
-    k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref,
-    state_ref,  # scratch
-    *, group_pad, width, spec, use_alibi, precision,
+    *refs,  # [scale_hbm (an int8/fp8 cache's scales, in HBM)], o_ref, scratch:
+    # k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref, state_ref,
+    # [k_scale_buf, v_scale_buf]
+    group_pad, width, spec, use_alibi, precision, kv_kind,
 ):  # fmt: skip
+    if kv_kind:
+        scale_hbm, o_ref, *refs, k_scale_buf, v_scale_buf = refs
+    else:
+        scale_hbm = k_scale_buf = v_scale_buf = None
+        o_ref, *refs = refs
+    k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref, state_ref = refs
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
     tile, head = pl.program_id(0), pl.program_id(1)
     num_tiles, num_heads = pl.num_programs(0), pl.num_programs(1)
@@ -117,6 +124,9 @@ def _kernel(
             for kv, buf in ((0, k_buf), (1, v_buf)):
                 src = cache_hbm.at[layer, kv, block, h]
                 copies.append((i < t.num_pages, pltpu.make_async_copy(src, buf.at[slot, p], sems.at[0, slot])))
+            for kv, buf in ((0, k_scale_buf), (1, v_scale_buf)) if kv_kind else ():
+                src = scale_hbm.at[layer, kv, block, h]
+                copies.append((i < t.num_pages, pltpu.make_async_copy(src, buf.at[slot, p], sems.at[2, slot])))
         return copies
 
     def page_waits(t: _Tile, group, slot):
@@ -125,6 +135,9 @@ def _kernel(
         for p in range(pages_per_iter):
             for kv, buf in ((0, k_buf), (1, v_buf)):
                 copy = pltpu.make_async_copy(cache_hbm.at[0, kv, 0, 0], buf.at[slot, p], sems.at[0, slot])
+                copies.append((group * pages_per_iter + p < t.num_pages, copy))
+            for kv, buf in ((0, k_scale_buf), (1, v_scale_buf)) if kv_kind else ():
+                copy = pltpu.make_async_copy(scale_hbm.at[0, kv, 0, 0], buf.at[slot, p], sems.at[2, slot])
                 copies.append((group * pages_per_iter + p < t.num_pages, copy))
         return copies
 
@@ -196,11 +209,13 @@ def _kernel(
     peak_ref[...] = jnp.full_like(peak_ref, MASK_VALUE)
     denom_ref[...] = jnp.zeros_like(denom_ref)
 
-    def fold(k, v, key_pos, extra_mask):
+    def fold(k, v, key_pos, extra_mask, k_scale=None, v_scale=None):
+        """k_scale, v_scale [1, keys]: a quantized page's per-key scales, applied to the scores' columns
+        (q . k s = (q . k) s) and to p's (p . v s = (p s) . v) rather than to the page's head_dim-wide rows."""
         q = q_ref[...]
         row_pos = cur.pos0 + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, k.shape[0]), 0), group_pad)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-        s = s * scale
+        s = s * scale if k_scale is None else s * (k_scale * scale)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         if use_alibi:  # slope_ref: [rows, 1], each row's query head's slope
@@ -213,7 +228,8 @@ def _kernel(
         new_peak = jnp.maximum(peak, jnp.max(s, axis=1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - new_peak), 0.0)
         correction = jnp.exp(peak - new_peak)
-        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        pv = jnp.dot((p if v_scale is None else p * v_scale).astype(v.dtype), v, precision=precision,
+                     preferred_element_type=jnp.float32)  # fmt: skip
         acc_ref[...] = acc_ref[...] * correction + pv
         denom_ref[...] = denom_ref[...] * correction + jnp.sum(p, axis=1, keepdims=True)
         peak_ref[...] = new_peak
@@ -244,7 +260,11 @@ def _kernel(
             @pl.when(i < cur.num_pages)
             def _():
                 key_pos = (cur.first_page + i) * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
-                fold(k_buf[slot, p], v_buf[slot, p], key_pos, key_pos < cur.cached)
+                if kv_kind:
+                    k, v = (decode_kv(buf[slot, p], kv_kind, q_ref.dtype) for buf in (k_buf, v_buf))
+                    fold(k, v, key_pos, key_pos < cur.cached, k_scale_buf[slot, p], v_scale_buf[slot, p])
+                else:
+                    fold(k_buf[slot, p], v_buf[slot, p], key_pos, key_pos < cur.cached)
 
         return carry
 
@@ -273,12 +293,14 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
                         table_chunk: int = TABLE_CHUNK) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
 
-    `layer` (a Python int or an int32 scalar) is traced: every layer runs the same compiled kernel.
+    kv_cache: the float cache or a QuantizedKV. `layer` (a Python int or an int32 scalar) is traced: every layer
+    runs the same compiled kernel.
     `interpret`: True for Pallas' generic interpreter, or pltpu.InterpretParams for TPU interpret mode
     (which simulates the DMAs and semaphores and can detect races). `table_chunk`: block-table entries per
     DMA into SMEM (rounded down to a multiple of the pages per iteration; a narrower table is fetched whole)."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    kv_cache, kv_scale, kv_kind = kv_operands(kv_cache)
+    num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_head_dim(head_dim)
     shape = tile_shape(num_heads, num_kv_heads, block_size, ROWS, KV_TOKENS_PER_ITER)
     group, group_pad, tokens_per_tile = shape.group, shape.group_pad, shape.tokens_per_tile
@@ -316,37 +338,43 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     slope_spec = pl.BlockSpec((None, rows, 1), lambda i, h, *_: (h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
-        _kernel, group_pad=group_pad, width=width, spec=spec, use_alibi=use_alibi,
+        _kernel, group_pad=group_pad, width=width, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
+    scale_operands, scale_specs, scale_scratch = [], [], []
+    if kv_kind:  # the scales in HBM as [L, 2, blocks, H_kv, 1, block_size] (a free reshape): a page's is a (1, bs) DMA
+        scale_operands = [kv_scale.reshape(num_layers, 2, num_blocks, num_kv_heads, 1, block_size)]
+        scale_specs = [hbm]
+        scale_scratch = [pltpu.VMEM((2, pages_per_iter, 1, block_size), jnp.float32)] * 2
     out_tiles = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_tiles, num_kv_heads),
-            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm, hbm],
+            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm, hbm, *scale_specs],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_iter, block_size, head_dim), kv_cache.dtype),
                 pltpu.VMEM((2, pages_per_iter, block_size, head_dim), kv_cache.dtype),
                 pltpu.VMEM((2, NEW_KEYS_PER_ITER, head_dim), kn.dtype),
                 pltpu.VMEM((2, NEW_KEYS_PER_ITER, head_dim), vn.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),  # [context pages | new keys, buffer slot]
+                pltpu.SemaphoreType.DMA((3 if kv_kind else 2, 2)),  # [context pages | new keys | scales, slot]
                 pltpu.SMEM((2, table_chunk), jnp.int32),  # block-table chunks, double-buffered
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((rows, head_dim), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.SMEM((3,), jnp.int32),  # carried from program to program (see _kernel)
+                *scale_scratch,
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret,
-        name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}",
+        name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}" + (f"_{kv_kind}" if kv_kind else ""),
     )(
         layer, seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-        q_tiles, slopes, tables, kv_cache, kn, vn,
+        q_tiles, slopes, tables, kv_cache, kn, vn, *scale_operands,
     )  # fmt: skip
 
     # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.
