@@ -1,0 +1,20 @@
+"""Quantized weights and KV cache under the engine: an odd workload (prefix hits, forks, penalties, logprobs, random
+stops, async scheduling) compiles nothing after warm-up and returns every KV block."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.test_async_scheduling import _assert_clean, _llm, _workload, model_dir  # noqa: F401 - the fixture
+
+
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("int8", "int8"), ("fp8", "fp8")])
+def test_odd_workload_compiles_nothing_after_warmup(model_dir, quantization, kv_cache_dtype):  # noqa: F811
+    prompts, params = _workload(seed=4)
+    llm = _llm(model_dir, True, quantization=quantization, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=60)
+    runner = llm.engine.runner
+    assert runner.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...].dtype.itemsize == 1
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [p.n for p in params]
+    assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs)
+    _assert_clean(llm)
