@@ -17,6 +17,10 @@ but "gguf" loads, so all of them start from the same floats.
 
     python scripts/bench_quantization.py --json docs/data/bench_quantization_cpu.json           # the built-in model
     python scripts/bench_quantization.py --model llama_config.json --schemes float32,int8,kv-int8  # random weights
+
+--matmuls times one projection's matmul alone in XLA, per row count: float32, the int8 weight dequantized into the
+dot (weight-only, what `ChannelLinear` does) and XLA's int8 dot (activations quantized per row too: W8A8), the
+choice the quantization issue asks to measure.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--matmuls", action="store_true", help="only time one matmul per method and row count (see above)")
     args = p.parse_args(argv)
     args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     unknown = [s for s in args.schemes if s not in SCHEMES]
@@ -209,10 +214,54 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int = 50) -> list[dict]:
+    """Median ms of one [rows, k] x [k, n] matmul per method (the built-in model's MLP up-projection by default)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.integers(-127, 128, (k, n)).astype(np.int8))
+    scale = jnp.asarray(rng.random(n).astype(np.float32) / 100)
+    w = q.astype(jnp.float32) * scale
+
+    def weight_only(x):
+        return jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32) * scale
+
+    def int8_dot(x):
+        sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127, 1e-30)
+        xq = jnp.round(x / sx).astype(jnp.int8)
+        return jnp.dot(xq, q, preferred_element_type=jnp.int32).astype(jnp.float32) * sx * scale
+
+    methods = {"float32": lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32), "int8 weight-only": weight_only, "int8 dot (W8A8)": int8_dot}
+    out = []
+    for r in rows:
+        x = jnp.asarray(rng.normal(size=(r, k)).astype(np.float32))
+        for name, f in methods.items():
+            g = jax.jit(f)
+            g(x).block_until_ready()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                g(x).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            out.append({"rows": r, "method": name, "ms": float(np.median(times)) * 1e3})
+            print(f"rows {r:>4}  {name:<18} {out[-1]['ms']:.3f} ms")
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     import jax
+
+    if args.matmuls:
+        before = machine_load.load1()
+        results = time_matmuls()
+        print(f"load average before {before:.2f}, after {machine_load.load1():.2f} on {machine_load.cores()} cores")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(), "jax": jax.__version__, "matmuls": results,
+                                                   "load": [before, machine_load.load1()]}, indent=1))  # fmt: skip
+        return 0
 
     with tempfile.TemporaryDirectory() as tmp:
         float_source, gguf = sources(args.model, Path(tmp))
