@@ -123,7 +123,9 @@ class ExecutableCache:
         try:
             with open(path, "rb") as f:
                 program, serialized, in_tree, out_tree = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            # stored executables run on one device: loaded onto all of a multi-device host, they would ask for a
+            # shard per device
+            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=jax.devices()[:1])
             _programs_seen.add(program)
         except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: compile instead
             logger.warning("could not load the cached executable %s (%s); compiling it again", path, exc)
