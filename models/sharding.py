@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.pallas_kernels.attention import TP_AXIS
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -116,9 +117,13 @@ def shard_params(state, cfg: ModelConfig, mesh: Mesh):
     return jax.device_put(state, param_shardings(state, mesh)), cfg
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    """[layers, 2, blocks, KV heads, block_size, head_dim]: split on the KV-head axis."""
-    return NamedSharding(mesh, P(None, None, None, TP_AXIS, None, None))
+def kv_cache_sharding(mesh: Mesh, kv_cache_dtype: str = "auto"):
+    """[layers, 2, blocks, KV heads, block_size, head_dim]: split on the KV-head axis (an 8-bit cache's scales,
+    [layers, 2, blocks, KV heads, block_size], with it)."""
+    data = NamedSharding(mesh, P(None, None, None, TP_AXIS, None, None))
+    if kv_cache_dtype == "auto":
+        return data
+    return QuantizedKV(data, NamedSharding(mesh, P(None, None, None, TP_AXIS, None)), kv_cache_dtype)
 
 
 def new_kv_sharding(mesh: Mesh) -> NamedSharding:

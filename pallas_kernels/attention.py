@@ -14,24 +14,33 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxpaged.pallas_kernels.backends import AttentionBackend
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV, quantize_kv
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 
 TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 
 
-def write_kv(kv_cache: jax.Array, new_kv: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter new_kv [T, L, 2, H_kv, D] into each token's slot; rows with slot -1 are dropped."""
+def write_kv(kv_cache, new_kv: jax.Array, slot_mapping: jax.Array):
+    """Scatter new_kv [T, L, 2, H_kv, D] into each token's slot; rows with slot -1 are dropped. A QuantizedKV
+    gets each token's 8-bit values and its scale per layer, K/V and head."""
     num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[4]
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)  # out of range -> dropped
     offset = slot_mapping % block_size
+    if isinstance(kv_cache, QuantizedKV):
+        data, scale = quantize_kv(new_kv, kv_cache.kind)
+        if data.dtype != kv_cache.data.dtype:  # fp8 kept as its uint8 bits
+            data = jax.lax.bitcast_convert_type(data, kv_cache.data.dtype)
+        return QuantizedKV(kv_cache.data.at[:, :, block, :, offset].set(data, mode="drop"),
+                           kv_cache.scale.at[:, :, block, :, offset].set(scale, mode="drop"), kv_cache.kind)  # fmt: skip
     if kv_cache.dtype == jnp.uint16 and new_kv.dtype != jnp.uint16:  # the bits of 16-bit floats
         new_kv = jax.lax.bitcast_convert_type(new_kv, jnp.uint16)
     return kv_cache.at[:, :, block, :, offset].set(new_kv.astype(kv_cache.dtype), mode="drop")
 
 
-def copy_blocks(kv_cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """Copy whole blocks (every layer, K and V) src[i] -> dst[i]; pairs with dst out of range are dropped."""
-    return kv_cache.at[:, :, dst].set(kv_cache[:, :, src], mode="drop")
+def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array):
+    """Copy whole blocks (every layer, K and V; a QuantizedKV's scales with them) src[i] -> dst[i]; pairs with
+    dst out of range are dropped."""
+    return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src], mode="drop"), kv_cache)
 
 
 def stack_new_kv(per_layer: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
@@ -47,9 +56,17 @@ def paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetad
     n = tp_size()
     if n > 1 and kv_cache.shape[3] % n == 0:
         heads = P(None, TP_AXIS, None)
-        cache = P(None, None, None, TP_AXIS, None, None)
+        cache = kv_cache_spec(kv_cache)
         attend = jax.shard_map(attend, in_specs=(heads, heads, heads, cache, P(), P(TP_AXIS)), out_specs=heads, check_vma=False)
     return attend(q, k, v, kv_cache, attn_metadata, slopes)
+
+
+def kv_cache_spec(kv_cache):
+    """The cache's PartitionSpec (a QuantizedKV of two for an 8-bit cache): split on the KV-head axis."""
+    spec = P(None, None, None, TP_AXIS, None, None)
+    if isinstance(kv_cache, QuantizedKV):
+        return QuantizedKV(spec, P(None, None, None, TP_AXIS, None), kv_cache.kind)
+    return spec
 
 
 def tp_size() -> int:

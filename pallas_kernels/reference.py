@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV, dequantize_kv
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 
 CHUNK_TOKENS = 128  # context positions per loop iteration
@@ -37,9 +38,12 @@ def _mask(ctx_pos, pos, valid, sliding_window):
     return mask
 
 
-def cached_blocks(kv_cache: jax.Array, layer: int, kv: int, blocks: jax.Array, dtype) -> jax.Array:
+def cached_blocks(kv_cache, layer: int, kv: int, blocks: jax.Array, dtype) -> jax.Array:
     """K (kv=0) or V (kv=1) blocks of one layer, as `dtype`: a uint16 cache holds 16-bit floats' bits
-    (see kv_storage_dtype), reinterpreted here on the gathered blocks only."""
+    (see kv_storage_dtype), reinterpreted here on the gathered blocks only; a QuantizedKV's gathered blocks are
+    dequantized."""
+    if isinstance(kv_cache, QuantizedKV):
+        return dequantize_kv(kv_cache.data[layer, kv][blocks], kv_cache.scale[layer, kv][blocks], dtype, kv_cache.kind)
     gathered = kv_cache[layer, kv][blocks]
     return jax.lax.bitcast_convert_type(gathered, dtype) if gathered.dtype == jnp.uint16 else gathered
 

@@ -106,11 +106,7 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.eos_token_ids, self.loaded.config.vocab_size)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MB), up to %d tokens held at once; max_model_len %d",
-            pool.num_blocks, config.block_size, pool.num_blocks * self.runner.block_bytes / 1e6,
-            pool.num_blocks * config.block_size, self.max_model_len,
-        )
+        logger.info("memory plan: %s; max_model_len %d", self.runner.memory_plan(), self.max_model_len)
         self.warmup_seconds = self.runner.warmup()
         self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds}
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug

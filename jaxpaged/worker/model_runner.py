@@ -28,6 +28,7 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.weights import param_bytes
 from jaxpaged.pallas_kernels import copy_blocks, kv_cache_shape, write_kv
+from jaxpaged.pallas_kernels.kv_quant import empty_quantized_kv, kv_bytes_per_token_head
 from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
@@ -120,9 +121,16 @@ class ModelRunner:
         cfg = self.model_config
         shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         kv_dtype = self.platform.kv_storage_dtype(self.dtype)
+        self.kv_cache_dtype = config.kv_cache_dtype
+
+        def empty_cache():
+            if self.kv_cache_dtype == "auto":
+                return jnp.zeros(shape, kv_dtype)
+            return empty_quantized_kv(shape, self.kv_cache_dtype)  # 8-bit values and a float32 scale per token and head
+
         t0 = time.perf_counter()
         if self.mesh is None:
-            self.kv_cache = jnp.zeros(shape, kv_dtype)
+            self.kv_cache = empty_cache()
             self._forward = jax.jit(self._forward_impl)
             self._sample = jax.jit(self._sample_impl)
             self._write = jax.jit(write_kv, donate_argnums=(0,))
@@ -132,8 +140,8 @@ class ModelRunner:
 
             from jaxpaged.models.sharding import kv_cache_sharding, new_kv_sharding
 
-            cache = kv_cache_sharding(self.mesh)
-            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=cache)()
+            cache = kv_cache_sharding(self.mesh, self.kv_cache_dtype)
+            self.kv_cache = jax.jit(empty_cache, out_shardings=cache)()
             replicated = NamedSharding(self.mesh, PartitionSpec())
             self._forward = jax.jit(self._forward_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh)))
             self._sample = jax.jit(self._sample_impl, out_shardings=(replicated, replicated))
@@ -162,8 +170,21 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        """One block's bytes over every layer, K and V and KV head (an 8-bit cache's scales included)."""
         cfg = self.model_config
-        return cfg.num_layers * 2 * cfg.num_kv_heads * self.block_size * cfg.head_dim * jnp.dtype(self.dtype).itemsize
+        per_token_head = kv_bytes_per_token_head(cfg.head_dim, self.config.kv_cache_dtype, self.dtype)
+        return cfg.num_layers * 2 * cfg.num_kv_heads * self.block_size * per_token_head
+
+    def memory_plan(self) -> str:
+        """What start-up put on the device: weights (and how they are stored), the KV pool and the tokens it holds."""
+        weights = param_bytes(self.state) / 1e6
+        scheme = self.config.quantization or "as stored"
+        kv = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else jnp.dtype(self.dtype).name
+        tokens = self.num_blocks * self.block_size
+        per_token = self.block_bytes / self.block_size / 1e3
+        return (f"weights {weights:.1f} MB ({jnp.dtype(self.dtype).name}, quantization: {scheme}); KV cache {self.num_blocks} blocks "
+                f"of {self.block_size} tokens in {kv} ({self.num_blocks * self.block_bytes / 1e6:.1f} MB, {per_token:.1f} kB a token), "
+                f"up to {tokens} tokens held at once")  # fmt: skip
 
     def _pool_size(self, weight_bytes: int) -> int:
         if self.config.num_kv_blocks is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
+
 from tests.engine.test_async_scheduling import _assert_clean, _llm, _workload, model_dir  # noqa: F401 - the fixture
 
 
@@ -14,6 +16,7 @@ def test_odd_workload_compiles_nothing_after_warmup(model_dir, quantization, kv_
     llm = _llm(model_dir, True, quantization=quantization, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=60)
     runner = llm.engine.runner
     assert runner.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...].dtype.itemsize == 1
+    assert isinstance(runner.kv_cache, QuantizedKV) and runner.kv_cache.kind == kv_cache_dtype
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs) for o in outs] == [p.n for p in params]
     assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs)

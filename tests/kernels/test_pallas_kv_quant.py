@@ -1,7 +1,7 @@
-"""The Pallas kernels read an int8 or fp8 KV cache (a QuantizedKV) as its dequantized float cache reads.
+"""Every attention backend reads an int8 or fp8 KV cache (a QuantizedKV) as its dequantized float cache reads.
 
 Each case quantizes a random float cache whole (quantize_kv), runs the GPU (Triton) and TPU (Mosaic) kernels in
-interpret mode over the QuantizedKV, and compares with the definition over dequantize_kv's float32 cache, within
+interpret mode, the native CPU kernel and the pure-JAX reference over the QuantizedKV, and compares with the definition over dequantize_kv's float32 cache, within
 float32 rounding: the kernels' dequantization is exact, only the order of the multiplies differs. The quantization
 error itself is far larger, so a kernel that skipped a scale or read the float values would fail. The kernels also
 lower for "cuda" and "tpu" with 8-bit caches, and the TPU kernel's page and scale DMAs are counted race-free.
@@ -24,8 +24,10 @@ from jaxpaged.pallas_kernels.gpu_attention import (
     launch_config, shared_memory_estimate,
 )  # fmt: skip
 from jaxpaged.pallas_kernels.kv_quant import QuantizedKV, dequantize_kv, quantize_kv
+from jaxpaged.pallas_kernels.reference import reference_paged_attention
 from jaxpaged.pallas_kernels.tiles import decode_kv
 from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
+from jaxpaged.platforms.cpu import attention as cpu_attention
 from jaxpaged.platforms.gpu import SHARED_MEMORY_KIB
 
 from tests.attention_cases import attention_args, expected_output, random_case
@@ -35,7 +37,15 @@ KINDS = ["int8", "fp8"]
 KERNELS = {
     "gpu": functools.partial(gpu_paged_attention, interpret=True),
     "tpu": functools.partial(tpu_paged_attention, interpret=True),
+    "reference": reference_paged_attention,
+    "native": lambda *args: _native(*args),
 }
+
+
+def _native(q, k, v, cache, layer, *rest):
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler: the native CPU kernel is not built")
+    return cpu_attention.cpu_paged_attention(q, k, v, cache, int(layer), *rest)  # the layer is the call's attribute
 
 
 def quantized(case, kind, storage=None):

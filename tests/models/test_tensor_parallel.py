@@ -53,12 +53,12 @@ PROMPT_LENGTHS = [3, 11, 29, 40]
 MAX_TOKENS = 24
 
 
-def _llm(folder, n, backend="reference"):
+def _llm(folder, n, backend="reference", **kw):
     from jaxpaged import LLM
 
     return LLM(
         str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
-        tensor_parallel_size=n, attention_backend=backend, log_level="WARNING",
+        tensor_parallel_size=n, attention_backend=backend, log_level="WARNING", **kw,
     )  # fmt: skip
 
 
@@ -193,3 +193,40 @@ def test_quantized_weights_split_like_their_kernels(scheme, tmp_path):
         assert tokens == single, f"tensor_parallel_size={n} differs"
         kernel = llm.engine.runner.state["layers"][0]["mlp"]["down_proj"]["kernel"][...]
         assert all(s.data.shape[0] == kernel.shape[0] // n for s in kernel.addressable_shards)  # row-parallel, split
+
+
+@needs_devices
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_splits_with_its_scales(kv_cache_dtype, tmp_path_factory):
+    """An 8-bit cache and its scales split by KV head (TP=4 over 2 KV heads: widened to 4): TP=2 and TP=4 give
+    TP=1's tokens (the Pallas kernel per device at TP=2), and nothing compiles after warm-up."""
+    from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
+
+    folder, prompts, _ = _prepare("llama-gqa2", tmp_path_factory)
+    single = _greedy(_llm(folder, 1, kv_cache_dtype=kv_cache_dtype), prompts)
+    for n, backend in ((2, "pallas"), (4, "reference")):
+        llm = _llm(folder, n, backend, kv_cache_dtype=kv_cache_dtype)
+        assert _greedy(llm, prompts) == single, f"tensor_parallel_size={n} differs"
+        assert llm.get_stats()["num_compiles_after_warmup"] == 0
+        cache = llm.engine.runner.kv_cache
+        assert isinstance(cache, QuantizedKV) and cache.data.dtype.itemsize == 1
+        heads = cache.shape[3]
+        assert all(s.data.shape[3] == heads // n for s in cache.data.addressable_shards)
+        assert all(s.data.shape[3] == heads // n for s in cache.scale.addressable_shards)
+
+
+@needs_devices
+def test_one_device_executables_load_on_a_many_device_host(tmp_path_factory):
+    """TP=1 on a host with 4 devices: a warm start's stored executables are loaded for the one device the engine
+    uses (loaded onto all four, they asked for four shards and the first step failed)."""
+    from jaxpaged import LLM
+
+    folder, prompts, expected = _prepare("llama-gqa2", tmp_path_factory)
+    cache = tmp_path_factory.mktemp("executables")
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+                  attention_backend="reference", cache_dir=str(cache), log_level="WARNING")  # fmt: skip
+        runs.append((_greedy(llm, prompts), llm.engine.runner.executables.num_loaded))
+    assert runs[0] == (expected, 0)
+    assert runs[1][0] == expected and runs[1][1] > 0

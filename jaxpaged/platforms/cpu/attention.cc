@@ -9,8 +9,10 @@
 // softmax over both, normalised here. Rows outside every sequence (padding) come out 0.
 //
 // Layout (pallas_kernels/metadata.py): cache[L, 2, num_blocks, H_kv, block_size, D], float32, or
-// uint16 holding bfloat16 / float16 bits (kv_storage_dtype). q is float32 [T, H_kv * G, D], k_new and
-// v_new float32 [T, H_kv, D], out float32 [T, H, D].
+// uint16 holding bfloat16 / float16 bits (kv_storage_dtype), or 8 bits (int8, or fp8 e4m3fn as uint8 bits)
+// with scales[L, 2, num_blocks, H_kv, block_size] float32, one per token and head (pallas_kernels/kv_quant.py):
+// value = stored * scale. q is float32 [T, H_kv * G, D], k_new and v_new float32 [T, H_kv, D], out float32
+// [T, H, D].
 
 #include <algorithm>
 #include <cmath>
@@ -27,7 +29,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Storage : int64_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum Storage : int64_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt8 = 3, kFp8 = 4 };
 
 inline float bf16_to_float(uint16_t bits) {
   uint32_t word = static_cast<uint32_t>(bits) << 16;
@@ -42,11 +44,26 @@ inline float f16_to_float(uint16_t bits) {
   return static_cast<float>(h);
 }
 
+// e4m3fn's 256 bit patterns as floats: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+// subnormal (m / 8 * 2^-6); S.1111.111 is NaN (never stored: quantize_kv clips).
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int bits = 0; bits < 256; ++bits) {
+      const int e = (bits >> 3) & 15, m = bits & 7;
+      float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) v = std::numeric_limits<float>::quiet_NaN();
+      value[bits] = bits & 128 ? -v : v;
+    }
+  }
+};
+
 struct Problem {
   const float* q;            // [T, H, D]
   const float* k_new;        // [T, H_kv, D] this step's keys
   const float* v_new;        // [T, H_kv, D]
   const void* cache;         // [L, 2, NB, H_kv, bs, D]
+  const float* scales;       // [L, 2, NB, H_kv, bs] for an 8-bit cache
   const int32_t* tables;     // [S, W]
   const int32_t* seq_lens;   // [S]
   const int32_t* starts;     // [S + 1]
@@ -404,7 +421,8 @@ void dispatch(const Problem& p, Tile tile, ffi::ThreadPool& pool) {
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                              ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::AnyBuffer cache, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> slopes,
                               ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t storage, int64_t window,
                               float scale, float soft_cap, bool alibi) {
@@ -435,14 +453,23 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (qd[1] % cd[3] != 0 || cd[5] != qd[2] || layer < 0 || layer >= cd[0]) {
     return ffi::Error::InvalidArgument("paged attention: q's heads or head dim do not match the cache");
   }
-  const bool f32 = cache.element_type() == ffi::DataType::F32;
-  if ((storage == kFloat32) != f32 || (!f32 && cache.element_type() != ffi::DataType::U16)) {
-    return ffi::Error::InvalidArgument("paged attention: the cache must be float32, or uint16 16-bit float bits");
+  const ffi::DataType want = storage == kFloat32 ? ffi::DataType::F32
+                            : storage == kInt8   ? ffi::DataType::S8
+                            : storage == kFp8    ? ffi::DataType::U8
+                                                 : ffi::DataType::U16;
+  if (storage < kFloat32 || storage > kFp8 || cache.element_type() != want) {
+    return ffi::Error::InvalidArgument(
+        "paged attention: the cache must be float32, uint16 16-bit float bits, int8, or uint8 fp8 bits");
+  }
+  const bool quantized = storage == kInt8 || storage == kFp8;
+  if (quantized && scales.element_count() != cache.element_count() / cd[5]) {
+    return ffi::Error::InvalidArgument("paged attention: an 8-bit cache needs one scale per token and head");
   }
   p.q = q.typed_data();
   p.k_new = k_new.typed_data();
   p.v_new = v_new.typed_data();
   p.cache = cache.untyped_data();
+  p.scales = scales.typed_data();
   p.tables = tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
   p.starts = starts.typed_data();
@@ -459,10 +486,36 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(base[offset + i]);
       return static_cast<const float*>(out);
     }, pool);
-  } else {
+  } else if (storage == kFloat16) {
     const uint16_t* base = static_cast<const uint16_t*>(p.cache);
     dispatch<2>(p, [base](int64_t offset, int64_t n, float* out) {
       for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(base[offset + i]);
+      return static_cast<const float*>(out);
+    }, pool);
+  } else if (storage == kInt8) {  // a tile is whole tokens: offset / D is its first token's scale
+    const int8_t* base = static_cast<const int8_t*>(p.cache);
+    const float* scale = p.scales;
+    const int64_t D = p.head_dim;
+    dispatch<1>(p, [base, scale, D](int64_t offset, int64_t n, float* out) {
+      for (int64_t t = 0; t < n / D; ++t) {
+        const float s = scale[offset / D + t];
+        const int8_t* from = base + offset + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out[t * D + d] = static_cast<float>(from[d]) * s;
+      }
+      return static_cast<const float*>(out);
+    }, pool);
+  } else {
+    static const Fp8Table fp8;
+    const uint8_t* base = static_cast<const uint8_t*>(p.cache);
+    const float* scale = p.scales;
+    const int64_t D = p.head_dim;
+    dispatch<1>(p, [base, scale, D](int64_t offset, int64_t n, float* out) {
+      for (int64_t t = 0; t < n / D; ++t) {
+        const float s = scale[offset / D + t];
+        const uint8_t* from = base + offset + t * D;
+        for (int64_t d = 0; d < D; ++d) out[t * D + d] = fp8.value[from[d]] * s;
+      }
       return static_cast<const float*>(out);
     }, pool);
   }
@@ -478,6 +531,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // this step's k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // this step's v
                                   .Arg<ffi::AnyBuffer>()         // cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales of an 8-bit cache (else one unused)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query start loc

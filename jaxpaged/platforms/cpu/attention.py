@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.pallas_kernels.backends import AttentionBackend
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 from jaxpaged.platforms.cpu import native_build
 from jaxpaged.platforms.cpu.native_build import compiler  # noqa: F401 - part of this module's interface
@@ -30,6 +31,7 @@ SOURCE = Path(__file__).with_name("attention.cc")
 TARGET = "jaxpaged_paged_attention_cpu"
 CXXFLAGS = native_build.CXXFLAGS
 STORAGE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
+QUANTIZED_STORAGE = {"int8": 3, "fp8": 4}  # attention.cc's Storage
 
 
 def build(cache_dir: str | None = None) -> Path:
@@ -68,14 +70,19 @@ def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionM
     """reference_paged_attention's result, from the kernel: q [T, H, D], this step's k/v [T, H_kv, D]."""
     if not available():
         raise RuntimeError("the native CPU attention kernel could not be built; see the warning logged above")
-    if kv_cache.dtype in (jnp.bfloat16, jnp.float16):  # the kernel reads 16-bit floats as their bits
-        kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
-    storage = 0 if kv_cache.dtype == jnp.float32 else STORAGE[jnp.dtype(q.dtype)]
+    scales = jnp.zeros((1,), jnp.float32)
+    if isinstance(kv_cache, QuantizedKV):  # 8 bits and their scales; fp8 read as its bits
+        storage, scales = QUANTIZED_STORAGE[kv_cache.kind], kv_cache.scale
+        kv_cache = kv_cache.data if kv_cache.kind == "int8" else jax.lax.bitcast_convert_type(kv_cache.data, jnp.uint8)
+    else:
+        if kv_cache.dtype in (jnp.bfloat16, jnp.float16):  # the kernel reads 16-bit floats as their bits
+            kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
+        storage = 0 if kv_cache.dtype == jnp.float32 else STORAGE[jnp.dtype(q.dtype)]
     slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     f32 = lambda x: x.astype(jnp.float32)
     out = call(
-        f32(q), f32(k), f32(v), kv_cache, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes,
+        f32(q), f32(k), f32(v), kv_cache, scales, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes,
         layer=layer, storage=storage, window=spec.sliding_window or 0, scale=np.float32(spec.scale),
         soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None,
     )  # fmt: skip
