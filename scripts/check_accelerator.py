@@ -13,6 +13,8 @@ How, stage by stage (each runs even when an earlier one failed; a stage's error 
 1. kernel cases: the platform's kernel (jaxpaged.platforms.get().attention_backend("pallas", head_dim), compiled,
    not interpret) against the definition (naive_paged_attention) on tests/attention_cases.py's ACCELERATOR_CASES:
    float32 and bfloat16, GQA 1/4/8, sliding windows, soft-caps, ALiBi, block sizes 16-128, head dims 64/128/256.
+   kv_cache_cases: the same cases over an int8 and an fp8 KV cache (a QuantizedKV), against the definition over
+   its dequantized values.
 2. launches: the kernel compiled for every block size (8-128) and head dim (16-256), 16- and 32-bit, decode and
    prefill buckets: each launch the kernel picks must fit the device's shared memory and registers.
 3. engine parity: the engine (float32, attention_backend="pallas") on a random tiny Llama against transformers'
@@ -36,7 +38,7 @@ verdict, the parity result, both benchmarks' JSON, the goals, and the machine's 
 
 On a CPU it says there is no accelerator and exits 0. --interpret-on-cpu (for tests) runs stages 1 and 2 there
 instead, with the kernel in interpret mode on two small cases and a short parity run; add --skip-bench to leave
-out the benchmarks.
+out the benchmarks, or --stages to pick stages.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ import machine_load  # noqa: E402
 
 _SET_PREALLOCATE = False  # main() stops this process taking most of the device's memory (the benchmarks need it)
 
+STAGES = ("kernel_cases", "kv_cache_cases", "launches", "parity", "bench_attention", "bench_throughput")
 THROUGHPUT_MODEL = "scripts/configs/llama-3.2-1b.json"
 THROUGHPUT_ARGS = {  # the issue's workload, and a short one
     "full": ["--num-requests", "256", "--min-len", "100", "--max-len", "1024", "--hf-single-limit", "16"],
@@ -85,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="shorter benchmarks (bench_attention --quick, a 64-request throughput run)")
     p.add_argument("--skip-bench", action="store_true", help="only the correctness stages (kernel cases, engine parity)")
+    p.add_argument("--stages", default=",".join(STAGES), type=lambda v: [x for x in v.split(",") if x],
+                   help=f"the stages to run, comma-separated (default: all: {','.join(STAGES)})")
     p.add_argument("--out", default=str(REPO / "docs" / "data"), metavar="DIR", help="folder for the JSON (default docs/data)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the JSON here instead (overrides --out)")
     p.add_argument("--bench-timeout", type=float, default=3600.0, metavar="S", help="seconds each benchmark may run (default 3600)")
@@ -149,30 +154,31 @@ def slug(text: str) -> str:
 # -- stages ---------------------------------------------------------------------------------------------------
 
 
-def kernel_stage(cases, *, interpret: bool) -> dict:
-    """Each case on the platform's Pallas kernel against the definition; a case that raises fails alone."""
+def kernel_stage(cases, *, interpret: bool, kv_cache_dtypes=("auto",)) -> dict:
+    """Each case (under each KV cache dtype) on the platform's Pallas kernel against the definition; a case that
+    raises fails alone."""
     from jaxpaged import platforms
 
     from tests.attention_cases import compare_kernel
 
     platform = platforms.get()
     results = []
-    for kc in cases:
+    for kc, kv_cache_dtype in [(kc, kind) for kind in kv_cache_dtypes for kc in cases]:
         t0 = time.perf_counter()
         try:
             backend = platform.attention_backend("pallas", kc.head_dim)
             if getattr(backend, "interpret", None) is not interpret:
                 raise RuntimeError(f"expected the kernel {'interpreted' if interpret else 'compiled'}, got {backend!r}")
-            result = compare_kernel(backend, kc) | {"backend": repr(backend)}
+            result = compare_kernel(backend, kc, kv_cache_dtype) | {"backend": repr(backend)}
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - recorded as this case's failure
             result = {"case": kc.name, "passed": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        result |= {"dtype": kc.dtype, "seconds": time.perf_counter() - t0}
+        result |= {"dtype": kc.dtype, "kv_cache_dtype": kv_cache_dtype, "seconds": time.perf_counter() - t0}
         results.append(result)
         verdict = "ok  " if result["passed"] else "FAIL"
         detail = f"max error {result['max_abs_error']:.2e} (atol {result['atol']:.0e})" if "max_abs_error" in result else result.get("error", "")
-        print(f"  {verdict} {kc.name:40} {detail}", flush=True)
+        print(f"  {verdict} {result['case']:48} {detail}", flush=True)
     passed = sum(r["passed"] for r in results)
     return {"status": "ok" if passed == len(results) else "failed", "passed": passed, "total": len(results), "cases": results}
 
@@ -349,7 +355,7 @@ def stage_line(name: str, stage: dict | None) -> str:
     status, seconds = stage["status"], stage.get("seconds", 0.0)
     if status == "error":
         return f"{name:18} ERROR ({seconds:.0f}s): {stage['error'][:200]}"
-    if name == "kernel_cases":
+    if name in ("kernel_cases", "kv_cache_cases"):
         errors = {}
         for c in stage["cases"]:
             if "max_abs_error" in c:
@@ -399,19 +405,28 @@ def main(argv=None) -> int:
 
     from tests.attention_cases import ACCELERATOR_CASES, SMOKE_CASES
 
-    run_stage(report, "kernel_cases", lambda: kernel_stage(SMOKE_CASES if interpret else ACCELERATOR_CASES, interpret=interpret))
-    if not interpret:
+    cases = SMOKE_CASES if interpret else ACCELERATOR_CASES
+    wanted = set(args.stages)
+    if args.skip_bench:
+        wanted -= {"bench_attention", "bench_throughput"}
+    if "kernel_cases" in wanted:
+        run_stage(report, "kernel_cases", lambda: kernel_stage(cases, interpret=interpret))
+    if "kv_cache_cases" in wanted:
+        run_stage(report, "kv_cache_cases", lambda: kernel_stage(cases, interpret=interpret, kv_cache_dtypes=("int8", "fp8")))
+    if not interpret and "launches" in wanted:
         run_stage(report, "launches", launch_stage)
-    run_stage(report, "parity", lambda: parity_stage("tiny" if interpret else "full", interpret=interpret))
-    if not args.skip_bench:
+    if "parity" in wanted:
+        run_stage(report, "parity", lambda: parity_stage("tiny" if interpret else "full", interpret=interpret))
+    if "bench_attention" in wanted:
         run_stage(report, "bench_attention", lambda: bench_stage("bench_attention.py", ["--quick"] if args.quick else [], args.bench_timeout))
+    if "bench_throughput" in wanted:
         throughput_args = ["--model", THROUGHPUT_MODEL, "--dtype", "bfloat16", "--settle-s", "0"]
         throughput_args += THROUGHPUT_ARGS["quick" if args.quick else "full"]
         if platform.name == "tpu":  # torch has no TPU here: transformers would run on the host's CPU, no comparison
             throughput_args += ["--skip-hf-single", "--skip-hf-batch"]
         run_stage(report, "bench_throughput", lambda: bench_stage("bench_throughput.py", throughput_args, args.bench_timeout))
     report["goals"] = goals(report, args.quick)
-    correct = all(report["stages"][name]["status"] == "ok" for name in ("kernel_cases", "launches", "parity")
+    correct = all(report["stages"][name]["status"] == "ok" for name in ("kernel_cases", "kv_cache_cases", "launches", "parity")
                   if name in report["stages"])  # fmt: skip
     report["correct"] = correct
     report["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -422,9 +437,9 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
     print(f"\n== summary: {env['device_kind']} ({platform.name})")
-    for name in ("kernel_cases", "launches", "parity", "bench_attention", "bench_throughput"):
+    for name in STAGES:
         print(stage_line(name, report["stages"].get(name)))
-        if name == "kernel_cases" and name in report["stages"]:
+        if name in ("kernel_cases", "kv_cache_cases") and name in report["stages"]:
             for c in report["stages"][name].get("cases", []):
                 if not c["passed"]:
                     print(f"    FAIL {c['case']}: " + (c.get("error") or f"error {c['max_abs_error']:.2e} > {c['atol']:.0e}, "

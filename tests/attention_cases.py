@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, kv_cache_shape, paged_attention, stack_new_kv, write_kv
+from jaxpaged.pallas_kernels.kv_quant import QuantizedKV, dequantize_kv, quantize_kv
 from jaxpaged.pallas_kernels.reference import naive_paged_attention
 
 
@@ -122,21 +123,29 @@ def expected_output(case: Case, **kwargs) -> np.ndarray:
     return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, *attention_args(**kwargs)))
 
 
-def compare_kernel(backend, kc: KernelCase) -> dict:
+def compare_kernel(backend, kc: KernelCase, kv_cache_dtype: str = "auto") -> dict:
     """Run `backend` (an AttentionBackend) on kc through the jitted entry point and compare with the definition:
-    max abs error on the real rows, padding rows all zero, shape and dtype kept; `passed` says all of them hold."""
+    max abs error on the real rows, padding rows all zero, shape and dtype kept; `passed` says all of them hold.
+    kv_cache_dtype "int8" or "fp8": the case's cache quantized (a QuantizedKV), against the definition over its
+    dequantized float32 values (the kernel must read them exactly; the quantization's own error is not counted)."""
     case = kc.build()
     kwargs = kc.kwargs()
     spec, slopes = attention_args(**kwargs)
+    cache, expected_case = case.kv_cache, case
+    if kv_cache_dtype != "auto":
+        data, scale = quantize_kv(case.kv_cache, kv_cache_dtype)
+        cache = QuantizedKV(data, scale, kv_cache_dtype)
+        expected_case = dataclasses.replace(case, kv_cache=dequantize_kv(data, scale, jnp.float32, kv_cache_dtype))
     fn = jax.jit(lambda q, k, v, c, md, sl: paged_attention(q, k, v, c, 0, md, spec, sl, backend=backend))
-    got = fn(case.q, case.k, case.v, case.kv_cache, case.attn_metadata, slopes)
+    got = fn(case.q, case.k, case.v, cache, case.attn_metadata, slopes)
     same_shape = got.shape == case.q.shape and got.dtype == case.q.dtype
     got = np.asarray(got.astype(jnp.float32))
     n = case.num_real_tokens
-    error = float(np.max(np.abs(got[:n] - expected_output(case, **kwargs)[:n])))
+    error = float(np.max(np.abs(got[:n] - expected_output(expected_case, **kwargs)[:n])))
     padding_zero = bool(np.all(got[n:] == 0))  # padding rows are covered by no tile
     finite = bool(np.isfinite(error))
-    return {"case": kc.name, "max_abs_error": error, "atol": kc.atol, "padding_zero": padding_zero, "shape_and_dtype": same_shape,
+    name = kc.name if kv_cache_dtype == "auto" else f"{kc.name}-kv-{kv_cache_dtype}"
+    return {"case": name, "max_abs_error": error, "atol": kc.atol, "padding_zero": padding_zero, "shape_and_dtype": same_shape,
             "passed": finite and error <= kc.atol and padding_zero and same_shape}  # fmt: skip
 
 

@@ -56,10 +56,24 @@ def test_interpret_on_cpu_runs_the_correctness_stages_and_writes_the_json(tmp_pa
     parity = report["stages"]["parity"]
     assert parity["status"] == "ok" and parity["equal"] == parity["total"] == 3
     assert parity["backend"].startswith("TritonAttention(interpret=True") and parity["model"]["head_dim"] == 64
-    assert set(report["stages"]) == {"kernel_cases", "parity"}  # --skip-bench
-    assert set(report["machine_load"]["stages"]) == {"kernel_cases", "parity"}
+    kv = report["stages"]["kv_cache_cases"]  # the same two cases over int8 and fp8 caches
+    assert kv["status"] == "ok" and kv["passed"] == kv["total"] == 4
+    assert {c["kv_cache_dtype"] for c in kv["cases"]} == {"int8", "fp8"} and all(c["case"].endswith(("-kv-int8", "-kv-fp8")) for c in kv["cases"])
+    assert set(report["stages"]) == {"kernel_cases", "kv_cache_cases", "parity"}  # --skip-bench
+    assert set(report["machine_load"]["stages"]) == {"kernel_cases", "kv_cache_cases", "parity"}
     assert [g["passed"] for g in report["goals"]] == [None] * 4  # nothing measured
     assert "correctness: PASS" in proc.stdout and "2/2 cases within tolerance" in proc.stdout
+
+
+def test_stages_picks_the_stages_to_run(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(check_accelerator, "kernel_stage", lambda cases, **kw: calls.append(kw.get("kv_cache_dtypes")) or
+                        {"status": "ok", "passed": 1, "total": 1, "cases": []})  # fmt: skip
+    monkeypatch.setattr(check_accelerator, "parity_stage", lambda *a, **kw: calls.append("parity"))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    out = tmp_path / "check.json"
+    assert check_accelerator.main(["--interpret-on-cpu", "--stages", "kv_cache_cases", "--json", str(out)]) == 0
+    assert calls == [("int8", "fp8")] and set(json.loads(out.read_text())["stages"]) == {"kv_cache_cases"}
 
 
 def test_a_failing_stage_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
@@ -67,8 +81,8 @@ def test_a_failing_stage_is_recorded_and_the_rest_still_run(tmp_path, monkeypatc
     the exit status 1; the goals are judged from the benchmarks' JSON."""
     calls = []
 
-    def kernel_stage(cases, *, interpret):
-        calls.append("kernel_cases")
+    def kernel_stage(cases, *, interpret, kv_cache_dtypes=("auto",)):
+        calls.append("kernel_cases" if kv_cache_dtypes == ("auto",) else "kv_cache_cases")
         return {"status": "failed", "passed": 0, "total": 1, "cases": [
             {"case": "x", "dtype": "float32", "max_abs_error": 1.0, "atol": 1e-4, "padding_zero": True, "shape_and_dtype": True, "passed": False}]}
 
@@ -89,7 +103,7 @@ def test_a_failing_stage_is_recorded_and_the_rest_still_run(tmp_path, monkeypatc
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # else main() sets it in this process for good
     out = tmp_path / "check.json"
     assert check_accelerator.main(["--interpret-on-cpu", "--json", str(out)]) == 1
-    assert calls == ["kernel_cases", "parity", "bench_attention.py", "bench_throughput.py"]
+    assert calls == ["kernel_cases", "kv_cache_cases", "parity", "bench_attention.py", "bench_throughput.py"]
     report = json.loads(out.read_text())
     assert report["correct"] is False
     assert report["stages"]["bench_attention"]["status"] == "error" and "no such device" in report["stages"]["bench_attention"]["error"]

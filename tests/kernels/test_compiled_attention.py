@@ -22,6 +22,26 @@ def test_compiled_kernel_equals_definition(device, case):
     assert result["passed"], result
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("case", ACCELERATOR_CASES, ids=lambda c: c.name)
+def test_compiled_kernel_over_a_quantized_cache_equals_definition(device, case, kv_cache_dtype):
+    """The same cases over an int8 or fp8 cache, against the definition over its dequantized values."""
+    backend = platforms.get().attention_backend("pallas", case.head_dim)
+    result = compare_kernel(backend, case, kv_cache_dtype)
+    assert result["passed"], result
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_compare_kernel_runs_interpreted_here(kv_cache_dtype):
+    """What the compiled checks run, on the CPU with the kernel interpreted: passes, and names the cache's dtype."""
+    from jaxpaged.pallas_kernels import TritonAttention
+
+    result = compare_kernel(TritonAttention(interpret=True), SMOKE_CASES[0], kv_cache_dtype)
+    assert result["passed"], result
+    assert result["case"].endswith("" if kv_cache_dtype == "auto" else f"-kv-{kv_cache_dtype}")
+
+
 def test_accelerator_cases_cover_the_promised_features():
     cases = ACCELERATOR_CASES
     assert {c.dtype for c in cases} == {"float32", "bfloat16"}
