@@ -54,6 +54,7 @@ SCHEMES = {
     "kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8"},
     "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
+    "fp8+kv-fp8": {"dtype": "float32", "quantization": "fp8", "kv_cache_dtype": "fp8"},
     "gguf+kv-int8": {"dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "int8"},
 }
 
@@ -66,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (default: the platform's)")
+    p.add_argument("--dtype", default="float32", help="the compute dtype of every scheme but float32, the reference "
+                   "(default float32; bfloat16 on a GPU/TPU, where a bfloat16 scheme is what quantization is weighed against)")
     p.add_argument("--kv-budget-mb", type=float, default=64.0, help="KV pool size every scheme gets (default: 64)")
     p.add_argument("--window-tokens", type=int, default=256)
     p.add_argument("--agree-prompts", type=int, default=16)
@@ -75,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--matmuls", action="store_true", help="only time one matmul per method and row count (see above)")
+    p.add_argument("--matmul-shape", default="576,1536", help="with --matmuls: K,N of the weight (default: the built-in model's MLP)")
+    p.add_argument("--matmul-rows", default="1,8,64,256", help="with --matmuls: the row counts")
+    p.add_argument("--matmul-dtype", default="float32", help="with --matmuls: the activations' dtype")
     args = p.parse_args(argv)
     args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     unknown = [s for s in args.schemes if s not in SCHEMES]
@@ -169,11 +176,16 @@ def run_scheme(name: str, args, float_source: str, gguf: str | None, reference: 
     from jaxpaged.models.weights import param_bytes
 
     kwargs = dict(SCHEMES[name])
+    if name != "float32" and "dtype" in kwargs and name != "bfloat16":
+        kwargs["dtype"] = args.dtype
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     source = gguf if name.startswith("gguf") else float_source
     if source is None:
         raise SystemExit(f"scheme {name} needs a GGUF model")
     block_size = 16
-    probe = LLM(model=source, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=16, precompile=False, **kwargs)
+    probe_kwargs = {k: v for k, v in kwargs.items() if k != "max_num_batched_tokens"}
+    probe = LLM(model=source, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=16, precompile=False, **probe_kwargs)
     cfg = probe.engine.loaded.config
     blocks = kv_blocks(cfg, kwargs.get("kv_cache_dtype", "auto"), kwargs["dtype"], args.kv_budget_mb * 1e6, block_size)
     del probe
@@ -214,38 +226,55 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int = 50) -> list[dict]:
-    """Median ms of one [rows, k] x [k, n] matmul per method (the built-in model's MLP up-projection by default)."""
+def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int = 50, dtype: str = "float32") -> list[dict]:
+    """Median ms of one [rows, k] x [k, n] matmul per method (the built-in model's MLP up-projection by default),
+    activations in `dtype`: the float weight; int8 and fp8 weights dequantized into the dot (weight-only, what
+    ChannelLinear does); and 8-bit dots with the activations quantized per row too (W8A8: XLA's int8 dot, and an
+    fp8 x fp8 dot, which XLA hands to the fp8 tensor cores on GPUs that have them)."""
     import jax
     import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
+    act = jnp.dtype(dtype)
     q = jnp.asarray(rng.integers(-127, 128, (k, n)).astype(np.int8))
     scale = jnp.asarray(rng.random(n).astype(np.float32) / 100)
-    w = q.astype(jnp.float32) * scale
+    w = (q.astype(jnp.float32) * scale).astype(act)
+    f8 = jnp.asarray(rng.normal(size=(k, n)).astype(np.float32)).astype(jnp.float8_e4m3fn)
 
-    def weight_only(x):
-        return jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32) * scale
+    def weight_only(x, qw):
+        return jnp.dot(x, qw.astype(x.dtype), preferred_element_type=jnp.float32) * scale
 
     def int8_dot(x):
-        sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127, 1e-30)
+        sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32) / 127, 1e-30)
         xq = jnp.round(x / sx).astype(jnp.int8)
         return jnp.dot(xq, q, preferred_element_type=jnp.int32).astype(jnp.float32) * sx * scale
 
-    methods = {"float32": lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32), "int8 weight-only": weight_only, "int8 dot (W8A8)": int8_dot}
+    def fp8_dot(x):
+        sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32) / 448, 1e-30)
+        xq = (x / sx).astype(jnp.float8_e4m3fn)
+        return jnp.dot(xq, f8, preferred_element_type=jnp.float32) * sx * scale
+
+    methods = {act.name: lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32),
+               "int8 weight-only": lambda x: weight_only(x, q), "int8 dot (W8A8)": int8_dot,
+               "fp8 weight-only": lambda x: weight_only(x, f8), "fp8 dot (W8A8)": fp8_dot}  # fmt: skip
     out = []
     for r in rows:
-        x = jnp.asarray(rng.normal(size=(r, k)).astype(np.float32))
+        x = jnp.asarray(rng.normal(size=(r, k)).astype(np.float32)).astype(act)
         for name, f in methods.items():
-            g = jax.jit(f)
-            g(x).block_until_ready()
+            try:
+                g = jax.jit(f)
+                g(x).block_until_ready()
+            except Exception as e:  # noqa: BLE001 - a device without the dot: reported, the others still timed
+                out.append({"rows": r, "method": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                print(f"rows {r:>5}  {name:<18} unsupported: {out[-1]['error'][:100]}")
+                continue
             times = []
             for _ in range(iters):
                 t0 = time.perf_counter()
                 g(x).block_until_ready()
                 times.append(time.perf_counter() - t0)
             out.append({"rows": r, "method": name, "ms": float(np.median(times)) * 1e3})
-            print(f"rows {r:>4}  {name:<18} {out[-1]['ms']:.3f} ms")
+            print(f"rows {r:>5}  {name:<18} {out[-1]['ms']:.3f} ms")
     return out
 
 
@@ -256,10 +285,13 @@ def main(argv=None) -> int:
 
     if args.matmuls:
         before = machine_load.load1()
-        results = time_matmuls()
+        k, n = (int(v) for v in args.matmul_shape.split(","))
+        rows = tuple(int(v) for v in args.matmul_rows.split(","))
+        results = time_matmuls(k, n, rows, dtype=args.matmul_dtype)
         print(f"load average before {before:.2f}, after {machine_load.load1():.2f} on {machine_load.cores()} cores")
         if args.json:
-            Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(), "jax": jax.__version__, "matmuls": results,
+            Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+                                                   "device": jax.devices()[0].device_kind, "matmuls": results,
                                                    "load": [before, machine_load.load1()]}, indent=1))  # fmt: skip
         return 0
 
@@ -269,19 +301,19 @@ def main(argv=None) -> int:
         if gguf is None:
             schemes = [s for s in schemes if not s.startswith("gguf")]
         records, reference = [], None
+        meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+                "cpu": machine_load.cpu_model(), "cores": machine_load.cores(), "python": platform.python_version(),
+                "args": {k: v for k, v in vars(args).items()}}  # fmt: skip
         for name in schemes:
             record = run_scheme(name, args, float_source, gguf, reference)
             if reference is None:
                 reference = {"logprobs": record["_logprobs"], "outputs": record["_outputs"]}
             records.append({k: v for k, v in record.items() if not k.startswith("_")})
-    print(table(records))
+            print(table(records), flush=True)  # after each scheme: a run cut short still reports the ones done
+            if args.json:
+                Path(args.json).write_text(json.dumps({"meta": meta, "schemes": records}, indent=1))
     for line in machine_load.busy_lines({r["scheme"]: r["load"] for r in records if "load" in r}):
         print(line)
-    if args.json:
-        meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": str(jax.devices()[0]),
-                "cpu": machine_load.cpu_model(), "cores": machine_load.cores(), "python": platform.python_version(),
-                "args": {k: v for k, v in vars(args).items()}}  # fmt: skip
-        Path(args.json).write_text(json.dumps({"meta": meta, "schemes": records}, indent=1))
     return 0
 
 

@@ -36,6 +36,7 @@ from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
 from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
+KV_STORAGE = {"int8": jnp.int8, "fp8": jnp.uint8}  # an 8-bit cache's element type, per kv_cache_dtype
 
 
 def token_buckets(max_tokens: int, max_seqs: int | None = None, smallest: int = 4) -> list[int]:
@@ -126,7 +127,9 @@ class ModelRunner:
         def empty_cache():
             if self.kv_cache_dtype == "auto":
                 return jnp.zeros(shape, kv_dtype)
-            return empty_quantized_kv(shape, self.kv_cache_dtype)  # 8-bit values and a float32 scale per token and head
+            # 8-bit values and a float32 scale per token and head; fp8 kept as its uint8 bits, so that writes scatter
+            # bytes in place (XLA:CPU rewrote an fp8 scatter over the whole pool) and every reader decodes the bits
+            return empty_quantized_kv(shape, self.kv_cache_dtype, KV_STORAGE[self.kv_cache_dtype])
 
         t0 = time.perf_counter()
         if self.mesh is None:
