@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--reference", default="float32", help="the scheme the others are compared with, run first (default: float32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (default: the platform's)")
     p.add_argument("--dtype", default="float32", help="the compute dtype of every scheme but float32, the reference "
                    "(default float32; bfloat16 on a GPU/TPU, where a bfloat16 scheme is what quantization is weighed against)")
@@ -109,6 +110,24 @@ def kv_blocks(llm_config, kv_cache_dtype: str, dtype: str, budget_bytes: float, 
     cfg = llm_config
     per_block = cfg.num_layers * 2 * cfg.num_kv_heads * block_size * kv_bytes_per_token_head(cfg.head_dim, kv_cache_dtype, dtype)
     return max(1, int(budget_bytes // per_block))
+
+
+def model_shape(source: str, kwargs: dict):
+    """The model's ModelConfig (layers, KV heads, head dim, vocab): read from a config.json (random weights are
+    slow to make: a 1B model's take 30-50 s), else from a probe engine with one KV block."""
+    from jaxpaged import LLM
+
+    if source.endswith(".json"):
+        from transformers import AutoConfig
+
+        from jaxpaged.models.config import model_config_from_hf
+
+        raw = json.loads(Path(source).read_text())
+        hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
+        return model_config_from_hf(hf, (hf.architectures or ["LlamaForCausalLM"])[0])
+    probe_kwargs = {k: v for k, v in kwargs.items() if k != "max_num_batched_tokens"}
+    probe = LLM(model=source, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=16, precompile=False, **probe_kwargs)
+    return probe.engine.loaded.config
 
 
 def text_tokens(tokenizer, vocab: int) -> list[int]:
@@ -184,11 +203,8 @@ def run_scheme(name: str, args, float_source: str, gguf: str | None, reference: 
     if source is None:
         raise SystemExit(f"scheme {name} needs a GGUF model")
     block_size = 16
-    probe_kwargs = {k: v for k, v in kwargs.items() if k != "max_num_batched_tokens"}
-    probe = LLM(model=source, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=16, precompile=False, **probe_kwargs)
-    cfg = probe.engine.loaded.config
+    cfg = model_shape(source, kwargs)
     blocks = kv_blocks(cfg, kwargs.get("kv_cache_dtype", "auto"), kwargs["dtype"], args.kv_budget_mb * 1e6, block_size)
-    del probe
     llm = LLM(model=source, num_kv_blocks=blocks, block_size=block_size, max_num_seqs=args.max_num_seqs,
               max_model_len=max(args.window_tokens, 2 * args.max_len, 32 + args.agree_tokens) + 16, **kwargs)  # fmt: skip
     runner = llm.engine.runner
@@ -297,7 +313,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         float_source, gguf = sources(args.model, Path(tmp))
-        schemes = ["float32"] + [s for s in args.schemes if s != "float32"]
+        schemes = [args.reference] + [s for s in args.schemes if s != args.reference]
         if gguf is None:
             schemes = [s for s in schemes if not s.startswith("gguf")]
         records, reference = [], None
