@@ -1,0 +1,46 @@
+"""scripts/bench_quantization.py end to end on a tiny random Llama: every scheme asked for is one row with its weight
+bytes, KV tokens and quality against the reference, and the JSON is written after each scheme."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_quantization  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    config = json.loads((SCRIPTS / "data" / "llama_random_config.json").read_text())
+    config.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_schemes_side_by_side(tiny_config, tmp_path, capsys):
+    out = tmp_path / "q.json"
+    argv = ["--model", str(tiny_config), "--reference", "bfloat16", "--dtype", "bfloat16", "--schemes", "int8,kv-int8,kv-fp8",
+            "--num-requests", "4", "--min-len", "8", "--max-len", "16", "--agree-prompts", "2", "--agree-tokens", "8",
+            "--window-tokens", "64", "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--settle-s", "0", "--json", str(out)]  # fmt: skip
+    assert bench_quantization.main(argv) == 0
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())["schemes"]}
+    assert list(rows) == ["bfloat16", "int8", "kv-int8", "kv-fp8"]  # the reference first
+    ref = rows["bfloat16"]
+    assert rows["int8"]["weight_bytes"] < ref["weight_bytes"] and rows["int8"]["kv_tokens"] == ref["kv_tokens"]
+    head_dim = 32  # 128 / 4 heads: 8-bit K/V take head_dim + 4 bytes against bfloat16's 2 x head_dim
+    for kv in ("kv-int8", "kv-fp8"):
+        assert rows[kv]["weight_bytes"] == ref["weight_bytes"]
+        assert rows[kv]["kv_tokens"] / ref["kv_tokens"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.01)
+    for name, row in rows.items():
+        assert row["tok_s"] > 0 and row["perplexity"] > 1
+        if name != "bfloat16":
+            assert 0 < row["mean_abs_logprob_diff"] < 0.5 and 0 <= row["agreement"]["identical_share"] <= 1
+    assert "kv-fp8" in capsys.readouterr().out.splitlines()[-1]  # the table after the last scheme
