@@ -420,6 +420,23 @@ void dispatch(const Problem& p, Tile tile, ffi::ThreadPool& pool) {
   }
 }
 
+// An 8-bit cache's tile reader: a tile is whole tokens, so offset / D is its first token's scale.
+template <typename T, typename Decode>
+auto scaled_tiles(const Problem& p, Decode decode) {
+  const T* base = static_cast<const T*>(p.cache);
+  const float* scale = p.scales;
+  const int64_t D = p.head_dim;
+  return [base, scale, D, decode](int64_t offset, int64_t n, float* out) {
+    for (int64_t t = 0; t < n / D; ++t) {
+      const float s = scale[offset / D + t];
+      const T* from = base + offset + t * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[t * D + d] = decode(from[d]) * s;
+    }
+    return static_cast<const float*>(out);
+  };
+}
+
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                               ffi::AnyBuffer cache, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> seq_lens,
@@ -492,32 +509,11 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       for (int64_t i = 0; i < n; ++i) out[i] = f16_to_float(base[offset + i]);
       return static_cast<const float*>(out);
     }, pool);
-  } else if (storage == kInt8) {  // a tile is whole tokens: offset / D is its first token's scale
-    const int8_t* base = static_cast<const int8_t*>(p.cache);
-    const float* scale = p.scales;
-    const int64_t D = p.head_dim;
-    dispatch<1>(p, [base, scale, D](int64_t offset, int64_t n, float* out) {
-      for (int64_t t = 0; t < n / D; ++t) {
-        const float s = scale[offset / D + t];
-        const int8_t* from = base + offset + t * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) out[t * D + d] = static_cast<float>(from[d]) * s;
-      }
-      return static_cast<const float*>(out);
-    }, pool);
+  } else if (storage == kInt8) {
+    dispatch<1>(p, scaled_tiles<int8_t>(p, [](int8_t x) { return static_cast<float>(x); }), pool);
   } else {
     static const Fp8Table fp8;
-    const uint8_t* base = static_cast<const uint8_t*>(p.cache);
-    const float* scale = p.scales;
-    const int64_t D = p.head_dim;
-    dispatch<1>(p, [base, scale, D](int64_t offset, int64_t n, float* out) {
-      for (int64_t t = 0; t < n / D; ++t) {
-        const float s = scale[offset / D + t];
-        const uint8_t* from = base + offset + t * D;
-        for (int64_t d = 0; d < D; ++d) out[t * D + d] = fp8.value[from[d]] * s;
-      }
-      return static_cast<const float*>(out);
-    }, pool);
+    dispatch<1>(p, scaled_tiles<uint8_t>(p, [](uint8_t x) { return fp8.value[x]; }), pool);
   }
   return ffi::Error::Success();
 }
