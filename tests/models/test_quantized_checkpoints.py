@@ -276,8 +276,13 @@ def test_quantization_none_dequantizes_and_int8_keeps_as_stored(tiny_hf, tmp_pat
         layer = _module(plain.model, name)
         assert layer.kernel[...].dtype == jnp.float32 and not isinstance(layer.method, GroupLinear)
         np.testing.assert_array_equal(device_weight(layer), want, err_msg=name)
-    with caplog.at_level(logging.INFO, logger="jaxpaged.loader"):
-        kept = load_model(str(tmp_path / "m"), quantization="int8")
+    loader_log = logging.getLogger("jaxpaged.loader")  # on the logger itself: jaxpaged's loggers stop propagating
+    loader_log.addHandler(caplog.handler)  # once an LLM() has set them up
+    try:
+        with caplog.at_level(logging.INFO, logger="jaxpaged.loader"):
+            kept = load_model(str(tmp_path / "m"), quantization="int8")
+    finally:
+        loader_log.removeHandler(caplog.handler)
     assert "already gptq-quantized" in caplog.text
     up = _module(kept.model, "model.layers.0.mlp.up_proj")
     assert isinstance(up.method, GroupLinear) and up.method.bits == 4 and up.kernel[...].dtype == jnp.uint8
