@@ -49,6 +49,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer, or None when the checkpoint has none
     source: str
     dtype: str
+    quantization: str | None = None  # the scheme the weights were loaded with (a GGUF's platform default resolved)
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -304,4 +305,4 @@ def load_model(
         "loaded %s (%s, %.1f MB of %s weights%s) in %.1fs", path.name, cfg.architecture, size / 1e6, dtype_name,
         f", quantization {quantization}" if quantization not in (None, "none") else "", time.perf_counter() - t0,
     )
-    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name)
+    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization)

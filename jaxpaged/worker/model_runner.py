@@ -26,6 +26,7 @@ from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.loader import DTYPES, LoadedModel
+from jaxpaged.models.quantization import is_quantized
 from jaxpaged.models.weights import param_bytes
 from jaxpaged.pallas_kernels import copy_blocks, kv_cache_shape, write_kv
 from jaxpaged.pallas_kernels.kv_quant import empty_quantized_kv, kv_bytes_per_token_head
@@ -103,6 +104,10 @@ class ModelRunner:
         # batch-invariant: one step shape for everything, so no row's arithmetic depends on the step's size
         self.buckets = [config.max_num_batched_tokens] if config.batch_invariant else token_buckets(config.max_num_batched_tokens, config.max_num_seqs)
         self.dtype = DTYPES[loaded.dtype]
+        quantized = any(is_quantized(m) for _, m in nnx.iter_modules(loaded.model))
+        # what the plan reports: the scheme asked for (or a GGUF's platform default), else what the checkpoint holds
+        self.weight_scheme = loaded.quantization if loaded.quantization not in (None, "none") else (
+            "pre-quantized checkpoint" if quantized else "none")  # fmt: skip
         t0 = time.perf_counter()
         self.matmul_backend = self.platform.prepare_model(
             loaded.model, config.matmul_backend, dtype=self.dtype, tensor_parallel_size=config.tensor_parallel_size
@@ -181,7 +186,7 @@ class ModelRunner:
     def memory_plan(self) -> str:
         """What start-up put on the device: weights (and how they are stored), the KV pool and the tokens it holds."""
         weights = param_bytes(self.state) / 1e6
-        scheme = self.config.quantization or "as stored"
+        scheme = self.weight_scheme
         kv = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else jnp.dtype(self.dtype).name
         tokens = self.num_blocks * self.block_size
         per_token = self.block_bytes / self.block_size / 1e3
