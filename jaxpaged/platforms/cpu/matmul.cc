@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -161,19 +162,47 @@ struct Problem {
   int64_t M, K, N, P;
 };
 
-// Panels [p0, p1): every strip of rows against each panel while the panel is in cache.
+// A scaled type's panel decoded to floats beforehand: read as float32, still to be scaled.
+template <typename W>
+struct Decoded {
+  using T = float;
+  static constexpr bool kScaled = true;
+  static constexpr float kUnit = W::kUnit;
+  static Vec load(const T* from) { return load_vec(from); }
+};
+
+// Every strip of rows against one panel (W: how its elements read), columns [col, col + cols).
+template <typename W, typename Q>
+void panel_strips(const Problem<Q>& p, const typename W::T* panel, int64_t col, int64_t cols) {
+  for (int64_t t = 0; t < kPanel && t < cols; t += kTile) {
+    const float* scale = W::kScaled ? p.scale + col + t : nullptr;
+    for (int64_t r = 0; r < p.M; r += kStrip) {
+      strip_any<W>(std::min(kStrip, p.M - r), p.x + r * p.K, p.K, panel + t, p.K, scale, p.y + r * p.N + col + t,
+                   p.N, cols - t);
+    }
+  }
+}
+
+// Panels [p0, p1): every strip of rows against each panel while the panel is in cache. An 8-bit panel that
+// several strips read is decoded to floats once first, instead of by every strip.
 template <typename W>
 void panels(const Problem<W>& p, int64_t p0, int64_t p1) {
   for (int64_t q = p0; q < p1; ++q) {
     const typename W::T* panel = p.w + q * p.K * kPanel;
     const int64_t col = q * kPanel, cols = std::min(kPanel, p.N - col);
-    for (int64_t t = 0; t < kPanel && t < cols; t += kTile) {
-      const float* scale = W::kScaled ? p.scale + col + t : nullptr;
-      for (int64_t r = 0; r < p.M; r += kStrip) {
-        strip_any<W>(std::min(kStrip, p.M - r), p.x + r * p.K, p.K, panel + t, p.K, scale, p.y + r * p.N + col + t,
-                     p.N, cols - t);
+    if constexpr (W::kScaled) {
+      if (p.M > kStrip) {
+        thread_local std::vector<float> decoded;
+        decoded.resize(p.K * kPanel);
+        for (int64_t i = 0; i < p.K * kPanel; i += kLanes) {
+          const Vec v = W::load(panel + i);
+          std::memcpy(decoded.data() + i, &v, sizeof(v));
+        }
+        panel_strips<Decoded<W>>(p, decoded.data(), col, cols);
+        continue;
       }
     }
+    panel_strips<W>(p, panel, col, cols);
   }
 }
 
