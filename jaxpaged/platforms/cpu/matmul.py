@@ -1,4 +1,4 @@
-"""float32 matmuls on CPU against weights packed once (matmul.cc behind XLA FFI custom calls).
+"""Matmuls on CPU, float32 activations, against weights packed once (matmul.cc behind XLA FFI custom calls).
 
 XLA:CPU repacks a weight on every dot of many rows and streams it several times for few; packed at load time
 into 32-column panels, each step reads every weight once, in order. PackedLinear and PackedEmbedding put it
