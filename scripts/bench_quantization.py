@@ -18,9 +18,10 @@ but "gguf" loads, so all of them start from the same floats.
     python scripts/bench_quantization.py --json docs/data/bench_quantization_cpu.json           # the built-in model
     python scripts/bench_quantization.py --model llama_config.json --schemes float32,int8,kv-int8  # random weights
 
---matmuls times one projection's matmul alone in XLA, per row count: float32, the int8 weight dequantized into the
+--matmuls times one projection's matmul alone, per row count: in XLA float32, the int8 weight dequantized into the
 dot (weight-only, what `ChannelLinear` does) and XLA's int8 dot (activations quantized per row too: W8A8), the
-choice the quantization issue asks to measure.
+choice the quantization issue asks to measure; on a CPU where it builds, also the native packed matmul
+(platforms/cpu/matmul.cc) over float32, int8 and fp8 panels (what the engine runs with matmul_backend "native").
 """
 
 from __future__ import annotations
@@ -246,7 +247,8 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
     """Median ms of one [rows, k] x [k, n] matmul per method (the built-in model's MLP up-projection by default),
     activations in `dtype`: the float weight; int8 and fp8 weights dequantized into the dot (weight-only, what
     ChannelLinear does); and 8-bit dots with the activations quantized per row too (W8A8: XLA's int8 dot, and an
-    fp8 x fp8 dot, which XLA hands to the fp8 tensor cores on GPUs that have them)."""
+    fp8 x fp8 dot, which XLA hands to the fp8 tensor cores on GPUs that have them); on a CPU, float32 activations,
+    also the native packed matmul over each weight (int8 and fp8 decoded in the kernel)."""
     import jax
     import jax.numpy as jnp
 
@@ -273,6 +275,7 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
     methods = {act.name: lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32),
                "int8 weight-only": lambda x: weight_only(x, q), "int8 dot (W8A8)": int8_dot,
                "fp8 weight-only": lambda x: weight_only(x, f8), "fp8 dot (W8A8)": fp8_dot}  # fmt: skip
+    methods.update(native_matmuls(w, q, f8, scale) if act == jnp.float32 else {})
     out = []
     for r in rows:
         x = jnp.asarray(rng.normal(size=(r, k)).astype(np.float32)).astype(act)
@@ -284,6 +287,8 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
                 out.append({"rows": r, "method": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 print(f"rows {r:>5}  {name:<18} unsupported: {out[-1]['error'][:100]}")
                 continue
+            for _ in range(max(3, iters // 5)):  # untimed: a CPU call's first dozens of runs measured up to 3x slower
+                g(x).block_until_ready()
             times = []
             for _ in range(iters):
                 t0 = time.perf_counter()
@@ -292,6 +297,22 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
             out.append({"rows": r, "method": name, "ms": float(np.median(times)) * 1e3})
             print(f"rows {r:>5}  {name:<18} {out[-1]['ms']:.3f} ms")
     return out
+
+
+def native_matmuls(w, q, f8, scale) -> dict:
+    """The native CPU matmul over the same weights, packed once as the engine packs them (none where it does not
+    build, or off the CPU)."""
+    import jax
+
+    from jaxpaged.platforms.cpu import matmul as cpu_matmul
+
+    if jax.default_backend() != "cpu" or not cpu_matmul.available():
+        return {}
+    n = w.shape[1]
+    packed = {name: cpu_matmul.pack(v) for name, v in (("float32", w), ("int8", q), ("fp8", f8))}
+    return {"native float32": lambda x: cpu_matmul.packed_matmul(x, packed["float32"], n),
+            "native int8": lambda x: cpu_matmul.packed_matmul(x, packed["int8"], n, scale),
+            "native fp8": lambda x: cpu_matmul.packed_matmul(x, packed["fp8"], n, scale)}  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -44,3 +44,19 @@ def test_schemes_side_by_side(tiny_config, tmp_path, capsys):
         if name != "bfloat16":
             assert 0 < row["mean_abs_logprob_diff"] < 0.5 and 0 <= row["agreement"]["identical_share"] <= 1
     assert "kv-fp8" in capsys.readouterr().out.splitlines()[-1]  # the table after the last scheme
+
+
+def test_matmuls_time_the_native_8bit_methods_on_cpu():
+    """--matmuls on the CPU: XLA's methods and, where the native matmul builds, its float32, int8 and fp8 panels."""
+    import jax
+
+    from jaxpaged.platforms.cpu import matmul as cpu_matmul
+
+    results = bench_quantization.time_matmuls(64, 40, rows=(1, 13), iters=2)
+    methods = {r["method"] for r in results if "ms" in r}
+    assert {"float32", "int8 weight-only", "fp8 weight-only"} <= methods
+    native = {"native float32", "native int8", "native fp8"}
+    if jax.default_backend() == "cpu" and cpu_matmul.available():
+        assert native <= methods
+    else:
+        assert not native & methods

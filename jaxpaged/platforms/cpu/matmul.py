@@ -1,8 +1,10 @@
-"""float32 matmuls on CPU against weights packed once (matmul.cc behind an XLA FFI custom call).
+"""Matmuls on CPU, float32 activations, against weights packed once (matmul.cc behind XLA FFI custom calls).
 
 XLA:CPU repacks a weight on every dot of many rows and streams it several times for few; packed at load time
 into 32-column panels, each step reads every weight once, in order. PackedLinear and PackedEmbedding put it
-behind the models' layer methods (the CPU platform's prepare_model packs the weights).
+behind the models' layer methods (the CPU platform's prepare_model packs the weights). 8-bit weights quantized
+per output channel (int8, fp8 e4m3fn: ChannelLinear) are packed the same way, 1 byte an element, and decoded
+inside the kernel (PackedChannelLinear), where XLA:CPU would write the whole float weight out every step.
 """
 
 from __future__ import annotations
@@ -24,12 +26,22 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpaged_packed_matmul_cpu"
 PANEL = 32  # columns per panel (matmul.cc's kPanel)
+SCALED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # 8-bit weights the scaled kernel decodes
+
+
+def scaled_target(target: str) -> str:
+    """The name the 8-bit (scaled) kernel of the build registered as `target` has."""
+    return f"{target}_scaled"
 
 
 def register(target: str, flags=native_build.CXXFLAGS, cache_dir: str | None = None) -> int:
-    """Build with `flags`, register the kernel as `target`; the floats per vector the build uses."""
+    """Build with `flags`, register the float32 kernel as `target` and the 8-bit one as scaled_target(target);
+    the floats per vector the build uses."""
     lib = ctypes.CDLL(str(native_build.build(SOURCE, flags, cache_dir)))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxpagedPackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(
+        scaled_target(target), jax.ffi.pycapsule(lib.JaxpagedPackedScaledMatmul), platform="cpu"
+    )
     return lib.JaxpagedPackedMatmulLanes()
 
 
@@ -89,14 +101,24 @@ def packed_rows(packed: jax.Array, ids: jax.Array) -> jax.Array:
     return packed[ids // PANEL, :, ids % PANEL]
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, target: str = TARGET) -> jax.Array:
-    """x [..., K] float32 @ the [K, n] weight that `pack` packed: [..., n] float32."""
+def packed_matmul(
+    x: jax.Array, packed: jax.Array, n: int, scale: jax.Array | None = None, *, target: str = TARGET
+) -> jax.Array:
+    """x [..., K] float32 @ the [K, n] weight that `pack` packed: [..., n] float32. With `scale` [n], the packed
+    weight is int8 or float8_e4m3fn and the product is (x @ packed) * scale, the weight decoded in the kernel."""
     if target == TARGET and not available():
         raise RuntimeError("the native CPU matmul could not be built; see the warning logged above")
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(rows, packed).reshape(*lead, n)
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    if scale is None:
+        y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(rows, packed)
+    else:
+        if packed.dtype not in SCALED_DTYPES:
+            raise TypeError(f"the scaled packed matmul reads int8 or float8_e4m3fn weights (got {packed.dtype})")
+        call = jax.ffi.ffi_call(scaled_target(target), out, vmap_method="sequential")
+        y = call(rows, packed, scale.astype(jnp.float32))
+    return y.reshape(*lead, n)
 
 
 def resolve_matmul_backend(requested: str, *, platform: str, dtype, tensor_parallel_size: int) -> str:
@@ -120,6 +142,15 @@ class PackedLinear:
 
     def apply(self, layer, x: jax.Array) -> jax.Array:
         return packed_matmul(x, layer.kernel[...], layer.out_features)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedChannelLinear:
+    """A ChannelLinear (8-bit kernel, float32 scale per output channel) whose kernel `pack` has packed: decoded
+    in the kernel, y = (x @ q) * scale."""
+
+    def apply(self, layer, x: jax.Array) -> jax.Array:
+        return packed_matmul(x, layer.kernel[...], layer.out_features, layer.scale[...])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged.models.layers import CausalLM, DenseEmbedding, Embedding, Linear
+from jaxpaged.models.layers import CausalLM, DenseEmbedding, DenseLinear, Embedding, Linear
+from jaxpaged.models.quantization import ChannelLinear
 from jaxpaged.pallas_kernels.backends import AttentionBackend, ReferenceAttention, TritonAttention, check_pallas_head_dim
 from jaxpaged.platforms.cpu import attention as cpu_attention
 from jaxpaged.platforms.cpu import matmul as cpu_matmul
@@ -107,17 +108,32 @@ def _tied_head(model: nnx.Module) -> Embedding | None:
 
 
 def pack_for_cpu_matmul(model: nnx.Module) -> int:
-    """Repack, in place, every float32 Linear's kernel and a tied head's table into cpu_matmul's panels, so each
-    step streams every weight once; the count packed. In place, so the weights are never held twice."""
+    """Repack, in place, every float32 Linear's kernel, every 8-bit per-channel one (ChannelLinear: int8, fp8) and a
+    tied head's table into cpu_matmul's panels, so each step streams every weight once; the count packed. In place,
+    so the weights are never held twice."""
     count = 0
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, Linear) and module.kernel[...].ndim == 2 and module.kernel[...].dtype == jnp.float32:
-            module.kernel = nnx.Param(cpu_matmul.pack(module.kernel[...]))
-            module.method = cpu_matmul.PackedLinear()
-            count += 1
+        if isinstance(module, Linear) and module.kernel[...].ndim == 2:
+            method = _packed_method(module)
+            if method is not None:
+                module.kernel = nnx.Param(cpu_matmul.pack(module.kernel[...]))
+                module.method = method
+                count += 1
     head = _tied_head(model)
     if head is not None and head.embedding[...].ndim == 2 and head.embedding[...].dtype == jnp.float32:
         head.embedding = nnx.Param(cpu_matmul.pack_rows(head.embedding[...]))
         head.method = cpu_matmul.PackedEmbedding()
         count += 1
     return count
+
+
+def _packed_method(linear: Linear):
+    """The method a Linear's kernel takes once packed: float32 kernels PackedLinear, 8-bit per-channel ones
+    PackedChannelLinear (decoded in the kernel, where XLA:CPU writes the float weight out every step); None for
+    any other (16-bit, grouped) kernel, which stays as it is."""
+    dtype = linear.kernel[...].dtype
+    if type(linear.method) is DenseLinear and dtype == jnp.float32:
+        return cpu_matmul.PackedLinear()
+    if type(linear.method) is ChannelLinear and dtype in cpu_matmul.SCALED_DTYPES and linear.scale[...].ndim == 1:
+        return cpu_matmul.PackedChannelLinear()
+    return None
