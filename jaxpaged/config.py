@@ -51,13 +51,36 @@ class EngineConfig:
     async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
     precompile: bool = option(True, "compile every step bucket at start-up, so no request waits for a compile; off, each bucket "
                               "compiles (or loads from the cache) on first use (default: on for LLM and the server, off for generate)")  # fmt: skip
+    distributed: bool = option(False, "join a multi-process group that JAX detects by itself (TPU pod slices, SLURM, Open MPI); "
+                               "see docs/distributed.md", group="distributed")  # fmt: skip
+    coordinator_address: str | None = option(None, "host:port of process 0, which coordinates a multi-process group", group="distributed")
+    num_processes: int | None = option(None, "processes in the group (each started by you, with its --process-id)", group="distributed")
+    process_id: int | None = option(None, "this process's index in the group, 0 to num_processes - 1 (0 serves, the others execute)",
+                                    group="distributed")  # fmt: skip
+    distributed_timeout_s: float = option(120.0, "seconds the group may take to form before start-up fails (default: 120)",
+                                          group="distributed")  # fmt: skip
     seed: int = 0
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
     platform: str | None = None  # "cpu", "gpu" or "tpu"; default: the device JAX runs on
 
+    def _check_distributed(self) -> None:
+        for name in ("num_processes",):
+            _positive_int(name, getattr(self, name), allow_none=True)
+        if self.process_id is not None and (isinstance(self.process_id, bool) or not isinstance(self.process_id, int)
+                                            or not 0 <= self.process_id < (self.num_processes or 1)):  # fmt: skip
+            raise ValueError(f"process_id must be in [0, num_processes) (got {self.process_id!r} of {self.num_processes!r})")
+        if (self.num_processes or 1) > 1 and (self.coordinator_address is None or self.process_id is None):
+            raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0) and process_id")
+        if not isinstance(self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number (got {self.distributed_timeout_s!r})")
+
     def __post_init__(self) -> None:
-        from jaxpaged import platforms
+        from jaxpaged import distributed, platforms
+
+        self._check_distributed()
+        distributed.initialize(self)  # before anything starts a JAX backend
+        import jax
         from jaxpaged.models.loader import resolve_dtype
 
         platform = platforms.get(self.platform)  # its defaults fill what the caller left out
@@ -90,6 +113,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
+        if distributed.is_multiprocess() and self.tensor_parallel_size != jax.device_count():
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must span the group's {jax.device_count()} devices "
+                             f"({jax.process_count()} processes x {jax.local_device_count()}): every process runs every step")  # fmt: skip
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence needs at least one token of budget in a step
             raise ValueError(

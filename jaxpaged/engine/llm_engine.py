@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpaged import platforms
+from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_manager import KVCacheManager, blocks_for
@@ -107,7 +107,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         logger.info("memory plan: %s; max_model_len %d", self.runner.memory_plan(), self.max_model_len)
-        self.warmup_seconds = self.runner.warmup()
+        # a follower of a process group compiles as the leader's warm-up steps reach it (follow())
+        self.is_follower = distributed.is_multiprocess() and not distributed.is_leader()
+        self.warmup_seconds = 0.0 if self.is_follower else self.runner.warmup()
         self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds}
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0

@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from jaxpaged.distributed import ProcessGroupError
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
 from jaxpaged.utils.extras import MissingExtraError
 from jaxpaged.utils.logging_utils import setup_logging
@@ -64,6 +65,8 @@ class Session:
             kwargs["max_num_seqs"] = 1  # one answer at a time: the KV pool holds one full-length sequence
         self.started = time.time()
         self.llm = LLM(**kwargs, log_level=_log_level(args))
+        if self.llm.is_follower:  # it has run process 0's steps to the end
+            return
         if self.llm.get_tokenizer() is None:
             raise ValueError(
                 "this model has no tokenizer, so it cannot take text prompts (a bare config.json takes the "
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give either a PROMPT or --prompts-file, not both")
     try:
         session = Session(args)
+        if session.llm.is_follower:
+            return 0
         if args.prompts_file is not None:
             with open(args.prompts_file, encoding="utf-8") as f:
                 prompts = [line.rstrip("\n") for line in f if line.strip()]
@@ -165,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, MissingExtraError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ProcessGroupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -22,6 +22,17 @@ class LLM:
         the model and, with `precompile` (the default), compiles every step shape before this returns."""
         setup_logging(kwargs.pop("log_level", "INFO"))
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        if self.is_follower:  # another process of a group: run process 0's steps until it closes (docs/distributed.md)
+            self.engine.runner.follow()
+
+    @property
+    def is_follower(self) -> bool:
+        """This process executes for process 0 of its group and takes no requests."""
+        return self.engine.is_follower
+
+    def close(self) -> None:
+        """Release a process group's followers (done at exit too); nothing otherwise."""
+        self.engine.runner.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -36,6 +47,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs come back in input order."""
+        if self.is_follower:
+            raise RuntimeError("this process follows process 0 of its group, which takes the requests")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):

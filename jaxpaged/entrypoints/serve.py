@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from jaxpaged.distributed import ProcessGroupError
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
 from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
@@ -78,11 +79,18 @@ def main(argv: list[str] | None = None) -> int:
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         )
         config = EngineConfig(**engine_kwargs(args), seed=args.seed)
-        engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
+        core = LLMEngine(config)
+        if core.is_follower:  # process k > 0 of a group: no server, it runs process 0's steps until it stops
+            core.runner.follow()
+            return 0
+        engine = AsyncLLMEngine(core, max_waiting=args.max_waiting)
         app = build_app(engine, settings)  # finds the tool-call parser in the chat template
     except (ValueError, FileNotFoundError, MissingExtraError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ProcessGroupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
         timeout_graceful_shutdown=5,

@@ -9,6 +9,7 @@ the new K/V in place. Under tensor parallelism both run under the runner's mesh 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -22,7 +23,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged import platforms
+from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.loader import DTYPES, LoadedModel
@@ -76,11 +77,20 @@ class DispatchedStep:
     out: object = None  # the sampler's output (device arrays)
     sampled: jax.Array | None = None  # [max_num_seqs] the sampled tokens, padded: the next step's inputs, kept on the device
     want_top: bool = False
+    seq: int = -1  # the runner's count of dispatched steps: followers of a process group find theirs by it
 
     def fetch(self) -> StepResult:
-        tokens, logprobs = jax.device_get((self.out.tokens, self.out.logprobs))
-        top_ids, top_lp = jax.device_get((self.out.top_ids, self.out.top_logprobs)) if self.want_top else (None, None)
-        return StepResult(tokens, logprobs, top_ids, top_lp, jax.device_get(self.prompt) if self.prompt is not None else None)
+        get = lambda tree: jax.tree.map(distributed.host_value, tree)  # noqa: E731
+        tokens, logprobs = get((self.out.tokens, self.out.logprobs))
+        top_ids, top_lp = get((self.out.top_ids, self.out.top_logprobs)) if self.want_top else (None, None)
+        return StepResult(tokens, logprobs, top_ids, top_lp, get(self.prompt) if self.prompt is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRef:
+    """A DispatchedStep named in a message to followers, who hold their own copy of it."""
+
+    seq: int
 
 
 @dataclasses.dataclass
@@ -170,9 +180,14 @@ class ModelRunner:
         self._blank_prompt_ids: dict[int, jax.Array] = {}
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
         # under TP), so both kinds of step hit the one compiled executable
-        self._no_sampled = jax.device_put(np.zeros(config.max_num_seqs, np.int32))
-        if self.mesh is not None:
-            self._no_sampled = jax.device_put(self._no_sampled, replicated)
+        self._no_sampled = self._put(np.zeros(config.max_num_seqs, np.int32))
+        # a process group: the leader sends each device call to the followers, who replay it (follow())
+        self.channel = distributed.StepChannel() if distributed.is_multiprocess() else None
+        if self.channel is not None and distributed.is_leader():
+            atexit.register(self.close)
+        self._depth = 0  # device calls in progress: only the outermost is sent
+        self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
+        self._num_dispatched = 0
 
     # -- sizing -------------------------------------------------------------------------------
 
@@ -239,8 +254,47 @@ class ModelRunner:
             return array
         key = (name, array.shape)
         if key not in self._blanks:
-            self._blanks[key] = jax.device_put(array)
+            self._blanks[key] = self._put(array)
         return self._blanks[key]
+
+    def _put(self, array: np.ndarray) -> jax.Array:
+        """On the device, or replicated over the TP mesh (a process group's other devices included)."""
+        if self.mesh is None:
+            return jax.device_put(array)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
+
+    @contextlib.contextmanager
+    def _device_call(self, name: str, *args):
+        """Around each device call a follower must replay: the leader sends (name, args) first."""
+        if self.channel is not None and self._depth == 0 and distributed.is_leader():
+            refs = tuple(StepRef(a.seq) if isinstance(a, DispatchedStep) else a for a in args)
+            self.channel.send((name, refs))
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def follow(self) -> None:
+        """A follower's loop: replay the leader's device calls until it stops (or fails: ProcessGroupError)."""
+        while True:
+            name, args = self.channel.receive()
+            if name == "stop":
+                distributed.leave()
+                return
+            getattr(self, name)(*(self._dispatched[a.seq] if isinstance(a, StepRef) else a for a in args))
+
+    def close(self) -> None:
+        """The leader releases its followers (their follow() returns)."""
+        if self.channel is not None and distributed.is_leader():
+            channel, self.channel = self.channel, None
+            try:
+                channel.send(("stop", ()))
+            except distributed.ProcessGroupError:  # a follower already gone: nobody left to release
+                return
+            distributed.await_followers()
 
     def _on_mesh(self):
         """Trace and run under the TP mesh, so attention sees it (shard_map); nothing without TP."""
@@ -253,6 +307,10 @@ class ModelRunner:
 
     def _copy_batch(self, pairs: list[tuple[int, int]]) -> None:
         """At most copy_width pairs, padded with pairs whose out-of-range dst drops them."""
+        with self._device_call("_copy_batch", pairs):
+            self._copy_batch_now(pairs)
+
+    def _copy_batch_now(self, pairs: list[tuple[int, int]]) -> None:
         src = np.zeros(self.copy_width, np.int32)
         dst = np.full(self.copy_width, self.num_blocks, np.int32)
         if pairs:
@@ -275,6 +333,14 @@ class ModelRunner:
     def dispatch(self, step: StepInputs, copies: list[tuple[int, int]] = (), prev: DispatchedStep | None = None) -> DispatchedStep:
         """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at.
         A step without sampling metadata is only run forward: sample() it later."""
+        with self._device_call("dispatch", step, list(copies), prev):
+            dispatched = self._dispatch(step, copies, prev)
+        dispatched.seq, self._num_dispatched = self._num_dispatched, self._num_dispatched + 1
+        self._dispatched[dispatched.seq] = dispatched
+        self._dispatched.pop(dispatched.seq - 8, None)  # a step is sampled within the next one or two
+        return dispatched
+
+    def _dispatch(self, step: StepInputs, copies, prev: DispatchedStep | None) -> DispatchedStep:
         if copies:
             self.copy(copies)
         args = self._forward_args(step, prev)
@@ -293,6 +359,10 @@ class ModelRunner:
 
     def sample(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
         """Queue the sampler on a dispatched forward's logits."""
+        with self._device_call("sample", dispatched, sampling):
+            self._sample_now(dispatched, sampling)
+
+    def _sample_now(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
         args = (dispatched.logits, self._sampling_args(sampling), self._no_sampled)
         rows = dispatched.logits.shape[0]  # buckets with as many sampling rows share one sampler
         with self._on_mesh():
@@ -345,7 +415,7 @@ class ModelRunner:
 
     def _all_minus_one(self, num_tokens: int) -> jax.Array:
         if num_tokens not in self._blank_prompt_ids:
-            self._blank_prompt_ids[num_tokens] = jax.device_put(np.full(num_tokens, -1, np.int32))
+            self._blank_prompt_ids[num_tokens] = self._put(np.full(num_tokens, -1, np.int32))
         return self._blank_prompt_ids[num_tokens]
 
     def _executable(self, name: str, jitted, bucket: int, args: tuple) -> jax.stages.Compiled:

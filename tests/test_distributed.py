@@ -1,0 +1,152 @@
+"""A process group on one machine: CPU processes with gloo collectives stand in for hosts (tests/distributed_worker.py
+is each process). 2 processes x 2 CPU devices at tensor parallelism 4 give the tokens of one process and of
+transformers; a follower killed mid-run makes process 0 report the failure, not hang. Every test starts and stops
+its own processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 256
+PROMPT_LENGTHS = [3, 11, 29, 40]
+MAX_TOKENS = 16
+START_TIMEOUT_S = 240  # two processes loading and compiling on a 2-core machine
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    hf = random_hf_model(tiny_llama_config(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("group-llama"))
+    prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)
+    return str(folder), prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_group(tmp_path: Path, model: str, prompts, *, forever: bool = False, processes: int = 2) -> tuple[list, Path]:
+    out = tmp_path / "result.json"
+    spec = {"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS, "out": str(out), "forever": forever,
+            "coordinator": f"127.0.0.1:{_free_port()}", "num_processes": processes, "local_devices": 2,
+            "tensor_parallel_size": 2 * processes}  # fmt: skip
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.distributed_worker", str(tmp_path / "spec.json"), str(i)], cwd=REPO,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        for i in range(processes)
+    ]
+    return procs, out
+
+
+def _stop(procs) -> list[str]:
+    """Every process ended (killed if it still runs); their output."""
+    logs = []
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        try:
+            logs.append(p.communicate(timeout=30)[0] or "")
+        except subprocess.TimeoutExpired:
+            logs.append("(no output)")
+    return logs
+
+
+def test_two_processes_at_tp4_give_one_process_and_transformers_tokens(model, tmp_path):
+    from jaxpaged import LLM, SamplingParams
+
+    folder, prompts, expected = model
+    single = LLM(folder, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+                 attention_backend="reference", log_level="WARNING")  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+    procs, out = _start_group(tmp_path, folder, prompts)
+    try:
+        codes = [p.wait(timeout=START_TIMEOUT_S) for p in procs]
+    finally:
+        logs = _stop(procs)
+    assert codes == [0, 0], "\n".join(logs)[-6000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"] == expected
+    assert result["compiles_after_warmup"] == 0
+
+
+def test_a_killed_follower_is_reported_by_process_0(model, tmp_path):
+    folder, prompts, _ = model
+    procs, out = _start_group(tmp_path, folder, prompts, forever=True)
+    progress = Path(str(out) + ".progress")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not progress.exists():  # process 0 has finished a batch: the group is serving
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "\n".join(_stop(procs))[-6000:]
+            time.sleep(0.5)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=60)  # bounded: the next broadcast fails as the peer's connection closes
+        reported_after = time.monotonic() - killed
+    finally:
+        logs = _stop(procs)
+    assert code == 0, logs[0][-6000:]
+    result = json.loads(out.read_text())
+    assert "error" in result and "process of the group failed or left" in result["error"], result
+    assert reported_after < 60
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"num_processes": 2, "process_id": 2, "coordinator_address": "127.0.0.1:1"}, "process_id"),
+        ({"num_processes": 0}, "num_processes"),
+        ({"num_processes": 2, "process_id": 1}, "coordinator_address"),
+        ({"distributed_timeout_s": 0}, "distributed_timeout_s"),
+    ],
+)
+def test_a_bad_group_option_is_a_value_error_naming_it(kwargs, named):
+    from jaxpaged.config import EngineConfig
+
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(model="unused", **kwargs)
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_group_that_does_not_form_fails_within_its_timeout(process_id):
+    """Alone in a group of 2, start-up ends within its timeout: process 1 (no coordinator answers) with
+    ProcessGroupError, process 0 (nobody joins) by JAX's runtime ending the process, its log naming the group."""
+    code = (
+        "import logging, time\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from jaxpaged.config import EngineConfig\n"
+        "from jaxpaged.distributed import ProcessGroupError\n"
+        "try:\n"
+        f"    EngineConfig(model='unused', coordinator_address='127.0.0.1:{_free_port()}', num_processes=2,"
+        f" process_id={process_id}, distributed_timeout_s=5)\n"
+        "except ProcessGroupError as e:\n"
+        "    print('GROUP-ERROR', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 60
+    if process_id == 1:
+        assert "GROUP-ERROR could not join the process group: no coordinator answered" in out.stdout, out.stderr[-3000:]
+    else:
+        assert out.returncode != 0
+        assert "joining the process group at 127.0.0.1" in out.stderr and "DEADLINE_EXCEEDED" in out.stderr, out.stderr[-3000:]
