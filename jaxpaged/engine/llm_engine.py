@@ -74,7 +74,8 @@ def _needs_host_tokens(req: Request) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, devices=None):
+        """devices: where this engine runs (default: JAX's devices, of which it takes what its parallelism needs)."""
         compile_monitor.install()
         self.config = config
         _enable_compilation_cache(config)
@@ -95,7 +96,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         executables = cache_root(config.cache_dir) / "executables"
         self.runner = ModelRunner(
-            self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables
+            self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
+            devices=devices,
         )
         pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(

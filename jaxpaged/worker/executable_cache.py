@@ -85,8 +85,9 @@ def _signature(args: tuple) -> str:
 class ExecutableCache:
     """A folder of serialized executables; `directory=None` compiles without storing anything."""
 
-    def __init__(self, directory: str | Path | None, salt: str = ""):
+    def __init__(self, directory: str | Path | None, salt: str = "", device: jax.Device | None = None):
         self.salt = salt
+        self.device = device  # where loaded executables run (the runner's one device)
         self.directory = None
         if directory is not None:
             version = hashlib.sha256((environment_digest() + source_digest()).encode()).hexdigest()[:20]
@@ -98,7 +99,8 @@ class ExecutableCache:
         """`jitted` compiled for `args`: from the folder when an entry matches, else compiled and stored."""
         path = None
         if self.directory is not None:
-            key = hashlib.sha256((self.salt + name + _signature(args)).encode()).hexdigest()[:32]
+            where = "" if self.device is None or self.device.id == 0 else f"device{self.device.id}"  # compiled for it
+            key = hashlib.sha256((self.salt + name + _signature(args) + where).encode()).hexdigest()[:32]
             path = self.directory / f"{name}-{key}.exe"
             compiled = self._load(path)
             if compiled is not None:
@@ -125,7 +127,7 @@ class ExecutableCache:
                 program, serialized, in_tree, out_tree = pickle.load(f)
             # stored executables run on one device: loaded onto all of a multi-device host, they would ask for a
             # shard per device
-            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=jax.devices()[:1])
+            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=[self.device or jax.devices()[0]])
             _programs_seen.add(program)
         except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: compile instead
             logger.warning("could not load the cached executable %s (%s); compiling it again", path, exc)

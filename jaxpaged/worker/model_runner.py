@@ -104,8 +104,11 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
-                 executable_dir=None):  # fmt: skip
+                 executable_dir=None, devices: Sequence[jax.Device] | None = None):  # fmt: skip
         self.config = config
+        # the devices this engine runs on: the first tensor_parallel_size of them (a data-parallel replica gets its own)
+        self.devices = list(jax.devices() if devices is None else devices)
+        self.device = self.devices[0]
         self.platform = platforms.get(config.platform)
         self.model_config = loaded.config
         self.block_size = config.block_size
@@ -130,7 +133,7 @@ class ModelRunner:
         if self.tp > 1:
             from jaxpaged.models.sharding import make_mesh, shard_params
 
-            self.mesh = make_mesh(self.tp)
+            self.mesh = make_mesh(self.tp, self.devices)
             # KV heads may be widened to one per device, so the cache shape comes from the returned config.
             self.state, self.model_config = shard_params(self.state, self.model_config, self.mesh)
         self.num_blocks = self._pool_size(param_bytes(self.state))
@@ -148,7 +151,9 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         if self.mesh is None:
-            self.kv_cache = empty_cache()
+            self.state = jax.device_put(self.state, self.device)
+            with jax.default_device(self.device):
+                self.kv_cache = empty_cache()
             self._forward = jax.jit(self._forward_impl)
             self._sample = jax.jit(self._sample_impl)
             self._write = jax.jit(write_kv, donate_argnums=(0,))
@@ -169,7 +174,7 @@ class ModelRunner:
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
         # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
         stored = executable_dir if self.mesh is None else None
-        self.executables = ExecutableCache(stored, salt=repr(self.graphdef))
+        self.executables = ExecutableCache(stored, salt=repr(self.graphdef), device=self.device)
         # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
         self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
@@ -260,7 +265,7 @@ class ModelRunner:
     def _put(self, array: np.ndarray) -> jax.Array:
         """On the device, or replicated over the TP mesh (a process group's other devices included)."""
         if self.mesh is None:
-            return jax.device_put(array)
+            return jax.device_put(array, self.device)
         from jax.sharding import NamedSharding, PartitionSpec
 
         return jax.device_put(array, NamedSharding(self.mesh, PartitionSpec()))
