@@ -42,6 +42,10 @@ class EngineConfig:
         None, "share of free memory for the KV cache (default: 0.9 on GPU/TPU; on CPU a 2 GiB budget, or this share of free RAM)")  # fmt: skip
     block_size: int = option(16, "tokens per KV block (default: 16)")
     tensor_parallel_size: int = option(1, "split the model over this many devices, a \"model\" mesh axis; see docs/models.md (default: 1)")
+    pipeline_parallel_size: int = option(1, "split the layers into this many stages, each on its own tensor_parallel_size devices; "
+                                         "see docs/distributed.md (default: 1)")  # fmt: skip
+    data_parallel_size: int = option(1, "run this many independent replicas of the engine, each on its own devices, behind one "
+                                     "request router; see docs/distributed.md (default: 1)")  # fmt: skip
     attention_backend: str = option("auto", "attention implementation (default: auto: the Pallas kernel on GPU/TPU, the native kernel on CPU)",
                                     choices=ATTENTION_BACKEND_CHOICES)  # fmt: skip
     matmul_backend: str = option("auto", "matmul implementation (default: auto: native, with weights packed at load, for float32 on one "
@@ -63,6 +67,11 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
     platform: str | None = None  # "cpu", "gpu" or "tpu"; default: the device JAX runs on
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one engine replica spans: its pipeline stages, each tensor_parallel_size wide."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     def _check_distributed(self) -> None:
         for name in ("num_processes",):
@@ -92,7 +101,8 @@ class EngineConfig:
             self.max_num_batched_tokens = platform.max_num_batched_tokens
         if self.kv_cache_memory_fraction is None:
             self.kv_cache_memory_fraction = platform.kv_cache_memory_fraction
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size"):  # fmt: skip
             _positive_int(name, getattr(self, name))
         for name in ("num_kv_blocks", "max_model_len"):
             _positive_int(name, getattr(self, name), allow_none=True)
@@ -113,6 +123,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
+        wanted = self.devices_per_replica * self.data_parallel_size
+        if wanted > jax.device_count():
+            raise ValueError(f"data_parallel_size x pipeline_parallel_size x tensor_parallel_size = {self.data_parallel_size} x "
+                             f"{self.pipeline_parallel_size} x {self.tensor_parallel_size} = {wanted} devices, but only "
+                             f"{jax.device_count()} {jax.devices()[0].platform} device(s) are visible (on CPU, "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")  # fmt: skip
+        if distributed.is_multiprocess() and (self.pipeline_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("a multi-process group runs tensor parallelism only: pipeline_parallel_size and "
+                             "data_parallel_size must be 1 there")  # fmt: skip
         if distributed.is_multiprocess() and self.tensor_parallel_size != jax.device_count():
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must span the group's {jax.device_count()} devices "
                              f"({jax.process_count()} processes x {jax.local_device_count()}): every process runs every step")  # fmt: skip
