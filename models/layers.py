@@ -308,17 +308,21 @@ class CausalLM(nnx.Module):
         Reads the cache only; the runner writes the new K/V with write_kv in a second jitted call
         that donates the cache (see pallas_kernels/attention.py for why).
         """
-        x = self.embed(input_ids, positions)
+        x, new_kv = self.run_layers(self.embed(input_ids, positions), positions, kv_cache, attn_metadata, self.layers)
+        return self.final(x), new_kv
+
+    def run_layers(self, x, positions, kv_cache, attn_metadata: AttentionMetadata, layers):
+        """x [T, D] through `layers` (all of them, or a pipeline stage's) -> (x, their new K/V [T, len(layers), 2, H_kv, D])."""
         cfg = self.config
         rope = None
         if cfg.position_embedding == "rope":
             inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim or cfg.head_dim)
             rope = self.shared(lambda: rotary_table(positions, inv_freq, interleaved=cfg.rope_interleaved), positions)
         new_kv = []
-        for layer in self.layers:
+        for layer in layers:
             x, layer_kv = layer(x, rope, kv_cache, attn_metadata)
             new_kv.append(layer_kv)
-        return self.final(x), stack_new_kv(new_kv)
+        return x, stack_new_kv(new_kv)
 
     def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata):
         """-> (hidden [T, D], updated kv_cache): forward and write in one call."""

@@ -150,3 +150,48 @@ def test_a_group_that_does_not_form_fails_within_its_timeout(process_id):
     else:
         assert out.returncode != 0
         assert "joining the process group at 127.0.0.1" in out.stderr and "DEADLINE_EXCEEDED" in out.stderr, out.stderr[-3000:]
+
+
+def test_the_server_across_two_processes_answers_and_reports_a_dead_follower(tmp_path, monkeypatch):
+    """`python -m jaxpaged.serve` as process 0 of 2 (2 CPU devices each, TP=4) answers concurrent completions with
+    one engine's greedy text; once process 1 is killed, /health turns 503 within a bounded time, even idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.cycle_model import greedy_text, write_cycle_model
+    from tests.server_harness import ServerProcess
+
+    folder = write_cycle_model(tmp_path / "cycle", max_position_embeddings=128)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    common = ["--model", str(folder), "--tensor-parallel-size", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "8",
+              "--block-size", "8", "--num-kv-blocks", "64", "--dtype", "float32", "--coordinator-address", coordinator,
+              "--num-processes", "2", "--distributed-timeout-s", "120"]  # fmt: skip
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    follower = subprocess.Popen([sys.executable, "-m", "jaxpaged.serve", *common, "--process-id", "1"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    server = None
+    try:
+        server = ServerProcess([*common, "--process-id", "0"], tmp_path / "server.log", timeout=START_TIMEOUT_S)
+
+        def complete(last: int) -> str:
+            body = {"model": str(folder), "prompt": [5, 9, last], "max_tokens": 9, "temperature": 0.0}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        lasts = [97, 98, 32, 7, 105, 200]
+        with ThreadPoolExecutor(len(lasts)) as pool:
+            assert list(pool.map(complete, lasts)) == [greedy_text(last, 9) for last in lasts]
+
+        os.killpg(follower.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (status := httpx.get(f"{server.url}/health", timeout=5).status_code) == 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert status == 503, server.log()[-4000:]
+        assert "process of the group failed or left" in httpx.get(f"{server.url}/health", timeout=5).text
+    finally:
+        if server is not None:
+            server.stop()
+        _stop([follower])

@@ -30,6 +30,7 @@ from jaxpaged.utils.text import ChatPrompt
 __all__ = ["AsyncLLMEngine", "ChatPrompt", "EngineDeadError", "IterationStats", "QueueFullError", "RequestStream"]
 
 logger = logging.getLogger("jaxpaged.async_engine")
+HEARTBEAT_S = 2.0  # an idle engine's check of its process group's followers
 
 
 class EngineDeadError(RuntimeError):
@@ -141,6 +142,8 @@ class AsyncLLMEngine:
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         self._stats: dict[str, Any] = engine.get_stats()
         self._preemptions = self._stats["num_preemptions"]
+        if getattr(engine, "needs_heartbeat", False):
+            self.start()  # a process group's failure shows on /health even before the first request
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -256,7 +259,15 @@ class AsyncLLMEngine:
 
     def _drain(self, block: bool) -> None:
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            if block and getattr(self.engine, "needs_heartbeat", False):
+                while True:  # idle in a process group: check the followers every HEARTBEAT_S
+                    try:
+                        command = self._commands.get(timeout=HEARTBEAT_S)
+                        break
+                    except queue.Empty:
+                        self.engine.heartbeat()
+            else:
+                command = self._commands.get() if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

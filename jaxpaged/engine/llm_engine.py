@@ -38,6 +38,7 @@ from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.utils import compile_monitor
 from jaxpaged.utils.text import ChatPrompt, render_chat_prompt
 from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, StepResult
+from jaxpaged.worker.pipeline_runner import PipelineRunner
 
 logger = logging.getLogger("jaxpaged.engine")
 
@@ -95,7 +96,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         self.eos_token_ids = self._eos_ids()
         executables = cache_root(config.cache_dir) / "executables"
-        self.runner = ModelRunner(
+        runner = PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner
+        self.runner = runner(
             self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
             devices=devices,
         )
@@ -370,6 +372,14 @@ class LLMEngine:
         return not self.output_processor.beams
 
     # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def needs_heartbeat(self) -> bool:
+        return self.runner.needs_heartbeat
+
+    def heartbeat(self) -> None:
+        """Between requests: check the process group's followers (ProcessGroupError if one is gone)."""
+        self.runner.heartbeat()
 
     def get_stats(self) -> dict[str, Any]:
         return {

@@ -48,6 +48,11 @@ class Platform:
         """How many KV blocks to allocate when config.num_kv_blocks does not say (block_bytes: all devices')."""
         raise NotImplementedError
 
+    def device_memory(self, device) -> tuple[int | None, bool]:
+        """(bytes an engine may use on one device, None if unknown; whether all devices share them, as CPU ones do)."""
+        stats = device.memory_stats() or {}
+        return stats.get("bytes_limit"), False
+
 
 @dataclasses.dataclass(frozen=True)
 class AcceleratorPlatform(Platform):
@@ -75,6 +80,6 @@ class AcceleratorPlatform(Platform):
         limit = stats.get("bytes_limit")
         if not limit:
             raise ValueError("cannot read this device's memory size; pass num_kv_blocks explicitly")
-        tp = config.tensor_parallel_size
-        free = limit - stats.get("bytes_in_use", weight_bytes // tp)
-        return max(1, int(config.kv_cache_memory_fraction * free) // (block_bytes // tp))  # per device
+        n = config.devices_per_replica  # a block's bytes and the weights are spread over the TP x PP devices
+        free = limit - stats.get("bytes_in_use", weight_bytes // n)
+        return max(1, int(config.kv_cache_memory_fraction * free) // (block_bytes // n))  # per device

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +61,19 @@ def _abstract(leaf):
     if isinstance(leaf, jax.Array):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding, weak_type=leaf.weak_type)
     return leaf
+
+
+def logits_and_prompt(model, hidden: jax.Array, logit_rows: jax.Array, prompt_next_ids: jax.Array) -> tuple:
+    """The sampling rows' logits, and every row's prompt logprobs when some request asked for them."""
+    logits = model.compute_logits(hidden[logit_rows])
+    t, k = hidden.shape[0], NUM_TOP_LOGPROBS
+    blank = (jnp.zeros(t), jnp.zeros(t, jnp.int32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k)))
+    prompt = jax.lax.cond(
+        jnp.any(prompt_next_ids >= 0),
+        lambda: prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids),
+        lambda: blank,
+    )
+    return logits, prompt
 
 
 @dataclasses.dataclass
@@ -123,12 +137,39 @@ class ModelRunner:
             "pre-quantized checkpoint" if quantized else "none")  # fmt: skip
         t0 = time.perf_counter()
         self.matmul_backend = self.platform.prepare_model(
-            loaded.model, config.matmul_backend, dtype=self.dtype, tensor_parallel_size=config.tensor_parallel_size
+            loaded.model, config.matmul_backend, dtype=self.dtype, tensor_parallel_size=config.devices_per_replica
         )
         self.startup_seconds = {"pack": time.perf_counter() - t0}
         self.compile_seconds = 0.0  # compiling or loading executables, at warm-up or on first use
-        self.graphdef, self.state = nnx.split(loaded.model)
         self.tp = config.tensor_parallel_size
+        self._place(loaded)
+        # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
+        stored = executable_dir if self.single_device else None
+        self.executables = ExecutableCache(stored, salt=repr(self.graphdef), device=self.device)
+        # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
+        self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
+        self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
+        self._background: ThreadPoolExecutor | None = None
+        self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
+        self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
+        self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
+        self._blank_prompt_ids: dict[int, jax.Array] = {}
+        # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
+        # under TP), so both kinds of step hit the one compiled executable
+        self._no_sampled = self._put(np.zeros(config.max_num_seqs, np.int32))
+        # a process group: the leader sends each device call to the followers, who replay it (follow())
+        self.channel = distributed.StepChannel() if distributed.is_multiprocess() else None
+        if self.channel is not None and distributed.is_leader():
+            atexit.register(self.close)
+        self._depth = 0  # device calls in progress: only the outermost is sent
+        self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
+        self._num_dispatched = 0
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def _place(self, loaded: LoadedModel) -> None:
+        """Weights and the KV pool onto this runner's devices (one, or a TP mesh), and the step's jitted functions."""
+        self.graphdef, self.state = nnx.split(loaded.model)
         self.mesh = None
         if self.tp > 1:
             from jaxpaged.models.sharding import make_mesh, shard_params
@@ -140,7 +181,7 @@ class ModelRunner:
         cfg = self.model_config
         shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         kv_dtype = self.platform.kv_storage_dtype(self.dtype)
-        self.kv_cache_dtype = config.kv_cache_dtype
+        self.kv_cache_dtype = self.config.kv_cache_dtype
 
         def empty_cache():
             if self.kv_cache_dtype == "auto":
@@ -172,27 +213,11 @@ class ModelRunner:
             self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache)
         jax.block_until_ready(self.kv_cache)
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
-        # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
-        stored = executable_dir if self.mesh is None else None
-        self.executables = ExecutableCache(stored, salt=repr(self.graphdef), device=self.device)
-        # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
-        self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
-        self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
-        self._background: ThreadPoolExecutor | None = None
-        self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
-        self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
-        self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
-        self._blank_prompt_ids: dict[int, jax.Array] = {}
-        # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
-        # under TP), so both kinds of step hit the one compiled executable
-        self._no_sampled = self._put(np.zeros(config.max_num_seqs, np.int32))
-        # a process group: the leader sends each device call to the followers, who replay it (follow())
-        self.channel = distributed.StepChannel() if distributed.is_multiprocess() else None
-        if self.channel is not None and distributed.is_leader():
-            atexit.register(self.close)
-        self._depth = 0  # device calls in progress: only the outermost is sent
-        self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
-        self._num_dispatched = 0
+
+    @property
+    def single_device(self) -> bool:
+        """Everything on one device: executables can be stored on disk and compiled in the background."""
+        return self.mesh is None
 
     # -- sizing -------------------------------------------------------------------------------
 
@@ -214,7 +239,32 @@ class ModelRunner:
                 f"of {self.block_size} tokens in {kv} ({self.num_blocks * self.block_bytes / 1e6:.1f} MB, {per_token:.1f} kB a token), "
                 f"up to {tokens} tokens held at once")  # fmt: skip
 
+    def check_memory(self, weight_bytes: int) -> None:
+        """Before the KV pool is allocated: the weights and one max_model_len sequence's KV must fit this engine's
+        devices. Logs how many devices the model and context need; a ValueError saying so when they do not fit."""
+        per_device, shared = self.platform.device_memory(self.device)
+        self.devices_needed: int | None = None
+        need = weight_bytes + self.table_width * self.block_bytes
+        n = self.config.devices_per_replica
+        if per_device is None:
+            return
+        usable = per_device * (1.0 if shared else (self.config.kv_cache_memory_fraction or 1.0))
+        self.devices_needed = 1 if shared else max(1, math.ceil(need / usable))
+        gb = 1e9
+        logger.info("memory: weights %.2f GB + one %d-token sequence's KV %.2f GB = %.2f GB: %s", weight_bytes / gb,
+                    self.history_width, (need - weight_bytes) / gb, need / gb,
+                    f"fits in the host's {usable / gb:.1f} GB" if shared else
+                    f"needs {self.devices_needed} device(s) of {usable / gb:.1f} GB usable; this engine spans {n}")  # fmt: skip
+        if need > usable * (1 if shared else n):
+            where = f"the host's {usable / gb:.1f} GB" if shared else f"{n} device(s) of {usable / gb:.1f} GB usable"
+            raise ValueError(
+                f"this model needs {need / gb:.2f} GB for its weights and one {self.history_width}-token sequence's KV cache, "
+                f"more than {where}; " + ("lower max_model_len or use a smaller dtype or quantization" if shared else
+                f"tensor_parallel_size x pipeline_parallel_size must reach {self.devices_needed} devices (or lower max_model_len)")
+            )  # fmt: skip
+
     def _pool_size(self, weight_bytes: int) -> int:
+        self.check_memory(weight_bytes)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         return self.platform.num_kv_blocks(
@@ -228,15 +278,7 @@ class ModelRunner:
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
         hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
-        logits = model.compute_logits(hidden[logit_rows])
-        t, k = input_ids.shape[0], NUM_TOP_LOGPROBS
-        blank = (jnp.zeros(t), jnp.zeros(t, jnp.int32), jnp.zeros((t, k), jnp.int32), jnp.zeros((t, k)))
-        prompt = jax.lax.cond(  # every row's logits only when some request asked for prompt logprobs
-            jnp.any(prompt_next_ids >= 0),
-            lambda: prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids),
-            lambda: blank,
-        )
-        return logits, prompt, new_kv
+        return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv)
 
     def _sample_impl(self, logits, sampling_metadata, no_sampled):
         # no_sampled ([max_num_seqs] zeros) is an argument, not a constant, so its width is part of the signature
@@ -281,6 +323,19 @@ class ModelRunner:
             yield
         finally:
             self._depth -= 1
+
+    @property
+    def needs_heartbeat(self) -> bool:
+        """A process group's leader: an idle engine still checks its followers now and then."""
+        return self.channel is not None and distributed.is_leader()
+
+    def heartbeat(self) -> None:
+        """An empty message to the followers: a dead one makes it raise ProcessGroupError at once."""
+        with self._device_call("_heartbeat_now"):
+            pass
+
+    def _heartbeat_now(self) -> None:
+        pass
 
     def follow(self) -> None:
         """A follower's loop: replay the leader's device calls until it stops (or fails: ProcessGroupError)."""
@@ -348,19 +403,25 @@ class ModelRunner:
     def _dispatch(self, step: StepInputs, copies, prev: DispatchedStep | None) -> DispatchedStep:
         if copies:
             self.copy(copies)
-        args = self._forward_args(step, prev)
         t = step.input_ids.shape[0]
         if not self.config.precompile and ("forward", t) not in self._compiled and t != self.buckets[0]:
             self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
-        with self._on_mesh():
-            logits, prompt, new_kv = self._executable("forward", self._forward, t, args)(*args)
-            args = (self.kv_cache, new_kv, step.attention.slot_mapping)
-            self.kv_cache = self._executable("write", self._write, t, args)(*args)
+        logits, prompt = self._forward_and_write(step, prev)
         want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
         dispatched = DispatchedStep(t, logits, prompt if want_prompt else None)
         if step.sampling is not None:
             self.sample(dispatched, step.sampling)
         return dispatched
+
+    def _forward_and_write(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
+        """Queue the step's forward and its KV write: -> (logits of the sampling rows, prompt logprobs)."""
+        args = self._forward_args(step, prev)
+        t = step.input_ids.shape[0]
+        with self._on_mesh():
+            logits, prompt, new_kv = self._executable("forward", self._forward, t, args)(*args)
+            args = (self.kv_cache, new_kv, step.attention.slot_mapping)
+            self.kv_cache = self._executable("write", self._write, t, args)(*args)
+        return logits, prompt
 
     def sample(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
         """Queue the sampler on a dispatched forward's logits."""
@@ -393,7 +454,7 @@ class ModelRunner:
         """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
         One device only; the compile is one that precompile-off asked for."""
         t, _ = self.bucket_for(num_tokens)
-        if self.mesh is not None or ("forward", t) in self._compiled or t in self._pending:
+        if not self.single_device or ("forward", t) in self._compiled or t in self._pending:
             return
         step = self.input_batch.blank(t)
         args = jax.tree_util.tree_map(_abstract, self._forward_args(step, None))

@@ -93,6 +93,9 @@ class CpuPlatform(Platform):
             head.method = TransposedHead()
         return backend
 
+    def device_memory(self, device) -> tuple[int | None, bool]:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), True  # the host's, shared by CPU devices
+
     def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
         budget = KV_CACHE_BYTES
         if config.kv_cache_memory_fraction is not None:
