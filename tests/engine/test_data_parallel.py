@@ -121,6 +121,20 @@ def test_d2_and_d4_equal_d1_and_transformers(reference):
 
 
 @needs_devices
+def test_beam_search_runs_within_a_replica(reference):
+    from jaxpaged.engine.beam_search import BeamSearchParams
+
+    folder, prompts, _ = reference
+    params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    beams = lambda llm: [[s.output_token_ids for s in o.sequences] for o in llm.beam_search(  # noqa: E731
+        [{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)]  # fmt: skip
+    llm = _llm(folder, 2)
+    assert beams(llm) == beams(_llm(folder, 1))
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
+    _assert_idle(llm.engine)
+
+
+@needs_devices
 def test_each_replica_lives_on_its_own_device(reference):
     engine = _llm(reference[0], 4).engine
     for r, replica in enumerate(engine.replicas):
