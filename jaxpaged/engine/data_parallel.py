@@ -37,7 +37,8 @@ def replica_devices(config: EngineConfig, devices=None) -> list[list[jax.Device]
     devices = list(jax.devices() if devices is None else devices)
     k, d = config.devices_per_replica, config.data_parallel_size
     if isinstance(d, bool) or not isinstance(d, int) or d < 1 or d * k > len(devices):
-        raise ValueError(f"data_parallel_size ({d!r}) x {k} devices per replica needs more than the {len(devices)} devices given")
+        raise ValueError(f"data_parallel_size must be a positive integer whose replicas of {k} device(s) fit in the "
+                         f"{len(devices)} devices given (got {d!r})")  # fmt: skip
     return [devices[r * k : (r + 1) * k] for r in range(d)]
 
 
