@@ -120,7 +120,7 @@ class AsyncLLMEngine:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine,  # or a DataParallelEngine (engine/data_parallel.py): the same interface
         *,
         max_waiting: int | None = None,
         stats_listener: Callable[[IterationStats], None] | None = None,

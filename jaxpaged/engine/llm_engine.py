@@ -314,6 +314,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    def close(self) -> None:
+        """Release a process group's followers (done at exit too); nothing otherwise."""
+        self.runner.close()
+
+    @property
+    def compile_seconds(self) -> float:
+        """Time spent compiling (or loading) executables, at warm-up or on first use."""
+        return self.runner.compile_seconds
+
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -109,7 +109,7 @@ class Session:
             return
         engine = self.llm.engine
         phases = {f"{k}_s": round(v, 3) for k, v in engine.startup_seconds.items()}
-        phases |= {"compile_s": round(engine.runner.compile_seconds, 3), "engine_start": self.started, "first_text": time.time()}
+        phases |= {"compile_s": round(engine.compile_seconds, 3), "engine_start": self.started, "first_text": time.time()}
         logger.debug("startup %s", json.dumps(phases))
         self.started = None
 

@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.engine.data_parallel import make_engine
+from jaxpaged.engine.llm_engine import PromptType
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.utils.logging_utils import setup_logging
@@ -19,9 +20,10 @@ from jaxpaged.utils.text import ChatPrompt
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         """kwargs: `log_level` and any EngineConfig field by name (an unknown one is a TypeError); the engine loads
-        the model and, with `precompile` (the default), compiles every step shape before this returns."""
+        the model and, with `precompile` (the default), compiles every step shape before this returns;
+        data_parallel_size > 1 starts that many replicas behind a router (engine/data_parallel.py)."""
         setup_logging(kwargs.pop("log_level", "INFO"))
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = make_engine(EngineConfig(model=model, **kwargs))
         if self.is_follower:  # another process of a group: run process 0's steps until it closes (docs/distributed.md)
             self.engine.runner.follow()
 
@@ -32,7 +34,7 @@ class LLM:
 
     def close(self) -> None:
         """Release a process group's followers (done at exit too); nothing otherwise."""
-        self.engine.runner.close()
+        self.engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

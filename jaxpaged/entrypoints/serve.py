@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level.upper())
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine.async_engine import AsyncLLMEngine
-    from jaxpaged.engine.llm_engine import LLMEngine
+    from jaxpaged.engine.data_parallel import make_engine
 
     try:
         uvicorn = require("uvicorn", "python -m jaxpaged.serve")  # before the engine's start-up, not after it
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         )
         config = EngineConfig(**engine_kwargs(args), seed=args.seed)
-        core = LLMEngine(config)
+        core = make_engine(config)  # data_parallel_size > 1: replicas behind a router
         if core.is_follower:  # process k > 0 of a group: no server, it runs process 0's steps until it stops
             core.runner.follow()
             return 0
