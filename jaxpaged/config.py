@@ -123,6 +123,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
+        if self.batch_invariant and self.pipeline_parallel_size > 1:  # a micro-batch boundary moves with the batch
+            raise ValueError("batch_invariant needs pipeline_parallel_size 1: where micro-batches cut a sequence "
+                             "depends on the rest of the batch")  # fmt: skip
         wanted = self.devices_per_replica * self.data_parallel_size
         if wanted > jax.device_count():
             raise ValueError(f"data_parallel_size x pipeline_parallel_size x tensor_parallel_size = {self.data_parallel_size} x "

@@ -9,34 +9,16 @@ device tests run only there.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jax
 import pytest
 
-from tests import REPO
-
-DEVICES = 4
-MULTI = jax.device_count() >= DEVICES and jax.default_backend() == "cpu"
-needs_devices = pytest.mark.skipif(not MULTI, reason="runs in the 4-device subprocess started by the first test")
+from tests.multi_device import needs_devices, rerun_with_devices
 
 
 def test_dp_suite_on_four_cpu_devices():
-    if MULTI:
-        pytest.skip("this process has the devices: the tests below run here")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "1 skipped" in summary, summary  # only this launcher skips there
+    rerun_with_devices(__file__)
 
 
 def test_bad_data_parallel_size_is_a_value_error():

@@ -7,37 +7,19 @@ tests run only there. split_step, which cuts a step into micro-batches, is check
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
-from tests import REPO
+from tests.multi_device import needs_devices, reference_family, rerun_with_devices
 
-DEVICES = 4
-MULTI = jax.device_count() >= DEVICES and jax.default_backend() == "cpu"
-needs_devices = pytest.mark.skipif(not MULTI, reason="runs in the 4-device subprocess started by the first test")
 VOCAB = 256
 PROMPT_LENGTHS = [3, 11, 29, 40]  # with 16-token steps: chunked prefills cut across micro-batches
 MAX_TOKENS = 16
 
 
 def test_pp_suite_on_four_cpu_devices():
-    if MULTI:
-        pytest.skip("this process has the devices: the tests below run here")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "1 skipped" in summary, summary
+    rerun_with_devices(__file__)
 
 
 def test_split_step_gives_each_micro_batch_the_metadata_of_its_own_step():
@@ -97,14 +79,7 @@ _PREPARED: dict = {}
 
 def _prepare(name, tmp_path_factory):
     """(name, checkpoint folder, prompts, transformers' greedy tokens), once per family."""
-    from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model
-
-    if name not in _PREPARED:
-        hf = random_hf_model(_families()[name])
-        folder = save_hf_model(hf, tmp_path_factory.mktemp(name))
-        prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)
-        _PREPARED[name] = folder, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    return name, *_PREPARED[name]
+    return name, *reference_family(_PREPARED, name, _families()[name], tmp_path_factory, PROMPT_LENGTHS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -209,3 +184,10 @@ def test_start_up_says_how_many_devices_the_model_needs_and_refuses_too_few(tmp_
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: weights"))
     needed = int(line.split("needs ")[1].split(" device")[0])
     assert needed >= 2 and "this engine spans 1" in line
+
+
+def test_batch_invariance_with_stages_is_refused():
+    from jaxpaged.config import EngineConfig
+
+    with pytest.raises(ValueError, match="batch_invariant needs pipeline_parallel_size 1"):
+        EngineConfig(model="unused", batch_invariant=True, pipeline_parallel_size=2)

@@ -9,35 +9,15 @@ file yourself with that flag).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
-from tests import REPO
-
-DEVICES = 4
-MULTI = jax.device_count() >= DEVICES and jax.default_backend() == "cpu"
-needs_devices = pytest.mark.skipif(not MULTI, reason="runs in the 4-device subprocess started by the first test")
+from tests.multi_device import needs_devices, reference_family, rerun_with_devices
 
 
 def test_tp_suite_on_four_cpu_devices():
-    if MULTI:
-        pytest.skip("this process has the devices: the tests below run here")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    root = REPO
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        check=False, cwd=root, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "1 skipped" in summary, summary  # only this launcher skips there
+    rerun_with_devices(__file__)
 
 
 def test_cli_has_the_flag():
@@ -93,14 +73,7 @@ _PREPARED: dict = {}
 
 def _prepare(name, tmp_path_factory):
     """(checkpoint folder, prompts, transformers' greedy tokens), once per family."""
-    from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model
-
-    if name not in _PREPARED:
-        hf = random_hf_model(_families()[name])
-        folder = save_hf_model(hf, tmp_path_factory.mktemp(name))
-        prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)
-        _PREPARED[name] = folder, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-    return _PREPARED[name]
+    return reference_family(_PREPARED, name, _families()[name], tmp_path_factory, PROMPT_LENGTHS, MAX_TOKENS, VOCAB)
 
 
 @pytest.fixture(scope="module", params=["llama-gqa2", "falcon-mqa", "bloom-alibi"])
