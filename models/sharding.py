@@ -76,7 +76,7 @@ def partition_spec(path: str, shape: tuple[int, ...], n: int) -> P:
     return P()
 
 
-def _dotted(keypath) -> str:
+def dotted_path(keypath) -> str:
     names = []
     for key in keypath:
         name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))
@@ -93,7 +93,7 @@ def replicate_kv_heads(state, cfg: ModelConfig, n: int):
     factor, hd = n // kv, cfg.head_dim
 
     def widen(keypath, x):
-        path = _dotted(keypath)
+        path = dotted_path(keypath)
         if not path.endswith(tuple(f"{p}.{leaf}" for p in ("k_proj", "v_proj") for leaf in ("kernel", "bias", "scale", "zero"))):
             return x
         heads = x.reshape(*x.shape[:-1], kv, hd)
@@ -105,7 +105,7 @@ def replicate_kv_heads(state, cfg: ModelConfig, n: int):
 def param_shardings(state, mesh: Mesh):
     n = mesh.shape[TP_AXIS]
     return jax.tree_util.tree_map_with_path(
-        lambda keypath, x: NamedSharding(mesh, partition_spec(_dotted(keypath), tuple(x.shape), n)), state
+        lambda keypath, x: NamedSharding(mesh, partition_spec(dotted_path(keypath), tuple(x.shape), n)), state
     )
 
 

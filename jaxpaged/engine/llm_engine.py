@@ -11,6 +11,7 @@ keeps being served.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -69,6 +70,14 @@ def _enable_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _loading_place(config: EngineConfig):
+    """Where weights are read to before the runner places them: host memory when the engine spans several devices
+    (a model split over them need not fit the first one), else the default device."""
+    if config.devices_per_replica * config.data_parallel_size == 1 and not distributed.is_multiprocess():
+        return contextlib.nullcontext()
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
+
+
 def _needs_host_tokens(req: Request) -> bool:
     """Sampling this sequence reads its latest tokens on the host: its grammar's mask, or its penalties' history."""
     return req.grammar is not None or req.params.has_penalties
@@ -83,11 +92,12 @@ class LLMEngine:
         platform = platforms.get(config.platform)
         platform.prepare(config)
         t0 = time.perf_counter()
-        self.loaded = loaded or load_model(
-            config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
-            batch_invariant=config.batch_invariant, revision=config.revision, platform=platform,
-            quantization=config.quantization,
-        )
+        with _loading_place(config):
+            self.loaded = loaded or load_model(
+                config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
+                batch_invariant=config.batch_invariant, revision=config.revision, platform=platform,
+                quantization=config.quantization,
+            )
         load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings

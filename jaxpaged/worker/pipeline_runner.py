@@ -91,10 +91,7 @@ class PipelineRunner(ModelRunner):
     def _place(self, loaded: LoadedModel) -> None:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from jaxpaged.models.sharding import (
-            _dotted, check_divisible, kv_cache_sharding, make_mesh, new_kv_sharding, partition_spec,
-            replicate_kv_heads,
-        )  # fmt: skip
+        from jaxpaged.models.sharding import check_divisible, make_mesh, replicate_kv_heads
 
         p, tp = self.config.pipeline_parallel_size, self.tp
         model, cfg = loaded.model, self.model_config
@@ -107,15 +104,36 @@ class PipelineRunner(ModelRunner):
             self.model_config = cfg
         self.meshes = [make_mesh(tp, self.devices[s * tp : (s + 1) * tp]) if tp > 1 else None for s in range(p)]
         self.mesh = None  # the base class's one-mesh paths are not taken: every call names its stage
-        placed = [NamedSharding(m, PartitionSpec()) if m is not None else self.devices[s * tp] for s, m in enumerate(self.meshes)]
-        self.places = placed  # where each stage's activations (replicated over its mesh) live
+        # where each stage's activations (replicated over its mesh) and inputs live
+        self.places = [NamedSharding(m, PartitionSpec()) if m is not None else self.devices[s * tp] for s, m in enumerate(self.meshes)]
 
+        self._place_weights(state)
+        self.state = self.stage_leaves  # what the memory plan counts
+        del state
+        self.num_blocks = self._pool_size(param_bytes(self.stage_leaves))
+        self.kv_cache_dtype = self.config.kv_cache_dtype
+        self.kv_cache, self._stages, self._writes, self._copies = [], [], [], []
+        for s in range(p):
+            self._place_stage(s)
+        last = self.places[-1] if self.meshes[-1] is not None else None
+        self._head = jax.jit(self._head_impl, out_shardings=None if last is None else (last, last))
+        self._sample = jax.jit(self._sample_impl, out_shardings=None if last is None else (last, last))
+        self._first_no_sampled = jax.device_put(np.zeros(self.config.max_num_seqs, np.int32), self.places[0])
+        jax.block_until_ready(self.kv_cache)
+
+    def _place_weights(self, state) -> None:
+        """Each parameter onto the stage(s) that read it, split over the stage's mesh by its path under TP."""
+        from jax.sharding import NamedSharding
+
+        from jaxpaged.models.sharding import dotted_path, partition_spec
+
+        p, tp = len(self.bounds), self.tp
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
         self.num_leaves = len(flat)
-        self.owned: list[list[int]] = [[] for _ in range(p)]
+        self.owned: list[list[int]] = [[] for _ in range(p)]  # stage -> indices of its leaves in the flat state
         self.stage_leaves: list[list[jax.Array]] = [[] for _ in range(p)]
         for i, (keypath, leaf) in enumerate(flat):
-            path = _dotted(keypath)
+            path = dotted_path(keypath)
             parts = path.split(".")
             if parts[0] == "layers":
                 layer = int(parts[1])
@@ -123,43 +141,37 @@ class PipelineRunner(ModelRunner):
             else:  # embeddings, position tables, final norm, head: the first stage embeds, the last one reads out
                 owners = sorted({0, p - 1})
             for s in owners:
-                where = NamedSharding(self.meshes[s], partition_spec(path, tuple(leaf.shape), tp)) if tp > 1 else placed[s]
+                mesh = self.meshes[s]
+                where = NamedSharding(mesh, partition_spec(path, tuple(leaf.shape), tp)) if mesh is not None else self.places[s]
                 self.owned[s].append(i)
                 self.stage_leaves[s].append(jax.device_put(leaf, where))
-        self.state = self.stage_leaves  # what the memory plan counts
-        del state, flat
 
-        self.num_blocks = self._pool_size(param_bytes(self.stage_leaves))
+    def _place_stage(self, s: int) -> None:
+        """Stage s's KV array (its layers only) and its jitted forward, KV write and block copy."""
+        from jaxpaged.models.sharding import kv_cache_sharding, new_kv_sharding
+
+        (a, b), cfg, mesh = self.bounds[s], self.model_config, self.meshes[s]
+        shape = kv_cache_shape(b - a, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         kv_dtype = self.platform.kv_storage_dtype(self.dtype)
-        self.kv_cache_dtype = self.config.kv_cache_dtype
-        self.kv_cache, self._stages, self._writes, self._copies = [], [], [], []
-        for s, (a, b) in enumerate(self.bounds):
-            shape = kv_cache_shape(b - a, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
 
-            def empty_cache(shape=shape):
-                if self.kv_cache_dtype == "auto":
-                    return jnp.zeros(shape, kv_dtype)
-                return empty_quantized_kv(shape, self.kv_cache_dtype, KV_STORAGE[self.kv_cache_dtype])
+        def empty_cache():
+            if self.kv_cache_dtype == "auto":
+                return jnp.zeros(shape, kv_dtype)
+            return empty_quantized_kv(shape, self.kv_cache_dtype, KV_STORAGE[self.kv_cache_dtype])
 
-            mesh = self.meshes[s]
-            stage = functools.partial(self._stage_impl, s)
-            if mesh is None:
-                with jax.default_device(placed[s]):
-                    self.kv_cache.append(empty_cache())
-                self._stages.append(jax.jit(stage))
-                self._writes.append(jax.jit(write_kv, donate_argnums=(0,)))
-                self._copies.append(jax.jit(copy_blocks, donate_argnums=(0,)))
-            else:
-                cache = kv_cache_sharding(mesh, self.kv_cache_dtype)
-                self.kv_cache.append(jax.jit(empty_cache, out_shardings=cache)())
-                self._stages.append(jax.jit(stage, out_shardings=(placed[s], new_kv_sharding(mesh))))
-                self._writes.append(jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache))
-                self._copies.append(jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache))
-        last = placed[-1] if self.meshes[-1] is not None else None
-        self._head = jax.jit(self._head_impl, out_shardings=None if last is None else (last, last))
-        self._sample = jax.jit(self._sample_impl, out_shardings=None if last is None else (last, last))
-        self._first_no_sampled = jax.device_put(np.zeros(self.config.max_num_seqs, np.int32), placed[0])
-        jax.block_until_ready(self.kv_cache)
+        stage = functools.partial(self._stage_impl, s)
+        if mesh is None:
+            with jax.default_device(self.places[s]):
+                self.kv_cache.append(empty_cache())
+            self._stages.append(jax.jit(stage))
+            self._writes.append(jax.jit(write_kv, donate_argnums=(0,)))
+            self._copies.append(jax.jit(copy_blocks, donate_argnums=(0,)))
+        else:
+            cache = kv_cache_sharding(mesh, self.kv_cache_dtype)
+            self.kv_cache.append(jax.jit(empty_cache, out_shardings=cache)())
+            self._stages.append(jax.jit(stage, out_shardings=(self.places[s], new_kv_sharding(mesh))))
+            self._writes.append(jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache))
+            self._copies.append(jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache))
 
     def _stage_graphdefs(self, model) -> list:
         """Each stage's view of the model: its layers' attention reads layer i - a of the stage's own cache."""
@@ -178,10 +190,6 @@ class PipelineRunner(ModelRunner):
     @property
     def single_device(self) -> bool:
         return False
-
-    @property
-    def block_bytes(self) -> int:
-        return super().block_bytes  # every stage's share together: the pool's block ids span all stages
 
     def memory_plan(self) -> str:
         p, tp = self.config.pipeline_parallel_size, self.tp
