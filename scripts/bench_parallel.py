@@ -48,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--matmul-backend", default="auto", help="EngineConfig.matmul_backend for every layout (default: auto)")
     p.add_argument("--settle-s", type=float, default=60.0, help="wait up to this long for the load to drop before each side")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
@@ -82,7 +83,7 @@ def run_layout(name: str, kwargs: dict, model: Path, args) -> dict:
 
     from jaxpaged import LLM, SamplingParams
 
-    llm = LLM(str(model), dtype="float32", max_num_seqs=args.max_num_seqs, attention_backend="reference",
+    llm = LLM(str(model), dtype="float32", max_num_seqs=args.max_num_seqs, attention_backend="reference", matmul_backend=args.matmul_backend,
               max_num_batched_tokens=args.max_num_batched_tokens, log_level="WARNING", **kwargs)  # fmt: skip
     engine = llm.engine
     rng = np.random.default_rng(0)
@@ -100,9 +101,15 @@ def run_layout(name: str, kwargs: dict, model: Path, args) -> dict:
         seconds = time.perf_counter() - t0
     record = {"layout": name, "kwargs": kwargs, "steps": steps, "output_tokens": tokens, "seconds": seconds,
               "step_ms": 1000 * seconds / steps, "tok_s": tokens / seconds,
-              "compiles_after_warmup": engine.num_compiles_after_warmup, "load": watch.record}  # fmt: skip
+              "compiles_after_warmup": engine.num_compiles_after_warmup, "matmul_backend": _runner(engine).matmul_backend,
+              "load": watch.record}  # fmt: skip
     log.info("%s: %s", name, {k: v for k, v in record.items() if k != "load"})
     return record
+
+
+def _runner(engine):
+    """The (first replica's) model runner."""
+    return engine.replicas[0].runner if hasattr(engine, "replicas") else engine.runner
 
 
 def main(argv=None) -> int:
@@ -120,11 +127,11 @@ def main(argv=None) -> int:
         for name, kwargs in layouts(args.layouts, args.devices).items():
             records.append(run_layout(name, kwargs, model, args))
     base = next((r for r in records if r["layout"] == "1"), records[0])
-    print(f"{'layout':<8}{'step ms':>9}{'x':>7}{'tok/s':>9}{'x':>7}{'load before':>13}{'busy':>6}")
+    print(f"{'layout':<8}{'step ms':>9}{'x':>7}{'tok/s':>9}{'x':>7}{'matmul':>8}{'load before':>13}{'busy':>6}")
     for r in records:
         load = r["load"]
         print(f"{r['layout']:<8}{r['step_ms']:>9.1f}{r['step_ms'] / base['step_ms']:>7.2f}{r['tok_s']:>9.1f}"
-              f"{r['tok_s'] / base['tok_s']:>7.2f}{load['loadavg_1min']['before']:>13.2f}{'yes' if load['busy'] else 'no':>6}")  # fmt: skip
+              f"{r['tok_s'] / base['tok_s']:>7.2f}{r['matmul_backend']:>8}{load['loadavg_1min']['before']:>13.2f}{'yes' if load['busy'] else 'no':>6}")  # fmt: skip
     for line in machine_load.busy_lines({r["layout"]: r["load"] for r in records}):
         print(line)
     if args.json:
