@@ -113,10 +113,22 @@ def await_followers(timeout_s: float = 30.0) -> None:
 
 
 def host_value(x) -> np.ndarray:
-    """A replicated array's value on this host (device_get refuses arrays that span other processes' devices)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_shards[0].data)
-    return np.asarray(jax.device_get(x))
+    """A replicated array's value on this host (device_get refuses arrays that span other processes' devices).
+    In a group, a step whose collective lost its peer fails here: that is a ProcessGroupError."""
+    try:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_shards[0].data)
+        return np.asarray(jax.device_get(x))
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        if is_multiprocess() and peer_lost(e):
+            raise ProcessGroupError(f"a process of the group failed or left: {e}") from e
+        raise
+
+
+def peer_lost(error: Exception) -> bool:
+    """A collective's transport lost a peer (gloo, NCCL and the coordination service say so in their words)."""
+    text = str(error).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection reset", "connection closed", "unavailable", "peer"))
 
 
 class StepChannel:

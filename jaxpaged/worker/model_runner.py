@@ -321,6 +321,10 @@ class ModelRunner:
         self._depth += 1
         try:
             yield
+        except (jax.errors.JaxRuntimeError, ValueError) as e:  # a collective of this call lost its peer
+            if self.channel is not None and distributed.peer_lost(e):
+                raise distributed.ProcessGroupError(f"a process of the group failed or left: {e}") from e
+            raise
         finally:
             self._depth -= 1
 

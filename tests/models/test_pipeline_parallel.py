@@ -191,3 +191,15 @@ def test_batch_invariance_with_stages_is_refused():
 
     with pytest.raises(ValueError, match="batch_invariant needs pipeline_parallel_size 1"):
         EngineConfig(model="unused", batch_invariant=True, pipeline_parallel_size=2)
+
+
+@needs_devices
+def test_data_parallel_replicas_of_two_stages(llama):
+    """D=2 x P=2 on 4 devices: each replica's two stages on its own two devices, transformers' tokens."""
+    _, folder, prompts, expected = llama
+    llm = _llm(folder, pipeline_parallel_size=2, data_parallel_size=2)
+    assert [list(o.outputs[0].token_ids) for o in _greedy(llm, prompts)] == expected
+    devices = jax.devices()
+    for r, replica in enumerate(llm.engine.replicas):
+        assert [kv.devices() for kv in replica.runner.kv_cache] == [{devices[2 * r]}, {devices[2 * r + 1]}]
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
