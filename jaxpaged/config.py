@@ -61,8 +61,8 @@ class EngineConfig:
     num_processes: int | None = option(None, "processes in the group (each started by you, with its --process-id)", group="distributed")
     process_id: int | None = option(None, "this process's index in the group, 0 to num_processes - 1 (0 serves, the others execute)",
                                     group="distributed")  # fmt: skip
-    distributed_timeout_s: float = option(120.0, "seconds the group may take to form before start-up fails (default: 120)",
-                                          group="distributed")  # fmt: skip
+    distributed_timeout_s: float = option(120.0, "seconds the group may take to form, and process 0 may wait on the others "
+                                          "during a step, before it fails (default: 120)", group="distributed")  # fmt: skip
     seed: int = 0
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root

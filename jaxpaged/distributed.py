@@ -14,8 +14,11 @@ not also terminate the leader when the dead peer's heartbeats stop.
 from __future__ import annotations
 
 import logging
+import contextlib
+import os
 import pickle
 import socket
+import threading
 import time
 from typing import Any
 
@@ -112,13 +115,62 @@ def await_followers(timeout_s: float = 30.0) -> None:
     logger.warning("followers still connected %.0fs after release; exiting anyway", timeout_s)
 
 
+class Watchdog:
+    """Process 0's bound on waiting for the others: a peer that is alive but stuck (no connection closes) would
+    otherwise hold a broadcast or a step's collective forever. Past timeout_s, on_stall is called once."""
+
+    def __init__(self, timeout_s: float, on_stall):
+        self.timeout_s, self.on_stall = timeout_s, on_stall
+        self._since: float | None = None
+        self._what = ""
+        threading.Thread(target=self._run, name="jaxpaged-group-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        outer = self._since, self._what
+        self._since, self._what = time.monotonic(), what
+        try:
+            yield
+        finally:
+            self._since, self._what = outer
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self.on_stall(f"{self._what} has waited {time.monotonic() - since:.0f}s for the other processes")
+                return
+
+
+_watchdog: Watchdog | None = None  # the leader's, once its runner starts one
+
+
+def watch(timeout_s: float, on_stall) -> None:
+    global _watchdog
+    _watchdog = Watchdog(timeout_s, on_stall)
+
+
+def waiting(what: str):
+    """Around a wait on the other processes (the leader's watchdog times it; nothing elsewhere)."""
+    return _watchdog.waiting(what) if _watchdog is not None else contextlib.nullcontext()
+
+
+def end_process(error: ProcessGroupError, grace_s: float = 5.0) -> None:
+    """A stuck group cannot be recovered from inside (the wait is in a collective): log, and exit after grace_s,
+    time for a server's /health to answer 503."""
+    logger.error("%s; process %d exits in %.0fs", error, jax.process_index(), grace_s)
+    threading.Timer(grace_s, os._exit, args=(1,)).start()
+
+
 def host_value(x) -> np.ndarray:
     """A replicated array's value on this host (device_get refuses arrays that span other processes' devices).
     In a group, a step whose collective lost its peer fails here: that is a ProcessGroupError."""
     try:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(x.addressable_shards[0].data)
-        return np.asarray(jax.device_get(x))
+        with waiting("reading a step's results"):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return np.asarray(x.addressable_shards[0].data)
+            return np.asarray(jax.device_get(x))
     except (jax.errors.JaxRuntimeError, ValueError) as e:
         if is_multiprocess() and peer_lost(e):
             raise ProcessGroupError(f"a process of the group failed or left: {e}") from e
@@ -168,7 +220,8 @@ class StepChannel:
         rows = jax.make_array_from_single_device_arrays((self.processes, row.size), self.rows, [shard])
         self.busy_since = time.monotonic()
         try:
-            return host_value(self._reduce[row.size](rows))
+            with waiting("a step's broadcast"):
+                return host_value(self._reduce[row.size](rows))
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # gloo reports a closed peer as a ValueError
             raise ProcessGroupError(f"a process of the group failed or left: {e}") from e
         finally:

@@ -20,7 +20,7 @@ def main(spec_path: str, process_id: int) -> int:
     llm = LLM(spec["model"], dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
               attention_backend="reference", tensor_parallel_size=spec["tensor_parallel_size"], log_level="WARNING",
               coordinator_address=spec["coordinator"], num_processes=spec["num_processes"], process_id=process_id,
-              distributed_timeout_s=60)  # fmt: skip
+              distributed_timeout_s=spec.get("timeout", 60))  # fmt: skip
     if llm.is_follower:
         return 0  # process 0 released it
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)

@@ -39,9 +39,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_group(tmp_path: Path, model: str, prompts, *, forever: bool = False, processes: int = 2) -> tuple[list, Path]:
+def _start_group(tmp_path: Path, model: str, prompts, *, forever: bool = False, processes: int = 2,
+                 timeout: float = 60) -> tuple[list, Path]:  # fmt: skip
     out = tmp_path / "result.json"
-    spec = {"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS, "out": str(out), "forever": forever,
+    spec = {"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS, "out": str(out), "forever": forever, "timeout": timeout,
             "coordinator": f"127.0.0.1:{_free_port()}", "num_processes": processes, "local_devices": 2,
             "tensor_parallel_size": 2 * processes}  # fmt: skip
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -108,6 +109,28 @@ def test_a_killed_follower_is_reported_by_process_0(model, tmp_path):
     result = json.loads(out.read_text())
     assert "error" in result and "process of the group failed or left" in result["error"], result
     assert reported_after < 60
+
+
+def test_a_stuck_follower_ends_process_0_within_its_timeout(model, tmp_path):
+    """A follower stopped (SIGSTOP: alive, its connections open) mid-run: process 0's watchdog ends it with status 1
+    and the error logged, distributed_timeout_s (15 s) plus 5 s after its last answer, not never."""
+    folder, prompts, _ = model
+    procs, out = _start_group(tmp_path, folder, prompts, forever=True, timeout=15)
+    progress = Path(str(out) + ".progress")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not progress.exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "\n".join(_stop(procs))[-6000:]
+            time.sleep(0.5)
+        os.killpg(procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = procs[0].wait(timeout=90)
+        ended_after = time.monotonic() - stopped
+    finally:
+        logs = _stop(procs)
+    assert code == 1, logs[0][-6000:]
+    assert "a process of the group is stuck or unreachable" in logs[0], logs[0][-6000:]
+    assert ended_after < 60
 
 
 @pytest.mark.parametrize(

@@ -167,11 +167,12 @@ class AsyncLLMEngine:
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None
+        return self.dead_error is not None
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._dead
+        """Why the engine serves no more: its loop died, or its process group stalled (the loop waits in it)."""
+        return self._dead or getattr(self.engine, "group_error", None)
 
     def get_stats(self) -> dict[str, Any]:
         """The engine's stats as of the last loop pass (a snapshot: safe from any thread)."""

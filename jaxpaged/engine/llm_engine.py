@@ -393,6 +393,11 @@ class LLMEngine:
     # -- introspection -------------------------------------------------------------------------
 
     @property
+    def group_error(self):
+        """A stalled process group (the process is about to end); None otherwise."""
+        return self.runner.group_error
+
+    @property
     def needs_heartbeat(self) -> bool:
         return self.runner.needs_heartbeat
 

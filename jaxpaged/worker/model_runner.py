@@ -159,8 +159,10 @@ class ModelRunner:
         self._no_sampled = self._put(np.zeros(config.max_num_seqs, np.int32))
         # a process group: the leader sends each device call to the followers, who replay it (follow())
         self.channel = distributed.StepChannel() if distributed.is_multiprocess() else None
+        self.group_error: distributed.ProcessGroupError | None = None  # set when the group stalls (the leader's)
         if self.channel is not None and distributed.is_leader():
             atexit.register(self.close)
+            distributed.watch(config.distributed_timeout_s, self._group_stalled)
         self._depth = 0  # device calls in progress: only the outermost is sent
         self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
         self._num_dispatched = 0
@@ -315,12 +317,15 @@ class ModelRunner:
     @contextlib.contextmanager
     def _device_call(self, name: str, *args):
         """Around each device call a follower must replay: the leader sends (name, args) first."""
-        if self.channel is not None and self._depth == 0 and distributed.is_leader():
+        leading = self.channel is not None and self._depth == 0 and distributed.is_leader()
+        if leading:
             refs = tuple(StepRef(a.seq) if isinstance(a, DispatchedStep) else a for a in args)
             self.channel.send((name, refs))
         self._depth += 1
         try:
-            yield
+            # a call whose collectives wait on a stuck follower blocks here (the CPU client dispatches in line)
+            with distributed.waiting(f"the step call {name}") if leading else contextlib.nullcontext():
+                yield
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # a collective of this call lost its peer
             if self.channel is not None and distributed.peer_lost(e):
                 raise distributed.ProcessGroupError(f"a process of the group failed or left: {e}") from e
@@ -340,6 +345,11 @@ class ModelRunner:
 
     def _heartbeat_now(self) -> None:
         pass
+
+    def _group_stalled(self, what: str) -> None:
+        """The watchdog's call: a follower is stuck or unreachable; this process cannot go on."""
+        self.group_error = distributed.ProcessGroupError(f"a process of the group is stuck or unreachable: {what}")
+        distributed.end_process(self.group_error)
 
     def follow(self) -> None:
         """A follower's loop: replay the leader's device calls until it stops (or fails: ProcessGroupError)."""
