@@ -13,8 +13,8 @@ not also terminate the leader when the dead peer's heartbeats stop.
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import os
 import pickle
 import socket
@@ -166,21 +166,24 @@ def end_process(error: ProcessGroupError, grace_s: float = 5.0) -> None:
 def host_value(x) -> np.ndarray:
     """A replicated array's value on this host (device_get refuses arrays that span other processes' devices).
     In a group, a step whose collective lost its peer fails here: that is a ProcessGroupError."""
+    with lost_peer_is_group_error(), waiting("reading a step's results"):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_shards[0].data)
+        return np.asarray(jax.device_get(x))
+
+
+@contextlib.contextmanager
+def lost_peer_is_group_error():
+    """In a group, a JAX error from a collective whose transport lost a peer (gloo, NCCL and the coordination
+    service say so in their words) is re-raised as a ProcessGroupError; any other error passes unchanged."""
     try:
-        with waiting("reading a step's results"):
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                return np.asarray(x.addressable_shards[0].data)
-            return np.asarray(jax.device_get(x))
+        yield
     except (jax.errors.JaxRuntimeError, ValueError) as e:
-        if is_multiprocess() and peer_lost(e):
+        text = str(e).lower()
+        words = ("gloo", "nccl", "connection reset", "connection closed", "unavailable", "peer")
+        if is_multiprocess() and any(word in text for word in words):
             raise ProcessGroupError(f"a process of the group failed or left: {e}") from e
         raise
-
-
-def peer_lost(error: Exception) -> bool:
-    """A collective's transport lost a peer (gloo, NCCL and the coordination service say so in their words)."""
-    text = str(error).lower()
-    return any(word in text for word in ("gloo", "nccl", "connection reset", "connection closed", "unavailable", "peer"))
 
 
 class StepChannel:
@@ -199,7 +202,6 @@ class StepChannel:
         for size in (HEADER_BYTES, *SIZE_CLASSES):  # all compiled now: no message compiles anything later
             shape = jax.ShapeDtypeStruct((self.processes, size), np.uint8, sharding=self.rows)
             self._reduce[size] = reduce.lower(shape).compile()
-        self.busy_since: float | None = None  # when the broadcast in flight began (a stalled peer shows here)
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -218,16 +220,8 @@ class StepChannel:
         local = row if is_leader() else np.zeros_like(row)
         shard = jax.device_put(local[None], self.device)
         rows = jax.make_array_from_single_device_arrays((self.processes, row.size), self.rows, [shard])
-        self.busy_since = time.monotonic()
         try:
             with waiting("a step's broadcast"):
                 return host_value(self._reduce[row.size](rows))
         except (jax.errors.JaxRuntimeError, ValueError) as e:  # gloo reports a closed peer as a ValueError
             raise ProcessGroupError(f"a process of the group failed or left: {e}") from e
-        finally:
-            self.busy_since = None
-
-    def stalled_for(self) -> float:
-        """Seconds the broadcast in flight has waited (0 when none)."""
-        since = self.busy_since
-        return 0.0 if since is None else time.monotonic() - since

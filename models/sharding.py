@@ -102,11 +102,12 @@ def replicate_kv_heads(state, cfg: ModelConfig, n: int):
     return jax.tree_util.tree_map_with_path(widen, state), dataclasses.replace(cfg, num_kv_heads=n)
 
 
+def param_sharding(mesh: Mesh, path: str, shape: tuple[int, ...]) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(path, tuple(shape), mesh.shape[TP_AXIS]))
+
+
 def param_shardings(state, mesh: Mesh):
-    n = mesh.shape[TP_AXIS]
-    return jax.tree_util.tree_map_with_path(
-        lambda keypath, x: NamedSharding(mesh, partition_spec(dotted_path(keypath), tuple(x.shape), n)), state
-    )
+    return jax.tree_util.tree_map_with_path(lambda keypath, x: param_sharding(mesh, dotted_path(keypath), x.shape), state)
 
 
 def shard_params(state, cfg: ModelConfig, mesh: Mesh):

@@ -63,6 +63,27 @@ def _abstract(leaf):
     return leaf
 
 
+def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, device) -> tuple:
+    """An empty KV array on `device` (or split over `mesh` by KV head), and its donated write and block copy."""
+
+    def empty():
+        if kv_cache_dtype == "auto":
+            return jnp.zeros(shape, storage_dtype)
+        # 8-bit values and a float32 scale per token and head; fp8 kept as its uint8 bits, so that writes scatter
+        # bytes in place (XLA:CPU rewrote an fp8 scatter over the whole pool) and every reader decodes the bits
+        return empty_quantized_kv(shape, kv_cache_dtype, KV_STORAGE[kv_cache_dtype])
+
+    if mesh is None:
+        with jax.default_device(device):
+            cache = empty()
+        return cache, jax.jit(write_kv, donate_argnums=(0,)), jax.jit(copy_blocks, donate_argnums=(0,))
+    from jaxpaged.models.sharding import kv_cache_sharding
+
+    split = kv_cache_sharding(mesh, kv_cache_dtype)
+    write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=split)
+    return jax.jit(empty, out_shardings=split)(), write, jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=split)
+
+
 def logits_and_prompt(model, hidden: jax.Array, logit_rows: jax.Array, prompt_next_ids: jax.Array) -> tuple:
     """The sampling rows' logits, and every row's prompt logprobs when some request asked for them."""
     logits = model.compute_logits(hidden[logit_rows])
@@ -182,37 +203,23 @@ class ModelRunner:
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config
         shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        kv_dtype = self.platform.kv_storage_dtype(self.dtype)
         self.kv_cache_dtype = self.config.kv_cache_dtype
-
-        def empty_cache():
-            if self.kv_cache_dtype == "auto":
-                return jnp.zeros(shape, kv_dtype)
-            # 8-bit values and a float32 scale per token and head; fp8 kept as its uint8 bits, so that writes scatter
-            # bytes in place (XLA:CPU rewrote an fp8 scatter over the whole pool) and every reader decodes the bits
-            return empty_quantized_kv(shape, self.kv_cache_dtype, KV_STORAGE[self.kv_cache_dtype])
-
         t0 = time.perf_counter()
+        self.kv_cache, self._write, self._copy = kv_pool(
+            shape, self.kv_cache_dtype, self.platform.kv_storage_dtype(self.dtype), self.mesh, self.device
+        )
         if self.mesh is None:
             self.state = jax.device_put(self.state, self.device)
-            with jax.default_device(self.device):
-                self.kv_cache = empty_cache()
             self._forward = jax.jit(self._forward_impl)
             self._sample = jax.jit(self._sample_impl)
-            self._write = jax.jit(write_kv, donate_argnums=(0,))
-            self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
         else:
             from jax.sharding import NamedSharding, PartitionSpec
 
-            from jaxpaged.models.sharding import kv_cache_sharding, new_kv_sharding
+            from jaxpaged.models.sharding import new_kv_sharding
 
-            cache = kv_cache_sharding(self.mesh, self.kv_cache_dtype)
-            self.kv_cache = jax.jit(empty_cache, out_shardings=cache)()
             replicated = NamedSharding(self.mesh, PartitionSpec())
             self._forward = jax.jit(self._forward_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh)))
             self._sample = jax.jit(self._sample_impl, out_shardings=(replicated, replicated))
-            self._write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache)
-            self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache)
         jax.block_until_ready(self.kv_cache)
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
 
@@ -245,24 +252,23 @@ class ModelRunner:
         """Before the KV pool is allocated: the weights and one max_model_len sequence's KV must fit this engine's
         devices. Logs how many devices the model and context need; a ValueError saying so when they do not fit."""
         per_device, shared = self.platform.device_memory(self.device)
-        self.devices_needed: int | None = None
         need = weight_bytes + self.table_width * self.block_bytes
         n = self.config.devices_per_replica
         if per_device is None:
             return
         usable = per_device * (1.0 if shared else (self.config.kv_cache_memory_fraction or 1.0))
-        self.devices_needed = 1 if shared else max(1, math.ceil(need / usable))
+        devices_needed = 1 if shared else max(1, math.ceil(need / usable))
         gb = 1e9
         logger.info("memory: weights %.2f GB + one %d-token sequence's KV %.2f GB = %.2f GB: %s", weight_bytes / gb,
                     self.history_width, (need - weight_bytes) / gb, need / gb,
                     f"fits in the host's {usable / gb:.1f} GB" if shared else
-                    f"needs {self.devices_needed} device(s) of {usable / gb:.1f} GB usable; this engine spans {n}")  # fmt: skip
+                    f"needs {devices_needed} device(s) of {usable / gb:.1f} GB usable; this engine spans {n}")  # fmt: skip
         if need > usable * (1 if shared else n):
             where = f"the host's {usable / gb:.1f} GB" if shared else f"{n} device(s) of {usable / gb:.1f} GB usable"
             raise ValueError(
                 f"this model needs {need / gb:.2f} GB for its weights and one {self.history_width}-token sequence's KV cache, "
                 f"more than {where}; " + ("lower max_model_len or use a smaller dtype or quantization" if shared else
-                f"tensor_parallel_size x pipeline_parallel_size must reach {self.devices_needed} devices (or lower max_model_len)")
+                f"tensor_parallel_size x pipeline_parallel_size must reach {devices_needed} devices (or lower max_model_len)")
             )  # fmt: skip
 
     def _pool_size(self, weight_bytes: int) -> int:
@@ -324,12 +330,10 @@ class ModelRunner:
         self._depth += 1
         try:
             # a call whose collectives wait on a stuck follower blocks here (the CPU client dispatches in line)
-            with distributed.waiting(f"the step call {name}") if leading else contextlib.nullcontext():
+            with distributed.lost_peer_is_group_error(), (
+                distributed.waiting(f"the step call {name}") if leading else contextlib.nullcontext()
+            ):
                 yield
-        except (jax.errors.JaxRuntimeError, ValueError) as e:  # a collective of this call lost its peer
-            if self.channel is not None and distributed.peer_lost(e):
-                raise distributed.ProcessGroupError(f"a process of the group failed or left: {e}") from e
-            raise
         finally:
             self._depth -= 1
 
@@ -384,12 +388,16 @@ class ModelRunner:
         with self._device_call("_copy_batch", pairs):
             self._copy_batch_now(pairs)
 
-    def _copy_batch_now(self, pairs: list[tuple[int, int]]) -> None:
+    def _copy_arrays(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) of copy_width entries; the padding's dst is out of range, so the copy drops it."""
         src = np.zeros(self.copy_width, np.int32)
         dst = np.full(self.copy_width, self.num_blocks, np.int32)
         if pairs:
             src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
-        args = (self.kv_cache, src, dst)
+        return src, dst
+
+    def _copy_batch_now(self, pairs: list[tuple[int, int]]) -> None:
+        args = (self.kv_cache, *self._copy_arrays(pairs))
         with self._on_mesh():
             self.kv_cache = self._executable("copy", self._copy, 0, args)(*args)
 

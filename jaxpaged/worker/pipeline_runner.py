@@ -27,10 +27,9 @@ from flax import nnx
 from jaxpaged.models.layers import Attention
 from jaxpaged.models.loader import LoadedModel
 from jaxpaged.models.weights import param_bytes
-from jaxpaged.pallas_kernels import AttentionMetadata, copy_blocks, kv_cache_shape, write_kv
-from jaxpaged.pallas_kernels.kv_quant import empty_quantized_kv
+from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
 from jaxpaged.worker.input_batch import StepInputs
-from jaxpaged.worker.model_runner import KV_STORAGE, DispatchedStep, ModelRunner, logits_and_prompt
+from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, kv_pool, logits_and_prompt
 
 
 @dataclasses.dataclass
@@ -123,11 +122,9 @@ class PipelineRunner(ModelRunner):
 
     def _place_weights(self, state) -> None:
         """Each parameter onto the stage(s) that read it, split over the stage's mesh by its path under TP."""
-        from jax.sharding import NamedSharding
+        from jaxpaged.models.sharding import dotted_path, param_sharding
 
-        from jaxpaged.models.sharding import dotted_path, partition_spec
-
-        p, tp = len(self.bounds), self.tp
+        p = len(self.bounds)
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
         self.num_leaves = len(flat)
         self.owned: list[list[int]] = [[] for _ in range(p)]  # stage -> indices of its leaves in the flat state
@@ -142,36 +139,22 @@ class PipelineRunner(ModelRunner):
                 owners = sorted({0, p - 1})
             for s in owners:
                 mesh = self.meshes[s]
-                where = NamedSharding(mesh, partition_spec(path, tuple(leaf.shape), tp)) if mesh is not None else self.places[s]
+                where = param_sharding(mesh, path, leaf.shape) if mesh is not None else self.places[s]
                 self.owned[s].append(i)
                 self.stage_leaves[s].append(jax.device_put(leaf, where))
 
     def _place_stage(self, s: int) -> None:
         """Stage s's KV array (its layers only) and its jitted forward, KV write and block copy."""
-        from jaxpaged.models.sharding import kv_cache_sharding, new_kv_sharding
+        from jaxpaged.models.sharding import new_kv_sharding
 
         (a, b), cfg, mesh = self.bounds[s], self.model_config, self.meshes[s]
         shape = kv_cache_shape(b - a, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        kv_dtype = self.platform.kv_storage_dtype(self.dtype)
-
-        def empty_cache():
-            if self.kv_cache_dtype == "auto":
-                return jnp.zeros(shape, kv_dtype)
-            return empty_quantized_kv(shape, self.kv_cache_dtype, KV_STORAGE[self.kv_cache_dtype])
-
+        cache, write, copy = kv_pool(shape, self.kv_cache_dtype, self.platform.kv_storage_dtype(self.dtype), mesh, self.places[s])
+        self.kv_cache.append(cache)
+        self._writes.append(write)
+        self._copies.append(copy)
         stage = functools.partial(self._stage_impl, s)
-        if mesh is None:
-            with jax.default_device(self.places[s]):
-                self.kv_cache.append(empty_cache())
-            self._stages.append(jax.jit(stage))
-            self._writes.append(jax.jit(write_kv, donate_argnums=(0,)))
-            self._copies.append(jax.jit(copy_blocks, donate_argnums=(0,)))
-        else:
-            cache = kv_cache_sharding(mesh, self.kv_cache_dtype)
-            self.kv_cache.append(jax.jit(empty_cache, out_shardings=cache)())
-            self._stages.append(jax.jit(stage, out_shardings=(self.places[s], new_kv_sharding(mesh))))
-            self._writes.append(jax.jit(write_kv, donate_argnums=(0,), out_shardings=cache))
-            self._copies.append(jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=cache))
+        self._stages.append(jax.jit(stage) if mesh is None else jax.jit(stage, out_shardings=(self.places[s], new_kv_sharding(mesh))))
 
     def _stage_graphdefs(self, model) -> list:
         """Each stage's view of the model: its layers' attention reads layer i - a of the stage's own cache."""
@@ -250,16 +233,13 @@ class PipelineRunner(ModelRunner):
                     args = (self.kv_cache[s], new_kv, mb.attention.slot_mapping)
                     self.kv_cache[s] = self._executable(f"write{s}", self._writes[s], rows, args)(*args)
             outs.append(x)
-        next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else np.full(t, -1, np.int32)
+        next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else self._all_minus_one(t)
         args = (self.stage_leaves[-1], tuple(outs), step.logit_rows, next_ids)
         with self._on_mesh():
             return self._executable("head", self._head, t, args)(*args)
 
     def _copy_batch_now(self, pairs: list[tuple[int, int]]) -> None:
-        src = np.zeros(self.copy_width, np.int32)
-        dst = np.full(self.copy_width, self.num_blocks, np.int32)
-        if pairs:
-            src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
+        src, dst = self._copy_arrays(pairs)
         for s in range(len(self.bounds)):
             args = (self.kv_cache[s], src, dst)
             with self._on_mesh(s):
