@@ -32,6 +32,8 @@ class EngineConfig:
                                       "Q8_0/Q4_0/Q4_1/Q4_K weights kept quantized (compressed-tensors, GPTQ and AWQ checkpoints always are); none: every weight dequantized to dtype (default: "
                                       "as stored, except that a GGUF is dequantized on CPU, where float matmuls are faster)",
                                       group="model", choices=QUANTIZATION_CHOICES)  # fmt: skip
+    quantize_activations: bool = option(False, "with int8/fp8 per-channel weights: quantize each matmul's input too, one scale per token, "
+                                        "so the dot runs in 8 bits (W8A8, as vLLM's fp8 and int8 schemes); off: weight-only", group="model")  # fmt: skip
     kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model's dtype), int8 or fp8 (8 bits, one scale per "
                                  "token and head: about twice the tokens of bfloat16)", choices=KV_CACHE_DTYPE_CHOICES)  # fmt: skip
     max_model_len: int | None = option(None, "longest prompt + answer (default: the model's context)")
@@ -118,7 +120,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
         if self.matmul_backend not in MATMUL_BACKEND_CHOICES:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKEND_CHOICES} (got {self.matmul_backend!r})")
-        for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile"):
+        for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile", "quantize_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

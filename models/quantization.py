@@ -12,6 +12,9 @@ Two layouts cover every scheme jaxpaged serves:
 
 The matmul dequantizes the weight into the activations' dtype inside the jitted step (XLA fuses the convert into
 the dot where it can) and accumulates in float32, as DenseLinear does; per-channel scales multiply the product.
+With `quantize_activations` a per-channel matmul also quantizes its input, one scale per token, to the kernel's
+8-bit type, so the dot itself is 8-bit x 8-bit (int8 tensor cores / MXU, cuBLASLt's fp8 GEMM), as vLLM's W8A8
+schemes run; both scales multiply the product.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
@@ -46,14 +50,36 @@ def quantize_channels(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]
     raise ValueError(f"quantization must be 'int8' or 'fp8' (got {kind!r})")
 
 
+def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Activations [..., in] -> (q [..., in] int8 or float8_e4m3fn, scale [..., 1] float32), symmetric per token,
+    in the jitted step (the dynamic scales of vLLM's W8A8 schemes)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    if jnp.dtype(dtype) == jnp.int8:
+        scale = jnp.maximum(amax / 127.0, jnp.finfo(jnp.float32).tiny)
+        return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+    scale = jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny)
+    return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+
+
 @dataclasses.dataclass(frozen=True)
 class ChannelLinear:
-    """kernel [in, out] (int8 or fp8) * scale [out]: the weight converted to x's dtype in the dot."""
+    """kernel [in, out] (int8 or fp8) * scale [out]: the weight converted to x's dtype in the dot, or, with
+    `activations`, x quantized per token to the kernel's type and the dot taken in 8 bits."""
+
+    activations: bool = False
 
     def apply(self, layer, x: jax.Array) -> jax.Array:
-        w = layer.kernel[...].astype(x.dtype)
-        y = jnp.dot(x, w, precision=_precision(x), preferred_element_type=jnp.float32)
-        return y * layer.scale[...].astype(jnp.float32)
+        kernel, scale = layer.kernel[...], layer.scale[...].astype(jnp.float32)
+        if not self.activations:
+            y = jnp.dot(x, kernel.astype(x.dtype), precision=_precision(x), preferred_element_type=jnp.float32)
+            return y * scale
+        q, row_scale = quantize_rows(x, kernel.dtype)
+        if kernel.dtype == jnp.int8:  # exact in int32
+            y = jnp.dot(q, kernel, preferred_element_type=jnp.int32).astype(jnp.float32)
+        else:  # XLA:GPU rewrites convert(f8) -> dot into an fp8 GEMM; bfloat16 holds every e4m3 value exactly
+            y = jnp.dot(q.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        return y * row_scale * scale
 
 
 # -- per-group --------------------------------------------------------------------------------
@@ -135,6 +161,17 @@ QUANTIZED_METHODS = (ChannelLinear, GroupLinear, GroupEmbedding)
 
 def is_quantized(module) -> bool:
     return isinstance(getattr(module, "method", None), QUANTIZED_METHODS)
+
+
+def quantize_activations(model) -> int:
+    """Switch, in place, every per-channel 8-bit Linear to 8-bit x 8-bit dots (EngineConfig.quantize_activations);
+    how many. Grouped (GGUF, GPTQ, AWQ) weights keep their dequantizing matmul."""
+    count = 0
+    for _, module in nnx.iter_modules(model):
+        if type(getattr(module, "method", None)) is ChannelLinear:
+            module.method = ChannelLinear(activations=True)
+            count += 1
+    return count
 
 
 # -- weights as checkpoints store them, on the host -------------------------------------------

@@ -2,7 +2,8 @@
 perplexity on a fixed text and greedy agreement with the float model.
 
 Every scheme is one engine on the same model: float32 (the reference), bfloat16, weights quantized at load (int8,
-fp8), the GGUF as stored (Q4_1/Q8_0 for the built-in model) and the KV cache in int8 or fp8, alone or combined. A
+fp8; w8a8-*: with activations quantized too), the GGUF as stored (Q4_1/Q8_0 for the built-in model) and the KV
+cache in int8 or fp8, alone or combined. A
 GGUF model is first exported to an HF folder of its dequantized weights (scripts/export_hf.py), which every scheme
 but "gguf" loads, so all of them start from the same floats.
 
@@ -18,9 +19,10 @@ but "gguf" loads, so all of them start from the same floats.
     python scripts/bench_quantization.py --json docs/data/bench_quantization_cpu.json           # the built-in model
     python scripts/bench_quantization.py --model llama_config.json --schemes float32,int8,kv-int8  # random weights
 
---matmuls times one projection's matmul alone, per row count: in XLA float32, the int8 weight dequantized into the
-dot (weight-only, what `ChannelLinear` does) and XLA's int8 dot (activations quantized per row too: W8A8), the
-choice the quantization issue asks to measure; on a CPU where it builds, also the native packed matmul
+--matmuls times one projection's matmul alone, per row count: in XLA float32, the int8 or fp8 weight dequantized
+into the dot (weight-only, what `ChannelLinear` does) and the 8-bit dot with activations quantized per row too
+(W8A8: `ChannelLinear(activations=True)`, what `quantize_activations` runs), the choice the quantization issue asks
+to measure; on a CPU where it builds, also the native packed matmul
 (platforms/cpu/matmul.cc) over float32, int8 and fp8 panels (what the engine runs with matmul_backend "native").
 """
 
@@ -35,7 +37,9 @@ import platform
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -57,6 +61,8 @@ SCHEMES = {
     "int8+kv-int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "int8"},
     "fp8+kv-fp8": {"dtype": "float32", "quantization": "fp8", "kv_cache_dtype": "fp8"},
     "gguf+kv-int8": {"dtype": "float32", "quantization": "gguf", "kv_cache_dtype": "int8"},
+    "w8a8-int8": {"dtype": "float32", "quantization": "int8", "quantize_activations": True},
+    "w8a8-fp8": {"dtype": "float32", "quantization": "fp8", "quantize_activations": True},
 }
 
 
@@ -251,6 +257,7 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
     also the native packed matmul over each weight (int8 and fp8 decoded in the kernel)."""
     import jax
     import jax.numpy as jnp
+    from jaxpaged.models.quantization import ChannelLinear
 
     rng = np.random.default_rng(0)
     act = jnp.dtype(dtype)
@@ -259,22 +266,10 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
     w = (q.astype(jnp.float32) * scale).astype(act)
     f8 = jnp.asarray(rng.normal(size=(k, n)).astype(np.float32)).astype(jnp.float8_e4m3fn)
 
-    def weight_only(x, qw):
-        return jnp.dot(x, qw.astype(x.dtype), preferred_element_type=jnp.float32) * scale
-
-    def int8_dot(x):
-        sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32) / 127, 1e-30)
-        xq = jnp.round(x / sx).astype(jnp.int8)
-        return jnp.dot(xq, q, preferred_element_type=jnp.int32).astype(jnp.float32) * sx * scale
-
-    def fp8_dot(x):
-        sx = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32) / 448, 1e-30)
-        xq = (x / sx).astype(jnp.float8_e4m3fn)
-        return jnp.dot(xq, f8, preferred_element_type=jnp.float32) * sx * scale
-
+    int8, fp8 = (SimpleNamespace(kernel=kernel, scale=scale) for kernel in (q, f8))  # what a Linear holds
     methods = {act.name: lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32),
-               "int8 weight-only": lambda x: weight_only(x, q), "int8 dot (W8A8)": int8_dot,
-               "fp8 weight-only": lambda x: weight_only(x, f8), "fp8 dot (W8A8)": fp8_dot}  # fmt: skip
+               "int8 weight-only": partial(ChannelLinear().apply, int8), "int8 dot (W8A8)": partial(ChannelLinear(True).apply, int8),
+               "fp8 weight-only": partial(ChannelLinear().apply, fp8), "fp8 dot (W8A8)": partial(ChannelLinear(True).apply, fp8)}  # fmt: skip
     methods.update(native_matmuls(w, q, f8, scale) if act == jnp.float32 else {})
     out = []
     for r in rows:

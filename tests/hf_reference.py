@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -69,3 +70,23 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(2, vocab, size=n).tolist() for n in lengths]
+
+
+def with_quantized_inputs(model, kind: str):
+    """A copy of an HF model whose every Linear but the head quantizes its input per token first (int8: rounded to
+    max|x| / 127 steps; fp8: e4m3 at max|x| / 448), in float32: what quantize_activations computes."""
+    model = copy.deepcopy(model)
+
+    def quantize(_, args):
+        x = args[0]
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        if kind == "int8":
+            scale = (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+            return (torch.round(x / scale).clamp(-127, 127) * scale,)
+        scale = (amax / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+        return ((x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale,)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.register_forward_pre_hook(quantize)
+    return model

@@ -28,7 +28,7 @@ from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.loader import DTYPES, LoadedModel
-from jaxpaged.models.quantization import is_quantized
+from jaxpaged.models.quantization import is_quantized, quantize_activations
 from jaxpaged.models.weights import param_bytes
 from jaxpaged.pallas_kernels import copy_blocks, kv_cache_shape, write_kv
 from jaxpaged.pallas_kernels.kv_quant import empty_quantized_kv, kv_bytes_per_token_head
@@ -156,6 +156,11 @@ class ModelRunner:
         # what the plan reports: the scheme asked for (or a GGUF's platform default), else what the checkpoint holds
         self.weight_scheme = loaded.quantization if loaded.quantization not in (None, "none") else (
             "pre-quantized checkpoint" if quantized else "none")  # fmt: skip
+        if config.quantize_activations:
+            if not quantize_activations(loaded.model):
+                raise ValueError("quantize_activations needs int8 or fp8 weights quantized per output channel (quantization="
+                                 "'int8' or 'fp8', or a compressed-tensors checkpoint); this model has none")  # fmt: skip
+            self.weight_scheme += " x 8-bit activations"
         t0 = time.perf_counter()
         self.matmul_backend = self.platform.prepare_model(
             loaded.model, config.matmul_backend, dtype=self.dtype, tensor_parallel_size=config.devices_per_replica

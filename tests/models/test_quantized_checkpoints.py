@@ -18,11 +18,11 @@ import pytest
 import torch
 from flax import nnx
 from jaxpaged.models.loader import load_model
-from jaxpaged.models.quantization import ChannelLinear, GroupLinear
+from jaxpaged.models.quantization import ChannelLinear, GroupLinear, quantize_activations
 from jaxpaged.models.weights import param_bytes
 from safetensors.torch import save_file
 
-from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, tiny_llama_config
+from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, tiny_llama_config, with_quantized_inputs
 from tests.static_batch import StaticBatchRunner
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -474,3 +474,16 @@ def test_compressed_tensors_library_checkpoint(tiny_hf, tmp_path, scheme):
         np.testing.assert_array_equal(got.astype(jnp.bfloat16).astype(np.float32), want, err_msg=name)
     assert max_logit_error(loaded, dequantized_hf(tiny_hf, {n: device_weight(_module(loaded.model, n)) for n in deq})) <= 2e-4
     assert ct.__version__
+
+
+@pytest.mark.parametrize("fmt", ["ct-w8a8-int8-channel", "ct-fp8-channel"])
+def test_w8a8_checkpoint_with_quantized_activations(tiny_hf, tmp_path, fmt):
+    """A W8A8 checkpoint as its scheme intends (quantize_activations): every stored per-channel Linear takes 8-bit
+    dots, whose logits are the stored weights' with each Linear's input quantized per token."""
+    quantize, qcfg, _, extra = FORMATS[fmt]
+    deq = write_quantized(tiny_hf, tmp_path / fmt, quantize, qcfg, extra)
+    loaded = load_model(str(tmp_path / fmt))
+    assert quantize_activations(loaded.model) == len(deq)
+    kind = "int8" if "int8" in fmt else "fp8"
+    assert max_logit_error(loaded, with_quantized_inputs(dequantized_hf(tiny_hf, deq), kind)) <= 2e-4
+    assert max_logit_error(loaded, dequantized_hf(tiny_hf, deq)) > 1e-2  # not the weight-only matmul

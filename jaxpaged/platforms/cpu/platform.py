@@ -133,10 +133,10 @@ def pack_for_cpu_matmul(model: nnx.Module) -> int:
 def _packed_method(linear: Linear):
     """The method a Linear's kernel takes once packed: float32 kernels PackedLinear, 8-bit per-channel ones
     PackedChannelLinear (decoded in the kernel, where XLA:CPU writes the float weight out every step); None for
-    any other (16-bit, grouped) kernel, which stays as it is."""
+    any other (16-bit, grouped, 8-bit-activation) kernel, which stays as it is."""
     dtype = linear.kernel[...].dtype
     if type(linear.method) is DenseLinear and dtype == jnp.float32:
         return cpu_matmul.PackedLinear()
-    if type(linear.method) is ChannelLinear and dtype in cpu_matmul.SCALED_DTYPES and linear.scale[...].ndim == 1:
+    if linear.method == ChannelLinear() and dtype in cpu_matmul.SCALED_DTYPES and linear.scale[...].ndim == 1:
         return cpu_matmul.PackedChannelLinear()
     return None
