@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.platforms.cpu.platform import available_host_memory
 from tests.hf_reference import hf_greedy, random_prompts
 
 VOCAB = 256
@@ -203,11 +204,21 @@ def test_pool_size_from_blocks_or_memory(model_dir):
     assert default.get_stats()["kv_blocks_total"] == 4 * (256 // 8)
     runner = default.engine.runner
     fraction = LLM(model_dir, kv_cache_memory_fraction=1e-6, **kw)  # a fraction of free RAM, capped the same way
+    free = available_host_memory()
+    expected = max(1, min(int(1e-6 * free) // runner.block_bytes, 4 * (256 // 8)))
+    assert abs(fraction.get_stats()["kv_blocks_total"] - expected) <= 2  # free RAM moves a little in between
+
+
+def test_host_memory_counts_the_page_cache_the_kernel_can_drop(tmp_path):
+    """A host whose RAM is mostly page cache has little free but much available: the pool sizing and the memory
+    check read what is available (once they read free pages and refused a 0.5 GB model on a 24 GB machine)."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          300000 kB\nMemAvailable:   20000000 kB\n")
+    assert available_host_memory(str(meminfo)) == 20000000 * 1024
     import os
 
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    expected = max(1, min(int(1e-6 * free) // runner.block_bytes, 4 * (256 // 8)))
-    assert abs(fraction.get_stats()["kv_blocks_total"] - expected) <= 2  # free RAM moves a little in between
+    assert abs(available_host_memory(str(tmp_path / "missing")) - free) < 0.1 * free  # elsewhere: free pages
 
 
 def test_pallas_kernel_backend_gives_the_same_greedy_tokens(model_dir, mixed_workload):

@@ -94,15 +94,28 @@ class CpuPlatform(Platform):
         return backend
 
     def device_memory(self, device) -> tuple[int | None, bool]:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), True  # the host's, shared by CPU devices
+        return available_host_memory(), True  # the host's, shared by CPU devices
 
     def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
         budget = KV_CACHE_BYTES
         if config.kv_cache_memory_fraction is not None:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = int(config.kv_cache_memory_fraction * available)
+            budget = int(config.kv_cache_memory_fraction * available_host_memory())
         enough = config.max_num_seqs * table_width  # every sequence at full length
         return max(1, min(budget // block_bytes, enough))
+
+
+def available_host_memory(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes the host can give without swapping: Linux's MemAvailable, free pages plus the page cache it can drop.
+    Free pages alone (sysconf's count, the fallback elsewhere) leave that cache out, and a machine that has read
+    many files shows little free memory while most of it is available."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _tied_head(model: nnx.Module) -> Embedding | None:
