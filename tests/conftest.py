@@ -15,6 +15,13 @@ def pytest_configure(config):
                             "deselect with -m 'not network')")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a worker per core, at most 4, each a JAX process of a few GB at its peak."""
+    import os
+
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 def pytest_collection_modifyitems(config, items):
     import jax
 

@@ -26,7 +26,7 @@ def rerun_with_devices(test_file: str, timeout: float = 1800) -> None:
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(test_file).resolve())],
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(Path(test_file).resolve())],
         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
