@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -289,9 +290,39 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
                 t0 = time.perf_counter()
                 g(x).block_until_ready()
                 times.append(time.perf_counter() - t0)
-            out.append({"rows": r, "method": name, "ms": float(np.median(times)) * 1e3})
-            print(f"rows {r:>5}  {name:<18} {out[-1]['ms']:.3f} ms")
+            dots = dot_operand_types(g.lower(x).compile().as_text())
+            out.append({"rows": r, "method": name, "ms": float(np.median(times)) * 1e3, "dots": dots})
+            print(f"rows {r:>5}  {name:<18} {out[-1]['ms']:.3f} ms   dot operands: {', '.join(dots) or '-'}")
     return out
+
+
+HLO_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[")
+HLO_OPERAND = re.compile(r"(?:(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+)?%([\w.\-]+)")
+HLO_DOT = re.compile(r"= (?:\([^)]*\)|\w+\[[^\]]*\](?:\{[^}]*\})?) (dot|custom-call)\(([^)]*)\)(.*)$")  # a GEMM returns a tuple
+
+
+def dot_operand_types(hlo: str) -> list[str]:
+    """What each matmul of a compiled program multiplies, from its optimized HLO: "s8 x s8" for an int8 dot,
+    "f8e4m3fn x f8e4m3fn (__cublas$lt$matmul$f8)" where XLA:GPU took the fp8 GEMM, "f32 x f32" where the 8-bit
+    weight was widened first. The check that a W8A8 method really runs on 8-bit units."""
+    types = {}
+    for line in hlo.splitlines():
+        m = HLO_DEFINITION.match(line)
+        if m:
+            types[m.group(1)] = m.group(2)
+    found = []
+    for line in hlo.splitlines():
+        m = HLO_DOT.search(line)
+        if not m:
+            continue
+        target = re.search(r'custom_call_target="([^"]+)"', m.group(3))
+        if m.group(1) == "custom-call" and not (target and re.search("gemm|matmul", target.group(1), re.I)):
+            continue
+        # each operand printed with its shape ("s8[4,64]{1,0} %p") or only by name ("%p")
+        operands = HLO_OPERAND.findall(m.group(2))[:2]
+        kinds = [dtype or types.get(name, "?") for dtype, name in operands]
+        found.append(" x ".join(kinds) + (f" ({target.group(1)})" if target else ""))
+    return found
 
 
 def native_matmuls(w, q, f8, scale) -> dict:

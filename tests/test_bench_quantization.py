@@ -55,8 +55,25 @@ def test_matmuls_time_the_native_8bit_methods_on_cpu():
     results = bench_quantization.time_matmuls(64, 40, rows=(1, 13), iters=2)
     methods = {r["method"] for r in results if "ms" in r}
     assert {"float32", "int8 weight-only", "fp8 weight-only"} <= methods
+    dots = {r["method"]: r["dots"] for r in results if r["rows"] == 13}
+    assert dots["int8 dot (W8A8)"] == ["s8 x s8"] and dots["int8 weight-only"] == ["f32 x f32"]  # XLA:CPU widens it
     native = {"native float32", "native int8", "native fp8"}
     if jax.default_backend() == "cpu" and cpu_matmul.available():
         assert native <= methods
+        assert dots["native int8"] == ["f32 x s8 (jaxpaged_packed_matmul_cpu_scaled)"]
     else:
         assert not native & methods
+
+
+def test_dot_operand_types_reads_a_gpu_gemm_and_a_fused_dot():
+    """The HLO forms the check meets: a cuBLASLt fp8 GEMM (a tuple result, operands printed with their shapes) and a
+    dot inside a fusion (operands by name, their types where they are defined)."""
+    hlo = """
+  %p.1 = f8e4m3fn[16,64]{1,0} parameter(0)
+  %cublas-gemm.1 = (bf16[16,32]{1,0}, s8[4194304]{0}) custom-call(f8e4m3fn[16,64]{1,0} %p.1, f8e4m3fn[64,32]{0,1} %p.2, f32[] %c.1, f32[] %c.2), custom_call_target="__cublas$lt$matmul$f8", backend_config={}
+  %param_0.3 = s8[4,64]{1,0} parameter(0)
+  %param_1.4 = s8[64,32]{1,0} parameter(1)
+  ROOT %dot.0 = s32[4,32]{1,0} dot(%param_0.3, %param_1.4), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %other = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="SomethingElse"
+"""
+    assert bench_quantization.dot_operand_types(hlo) == ["f8e4m3fn x f8e4m3fn (__cublas$lt$matmul$f8)", "s8 x s8"]
