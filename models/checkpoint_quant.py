@@ -188,7 +188,8 @@ class CompressedTensors(CheckpointFormat):
                 if act:
                     logger.info(
                         "%s: the checkpoint's %s%s %s quantization (%s) is not applied as stored: activations stay in "
-                        "the model dtype, or with quantize_activations are quantized per token in the step", source, act.get("type", "int"),
+                        "the model dtype, or with quantize_activations are quantized per token in the step", source,
+                        act.get("type", "int"),
                         act.get("num_bits", 8), kind.replace("_", " "), "dynamic" if act.get("dynamic") else "static",
                     )  # fmt: skip
         if qcfg.get("kv_cache_scheme"):
