@@ -137,10 +137,11 @@ def test_head_count_that_does_not_divide_is_a_clear_error(tmp_path):
 
 
 @needs_devices
-@pytest.mark.parametrize("scheme", ["int8", "gguf-q4_0"])
+@pytest.mark.parametrize("scheme", ["int8-w8a8", "gguf-q4_0"])
 def test_quantized_weights_split_like_their_kernels(scheme, tmp_path):
     """Scales and offsets split with their kernels (a packed 4-bit kernel on its halved input axis too): TP=2 and
-    TP=4 give TP=1's tokens."""
+    TP=4 give TP=1's tokens. The int8 case quantizes activations too (a row-parallel layer's per-token scale is a
+    max over its split input), which covers weight-only int8's splits as well: only the dot differs."""
     from jaxpaged import LLM
 
     from tests.gguf_writer import write_llama_gguf
@@ -148,15 +149,18 @@ def test_quantized_weights_split_like_their_kernels(scheme, tmp_path):
 
     hf = random_hf_model(tiny_llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                                            max_position_embeddings=256), std=0.05)  # fmt: skip
-    if scheme == "int8":
+    if scheme == "int8-w8a8":
         source, quantization = save_hf_model(hf, tmp_path / "m"), "int8"
     else:
         source, quantization = write_llama_gguf(hf, tmp_path / "q.gguf", quant="Q4_0"), "gguf"
+    activations = scheme.endswith("w8a8")
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)
 
     def run(n):
         llm = LLM(str(source), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8, tensor_parallel_size=n,
-                  attention_backend="reference", quantization=quantization, log_level="WARNING")  # fmt: skip
+                  attention_backend="reference", quantization=quantization, quantize_activations=activations,
+                  log_level="WARNING")  # fmt: skip
+        assert ("x 8-bit activations" in llm.engine.runner.memory_plan()) == activations
         return _greedy(llm, prompts), llm
 
     single, _ = run(1)
