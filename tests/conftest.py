@@ -16,9 +16,15 @@ def pytest_configure(config):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject's addopts): a worker per core, at most 4, each a JAX process of a few GB at its peak."""
+    """`-n auto` (pyproject's addopts): on the CPU a worker per core, at most 4, each a JAX process of a few GB at
+    its peak; one where JAX has an accelerator plugin (each process would take most of the device's memory),
+    unless JAX_PLATFORMS=cpu. Decided without starting JAX in this, the controlling, process."""
+    import importlib.util
     import os
 
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+    if os.environ.get("JAX_PLATFORMS", "") != "cpu" and any(importlib.util.find_spec(p) for p in plugins):
+        return 1
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
