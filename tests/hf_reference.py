@@ -90,3 +90,39 @@ def with_quantized_inputs(model, kind: str):
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             module.register_forward_pre_hook(quantize)
     return model
+
+
+# -- HF computing with the weights a loaded jaxpaged model holds -----------------------------------
+
+
+def port_module(model, hf_name: str):
+    """The jaxpaged module at an HF module path ("model.layers.0.mlp.down_proj")."""
+    obj = model
+    for part in hf_name.removeprefix("model.").split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def device_weight(layer) -> np.ndarray:
+    """The [out, in] float32 weight a loaded Linear computes with, from what the device holds (read before an
+    engine repacks it for the CPU's native matmul)."""
+    import jax.numpy as jnp
+
+    from jaxpaged.models.quantization import ChannelLinear, GroupLinear
+
+    if isinstance(layer.method, ChannelLinear):
+        w = np.asarray(layer.kernel[...]).astype(np.float32) * np.asarray(layer.scale[...]).astype(np.float32)
+    elif isinstance(layer.method, GroupLinear):
+        w = np.asarray(layer.method.weight(layer, jnp.float32))
+    else:
+        w = np.asarray(layer.kernel[...]).astype(np.float32)
+    return w.T
+
+
+def dequantized_hf(hf, deq: dict):
+    """A copy of an HF model whose named Linears take the [out, in] weights in `deq`."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, w in deq.items():
+            ref.get_submodule(name).weight.copy_(torch.from_numpy(np.array(w)))
+    return ref

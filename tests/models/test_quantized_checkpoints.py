@@ -22,7 +22,10 @@ from jaxpaged.models.quantization import ChannelLinear, GroupLinear, quantize_ac
 from jaxpaged.models.weights import param_bytes
 from safetensors.torch import save_file
 
-from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, tiny_llama_config, with_quantized_inputs
+from tests.hf_reference import (
+    dequantized_hf, device_weight, hf_greedy, hf_logits, port_module, random_hf_model, random_prompts, tiny_llama_config,
+    with_quantized_inputs,
+)  # fmt: skip
 from tests.static_batch import StaticBatchRunner
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -215,32 +218,6 @@ def write_quantized(hf, folder, quantize, qcfg, extra=None, linears=None):
     return deq
 
 
-def dequantized_hf(hf, deq):
-    ref = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, w in deq.items():
-            ref.get_submodule(name).weight.copy_(torch.from_numpy(np.array(w)))
-    return ref
-
-
-def _module(model, hf_name: str):
-    obj = model
-    for part in hf_name.removeprefix("model.").split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
-
-
-def device_weight(layer) -> np.ndarray:
-    """The [out, in] float32 weight a loaded Linear computes with, from what the device holds."""
-    if isinstance(layer.method, ChannelLinear):
-        w = np.asarray(layer.kernel[...]).astype(np.float32) * np.asarray(layer.scale[...]).astype(np.float32)
-    elif isinstance(layer.method, GroupLinear):
-        w = np.asarray(layer.method.weight(layer, jnp.float32))
-    else:
-        w = np.asarray(layer.kernel[...]).astype(np.float32)
-    return w.T
-
-
 def max_logit_error(loaded, hf, lengths=(4, 19)) -> float:
     prompts = random_prompts(hf.config.vocab_size, lengths)
     ours = StaticBatchRunner(loaded).prompt_logits(prompts)
@@ -257,7 +234,7 @@ def test_format_loads_quantized_and_exact(tiny_hf, tmp_path, fmt):
     deq = write_quantized(tiny_hf, tmp_path / fmt, quantize, qcfg, extra)
     loaded = load_model(str(tmp_path / fmt))
     for name, want in deq.items():
-        layer = _module(loaded.model, name)
+        layer = port_module(loaded.model, name)
         assert layer.kernel[...].dtype == jnp.dtype(kernel_dtype), name
         np.testing.assert_array_equal(device_weight(layer), want, err_msg=name)
     assert not isinstance(loaded.model.lm_head.method, (ChannelLinear, GroupLinear))  # ignored: stays float
@@ -273,7 +250,7 @@ def test_quantization_none_dequantizes_and_int8_keeps_as_stored(tiny_hf, tmp_pat
     deq = write_quantized(tiny_hf, tmp_path / "m", quantize, qcfg)
     plain = load_model(str(tmp_path / "m"), quantization="none")
     for name, want in deq.items():
-        layer = _module(plain.model, name)
+        layer = port_module(plain.model, name)
         assert layer.kernel[...].dtype == jnp.float32 and not isinstance(layer.method, GroupLinear)
         np.testing.assert_array_equal(device_weight(layer), want, err_msg=name)
     loader_log = logging.getLogger("jaxpaged.loader")  # on the logger itself: jaxpaged's loggers stop propagating
@@ -284,7 +261,7 @@ def test_quantization_none_dequantizes_and_int8_keeps_as_stored(tiny_hf, tmp_pat
     finally:
         loader_log.removeHandler(caplog.handler)
     assert "already gptq-quantized" in caplog.text
-    up = _module(kept.model, "model.layers.0.mlp.up_proj")
+    up = port_module(kept.model, "model.layers.0.mlp.up_proj")
     assert isinstance(up.method, GroupLinear) and up.method.bits == 4 and up.kernel[...].dtype == jnp.uint8
     assert not isinstance(kept.model.lm_head.method, (ChannelLinear, GroupLinear))
 
@@ -294,7 +271,7 @@ def test_bfloat16_model_from_a_4bit_checkpoint(tiny_hf, tmp_path):
     quantize, qcfg, _, _ = FORMATS["awq-4bit-gemm"]
     deq = write_quantized(tiny_hf, tmp_path / "m", quantize, qcfg)
     loaded = load_model(str(tmp_path / "m"), dtype="bfloat16")
-    layer = _module(loaded.model, "model.layers.1.self_attn.o_proj")
+    layer = port_module(loaded.model, "model.layers.1.self_attn.o_proj")
     got = np.asarray(layer.method.weight(layer, jnp.bfloat16)).T
     want = deq["model.layers.1.self_attn.o_proj"]
     np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
@@ -307,9 +284,9 @@ def test_mixed_checkpoint_leaves_unquantized_linears_float(tiny_hf, tmp_path):
     deq = write_quantized(tiny_hf, tmp_path / "m", quantize, {**qcfg, "ignore": ["lm_head", "re:.*self_attn.*"]},
                           linears=only)
     loaded = load_model(str(tmp_path / "m"))
-    q_proj = _module(loaded.model, "model.layers.0.self_attn.q_proj")
+    q_proj = port_module(loaded.model, "model.layers.0.self_attn.q_proj")
     assert q_proj.kernel[...].dtype == jnp.float32 and not isinstance(q_proj.method, GroupLinear)
-    assert isinstance(_module(loaded.model, "model.layers.0.mlp.down_proj").method, GroupLinear)
+    assert isinstance(port_module(loaded.model, "model.layers.0.mlp.down_proj").method, GroupLinear)
     assert max_logit_error(loaded, dequantized_hf(tiny_hf, deq)) <= 2e-4
 
 
@@ -331,7 +308,7 @@ def test_sharded_checkpoint_with_a_linear_split_across_shards(tiny_hf, tmp_path)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     loaded = load_model(str(folder))
     for name, want in deq.items():
-        np.testing.assert_array_equal(device_weight(_module(loaded.model, name)), want, err_msg=name)
+        np.testing.assert_array_equal(device_weight(port_module(loaded.model, name)), want, err_msg=name)
 
 
 def test_bfloat16_float_checkpoint_loads(tiny_hf, tmp_path):
@@ -427,7 +404,7 @@ def test_side_file_gptq_config(tiny_hf, tmp_path):
     (tmp_path / "m" / "quantize_config.json").write_text(json.dumps(side))
     loaded = load_model(str(tmp_path / "m"))
     name = "model.layers.1.mlp.gate_proj"
-    np.testing.assert_array_equal(device_weight(_module(loaded.model, name)), deq[name])
+    np.testing.assert_array_equal(device_weight(port_module(loaded.model, name)), deq[name])
 
 
 # -- compressed-tensors' own compressors (skipped without the package) ------------------------------
@@ -468,11 +445,11 @@ def test_compressed_tensors_library_checkpoint(tiny_hf, tmp_path, scheme):
     deq = write_quantized(tiny_hf, tmp_path / scheme, quantize, qcfg)
     loaded = load_model(str(tmp_path / scheme))
     for name, want in deq.items():
-        got = device_weight(_module(loaded.model, name))
+        got = device_weight(port_module(loaded.model, name))
         # the library dequantizes in the scale's dtype (bfloat16); ours is exact in float32, so rounding it to
         # bfloat16 must give the library's value
         np.testing.assert_array_equal(got.astype(jnp.bfloat16).astype(np.float32), want, err_msg=name)
-    assert max_logit_error(loaded, dequantized_hf(tiny_hf, {n: device_weight(_module(loaded.model, n)) for n in deq})) <= 2e-4
+    assert max_logit_error(loaded, dequantized_hf(tiny_hf, {n: device_weight(port_module(loaded.model, n)) for n in deq})) <= 2e-4
     assert ct.__version__
 
 

@@ -6,7 +6,6 @@ to float32 rounding), and its logits against the float model (what quantization 
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -23,7 +22,10 @@ from jaxpaged.models.quantization import (
 from jaxpaged.models.weights import param_bytes
 
 from tests.gguf_writer import quantize_q4_k, write_llama_gguf
-from tests.hf_reference import hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config, with_quantized_inputs
+from tests.hf_reference import (
+    dequantized_hf, device_weight, hf_logits, port_module, random_hf_model, random_prompts, save_hf_model, tiny_llama_config,
+    with_quantized_inputs,
+)  # fmt: skip
 from tests.static_batch import StaticBatchRunner
 
 # Max |logit error| against the float model on `hf` below (logits reach about 2.5): measured 0.071 (int8), 0.25 (fp8),
@@ -57,18 +59,9 @@ def _hf_logits(model, prompts):
 
 
 def _with_device_weights(hf, loaded):
-    """HF computing with exactly the per-channel weights the device holds (read before the model runs: a CPU
-    engine repacks them)."""
-    dequantized = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, module in dequantized.named_modules():
-            if isinstance(module, torch.nn.Linear) and name != "lm_head":
-                ours = loaded.model
-                for part in name.removeprefix("model.").split("."):
-                    ours = ours[int(part)] if part.isdigit() else getattr(ours, part)
-                w = np.asarray(ours.kernel[...]).astype(np.float32) * np.asarray(ours.scale[...])
-                module.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
-    return dequantized
+    """HF computing with exactly the weights the device holds in every Linear but the head."""
+    names = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    return dequantized_hf(hf, {n: device_weight(port_module(loaded.model, n)) for n in names})
 
 
 def _weight_bytes(loaded) -> int:
