@@ -234,19 +234,31 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
     return model, cfg, hf_config, tokenizer
 
 
-def _load_random(config_file: Path, dtype_name: str, choose_attention, quantization: str | None = None):
-    """A bare config.json: random weights in its shapes, for benchmarks and tests."""
+def _random_config(config_file: Path):
     from transformers import AutoConfig
 
     try:
         raw = json.loads(config_file.read_text())
-        hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+        return AutoConfig.for_model(raw.pop("model_type"), **raw)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"could not read model config {config_file}: {exc}") from exc
+
+
+def _load_random(config_file: Path, dtype_name: str, choose_attention, quantization: str | None = None):
+    """A bare config.json: random weights in its shapes, for benchmarks and tests."""
+    hf_config = _random_config(config_file)
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization)
     folder = config_file.parent
     return model, cfg, hf_config, _load_tokenizer(folder)
+
+
+def random_checkpoint(config_file: str | Path):
+    """(HF config, {HF name: float32 array}): the random weights that loading `config_file` makes, so a
+    benchmark can write them once as an HF folder that every engine it compares loads."""
+    hf_config = _random_config(Path(config_file))
+    _, model, specs = _abstract_model(hf_config, "float32", functools.partial(platforms.get().attention_backend, "auto"))
+    return hf_config, {name: array for name, array, _ in random_tensors(specs, model)}
 
 
 def load_model(

@@ -230,7 +230,8 @@ def random_tensors(specs: dict[str, WeightSpec], model: nnx.Module, seed: int = 
         elif path.endswith("bias"):
             array = np.zeros(shape, np.float32)
         else:
-            array = rng.normal(0.0, std, size=shape).astype(np.float32)
+            array = rng.standard_normal(shape, dtype=np.float32)  # float32 draws: 3x faster than normal()'s float64
+            array *= std
         yield name, array, "random init"
 
 

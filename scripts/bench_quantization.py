@@ -103,10 +103,14 @@ def sources(model: str | None, workdir: Path) -> tuple[str, str | None]:
     """(the float source every scheme loads, the GGUF the "gguf" schemes load, or None)."""
     from jaxpaged.models.builtin import builtin_gguf_path
 
+    import export_hf
+
     path = Path(model) if model else Path(builtin_gguf_path())
+    if path.suffix == ".json":  # random weights, drawn once (a 1B model's take 10-20 s) and loaded by every scheme
+        log.info("writing %s's random weights to an HF folder", path.name)
+        return str(export_hf.export_random(str(path), workdir / "random")), None
     if path.suffix != ".gguf":
         return str(path), None
-    import export_hf
 
     log.info("exporting %s to an HF folder of its dequantized weights", path.name)
     return str(export_hf.export(str(path), workdir / "hf")), str(path)
@@ -121,18 +125,20 @@ def kv_blocks(llm_config, kv_cache_dtype: str, dtype: str, budget_bytes: float, 
 
 
 def model_shape(source: str, kwargs: dict):
-    """The model's ModelConfig (layers, KV heads, head dim, vocab): read from a config.json (random weights are
-    slow to make: a 1B model's take 30-50 s), else from a probe engine with one KV block."""
+    """The model's ModelConfig (layers, KV heads, head dim, vocab): read from its config.json where it has one
+    (a probe engine would load the weights once more), else from a probe engine with one KV block."""
     from jaxpaged import LLM
 
-    if source.endswith(".json"):
+    config = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+    if config.suffix == ".json" and config.exists():
         from transformers import AutoConfig
 
-        from jaxpaged.models.config import model_config_from_hf
+        from jaxpaged.models.registry import resolve_architecture
 
-        raw = json.loads(Path(source).read_text())
+        raw = json.loads(config.read_text())
         hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
-        return model_config_from_hf(hf, (hf.architectures or ["LlamaForCausalLM"])[0])
+        arch, cls = resolve_architecture(getattr(hf, "architectures", None), hf.model_type)
+        return cls.config_from_hf(hf, arch)
     probe_kwargs = {k: v for k, v in kwargs.items() if k != "max_num_batched_tokens"}
     probe = LLM(model=source, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=16, precompile=False, **probe_kwargs)
     return probe.engine.loaded.config

@@ -84,6 +84,16 @@ PARITY_PROMPTS = {  # (prompt lengths, max new tokens); 100 and 130 exceed the s
 }
 
 
+def shard_arg(value: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N such as 0/4, got {value!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"K/N needs 0 <= K < N, got {value!r}")
+    return k, n
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="shorter benchmarks (bench_attention --quick, a 64-request throughput run)")
@@ -93,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "docs" / "data"), metavar="DIR", help="folder for the JSON (default docs/data)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the JSON here instead (overrides --out)")
     p.add_argument("--bench-timeout", type=float, default=3600.0, metavar="S", help="seconds each benchmark may run (default 3600)")
+    p.add_argument("--shard", default=(0, 1), type=shard_arg, metavar="K/N",
+                   help="run only every N-th kernel case from the K-th (0-based), to split them over N processes")
     p.add_argument("--interpret-on-cpu", action="store_true", help=argparse.SUPPRESS)  # tests: stages 1-2 interpreted, tiny
     return p.parse_args(argv)
 
@@ -154,16 +166,17 @@ def slug(text: str) -> str:
 # -- stages ---------------------------------------------------------------------------------------------------
 
 
-def kernel_stage(cases, *, interpret: bool, kv_cache_dtypes=("auto",)) -> dict:
+def kernel_stage(cases, *, interpret: bool, kv_cache_dtypes=("auto",), shard=(0, 1)) -> dict:
     """Each case (under each KV cache dtype) on the platform's Pallas kernel against the definition; a case that
-    raises fails alone."""
+    raises fails alone. shard (k, n): every n-th of those from the k-th, so n processes share the compiles."""
     from jaxpaged import platforms
 
     from tests.attention_cases import compare_kernel
 
     platform = platforms.get()
     results = []
-    for kc, kv_cache_dtype in [(kc, kind) for kind in kv_cache_dtypes for kc in cases]:
+    k, n = shard
+    for kc, kv_cache_dtype in [(kc, kind) for kind in kv_cache_dtypes for kc in cases][k::n]:
         t0 = time.perf_counter()
         try:
             backend = platform.attention_backend("pallas", kc.head_dim)
@@ -410,9 +423,9 @@ def main(argv=None) -> int:
     if args.skip_bench:
         wanted -= {"bench_attention", "bench_throughput"}
     if "kernel_cases" in wanted:
-        run_stage(report, "kernel_cases", lambda: kernel_stage(cases, interpret=interpret))
+        run_stage(report, "kernel_cases", lambda: kernel_stage(cases, interpret=interpret, shard=args.shard))
     if "kv_cache_cases" in wanted:
-        run_stage(report, "kv_cache_cases", lambda: kernel_stage(cases, interpret=interpret, kv_cache_dtypes=("int8", "fp8")))
+        run_stage(report, "kv_cache_cases", lambda: kernel_stage(cases, interpret=interpret, kv_cache_dtypes=("int8", "fp8"), shard=args.shard))
     if not interpret and "launches" in wanted:
         run_stage(report, "launches", launch_stage)
     if "parity" in wanted:

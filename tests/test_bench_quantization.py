@@ -77,3 +77,18 @@ def test_dot_operand_types_reads_a_gpu_gemm_and_a_fused_dot():
   %other = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target="SomethingElse"
 """
     assert bench_quantization.dot_operand_types(hlo) == ["f8e4m3fn x f8e4m3fn (__cublas$lt$matmul$f8)", "s8 x s8"]
+
+
+def test_random_weights_are_written_once_as_the_folder_every_scheme_loads(tiny_config, tmp_path):
+    """A config.json is exported to an HF folder of the random weights loading it makes: the same floats, so an
+    engine on the folder gives the config's engine's greedy tokens, and the shape is read from its config.json."""
+    from jaxpaged import LLM, SamplingParams
+
+    folder, gguf = bench_quantization.sources(str(tiny_config), tmp_path)
+    assert gguf is None and (Path(folder) / "model.safetensors").exists()
+    assert bench_quantization.model_shape(folder, {}).num_layers == 2
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [11, 12, 13, 14, 15]}]
+    tokens = [list(LLM(model=m, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=16).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+              for m in (str(tiny_config), folder)]  # fmt: skip
+    assert tokens[0] == tokens[1]

@@ -76,12 +76,31 @@ def test_stages_picks_the_stages_to_run(tmp_path, monkeypatch):
     assert calls == [("int8", "fp8")] and set(json.loads(out.read_text())["stages"]) == {"kv_cache_cases"}
 
 
+def test_shard_splits_the_kernel_cases_over_processes(tmp_path, monkeypatch):
+    """Two shards run disjoint halves of the (case, KV dtype) list and together all of it."""
+    import argparse
+
+    from tests.attention_cases import SMOKE_CASES
+
+    seen = {}
+    monkeypatch.setattr("tests.attention_cases.compare_kernel", lambda backend, kc, kv: {"case": f"{kc.name}-kv-{kv}", "passed": True})
+    for k in (0, 1):
+        report = check_accelerator.kernel_stage(SMOKE_CASES, interpret=True, kv_cache_dtypes=("int8", "fp8"), shard=(k, 2))
+        seen[k] = [c["case"] for c in report["cases"]]
+    everything = [f"{kc.name}-kv-{kv}" for kv in ("int8", "fp8") for kc in SMOKE_CASES]
+    assert seen[0] == everything[0::2] and seen[1] == everything[1::2]
+    assert check_accelerator.shard_arg("3/4") == (3, 4)
+    for bad in ("4/4", "1", "a/b", "-1/2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            check_accelerator.shard_arg(bad)
+
+
 def test_a_failing_stage_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
     """Orchestration only: the stages are stand-ins. A benchmark that raises is recorded; a failed kernel case makes
     the exit status 1; the goals are judged from the benchmarks' JSON."""
     calls = []
 
-    def kernel_stage(cases, *, interpret, kv_cache_dtypes=("auto",)):
+    def kernel_stage(cases, *, interpret, kv_cache_dtypes=("auto",), shard=(0, 1)):
         calls.append("kernel_cases" if kv_cache_dtypes == ("auto",) else "kv_cache_cases")
         return {"status": "failed", "passed": 0, "total": 1, "cases": [
             {"case": "x", "dtype": "float32", "max_abs_error": 1.0, "atol": 1e-4, "padding_zero": True, "shape_and_dtype": True, "passed": False}]}

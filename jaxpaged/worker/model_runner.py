@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -176,6 +177,7 @@ class ModelRunner:
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
         self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
         self._background: ThreadPoolExecutor | None = None
+        self._sampler_queued: set[int] = set()  # sampling-row counts whose sampler a background compile makes
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
@@ -479,7 +481,7 @@ class ModelRunner:
 
     def prefetch(self, num_tokens: int) -> None:
         """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
-        One device only; the compile is one that precompile-off asked for."""
+        One device only; the compile is one that precompile-off or warm-up asked for."""
         t, _ = self.bucket_for(num_tokens)
         if not self.single_device or ("forward", t) in self._compiled or t in self._pending:
             return
@@ -489,13 +491,15 @@ class ModelRunner:
         slots = step.attention.slot_mapping
 
         _, rows = self.bucket_for(t)
+        with_sampler = ("sample", rows) not in self._compiled and rows not in self._sampler_queued
+        self._sampler_queued.add(rows)
 
         def compile_all():
             with compile_monitor.expected():
                 forward = self.executables.compile("forward", self._forward, args)
                 write = self.executables.compile("write", self._write, (args[1], forward.out_info[2], slots))
                 ready = {("forward", t): forward, ("write", t): write}
-                if ("sample", rows) not in self._compiled:
+                if with_sampler:
                     ready["sample", rows] = self.executables.compile("sample", self._sample, (forward.out_info[0], sampling, args[7]))
             return ready
 
@@ -536,7 +540,13 @@ class ModelRunner:
             logger.info("step buckets %s are compiled on first use (precompile off)", self.buckets)
             return 0.0
         t0 = time.perf_counter()
-        for t in tqdm(self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
+        if self.single_device and len(self.buckets) > 1:  # XLA compiles outside the GIL: the buckets side by side
+            self._background = ThreadPoolExecutor(max_workers=min(len(self.buckets), os.cpu_count() or 1, 8), thread_name_prefix="jaxpaged-compile")
+            for t in self.buckets:
+                self.prefetch(t)
+            for t in tqdm(list(self._pending), desc="Compiling step buckets", unit="bucket", leave=False):
+                self._compiled.update(self._pending.pop(t).result())
+        for t in self.buckets:
             self.execute(self.input_batch.blank(t))
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
         jax.block_until_ready(self.kv_cache)
