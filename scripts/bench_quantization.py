@@ -276,7 +276,8 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
     int8, fp8 = (SimpleNamespace(kernel=kernel, scale=scale) for kernel in (q, f8))  # what a Linear holds
     methods = {act.name: lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32),
                "int8 weight-only": partial(ChannelLinear().apply, int8), "int8 dot (W8A8)": partial(ChannelLinear(True).apply, int8),
-               "fp8 weight-only": partial(ChannelLinear().apply, fp8), "fp8 dot (W8A8)": partial(ChannelLinear(True).apply, fp8)}  # fmt: skip
+               "fp8 weight-only": partial(ChannelLinear().apply, fp8), "fp8 dot (W8A8)": partial(ChannelLinear(True).apply, fp8),
+               "fp8 dot f8 (W8A8)": partial(ChannelLinear(True, "float8").apply, fp8)}  # fmt: skip
     methods.update(native_matmuls(w, q, f8, scale) if act == jnp.float32 else {})
     out = []
     for r in rows:

@@ -17,6 +17,7 @@ SHARED_MEMORY_KIB = {"7.0": 96, "7.5": 64, "8.0": 163, "8.6": 99, "8.7": 163, "8
 @dataclasses.dataclass(frozen=True)
 class GpuPlatform(AcceleratorPlatform):
     name = "gpu"
+    fp8_dot_operands = "float8"
 
     def kernel(self) -> TritonAttention:
         """Sized for the first local GPU; without one (exporting from a CPU host) the kernel's defaults hold."""

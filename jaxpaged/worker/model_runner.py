@@ -158,7 +158,7 @@ class ModelRunner:
         self.weight_scheme = loaded.quantization if loaded.quantization not in (None, "none") else (
             "pre-quantized checkpoint" if quantized else "none")  # fmt: skip
         if config.quantize_activations:
-            if not quantize_activations(loaded.model):
+            if not quantize_activations(loaded.model, self.platform.fp8_dot_operands):
                 raise ValueError("quantize_activations needs int8 or fp8 weights quantized per output channel (quantization="
                                  "'int8' or 'fp8', or a compressed-tensors checkpoint); this model has none")  # fmt: skip
             self.weight_scheme += " x 8-bit activations"

@@ -104,9 +104,10 @@ def test_activations_quantize_per_token_within_half_a_step(kind):
     assert (q[4].astype(np.float32) == 0).all() and np.isfinite(scale).all()  # a zero row (padding) stays zero
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_8bit_dot_is_the_product_of_its_quantized_operands(kind):
-    """ChannelLinear(activations=True): exactly (dequantized x) @ (dequantized w), the dot itself in 8 bits."""
+@pytest.mark.parametrize("kind,fp8_operands", [("int8", "bfloat16"), ("fp8", "bfloat16"), ("fp8", "float8")])
+def test_8bit_dot_is_the_product_of_its_quantized_operands(kind, fp8_operands):
+    """ChannelLinear(activations=True): exactly (dequantized x) @ (dequantized w), the dot itself in 8 bits, with
+    fp8 operands widened to bfloat16 or taken as they are."""
     rng = np.random.default_rng(4)
     w, x = rng.normal(size=(128, 48)).astype(np.float32), rng.normal(size=(5, 128)).astype(np.float32)
     q, scale = quantize_channels(w, kind)
@@ -114,7 +115,7 @@ def test_8bit_dot_is_the_product_of_its_quantized_operands(kind):
 
     xq, x_scale = quantize_rows(jnp.asarray(x), q.dtype)
     expected = (np.asarray(xq).astype(np.float64) * np.asarray(x_scale)) @ (q.astype(np.float64) * scale)
-    got = np.asarray(ChannelLinear(activations=True).apply(layer, jnp.asarray(x)))
+    got = np.asarray(ChannelLinear(activations=True, fp8_operands=fp8_operands).apply(layer, jnp.asarray(x)))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     assert np.abs(got - x @ w).max() > 0  # the activations did lose precision: this is not the weight-only path
 
