@@ -19,6 +19,8 @@ def test_odd_workload_compiles_nothing_after_warmup(model_dir, quantization, kv_
     runner = llm.engine.runner
     assert runner.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...].dtype.itemsize == 1
     assert ("x 8-bit activations" in runner.memory_plan()) == activations
+    # the platform picks the fp8 dot's operands (the CPU widens them to bfloat16; fp8 GPUs take them as stored)
+    assert ("fp8_operands='bfloat16'" in repr(runner.graphdef)) == activations
     assert kv_cache_dtype == "auto" or isinstance(runner.kv_cache, QuantizedKV) and runner.kv_cache.kind == kv_cache_dtype
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs) for o in outs] == [p.n for p in params]
