@@ -540,8 +540,11 @@ class ModelRunner:
             logger.info("step buckets %s are compiled on first use (precompile off)", self.buckets)
             return 0.0
         t0 = time.perf_counter()
-        if self.single_device and len(self.buckets) > 1:  # XLA compiles outside the GIL: the buckets side by side
-            self._background = ThreadPoolExecutor(max_workers=min(len(self.buckets), os.cpu_count() or 1, 8), thread_name_prefix="jaxpaged-compile")
+        # XLA compiles outside the GIL: the buckets side by side, a thread per two cores (each compile uses more than
+        # one; on 2 cores two threads measured no faster than one)
+        workers = min(len(self.buckets), (os.cpu_count() or 2) // 2, 8)
+        if self.single_device and workers > 1:
+            self._background = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxpaged-compile")
             for t in self.buckets:
                 self.prefetch(t)
             for t in tqdm(list(self._pending), desc="Compiling step buckets", unit="bucket", leave=False):

@@ -141,6 +141,29 @@ def test_a_bucket_compiled_in_the_background_is_picked_up(model_dir, tmp_path):
     assert got == _greedy(_engine(model_dir, tmp_path / "b"), PROMPTS)
 
 
+def test_warmup_on_many_cores_compiles_the_buckets_side_by_side_once_each(model_dir, tmp_path, monkeypatch):
+    """With 4+ cores warm-up compiles on a thread pool: the same executables as one at a time (each sampler once),
+    nothing after warm-up, the same tokens."""
+    serial = _engine(model_dir, tmp_path / "a")  # 2 cores in CI: one at a time
+    threads = []
+    monkeypatch.setattr("jaxpaged.worker.model_runner.os.cpu_count", lambda: 8)
+    real_compile = serial.runner.executables.compile.__func__
+
+    def compile_on(self, name, jitted, args):
+        threads.append(__import__("threading").current_thread().name)
+        return real_compile(self, name, jitted, args)
+
+    monkeypatch.setattr(type(serial.runner.executables), "compile", compile_on)
+    side_by_side = _engine(model_dir, tmp_path / "b")
+    assert side_by_side.runner.executables.num_compiled == serial.runner.executables.num_compiled
+    assert sorted(side_by_side.runner._compiled) == sorted(serial.runner._compiled)
+    assert sum(name.startswith("jaxpaged-compile") for name in threads) == len(threads) - 1  # all but the block copy
+    assert len(set(threads)) > 2  # several compile threads
+    got = _greedy(side_by_side, PROMPTS)
+    assert side_by_side.get_stats()["num_compiles_after_warmup"] == 0
+    assert got == _greedy(serial, PROMPTS)
+
+
 def test_precompiled_engines_still_count_a_compile_after_warmup(model_dir, tmp_path):
     """The guard still bites where precompile is on: a lowering during step() is counted."""
     import jax
