@@ -63,9 +63,14 @@ def _progress(items: Iterable, total: int, desc: str) -> Iterator:
     return iter(tqdm(items, total=total, desc=desc, unit="tensor", leave=False))
 
 
-def _abstract_model(hf_config, dtype_name: str, choose_attention: Callable[[int], AttentionBackend]):
+def _port_config(hf_config):
+    """(the Flax port's class, its ModelConfig) for an HF config."""
     arch, cls = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
-    cfg = cls.config_from_hf(hf_config, arch)
+    return cls, cls.config_from_hf(hf_config, arch)
+
+
+def _abstract_model(hf_config, dtype_name: str, choose_attention: Callable[[int], AttentionBackend]):
+    cls, cfg = _port_config(hf_config)
     dtype = DTYPES[dtype_name]
     attention = choose_attention(cfg.head_dim)
     logger.info("attention backend: %s", attention.name)
@@ -234,7 +239,7 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
     return model, cfg, hf_config, tokenizer
 
 
-def _random_config(config_file: Path):
+def _config_json(config_file: Path):
     from transformers import AutoConfig
 
     try:
@@ -246,17 +251,22 @@ def _random_config(config_file: Path):
 
 def _load_random(config_file: Path, dtype_name: str, choose_attention, quantization: str | None = None):
     """A bare config.json: random weights in its shapes, for benchmarks and tests."""
-    hf_config = _random_config(config_file)
+    hf_config = _config_json(config_file)
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization)
     folder = config_file.parent
     return model, cfg, hf_config, _load_tokenizer(folder)
 
 
+def model_config(config_file: str | Path) -> ModelConfig:
+    """The shapes a config.json describes (layers, KV heads, head dim, vocabulary), without making the model."""
+    return _port_config(_config_json(Path(config_file)))[1]
+
+
 def random_checkpoint(config_file: str | Path):
     """(HF config, {HF name: float32 array}): the random weights that loading `config_file` makes, so a
     benchmark can write them once as an HF folder that every engine it compares loads."""
-    hf_config = _random_config(Path(config_file))
+    hf_config = _config_json(Path(config_file))
     _, model, specs = _abstract_model(hf_config, "float32", functools.partial(platforms.get().attention_backend, "auto"))
     return hf_config, {name: array for name, array, _ in random_tensors(specs, model)}
 

@@ -131,14 +131,9 @@ def model_shape(source: str, kwargs: dict):
 
     config = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
     if config.suffix == ".json" and config.exists():
-        from transformers import AutoConfig
+        from jaxpaged.models.loader import model_config
 
-        from jaxpaged.models.registry import resolve_architecture
-
-        raw = json.loads(config.read_text())
-        hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
-        arch, cls = resolve_architecture(getattr(hf, "architectures", None), hf.model_type)
-        return cls.config_from_hf(hf, arch)
+        return model_config(config)
     probe_kwargs = {k: v for k, v in kwargs.items() if k != "max_num_batched_tokens"}
     probe = LLM(model=source, num_kv_blocks=1, max_num_seqs=1, max_num_batched_tokens=16, precompile=False, **probe_kwargs)
     return probe.engine.loaded.config

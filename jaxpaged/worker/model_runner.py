@@ -177,7 +177,6 @@ class ModelRunner:
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
         self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
         self._background: ThreadPoolExecutor | None = None
-        self._sampler_queued: set[int] = set()  # sampling-row counts whose sampler a background compile makes
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
@@ -491,8 +490,8 @@ class ModelRunner:
         slots = step.attention.slot_mapping
 
         _, rows = self.bucket_for(t)
-        with_sampler = ("sample", rows) not in self._compiled and rows not in self._sampler_queued
-        self._sampler_queued.add(rows)
+        # one sampler per row count: unless compiled, or queued beside another bucket with as many sampling rows
+        with_sampler = ("sample", rows) not in self._compiled and all(self.bucket_for(p)[1] != rows for p in self._pending)
 
         def compile_all():
             with compile_monitor.expected():
