@@ -96,23 +96,32 @@ def leave() -> None:
         logger.warning("leaving the process group: %s", e)
 
 
-def await_followers(timeout_s: float = 30.0) -> None:
-    """The leader waits (bounded) until every follower has left, so its own exit does not pull the group down."""
+def await_followers(timeout_s: float = 30.0, grace_s: float = 1.0) -> None:
+    """The leader waits (bounded) until every follower has left, so its own exit does not pull the group down.
+
+    The coordinator drops a follower from the live set before its answer to that follower's leave is sent: exiting
+    at once can still abort the follower, hence grace_s after the last one has gone."""
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
     if client is None:
         return
-    deadline = time.monotonic() + timeout_s
-    others = list(range(1, jax.process_count()))
-    while time.monotonic() < deadline:
-        try:
-            if not client.get_live_nodes(others):
-                return
-        except Exception:  # noqa: BLE001 - a follower already gone
-            return
-        time.sleep(0.05)
-    logger.warning("followers still connected %.0fs after release; exiting anyway", timeout_s)
+    everyone = list(range(jax.process_count()))  # the coordinator refuses a query that leaves out the asking process
+    gone = threading.Event()
+
+    def wait() -> None:
+        try:  # the call blocks until each live process in the list has left or made the same call
+            while set(client.get_live_nodes(everyone)) - {jax.process_index()}:
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - the group is over either way
+            logger.warning("waiting for the followers to leave: %s", e)
+        gone.set()
+
+    threading.Thread(target=wait, name="jaxpaged-await-followers", daemon=True).start()
+    if not gone.wait(timeout_s):
+        logger.warning("followers still connected %.0fs after release; exiting anyway", timeout_s)
+        return
+    time.sleep(grace_s)
 
 
 class Watchdog:

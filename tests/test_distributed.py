@@ -133,6 +133,36 @@ def test_a_stuck_follower_ends_process_0_within_its_timeout(model, tmp_path):
     assert ended_after < 60
 
 
+def test_process_0_exits_only_after_a_slow_follower_has_left(tmp_path):
+    """The leader's release waits for a follower that leaves 2 s later, until that follower's leave has returned:
+    a leader that exits first makes the coordinator vanish under the follower's leave, which aborts it."""
+    code = (
+        "import pathlib, sys, time, types\n"
+        "from jaxpaged import distributed\n"
+        "pid, address, marker = int(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])\n"
+        "distributed.initialize(types.SimpleNamespace(distributed=True, coordinator_address=address, num_processes=2,"
+        " process_id=pid, distributed_timeout_s=60))\n"
+        "if pid:\n"
+        "    time.sleep(2)\n"
+        "    distributed.leave()\n"
+        "    marker.write_text('left')\n"
+        "else:\n"
+        "    distributed.await_followers()\n"
+        "    print('FOLLOWER-LEFT', marker.exists())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    address, marker = f"127.0.0.1:{_free_port()}", tmp_path / "left"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i), address, str(marker)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for i in range(2)]  # fmt: skip
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        logs = _stop(procs)
+    assert codes == [0, 0], "\n".join(logs)[-6000:]
+    assert "FOLLOWER-LEFT True" in logs[0], logs[0][-3000:]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
