@@ -407,7 +407,7 @@ def test_side_file_gptq_config(tiny_hf, tmp_path):
     np.testing.assert_array_equal(device_weight(port_module(loaded.model, name)), deq[name])
 
 
-# -- compressed-tensors' own compressors (skipped without the package) ------------------------------
+# -- compressed-tensors' own compressors (the dev extra installs it; skipped without it) ----------------
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-asym", "w8a8-int8", "w8a16-pack"])
