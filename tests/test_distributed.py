@@ -48,12 +48,15 @@ def _start_group(tmp_path: Path, model: str, prompts, *, forever: bool = False, 
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.distributed_worker", str(tmp_path / "spec.json"), str(i)], cwd=REPO,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-        for i in range(processes)
-    ]
+    spec_file = str(tmp_path / "spec.json")
+    procs = [_spawn(["-m", "tests.distributed_worker", spec_file, str(i)], env) for i in range(processes)]
     return procs, out
+
+
+def _spawn(args: list[str], env: dict) -> subprocess.Popen:
+    """`python ARGS` in the repository, its own process group (so _stop can kill what it starts), output captured."""
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
 
 
 def _stop(procs) -> list[str]:
@@ -152,9 +155,7 @@ def test_process_0_exits_only_after_a_slow_follower_has_left(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     address, marker = f"127.0.0.1:{_free_port()}", tmp_path / "left"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(i), address, str(marker)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for i in range(2)]  # fmt: skip
+    procs = [_spawn(["-c", code, str(i), address, str(marker)], env) for i in range(2)]
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
@@ -222,8 +223,7 @@ def test_the_server_across_two_processes_answers_and_reports_a_dead_follower(tmp
               "--num-processes", "2", "--distributed-timeout-s", "120"]  # fmt: skip
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    follower = subprocess.Popen([sys.executable, "-m", "jaxpaged.serve", *common, "--process-id", "1"], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    follower = _spawn(["-m", "jaxpaged.serve", *common, "--process-id", "1"], env)
     server = None
     try:
         server = ServerProcess([*common, "--process-id", "0"], tmp_path / "server.log", timeout=START_TIMEOUT_S)
