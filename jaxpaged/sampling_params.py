@@ -24,6 +24,17 @@ _GREEDY_EPS = 1e-5
 
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which RequestOutputs a request yields (vLLM's names): every step's cumulative output, or the final one only.
+    LLM.generate asks for FINAL_ONLY, so the step loop builds no output (and decodes no text) until a request ends."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's JSON options beside the constraint (structural_tag, also vLLM's, is refused)
 STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties", "disable_fallback")
@@ -210,6 +221,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # outputs every step, or FINAL_ONLY
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -271,6 +283,12 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be None or a StructuredOutputsParams (got {type(self.structured_outputs).__name__})"
             )
+
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            kinds = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be a RequestOutputKind: {kinds} (got {self.output_kind!r})") from None
 
         if self.use_beam_search:
             self._check_beam_search()

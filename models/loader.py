@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -107,15 +108,20 @@ def _safetensors_files(folder: Path) -> list[Path]:
 _ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def _read_ml_dtype(path: Path, name: str, headers: dict) -> np.ndarray | None:
-    """A tensor safetensors' numpy reader refuses for its dtype (BF16, F8_*), read from the file; None otherwise."""
-    import ml_dtypes
-
+def _header(path: Path, headers: dict) -> tuple[dict, int]:
+    """A safetensors file's JSON header and where its data starts, read once per file."""
     if path not in headers:
         with open(path, "rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
             headers[path] = json.loads(fh.read(size)), 8 + size
-    header, start = headers[path]
+    return headers[path]
+
+
+def _read_ml_dtype(path: Path, name: str, headers: dict) -> np.ndarray | None:
+    """A tensor safetensors' numpy reader refuses for its dtype (BF16, F8_*), read from the file; None otherwise."""
+    import ml_dtypes
+
+    header, start = _header(path, headers)
     info = header.get(name) or {}
     if info.get("dtype") not in _ML_DTYPES:
         return None
@@ -142,6 +148,8 @@ def _safetensors_tensors(files: list[Path], fmt: checkpoint_quant.CheckpointForm
 
     def read(name: str) -> tuple[np.ndarray, str]:
         f, handle = where[name]
+        if (_header(f, headers)[0].get(name) or {}).get("dtype") in _ML_DTYPES:  # numpy's reader would refuse it
+            return _read_ml_dtype(f, name, headers), str(f)
         try:
             return handle.get_tensor(name), str(f)
         except Exception as exc:
@@ -152,7 +160,24 @@ def _safetensors_tensors(files: list[Path], fmt: checkpoint_quant.CheckpointForm
 
     if fmt is not None:
         return fmt.tensors(where, read), len(where)
-    return ((name, *read(name)) for name in where), len(where)
+    return _read_ahead(where, lambda name: (name, *read(name))), len(where)
+
+
+def _read_ahead(names, read, depth: int = 8) -> Iterator:
+    """read(name) for each name, in order, with up to `depth` reads running ahead on threads (file reads release
+    the GIL), so reading the next tensors overlaps placing this one; at most depth + 1 tensors in host memory."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = iter(names)
+    with ThreadPoolExecutor(max_workers=min(depth, os.cpu_count() or 1), thread_name_prefix="jaxpaged-read") as pool:
+        pending = deque(pool.submit(read, name) for _, name in zip(range(depth), names))
+        while pending:
+            done = pending.popleft().result()
+            for name in names:  # keep `depth` reads in flight
+                pending.append(pool.submit(read, name))
+                break
+            yield done
 
 
 def _load_tokenizer(folder: Path):

@@ -152,6 +152,29 @@ def checkpoint_name(model: nnx.Module, name: str, specs: dict[str, WeightSpec]) 
     return name
 
 
+def contiguous(array: np.ndarray, dtype) -> np.ndarray:
+    """np.ascontiguousarray(array, dtype), fast for 8- and 16-bit floats already of that dtype: numpy copies
+    ml_dtypes' bfloat16 (and fp8) element by element, so a transposed checkpoint weight is copied as raw uint16
+    (uint8) bits instead (measured: 16.8 s -> well under 1 s for Llama-3.2-1B's bfloat16 weights on one core)."""
+    dtype = np.dtype(dtype)
+    if array.dtype == dtype and dtype.itemsize in (1, 2) and not array.flags.c_contiguous:
+        raw = np.uint8 if dtype.itemsize == 1 else np.uint16
+        return np.ascontiguousarray(array.view(raw)).view(dtype)
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+_device_transpose = jax.jit(lambda x: x.T)  # one small program per weight shape (a model has a handful)
+
+
+def place(part: np.ndarray, dtype) -> jax.Array:
+    """A host weight on the default device as a C-contiguous `dtype` array. A transposed view (a Linear's [out, in]
+    checkpoint weight as our [in, out] kernel) goes as stored and is transposed there: numpy's strided copy of a
+    large matrix runs at a few hundred MB/s, an accelerator's transpose at memory speed."""
+    if part.ndim == 2 and not part.flags.c_contiguous and part.T.flags.c_contiguous:
+        return _device_transpose(jax.device_put(np.asarray(part.T, dtype=dtype)))
+    return jax.device_put(contiguous(part, dtype))
+
+
 def load_tensors_into(
     model: nnx.Module,
     specs: dict[str, WeightSpec],
@@ -205,7 +228,7 @@ def load_tensors_into(
                 q, scale = quantize_channels(part, quantization)
                 _install(*_owner(model, path), ChannelQuantized(q.T, scale), True, dtype, name, source)
             else:
-                _set(var, jax.device_put(np.ascontiguousarray(part, dtype=dtype)))
+                _set(var, place(part, dtype))
         filled.add(name)
     missing = sorted(set(specs) - filled)
     if missing:

@@ -13,6 +13,7 @@ admitted with nothing computed first takes every cached block matching its token
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Protocol
 
 import numpy as np
@@ -52,11 +53,19 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already registered
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step needs first
+        # seq_id -> when its table last changed, on a clock that never repeats: the runner keeps each table on the
+        # host between steps and copies it again only when this moves
+        self._stamps: dict[str, int] = {}
+        self._clock = itertools.count(1)
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
+
+    def table_stamp(self, seq_id: str) -> int:
+        """Changes whenever seq_id's block table does (blocks added or replaced, a fork, a prefix hit, a free)."""
+        return self._stamps.get(seq_id, 0)
 
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
         """Make tokens [num_computed, num_computed + num_new_tokens) writable; False (nothing taken) if the pool can't."""
@@ -66,6 +75,8 @@ class KVCacheManager:
         missing = max(0, blocks_for(num_computed + num_new_tokens, bs) - len(table))
         if missing + len(shared) > self.pool.num_free:
             return False
+        if missing or shared:
+            self._stamps[seq_id] = next(self._clock)
         for i, fresh in zip(shared, self.pool.allocate(len(shared)) or []):
             if i * bs < num_computed:  # holds computed tokens: they move with it
                 self._copies.append((table[i], fresh))
@@ -84,11 +95,13 @@ class KVCacheManager:
         table = list(self._tables.get(parent_id, []))
         self.pool.share(table)
         self._tables[child_id] = table
+        self._stamps[child_id] = next(self._clock)
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
 
     def free(self, seq_id: str) -> None:
         self.pool.free(reversed(self._tables.pop(seq_id, [])))
         self._num_registered.pop(seq_id, None)
+        self._stamps.pop(seq_id, None)
 
     # -- prefix caching -------------------------------------------------------------------------
 
@@ -108,6 +121,7 @@ class KVCacheManager:
         for block in blocks:
             self.pool.acquire(block)
         self._tables[seq.seq_id] = blocks
+        self._stamps[seq.seq_id] = next(self._clock)
         self._num_registered[seq.seq_id] = len(blocks)
         return len(blocks) * self.block_size
 

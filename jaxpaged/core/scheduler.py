@@ -35,6 +35,7 @@ class ScheduledSequence:
     row: int = dataclasses.field(init=False, default=0)  # its row in the step's sampled outputs
     first_token_row: int = dataclasses.field(init=False, default=0)  # its first row in the step's token rows
     block_table: list[int] = dataclasses.field(init=False, default_factory=list, repr=False)
+    table_stamp: int = dataclasses.field(init=False, default=0)  # moves when the block table changes
     num_output_tokens: int = dataclasses.field(init=False, default=0)  # output tokens the request had then
     prev_row: int = dataclasses.field(init=False, default=-1)  # its last input is the previous step's output at this row
 
@@ -110,6 +111,7 @@ class Scheduler:
             req = item.request
             item.row, item.first_token_row, cursor = j, cursor, cursor + item.num_tokens
             item.block_table = self.kv.block_table(req.seq_id)
+            item.table_stamp = self.kv.table_stamp(req.seq_id)
             item.num_output_tokens = len(req.output_token_ids)
             if req.num_in_flight and item.samples:  # its last input is the previous step's output
                 item.prev_row = self._sampled_rows[req]

@@ -48,6 +48,9 @@ class IncrementalDetokenizer:
         # transformers may "clean up" spaces before punctuation, which would differ between a
         # window and the full text; the raw `tokenizers` decode has no such option.
         self._decode_kwargs = {"clean_up_tokenization_spaces": False} if hasattr(tokenizer, "clean_up_tokenization_spaces") else {}
+        # a fast tokenizer decodes with its Rust backend directly: the same text, without transformers' per-id checks
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend_decode = backend.decode if callable(getattr(backend, "decode", None)) else None
 
         # The window seeds from the prompt's tail so the first output token decodes in context.
         context = [] if prompt_token_ids is None else prompt_token_ids[len(prompt_token_ids) - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET :]
@@ -83,6 +86,22 @@ class IncrementalDetokenizer:
         self._num_tokens += 1
         return self._accept(self._decode_new(final=False), final=False)
 
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """Add several output tokens at once (one decode for all): a request whose text nobody reads until it ends
+        and that has no stop strings (which must be found token by token) is decoded this way when it finishes."""
+        if self.stop:
+            raise ValueError("push_many() would miss where a stop string ends: push() token by token")
+        if self._flushed:
+            raise RuntimeError("push_many() after flush(): the request's output is already complete")
+        self._ids.extend(int(t) for t in token_ids)
+        self._num_tokens += len(token_ids)
+        return self._accept(self._decode_new(final=False), final=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens pushed so far."""
+        return self._num_tokens
+
     def flush(self) -> str:
         """End the output: return everything still held back (an incomplete character decodes as U+FFFD, as in a full decode)."""
         if self._flushed or self.finished:
@@ -92,6 +111,8 @@ class IncrementalDetokenizer:
         return self._accept(self._decode_new(final=True), final=True)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, **self._decode_kwargs)
 
     def _decode_new(self, *, final: bool) -> str:

@@ -15,6 +15,7 @@ from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.worker.model_runner import StepResult
 
 
@@ -26,6 +27,10 @@ class SequenceOutputState:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt position; None for the first
     cumulative_logprob: float = 0.0
+    final_only: bool = False  # output_kind FINAL_ONLY: no output until the request ends
+    # FINAL_ONLY without stop strings: nothing needs the text before the end, so the tokens are decoded then, at once
+    deferred_text: bool = False
+    quiet: bool = False  # final_only, and no logprobs to record: a step that does not end it has nothing to do for it
 
 
 class OutputProcessor:
@@ -48,9 +53,12 @@ class OutputProcessor:
                 include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids,
                 min_tokens=params.min_tokens,
             )  # fmt: skip
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
+        prompt_logprobs = [None] if seq.wants_prompt_logprobs else None
         self._states[seq] = SequenceOutputState(
-            detok, logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if seq.wants_prompt_logprobs else None,
+            detok, logprobs=[] if params.logprobs is not None else None, prompt_logprobs=prompt_logprobs,
+            final_only=final_only, deferred_text=final_only and not params.stop,
+            quiet=final_only and params.logprobs is None and prompt_logprobs is None,
         )  # fmt: skip
 
     def add_beam_search(self, parent: ParentRequest, search: BeamSearch) -> None:
@@ -64,8 +72,9 @@ class OutputProcessor:
             req = item.request
             if req.finished or not item.samples or req.is_beam:
                 continue
-            detok = self._states[req].detokenizer
-            if detok is not None:
+            state = self._states[req]
+            detok = state.detokenizer
+            if detok is not None and not state.deferred_text:
                 detok.push(int(result.tokens[item.row]))
                 if detok.finished:
                     stops[req] = detok.stop_reason
@@ -79,6 +88,8 @@ class OutputProcessor:
             state = self._states.get(req)
             if state is None:  # a beam: its outputs come when the search ends
                 continue
+            if state.quiet and not req.finished:
+                continue
             if result.prompt is not None and state.prompt_logprobs is not None:
                 self._record_prompt_logprobs(req, state, item.start, item.num_tokens, item.first_token_row, result.prompt)
             if not item.samples:
@@ -87,8 +98,10 @@ class OutputProcessor:
             if state.logprobs is not None:
                 self._record_logprobs(req, state, token, result, item.row)
             if req.finished and state.detokenizer is not None:
+                self._catch_up(req, state)
                 state.detokenizer.flush()
-            touched[req.parent.request_id] = req.parent
+            if not state.final_only or req.parent.finished:
+                touched[req.parent.request_id] = req.parent
         for request_id in finished_beams:
             touched[request_id] = self.parents[request_id]
         outputs = []
@@ -103,9 +116,20 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         if parent is None:
             return None
+        for seq in parent.sequences:
+            state = self._states.get(seq)
+            if state is not None and state.detokenizer is not None:
+                self._catch_up(seq, state)
         out = self.output(parent)
         self._forget(parent)
         return out
+
+    @staticmethod
+    def _catch_up(req: Request, state: SequenceOutputState) -> None:
+        """A deferred sequence's text: every output token not decoded yet, in one decode."""
+        detok = state.detokenizer
+        if state.deferred_text and detok.num_tokens < req.num_sampled_tokens:
+            detok.push_many(req.output_token_ids[detok.num_tokens : req.num_sampled_tokens])
 
     def _forget(self, parent: ParentRequest) -> None:
         self.parents.pop(parent.request_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.llm_engine import PromptType
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.utils.logging_utils import setup_logging
 from jaxpaged.utils.text import ChatPrompt
 
@@ -66,6 +67,13 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        # nobody sees a request's output before it ends: the engine builds it (and decodes its text) only then
+        final = {}
+        for i, params in enumerate(params_list):
+            if isinstance(params, SamplingParams) and params.output_kind != RequestOutputKind.FINAL_ONLY:
+                if id(params) not in final:
+                    final[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                params_list[i] = final[id(params)]
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

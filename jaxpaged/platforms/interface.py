@@ -55,6 +55,14 @@ class Platform:
         return stats.get("bytes_limit"), False
 
 
+def steady_block_count(blocks: int) -> int:
+    """A pool size measured from free memory, rounded down to a coarse step (at most 1/64 of it): free memory moves
+    by a few MB between starts, and the pool's size is part of every step's compiled shape, so an unrounded count
+    would miss the executables a previous start stored (seen on an H200: 188,983 then 189,012 blocks)."""
+    step = 1 << max(0, blocks.bit_length() - 7)
+    return blocks // step * step
+
+
 @dataclasses.dataclass(frozen=True)
 class AcceleratorPlatform(Platform):
     """GPU and TPU: a Pallas kernel where it takes the head dim, and the KV pool sized from device memory."""
@@ -83,4 +91,4 @@ class AcceleratorPlatform(Platform):
             raise ValueError("cannot read this device's memory size; pass num_kv_blocks explicitly")
         n = config.devices_per_replica  # a block's bytes and the weights are spread over the TP x PP devices
         free = limit - stats.get("bytes_in_use", weight_bytes // n)
-        return max(1, int(config.kv_cache_memory_fraction * free) // (block_bytes // n))  # per device
+        return max(1, steady_block_count(int(config.kv_cache_memory_fraction * free) // (block_bytes // n)))

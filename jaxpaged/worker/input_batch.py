@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxpaged.core.kv_cache_manager import slot_mapping
-from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, bitmask_words, build_sampling_metadata
@@ -57,7 +56,12 @@ _FINISHED_ROW = SamplingParams(temperature=0.0, max_tokens=1)  # a row whose res
 
 
 class InputBatchBuilder:
-    """The runner's: its buckets and table width fix every array's shape."""
+    """The runner's: its buckets and table width fix every array's shape.
+
+    It works on whole arrays, with per-row Python kept to reading each scheduled sequence's few numbers: block
+    tables stay on the host between steps (a row per sequence, copied again only when the KV cache manager's stamp
+    for it moves: a new block, a copy-on-write, a fork), and positions, slots and offsets are computed in numpy.
+    """
 
     def __init__(self, runner: ModelRunner, eos_token_ids: Sequence[int], max_suppress: int):
         self.runner = runner
@@ -65,6 +69,11 @@ class InputBatchBuilder:
         self.eos_token_ids = list(eos_token_ids)
         self.max_suppress = max_suppress  # ids min_tokens may forbid per row
         self.mask_words = bitmask_words(runner.model_config.vocab_size)  # structured outputs' packed bitmask
+        # a step holds at most max_num_seqs sequences: twice that many rows never run out within one step
+        capacity = 2 * runner.config.max_num_seqs
+        self._table_rows = np.zeros((capacity, runner.table_width), np.int32)
+        self._rows: dict[object, list[int]] = {}  # request -> [its row in _table_rows, the table stamp it holds]
+        self._free_rows = list(range(capacity - 1, -1, -1))
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
@@ -78,36 +87,78 @@ class InputBatchBuilder:
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
+    def _table_rows_of(self, scheduled: Sequence[ScheduledSequence]) -> np.ndarray:
+        """Each scheduled sequence's row in _table_rows, its block table brought up to date where it changed."""
+        rows = np.empty(len(scheduled), np.intp)
+        for j, item in enumerate(scheduled):
+            entry = self._rows.get(item.request)
+            if entry is None:
+                entry = self._rows[item.request] = [self._take_row(scheduled), -1]
+            if entry[1] != item.table_stamp:
+                table, row = item.block_table, self._table_rows[entry[0]]
+                row[: len(table)] = table
+                row[len(table) :] = 0
+                entry[1] = item.table_stamp
+            rows[j] = entry[0]
+        return rows
+
+    def _take_row(self, scheduled: Sequence[ScheduledSequence]) -> int:
+        if not self._free_rows:  # hand back the rows of every sequence not in this step (finished, or idle)
+            current = {item.request for item in scheduled}
+            for req in [r for r in self._rows if r not in current]:
+                self._free_rows.append(self._rows.pop(req)[0])
+        return self._free_rows.pop()
+
     def build(self, output: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
         t, s = self.runner.bucket_for(output.num_tokens)
+        scheduled = output.scheduled
+        m = len(scheduled)
+        counts = np.fromiter((item.num_tokens for item in scheduled), np.int32, m)
+        starts = np.fromiter((item.start for item in scheduled), np.int32, m)
+        prev = np.fromiter((item.prev_row for item in scheduled), np.int32, m)
+        ends = np.cumsum(counts, dtype=np.int32)
+        total = int(ends[-1]) if m else 0
+
         ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, -1, np.int32)
+        flat: list[int] = []
+        for item in scheduled:
+            if item.prev_row >= 0 and item.num_tokens == 1:
+                flat.append(0)  # the previous step's output, still on the device (prev_rows)
+            else:
+                flat.extend(item.request.tokens_at(item.start, item.num_tokens))
+        ids[:total] = flat
+
         tables = np.zeros((s, self.runner.table_width), np.int32)
+        tables[:m] = self._table_rows[self._table_rows_of(scheduled)]
+        row_of = np.repeat(np.arange(m), counts)
+        pos = np.arange(total, dtype=np.int32) + (starts - (ends - counts))[row_of]
+        positions = np.zeros(t, np.int32)
+        positions[:total] = pos
+        slots = np.full(t, -1, np.int32)
+        slots[:total] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
         seq_lens = np.zeros(s, np.int32)
-        query_start_loc = np.zeros(s + 1, np.int32)
+        seq_lens[:m] = starts + counts
+        query_start_loc = np.full(s + 1, total, np.int32)
+        query_start_loc[0] = 0
+        query_start_loc[1 : m + 1] = ends
         logit_rows = np.zeros(s, np.int32)
-        prompt_next = prev_rows = None
-        cursor = 0
-        for j, item in enumerate(output.scheduled):
-            req, start, n = item.request, item.start, item.num_tokens
-            ids[cursor : cursor + n] = req.tokens_at(start, n)
-            if item.prev_row >= 0:  # its last token is the previous step's output, still on the device
-                prev_rows = np.full(t, -1, np.int32) if prev_rows is None else prev_rows
-                prev_rows[cursor + n - 1] = item.prev_row
-            positions[cursor : cursor + n] = np.arange(start, start + n, dtype=np.int32)
-            slots[cursor : cursor + n] = slot_mapping(item.block_table, start, n, self.block_size)
-            tables[j, : len(item.block_table)] = item.block_table
-            prompt_len = len(req.prompt_token_ids)
-            if req.wants_prompt_logprobs and start < prompt_len - 1:
+        logit_rows[:m] = ends - 1
+        prev_rows = None
+        if (prev >= 0).any():  # rows whose last token is the previous step's output, still on the device
+            prev_rows = np.full(t, -1, np.int32)
+            fed = prev >= 0
+            prev_rows[ends[fed] - 1] = prev[fed]
+        prompt_next = None
+        for j, item in enumerate(scheduled):
+            req = item.request
+            if req.params.prompt_logprobs is None or not req.wants_prompt_logprobs:
+                continue
+            start, n, prompt_len = item.start, item.num_tokens, len(req.prompt_token_ids)
+            if start < prompt_len - 1:
                 prompt_next = np.full(t, -1, np.int32) if prompt_next is None else prompt_next
                 stop = min(start + n, prompt_len - 1)  # rows that predict a prompt token
+                cursor = int(ends[j] - n)
                 prompt_next[cursor : cursor + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
-            seq_lens[j] = start + n
-            cursor += n
-            query_start_loc[j + 1] = cursor
-            logit_rows[j] = cursor - 1
-        query_start_loc[len(output.scheduled) + 1 :] = cursor
         sampling = self.sampling(output, t) if with_sampling else None
         attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
         return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)

@@ -37,6 +37,7 @@ from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
+from jaxpaged.worker.packing import Packed
 from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
@@ -180,7 +181,7 @@ class ModelRunner:
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
-        self._blank_prompt_ids: dict[int, jax.Array] = {}
+        self._blank_prompt_ids: dict[int, np.ndarray] = {}  # token bucket -> all -1
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
         # under TP), so both kinds of step hit the one compiled executable
         self._no_sampled = self._put(np.zeros(config.max_num_seqs, np.int32))
@@ -224,7 +225,9 @@ class ModelRunner:
             from jaxpaged.models.sharding import new_kv_sharding
 
             replicated = NamedSharding(self.mesh, PartitionSpec())
-            self._forward = jax.jit(self._forward_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh)))
+            self._forward = jax.jit(
+                self._forward_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh), replicated)
+            )
             self._sample = jax.jit(self._sample_impl, out_shardings=(replicated, replicated))
         jax.block_until_ready(self.kv_cache)
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
@@ -287,16 +290,19 @@ class ModelRunner:
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _forward_impl(self, state, kv_cache, input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_sampled, prev_rows):
+    def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled):
+        """-> (sampling rows' logits, prompt logprobs, the step's new K/V, the slots the write puts them in)."""
+        input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_rows = step.unpack()
         # Inputs sampled by the previous step come from its device output: the host never waited for them.
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
         hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
-        return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv)
+        return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
 
-    def _sample_impl(self, logits, sampling_metadata, no_sampled):
+    def _sample_impl(self, logits, packed: Packed, history, bitmask, no_sampled):
         # no_sampled ([max_num_seqs] zeros) is an argument, not a constant, so its width is part of the signature
         # the executable cache keys on.
+        sampling_metadata = dataclasses.replace(packed.unpack(), history=history, bitmask=bitmask)
         out = sample(logits, sampling_metadata)
         sampled = jnp.zeros_like(no_sampled).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
         return out, sampled
@@ -446,10 +452,17 @@ class ModelRunner:
         args = self._forward_args(step, prev)
         t = step.input_ids.shape[0]
         with self._on_mesh():
-            logits, prompt, new_kv = self._executable("forward", self._forward, t, args)(*args)
-            args = (self.kv_cache, new_kv, step.attention.slot_mapping)
-            self.kv_cache = self._executable("write", self._write, t, args)(*args)
+            logits, prompt, new_kv, slots = self._run_forward(t, args)
+            self._run_write(t, new_kv, slots)
         return logits, prompt
+
+    def _run_forward(self, bucket: int, args: tuple) -> tuple:
+        return self._executable("forward", self._forward, bucket, args)(*args)
+
+    def _run_write(self, bucket: int, new_kv, slots) -> None:
+        """The step's K/V into the cache, which the call donates: updated in place."""
+        args = (self.kv_cache, new_kv, slots)
+        self.kv_cache = self._executable("write", self._write, bucket, args)(*args)
 
     def sample(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
         """Queue the sampler on a dispatched forward's logits."""
@@ -457,26 +470,29 @@ class ModelRunner:
             self._sample_now(dispatched, sampling)
 
     def _sample_now(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
-        args = (dispatched.logits, self._sampling_args(sampling), self._no_sampled)
+        args = (dispatched.logits, *self._sampling_args(sampling), self._no_sampled)
         rows = dispatched.logits.shape[0]  # buckets with as many sampling rows share one sampler
         with self._on_mesh():
             dispatched.out, dispatched.sampled = self._executable("sample", self._sample, rows, args)(*args)
         dispatched.logits, dispatched.want_top = None, bool(sampling.want_logprobs)
 
-    def _sampling_args(self, sampling: SamplingMetadata) -> SamplingMetadata:
-        return dataclasses.replace(
-            sampling, history=self._blank("history", sampling.history, bool(sampling.any_penalty)),
-            bitmask=self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),
+    def _sampling_args(self, sampling: SamplingMetadata) -> tuple:
+        """(the per-row knobs packed in one buffer, the history, the grammar bitmask): the last two are large and
+        mostly blank, so a blank one is a device array kept from an earlier step instead."""
+        knobs = Packed.of(dataclasses.replace(sampling, history=None, bitmask=None))
+        return (
+            knobs, self._blank("history", sampling.history, bool(sampling.any_penalty)),
+            self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),
         )  # fmt: skip
 
     def _forward_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
+        """The step's host arrays go in one packed copy (packing.py)."""
         t = step.input_ids.shape[0]
-        next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else self._all_minus_one(t)
-        prev_rows = step.prev_rows if step.prev_rows is not None else self._all_minus_one(t)  # all -1
-        return (
-            self.state, self.kv_cache, step.input_ids, step.positions, step.attention, step.logit_rows,
-            next_ids, prev.sampled if prev is not None else self._no_sampled, prev_rows,
-        )  # fmt: skip
+        none = self._all_minus_one(t)  # no prompt logprobs wanted, no input from the previous step
+        next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else none
+        prev_rows = step.prev_rows if step.prev_rows is not None else none
+        packed = Packed.of((step.input_ids, step.positions, step.attention, step.logit_rows, next_ids, prev_rows))
+        return (self.state, self.kv_cache, packed, prev.sampled if prev is not None else self._no_sampled)
 
     def prefetch(self, num_tokens: int) -> None:
         """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
@@ -487,7 +503,6 @@ class ModelRunner:
         step = self.input_batch.blank(t)
         args = jax.tree_util.tree_map(_abstract, self._forward_args(step, None))
         sampling = jax.tree_util.tree_map(_abstract, self._sampling_args(step.sampling))
-        slots = step.attention.slot_mapping
 
         _, rows = self.bucket_for(t)
         # one sampler per row count: unless compiled, or queued beside another bucket with as many sampling rows
@@ -496,10 +511,10 @@ class ModelRunner:
         def compile_all():
             with compile_monitor.expected():
                 forward = self.executables.compile("forward", self._forward, args)
-                write = self.executables.compile("write", self._write, (args[1], forward.out_info[2], slots))
+                write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]))
                 ready = {("forward", t): forward, ("write", t): write}
                 if with_sampler:
-                    ready["sample", rows] = self.executables.compile("sample", self._sample, (forward.out_info[0], sampling, args[7]))
+                    ready["sample", rows] = self.executables.compile("sample", self._sample, (forward.out_info[0], *sampling, args[3]))
             return ready
 
         if self._background is None:
@@ -509,9 +524,9 @@ class ModelRunner:
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         return self.dispatch(step, copies).fetch()
 
-    def _all_minus_one(self, num_tokens: int) -> jax.Array:
+    def _all_minus_one(self, num_tokens: int) -> np.ndarray:
         if num_tokens not in self._blank_prompt_ids:
-            self._blank_prompt_ids[num_tokens] = self._put(np.full(num_tokens, -1, np.int32))
+            self._blank_prompt_ids[num_tokens] = np.full(num_tokens, -1, np.int32)
         return self._blank_prompt_ids[num_tokens]
 
     def _executable(self, name: str, jitted, bucket: int, args: tuple) -> jax.stages.Compiled:

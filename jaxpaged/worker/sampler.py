@@ -13,7 +13,9 @@ recomputes it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -232,9 +234,9 @@ def sample(logits: jax.Array, attn_metadata: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingRow:
-    """What the host knows about one running request when it builds a step's sampling metadata."""
+class SamplingRow(NamedTuple):
+    """What the host knows about one running request when it builds a step's sampling metadata (a tuple: a step
+    builds one per row)."""
 
     params: SamplingParams
     prompt_ids: Sequence[int]
@@ -248,10 +250,18 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def _seed_u32(seed: int) -> int:
-    """Folds a seed of up to 64 bits into the 32 that `jax.random.key` takes without x64."""
-    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
-    return (seed ^ (seed >> 32)) & 0xFFFF_FFFF
+def _seeds_u32(seeds: Sequence[int]) -> np.ndarray:
+    """Folds seeds of up to 64 bits into the 32 that `jax.random.key` takes without x64."""
+    wide = np.array(seeds, np.uint64)
+    return ((wide ^ (wide >> np.uint64(32))) & np.uint64(0xFFFF_FFFF)).astype(np.uint32)
+
+
+def _constants(params: SamplingParams) -> tuple[float, ...]:
+    """A request's per-row sampler values that never change: (temperature, top_k, top_p, min_p, presence,
+    frequency, repetition, min_tokens). A greedy row's truncation is neutral already (SamplingParams)."""
+    temperature = 0.0 if params.is_greedy else params.temperature
+    return (temperature, params.top_k, params.top_p, params.min_p, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty, params.min_tokens)  # fmt: skip
 
 
 def _suppressed(row: SamplingRow) -> list[int]:
@@ -261,6 +271,16 @@ def _suppressed(row: SamplingRow) -> list[int]:
         return []
     ids = [] if params.ignore_eos else [int(t) for t in row.eos_token_ids]
     return list(dict.fromkeys(ids + params.stop_token_ids))
+
+
+@functools.lru_cache(maxsize=64)
+def _blank(shape: tuple[int, int]) -> np.ndarray:
+    """An all -1 array, shared and read-only: most steps need no history (no penalties) and no bitmask (no grammar),
+    and a fresh multi-megabyte array per step costs the host page faults (~1 ms a step at 256 rows of a 128k
+    vocabulary's bitmask) for a value the step never reads."""
+    blank = np.full(shape, -1, np.int32)
+    blank.flags.writeable = False
+    return blank
 
 
 def build_sampling_metadata(
@@ -275,48 +295,49 @@ def build_sampling_metadata(
     """
     if len(rows) > num_rows:
         raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({len(rows)})")
-    longest = max((len(r.prompt_ids) + len(r.output_ids) for r in rows), default=0)
+    n = len(rows)
+    prompt_lens = np.zeros(num_rows, np.int32)
+    step_index = np.zeros(num_rows, np.int32)
+    prompt_lens[:n] = [len(r.prompt_ids) for r in rows]
+    step_index[:n] = [len(r.output_ids) for r in rows]
+    longest = int((prompt_lens + step_index).max(initial=0))
     if history_width < longest:
         raise ValueError(f"history_width ({history_width}) must be >= the longest prompt + output ({longest})")
 
-    temperature = np.zeros(num_rows, np.float32)
-    top_k = np.zeros(num_rows, np.int32)
-    top_p = np.ones(num_rows, np.float32)
-    min_p = np.zeros(num_rows, np.float32)
-    presence = np.zeros(num_rows, np.float32)
-    frequency = np.zeros(num_rows, np.float32)
-    repetition = np.ones(num_rows, np.float32)
+    # Whole columns at once: each distinct SamplingParams' constants once (a batch usually shares a few), then
+    # gathered per row; only rows with something of their own (min_tokens, a grammar, penalties) are visited.
+    which: dict[int, int] = {}
+    index = [which.setdefault(id(r.params), len(which)) for r in rows]
+    distinct = list({id(r.params): r.params for r in rows}.values())
+    table = np.array([_constants(p) for p in distinct] or [(0.0,) * 8], np.float64)
+    neutral = np.array([[0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0]])  # a padding row: greedy, no truncation, no penalty
+    per_row = np.concatenate([table[index] if n else table[:0], np.repeat(neutral, num_rows - n, axis=0)])
+    temperature, top_p, min_p = (per_row[:, i].astype(np.float32) for i in (0, 2, 3))
+    top_k = per_row[:, 1].astype(np.int32)
+    presence, frequency, repetition = (per_row[:, i].astype(np.float32) for i in (4, 5, 6))
     seeds = np.zeros(num_rows, np.uint32)
-    step_index = np.zeros(num_rows, np.int32)
-    prompt_lens = np.zeros(num_rows, np.int32)
+    seeds[:n] = _seeds_u32([r.seed for r in rows])
     suppress_ids = np.full((num_rows, max_suppress), -1, np.int32)
-    history = np.full((num_rows, history_width), -1, np.int32)
-    bitmask = np.full((num_rows, mask_words), -1, np.int32)
-    any_constrained = False
-
-    any_penalty = any(r.params.has_penalties for r in rows)
-    for i, row in enumerate(rows):
-        p = row.params
-        if not p.is_greedy:
-            temperature[i] = p.temperature
-            top_k[i], top_p[i], min_p[i] = p.top_k, p.top_p, p.min_p
-        presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-        seeds[i] = _seed_u32(row.seed)
-        step_index[i] = len(row.output_ids)
-        prompt_lens[i] = len(row.prompt_ids)
-        banned = _suppressed(row)
+    for i in np.flatnonzero(step_index[:n] < per_row[:n, 7]):  # still short of min_tokens
+        banned = _suppressed(rows[i])
         if len(banned) > max_suppress:
             raise ValueError(f"max_suppress ({max_suppress}) must be >= the ids row {i} suppresses ({len(banned)})")
         suppress_ids[i, : len(banned)] = banned
-        if row.grammar is not None:
-            if row.grammar.num_consumed != len(row.output_ids):  # the engine syncs before such a step (design.md)
-                raise RuntimeError(f"row {i}'s grammar has consumed {row.grammar.num_consumed} of {len(row.output_ids)} outputs")
-            row.grammar.fill_bitmask(bitmask[i])
-            any_constrained = True
-        if any_penalty:
-            n = len(row.prompt_ids)
-            history[i, :n] = row.prompt_ids
-            history[i, n : n + len(row.output_ids)] = row.output_ids
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    any_constrained = bool(constrained)
+    bitmask = np.full((num_rows, mask_words), -1, np.int32) if any_constrained else _blank((num_rows, mask_words))
+    for i in constrained:
+        grammar = rows[i].grammar
+        if grammar.num_consumed != len(rows[i].output_ids):  # the engine syncs before such a step (design.md)
+            raise RuntimeError(f"row {i}'s grammar has consumed {grammar.num_consumed} of {len(rows[i].output_ids)} outputs")
+        grammar.fill_bitmask(bitmask[i])
+    any_penalty = any(p.has_penalties for p in distinct)
+    history = np.full((num_rows, history_width), -1, np.int32) if any_penalty else _blank((num_rows, history_width))
+    if any_penalty:
+        for i, row in enumerate(rows):
+            k = len(row.prompt_ids)
+            history[i, :k] = row.prompt_ids
+            history[i, k : k + len(row.output_ids)] = row.output_ids
 
     return SamplingMetadata(
         temperature=temperature,
@@ -332,8 +353,8 @@ def build_sampling_metadata(
         prompt_lens=prompt_lens,
         suppress_ids=suppress_ids,
         any_penalty=np.array(any_penalty),
-        any_top=np.array(any(r.params.uses_truncation for r in rows if not r.params.is_greedy)),
-        want_logprobs=np.array(any(r.params.logprobs is not None for r in rows)),
+        any_top=np.array(any(p.uses_truncation for p in distinct if not p.is_greedy)),
+        want_logprobs=np.array(any(p.logprobs is not None for p in distinct)),
         bitmask=bitmask,
         any_constrained=np.array(any_constrained),
     )

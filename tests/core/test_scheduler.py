@@ -34,6 +34,9 @@ class FakeKV:
     def block_table(self, seq_id: str) -> list[int]:
         return list(range(self.tables.get(seq_id, 0)))
 
+    def table_stamp(self, seq_id: str) -> int:
+        return self.tables.get(seq_id, 0)
+
     def free(self, seq_id: str) -> None:
         self.tables.pop(seq_id, None)
 

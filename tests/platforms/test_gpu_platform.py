@@ -22,3 +22,22 @@ def test_w8a8_fp8_dots_take_fp8_operands_only_where_the_gpu_has_fp8_units(monkey
     device = SimpleNamespace(platform=platform, compute_capability=capability)
     monkeypatch.setattr(gpu.jax, "devices", lambda *a: [device])
     assert gpu.GpuPlatform().fp8_dot_operands == expected
+
+
+def test_a_pool_sized_from_free_memory_keeps_its_size_when_free_memory_moves_a_little(monkeypatch):
+    """The pool's size is part of every compiled step: two starts whose free memory differs by a few MB (seen on an
+    H200: 188,983 and 189,012 blocks) must size it alike, or the second misses the executables the first stored."""
+    from jaxpaged.platforms.interface import steady_block_count
+
+    config = SimpleNamespace(kv_cache_memory_fraction=0.9, devices_per_replica=1)
+    block_bytes = 16 * 32 * 1024  # Llama-3.2-1B's 32.8 kB a token, 16 tokens a block
+    counts = set()
+    for in_use in (2_600_000_000, 2_630_000_000, 2_601_000_000):
+        stats = {"bytes_limit": 105_000_000_000, "bytes_in_use": in_use}
+        monkeypatch.setattr(gpu.jax, "devices", lambda *a, s=stats: [SimpleNamespace(memory_stats=lambda: s)])
+        counts.add(gpu.GpuPlatform().num_kv_blocks(config, block_bytes=block_bytes, weight_bytes=0, table_width=129))
+    (count,) = counts
+    exact = int(0.9 * (105_000_000_000 - 2_600_000_000)) // block_bytes
+    assert exact * 63 / 64 <= count <= exact
+    for n in (1, 100, 127, 128, 5000, 188_983, 2**20 + 7):
+        assert n * 63 / 64 <= steady_block_count(n) <= n

@@ -17,7 +17,7 @@ from jaxpaged.pallas_kernels.backends import AttentionBackend, ReferenceAttentio
 from jaxpaged.platforms.cpu import attention as cpu_attention
 from jaxpaged.platforms.cpu import matmul as cpu_matmul
 from jaxpaged.platforms.cpu.host_malloc import tune_malloc
-from jaxpaged.platforms.interface import Platform
+from jaxpaged.platforms.interface import Platform, steady_block_count
 
 if TYPE_CHECKING:
     from jaxpaged.config import EngineConfig
@@ -101,7 +101,10 @@ class CpuPlatform(Platform):
         if config.kv_cache_memory_fraction is not None:
             budget = int(config.kv_cache_memory_fraction * available_host_memory())
         enough = config.max_num_seqs * table_width  # every sequence at full length
-        return max(1, min(budget // block_bytes, enough))
+        blocks = budget // block_bytes
+        if config.kv_cache_memory_fraction is not None:
+            blocks = steady_block_count(blocks)
+        return max(1, min(blocks, enough))
 
 
 def available_host_memory(meminfo: str = "/proc/meminfo") -> int:

@@ -1,0 +1,454 @@
+"""One bounded GPU report (issue 33): throughput on nano-vllm's workload against the memory floor, start-up cold
+and warm, a device profile of 256-row decode steps with the host's own time per step, and the decode kernel's
+bandwidth, in at most --budget-s seconds, start-up included.
+
+    python scripts/gpu_report.py --budget-s 420                  # on the GPU machine: writes gpu_report.json + .md
+    python scripts/gpu_report.py --budget-s 240 --with-hf        # add transformers' continuous batching (~150 s)
+    python scripts/gpu_report.py --tiny --budget-s 200           # every stage on a tiny model (a CPU, the tests)
+
+The workload (issue 33): 256 requests whose prompt and output lengths are drawn uniformly from 100-1024 by Python's
+random.Random(0) (per request: prompt length, its ids with randrange(10, vocab - 10), output length: 139,291
+output tokens for Llama-3.2-1B's vocabulary), greedy, EOS ignored, on random bfloat16 weights of Llama-3.2-1B's
+shape written once by transformers' save_pretrained, so every engine reads the same bytes.
+
+Stages run as child processes (each with the device to itself), in order of value: weights, cold (start-up with an
+empty executable cache, first token, the workload, the profile), attention (bench_attention.py's goal cases),
+warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
+--with-hf). A stage that would not fit in what is left of the budget is dropped and named; a child writes its
+results as it goes, and the report is rewritten after every stage, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
+
+MODEL_CONFIG = REPO / "scripts" / "configs" / "llama-3.2-1b.json"
+TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
+# stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
+STAGES = {"weights": (20, 120), "cold": (60, 300), "attention": (30, 120), "warm": (30, 90), "hf_cb": (120, 300)}
+RESERVE_S = 10  # kept back for writing the report
+
+
+def workload(vocab: int, num_requests: int, lo: int, hi: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) per request, drawn as the module docstring says."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))]
+        requests.append((prompt, rng.randint(lo, hi)))
+    return requests
+
+
+class Partial:
+    """A child's results, rewritten to its JSON file after every entry: a child killed at its limit keeps them."""
+
+    def __init__(self, path: Path):
+        self.path, self.data = path, {}
+
+    def __setitem__(self, key, value) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+
+
+# -- stages (each in its own process) ---------------------------------------------------------------------------
+
+
+def stage_weights(args, out: Partial) -> None:
+    """Random bfloat16 weights of the model's shape, written by transformers' save_pretrained (safetensors)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(args.config)
+    t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    drawn = time.perf_counter() - t0
+    model.save_pretrained(args.model_dir)
+    size = sum(f.stat().st_size for f in Path(args.model_dir).glob("*.safetensors"))
+    out["weights"] = {"drawn_s": drawn, "saved_s": time.perf_counter() - t0 - drawn, "bytes": size, "on": device}
+
+
+def _engine_kwargs(args) -> dict:
+    return {"dtype": args.dtype, "max_model_len": args.hi * 2 + 16, "log_level": "INFO"}
+
+
+def _startup(args, out: Partial, key: str, t_process: float):
+    """LLM start-up timed by phase, then one request's first token."""
+    t0 = time.perf_counter()
+    from jaxpaged import LLM, SamplingParams
+
+    imported = time.perf_counter() - t0
+    llm = LLM(args.model_dir, **_engine_kwargs(args))
+    ready = time.perf_counter() - t0
+    engine = llm.engine
+    t1 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": list(range(10, 10 + args.lo))}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    first = time.perf_counter() - t1
+    weights = sum(f.stat().st_size for f in Path(args.model_dir).glob("*.safetensors"))
+    phases = dict(engine.startup_seconds)
+    out[key] = {
+        "import_s": imported, "phases_s": phases, "ready_s": ready, "first_token_s": first,
+        "process_to_first_token_s": time.perf_counter() - t_process, "weights_bytes": weights,
+        "weights_read_gbs": weights / phases["load"] / 1e9 if phases.get("load") else None,
+        "executables_loaded": engine.runner.executables.num_loaded, "executables_compiled": engine.runner.executables.num_compiled,
+        "buckets": engine.runner.buckets, "num_kv_blocks": engine.runner.num_blocks, "memory_plan": engine.runner.memory_plan(),
+    }  # fmt: skip
+    return llm
+
+
+def stage_cold(args, out: Partial) -> None:
+    t_process = time.perf_counter()
+    import jax
+
+    from bench_attention import copy_bandwidth, matmul_rate
+
+    cpu = jax.default_backend() == "cpu"
+    out["device"] = {"kind": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__}
+    llm = _startup(args, out, "cold_start", t_process)
+    requests = run_workload(llm, args, out)
+    profile_decode(llm, args, out)
+    # the ceilings last: measured first, their arrays' memory would count against the KV pool's
+    bandwidth = copy_bandwidth(args.dtype, nbytes=(64 << 20) if cpu else (2 << 30))
+    flops = matmul_rate(args.dtype, n=1024 if cpu else 8192)
+    out["rates"] = {"copy_gbs": bandwidth / 1e9, "matmul_tflops": flops / 1e12}
+    add_roofline(llm, args, out, requests, bandwidth, flops)
+
+
+def stage_warm(args, out: Partial) -> None:
+    _startup(args, out, "warm_start", time.perf_counter())
+
+
+def add_roofline(llm, args, out: Partial, requests, bandwidth: float, flops: float) -> None:
+    """The workload's memory floor (bench_throughput's model): tok/s at the measured ceilings, and the fraction met."""
+    import transformers
+    from bench_throughput import model_cost, roofline
+
+    hf_config = transformers.AutoConfig.from_pretrained(args.model_dir)
+    roof = roofline([requests], model_cost(hf_config, args.dtype), llm.engine.config.max_num_seqs, bandwidth, flops)
+    workload = out.data["workload"]
+    out["workload"] = {**workload, "roofline_tok_s": roof["tok_s"], "of_roofline": workload["tok_s"] / roof["tok_s"],
+                       "roofline": roof}  # fmt: skip
+
+
+def run_workload(llm, args, out: Partial) -> list:
+    """The workload through LLM.generate, the host's phases and device calls timed; returns the requests."""
+    from profile_step import PhaseTimer, device_calls, instrumented
+
+    from jaxpaged import SamplingParams
+
+    engine = llm.engine
+    requests = workload(engine.loaded.config.vocab_size, args.num_requests, args.lo, args.hi)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for _, n in requests]
+    steps, timer, calls = [0], PhaseTimer(), PhaseTimer(())
+    step = engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    t0 = time.perf_counter()
+    with instrumented(engine, timer), device_calls(engine, calls):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    del engine.step
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    n = max(steps[0], 1)
+    out["workload"] = {
+        "requests": len(requests), "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+        "steps": steps[0], "ms_per_step": 1e3 * seconds / n,
+        "host_ms_per_step": {k: 1e3 * v / n for k, v in timer.totals.items()},
+        "host_cpu_ms_per_step": {k: 1e3 * v / n for k, v in timer.cpu.items() if k != "wait"},
+        "calls_ms_per_step": {k: 1e3 * v / n for k, v in calls.totals.items()},
+        "calls_cpu_ms_per_step": {k: 1e3 * v / n for k, v in calls.cpu.items()},
+        "compiles_after_warmup": engine.num_compiles_after_warmup, "max_num_seqs": engine.config.max_num_seqs,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+    }  # fmt: skip
+    return requests
+
+
+def profile_decode(llm, args, out: Partial) -> None:
+    """`rows` sequences decoding together: host phases over a few steps, then a jax.profiler trace of a few more,
+    read back per kernel class (trace_summary)."""
+    import jax
+    from profile_step import PhaseTimer, device_calls, instrumented
+
+    from jaxpaged import RequestOutputKind, SamplingParams
+
+    engine, rows = llm.engine, min(args.profile_rows, llm.engine.config.max_num_seqs)
+    vocab = engine.loaded.config.vocab_size
+    requests = workload(vocab, rows, args.lo, args.hi, seed=1)
+    # final outputs only, as LLM.generate asks (the workload's path)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.hi, output_kind=RequestOutputKind.FINAL_ONLY)
+    for i, (ids, _) in enumerate(requests):
+        engine.add_request(f"profile{i}", {"prompt_token_ids": ids}, params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    timer, calls = PhaseTimer(), PhaseTimer(())
+    t0 = time.perf_counter()
+    with instrumented(engine, timer), device_calls(engine, calls):
+        for _ in range(args.profile_steps):
+            engine.step()
+    wall = (time.perf_counter() - t0) / args.profile_steps
+    host = {k: 1e3 * v / args.profile_steps for k, v in timer.totals.items()}
+    cpu = {k: 1e3 * v / args.profile_steps for k, v in timer.cpu.items() if k != "wait"}
+    result = {"rows": rows, "steps": args.profile_steps, "ms_per_step": 1e3 * wall, "host_ms_per_step": host,
+              "host_cpu_ms_per_step": cpu, "host_cpu_ms_total": sum(cpu.values()),
+              "calls_ms_per_step": {k: 1e3 * v / args.profile_steps for k, v in calls.totals.items()},
+              "calls_cpu_ms_per_step": {k: 1e3 * v / args.profile_steps for k, v in calls.cpu.items()}}  # fmt: skip
+    out["decode_profile"] = result
+    trace_dir = Path(args.work) / "trace"
+    jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+    t0 = time.perf_counter()
+    for _ in range(args.profile_steps):
+        engine.step()
+    jax.block_until_ready(engine.runner.kv_cache)
+    traced = time.perf_counter() - t0
+    jax.profiler.stop_trace()
+    result["traced_ms_per_step"] = 1e3 * traced / args.profile_steps
+    try:
+        import trace_summary
+
+        result["trace"] = trace_summary.summarize(trace_summary.find_trace(trace_dir), steps=args.profile_steps)
+    except Exception as exc:  # noqa: BLE001 - the host figures above stand without it
+        result["trace_error"] = f"{type(exc).__name__}: {exc}"
+    out["decode_profile"] = result
+    for i in range(rows):
+        engine.abort_request(f"profile{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def stage_attention(args, out: Partial) -> None:
+    import bench_attention
+
+    report = bench_attention.main(["--quick", "--json", str(Path(args.work) / "attention.json")])
+    out["attention"] = {"env": report["env"], "goals": report["goals"], "rows": report["rows"]}
+
+
+def stage_hf_cb(args, out: Partial) -> None:
+    """transformers' continuous batching (paged attention, its own scheduler) on the same workload and weights."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    requests = workload(model.config.vocab_size, args.num_requests, args.lo, args.hi)
+    config = transformers.GenerationConfig(max_new_tokens=args.hi, do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens = finished = 0
+    t0 = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        started = time.perf_counter()
+        for i, (ids, n) in enumerate(requests):
+            manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n)
+        while finished < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    break
+                continue
+            if result.is_finished():
+                finished += 1
+                tokens += len(result.generated_tokens)
+    seconds = time.perf_counter() - started
+    out["hf_cb"] = {"requests": finished, "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                    "with_warmup_s": time.perf_counter() - t0, "transformers": transformers.__version__}  # fmt: skip
+
+
+# -- the parent: budget, children, report -----------------------------------------------------------------------
+
+def run_child(args) -> int:
+    out = Partial(Path(args.result))
+    try:
+        globals()[f"stage_{args.stage}"](args, out)
+    except Exception as exc:  # noqa: BLE001 - recorded; the parent goes on with the next stage
+        import traceback
+
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()[-4000:]
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def environment() -> dict:
+    import platform
+
+    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(), "host_cpus": os.cpu_count()}
+    for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "transformers", "torch"):
+        try:
+            from importlib.metadata import version
+
+            env[dist] = version(dist)
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=15)  # fmt: skip
+        env["nvidia_smi"] = smi.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        env["nvidia_smi"] = None
+    env["load_avg"] = os.getloadavg()
+    return env
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-s", type=float, default=420.0, help="the whole run, start-up included (default 420)")
+    p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "docs" / "data"), help="folder for the report")
+    p.add_argument("--name", default=None, help="file name stem (default gpu_report_<device>_<date>)")
+    p.add_argument("--work", default="/tmp/jaxpaged-gpu-report", help="weights, executables and traces go here")
+    p.add_argument("--config", default=str(MODEL_CONFIG), help="the model's config.json (default Llama-3.2-1B's)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama and a small workload (CPU, tests)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--lo", type=int, default=100, help="shortest prompt and output (default 100)")
+    p.add_argument("--hi", type=int, default=1024, help="longest prompt and output (default 1024)")
+    p.add_argument("--profile-rows", type=int, default=256)
+    p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--stages", default="weights,cold,attention,warm", help="comma-separated, run in this order")
+    p.add_argument("--with-hf", action="store_true", help="add hf_cb: transformers' continuous batching")
+    p.add_argument("--stage", help=argparse.SUPPRESS)  # a child: run this stage only
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.stage:
+        return run_child(args)
+
+    start = time.monotonic()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        config = work / "tiny-config.json"
+        config.write_text(json.dumps(TINY_CONFIG))
+        args.config, args.num_requests, args.lo, args.hi = str(config), min(args.num_requests, 16), 8, 48
+        args.profile_rows, args.profile_steps = min(args.profile_rows, 16), min(args.profile_steps, 4)
+    model_dir = work / ("tiny" if args.tiny else "model")
+    stages = [s for s in args.stages.split(",") if s] + (["hf_cb"] if args.with_hf else [])
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        p.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
+    report = {"budget_s": args.budget_s, "env": environment(), "stages": {}, "dropped": [],
+              "workload": {"num_requests": args.num_requests, "lo": args.lo, "hi": args.hi, "config": args.config,
+                           "dtype": args.dtype}}  # fmt: skip
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"gpu_report_{'tiny' if args.tiny else 'run'}_{report['env']['date']}"
+    env = dict(os.environ, JAXPAGED_CACHE_DIR=str(work / "cache"), PYTHONUNBUFFERED="1")
+    if "weights" in stages or "cold" in stages:  # a cold start: no stored executables
+        subprocess.run(["rm", "-rf", str(work / "cache")], check=False)
+    for stage in stages:
+        left = args.budget_s - (time.monotonic() - start) - RESERVE_S
+        least, most = STAGES[stage]
+        if stage == "weights" and (model_dir / "config.json").exists():
+            report["stages"][stage] = {"skipped": f"{model_dir} exists"}
+            continue
+        if left < least:
+            report["dropped"].append(f"{stage} (needs {least} s, {left:.0f} s left)")
+            write_report(report, out_dir, stem)
+            continue
+        result = work / f"{stage}.json"
+        result.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--stage", stage, "--result", str(result), "--model-dir", str(model_dir),
+               "--work", str(work), "--config", args.config, "--dtype", args.dtype, "--num-requests", str(args.num_requests),
+               "--lo", str(args.lo), "--hi", str(args.hi), "--profile-rows", str(args.profile_rows),
+               "--profile-steps", str(args.profile_steps)]  # fmt: skip
+        print(f"== {stage} (at most {min(most, left):.0f} s)", flush=True)
+        t0 = time.monotonic()
+        load_before = os.getloadavg()
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=min(most, left)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        data = json.loads(result.read_text()) if result.exists() else {}
+        report["stages"][stage] = {**data, "rc": rc, "seconds": time.monotonic() - t0, "load_before": load_before,
+                                   "load_after": os.getloadavg()}  # fmt: skip
+        write_report(report, out_dir, stem)
+    report["seconds"] = time.monotonic() - start
+    write_report(report, out_dir, stem)
+    print((out_dir / f"{stem}.md").read_text())
+    return 0
+
+
+def write_report(report: dict, out_dir: Path, stem: str) -> None:
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / f"{stem}.md").write_text(summary_table(report))
+
+
+def _f(value, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def summary_table(report: dict) -> str:
+    """The short table the run prints last: what each goal of issue 33 asks, and what was measured."""
+    st = report["stages"]
+    env = report["env"]
+    cold, warm = st.get("cold", {}), st.get("warm", {})
+    device = cold.get("device", {})
+    lines = [f"# gpu_report: {device.get('kind', '?')}, {env.get('date')}, jax {env.get('jax')}, "
+             f"transformers {env.get('transformers')}, torch {env.get('torch')}", ""]  # fmt: skip
+    rates = cold.get("rates", {})
+    lines.append(f"copy {_f(rates.get('copy_gbs'))} GB/s, matmul {_f(rates.get('matmul_tflops'))} TFLOP/s")
+    w = cold.get("workload")
+    if w:
+        floor = (f"{100 * w['of_roofline']:.1f}% of the floor ({w['roofline_tok_s']:.0f} tok/s)" if "of_roofline" in w
+                 else "floor not measured")  # fmt: skip
+        lines.append(f"workload: {w['requests']} requests, {w['output_tokens']} output tokens in {w['seconds']:.1f} s = "
+                     f"**{w['tok_s']:.0f} tok/s**, {floor}; {w['steps']} steps, {w['ms_per_step']:.2f} ms a step; "
+                     f"compiles after warm-up {w['compiles_after_warmup']}")
+        lines.append("host ms a step (wall): " + ", ".join(f"{k} {v:.2f}" for k, v in w["host_ms_per_step"].items()))
+        lines.append("device calls, host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in w["calls_ms_per_step"].items()))
+    hf = st.get("hf_cb", {}).get("hf_cb")
+    if hf and w:
+        lines.append(f"transformers continuous batching: {hf['tok_s']:.0f} tok/s; jaxpaged is {w['tok_s'] / hf['tok_s']:.1f}x")
+    prof = cold.get("decode_profile")
+    if prof:
+        lines.append(f"decode at {prof['rows']} rows: {prof['ms_per_step']:.2f} ms a step, host CPU "
+                     f"{prof['host_cpu_ms_total']:.2f} ms (" + ", ".join(f"{k} {v:.2f}" for k, v in prof['host_cpu_ms_per_step'].items()) + ")")
+        trace = prof.get("trace")
+        if trace:
+            lines.append("device per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in trace["per_step_ms"].items())
+                         + f"; busy {100 * trace['busy_fraction']:.1f}% of the span, idle gaps {trace['idle_ms_per_step']:.3f} ms a step")
+        elif prof.get("trace_error"):
+            lines.append(f"trace: {prof['trace_error']}")
+    for key, label in (("cold_start", "cold start"), ("warm_start", "warm start")):
+        s = cold.get(key) or warm.get(key)
+        if s:
+            ph = s["phases_s"]
+            lines.append(f"{label}: ready {s['ready_s']:.1f} s (load {_f(ph.get('load'))}, warm-up {_f(ph.get('warmup'))}; "
+                         f"weights {_f(s.get('weights_read_gbs'), '{:.2f}')} GB/s), first token {s['first_token_s']:.2f} s, "
+                         f"{s['executables_loaded']} executables loaded, {s['executables_compiled']} compiled")
+    att = st.get("attention", {}).get("attention")
+    if att:
+        for g in att["goals"]:
+            lines.append(f"attention {g.get('name', '')}: {_f(g.get('of_copy_bw'), '{:.1%}')} of copy bandwidth "
+                         f"(goal {g.get('min_of_copy_bw', 0):.0%}), passed {g.get('passed')}")
+    for name, stage in st.items():
+        if stage.get("error") or stage.get("rc") not in (0, None):
+            lines.append(f"stage {name}: rc {stage.get('rc')} {stage.get('error', '')}")
+    if report["dropped"]:
+        lines.append("dropped: " + "; ".join(report["dropped"]))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
