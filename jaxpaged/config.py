@@ -27,7 +27,7 @@ class EngineConfig:
     model: str | None = option(None, "local HF folder, .gguf file, config.json (random weights), or a Hugging Face Hub id "
                                "(org/name, from the HF cache or downloaded: safetensors only); default: the built-in model", group="model")  # fmt: skip
     revision: str | None = option(None, "with a hub id: the branch, tag or commit to load (default: main)", group="model")
-    dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU)", group="model")
+    dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU; float16 on GPUs without bfloat16, compute capability below 8.0)", group="model")
     quantization: str | None = option(None, "int8 or fp8 (e4m3): linear weights quantized per output channel at load; gguf: a GGUF's "
                                       "Q8_0/Q4_0/Q4_1/Q4_K weights kept quantized (compressed-tensors, GPTQ and AWQ checkpoints always are); none: every weight dequantized to dtype (default: "
                                       "as stored, except that a GGUF is dequantized on CPU, where float matmuls are faster)",

@@ -308,6 +308,8 @@ def environment() -> dict:
     except (OSError, subprocess.TimeoutExpired):
         env["nvidia_smi"] = None
     env["load_avg"] = os.getloadavg()
+    # what decides how a GPU executable's dispatch may wait on the host (allocator, client, in-flight limit)
+    env["runtime_env"] = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "PJRT_", "TF_", "CUDA_"))}
     return env
 
 

@@ -199,6 +199,7 @@ def main(argv=None) -> None:
         args.model = tiny_model(Path(tempfile.mkdtemp(prefix="jaxpaged-tiny-")))
     profiler = cProfile.Profile() if args.cprofile else None
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 128,
+              max_num_batched_tokens=max(args.batch, 256),  # every row decodes in one step
               log_level="WARNING")  # fmt: skip
     runs = []
     for r in range(args.rounds):

@@ -24,9 +24,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
 
 
+_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED))
 PLACEHOLDER = -1  # an output token sampled by a step still running on the device
 
 
@@ -97,7 +98,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED  # read several times per row per step: one set lookup
 
 
 @dataclasses.dataclass(eq=False)

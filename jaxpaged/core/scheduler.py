@@ -25,7 +25,7 @@ from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # a step makes one per row
 class ScheduledSequence:
     request: Request
     start: int  # first position fed this step (== num_computed_tokens at scheduling)
@@ -187,15 +187,16 @@ class Scheduler:
         """Take a step's results: fill in each sampling sequence's oldest in-flight token, register the blocks
         now full and finish the sequences that stop. Returns the scheduled sequences that were still live."""
         live = []
+        self.num_computed_tokens_total += output.num_tokens
+        tokens = sampled_tokens.tolist() if hasattr(sampled_tokens, "tolist") else list(sampled_tokens)  # ints, once
         for item in output.scheduled:
             req = item.request
-            self.num_computed_tokens_total += item.num_tokens
             if req.finished:  # ended by an earlier step, or aborted, while this one ran: its row is dropped
                 continue
             live.append(item)
             self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)
             if item.samples and not req.is_beam:
-                self._append_token(req, int(sampled_tokens[item.row]), stop_strings.get(req))
+                self._append_token(req, tokens[item.row], stop_strings.get(req) if stop_strings else None)
         return live
 
     def _append_token(self, req: Request, token: int, stop_string: str | None) -> None:

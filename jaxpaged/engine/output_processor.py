@@ -68,16 +68,18 @@ class OutputProcessor:
     def detokenize(self, output: SchedulerOutput, result: StepResult) -> dict[Request, str]:
         """Push each live sampling sequence's new token through its detokenizer; returns the stop strings hit."""
         stops = {}
+        tokens = None
         for item in output.scheduled:
             req = item.request
-            if req.finished or not item.samples or req.is_beam:
+            state = self._states.get(req)  # None: a beam
+            if state is None or state.deferred_text or state.detokenizer is None or not item.samples or req.finished:
                 continue
-            state = self._states[req]
+            if tokens is None:
+                tokens = result.tokens.tolist()
             detok = state.detokenizer
-            if detok is not None and not state.deferred_text:
-                detok.push(int(result.tokens[item.row]))
-                if detok.finished:
-                    stops[req] = detok.stop_reason
+            detok.push(tokens[item.row])
+            if detok.finished:
+                stops[req] = detok.stop_reason
         return stops
 
     def process(self, live: list[ScheduledSequence], result: StepResult, finished_beams: Sequence[str] = ()) -> list[RequestOutput]:

@@ -14,20 +14,34 @@ SHARED_MEMORY_KIB = {"7.0": 96, "7.5": 64, "8.0": 163, "8.6": 99, "8.7": 163, "8
                      "10.3": 227, "12.0": 99, "12.1": 99}  # fmt: skip
 
 
+def _capability() -> tuple[int, ...] | None:
+    """The first local GPU's compute capability, (major, minor); None without a GPU or when it cannot be read."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    try:
+        return tuple(int(v) for v in str(getattr(device, "compute_capability", "")).split(".")[:2])
+    except ValueError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuPlatform(AcceleratorPlatform):
     name = "gpu"
 
     @property
+    def dtype(self) -> str:
+        """bfloat16 where the GPU has bfloat16 units (compute capability 8.0 and up: A100, L4, H100); float16 on older
+        ones (T4, Colab's free GPU, and V100), whose tensor cores take float16 only."""
+        capability = _capability()
+        return "float16" if capability is not None and capability < (8, 0) else "bfloat16"
+
+    @property
     def fp8_dot_operands(self) -> str:
         """float8 where the GPU has fp8 tensor cores (compute capability 8.9 and up), so XLA takes cuBLASLt's fp8
         GEMM: on an H100, 1.2-1.4x faster than the widened dot at 1-4k rows (docs/benchmarks.md)."""
-        device = jax.devices()[0]
-        try:
-            capability = tuple(int(v) for v in str(getattr(device, "compute_capability", "")).split(".")[:2])
-        except ValueError:
-            return "bfloat16"
-        return "float8" if device.platform == "gpu" and capability >= (8, 9) else "bfloat16"
+        capability = _capability()
+        return "float8" if capability is not None and capability >= (8, 9) else "bfloat16"
 
     def kernel(self) -> TritonAttention:
         """Sized for the first local GPU; without one (exporting from a CPU host) the kernel's defaults hold."""

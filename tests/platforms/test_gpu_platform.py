@@ -24,6 +24,21 @@ def test_w8a8_fp8_dots_take_fp8_operands_only_where_the_gpu_has_fp8_units(monkey
     assert gpu.GpuPlatform().fp8_dot_operands == expected
 
 
+@pytest.mark.parametrize("platform,capability,expected", [
+    ("gpu", "7.5", "float16"),  # T4 (Colab's free GPU): no bfloat16 units
+    ("gpu", "7.0", "float16"),  # V100
+    ("gpu", "8.0", "bfloat16"),  # A100
+    ("gpu", "8.9", "bfloat16"),  # L4
+    ("gpu", "9.0", "bfloat16"),  # H100/H200
+    ("gpu", "", "bfloat16"),  # capability unknown
+    ("cpu", "", "bfloat16"),  # exporting from a host without a GPU
+])  # fmt: skip
+def test_the_default_dtype_is_float16_where_the_gpu_has_no_bfloat16(monkeypatch, platform, capability, expected):
+    device = SimpleNamespace(platform=platform, compute_capability=capability)
+    monkeypatch.setattr(gpu.jax, "devices", lambda *a: [device])
+    assert gpu.GpuPlatform().dtype == expected
+
+
 def test_a_pool_sized_from_free_memory_keeps_its_size_when_free_memory_moves_a_little(monkeypatch):
     """The pool's size is part of every compiled step: two starts whose free memory differs by a few MB (seen on an
     H200: 188,983 and 189,012 blocks) must size it alike, or the second misses the executables the first stored."""
