@@ -71,6 +71,11 @@ class KVCacheManager:
         """Make tokens [num_computed, num_computed + num_new_tokens) writable; False (nothing taken) if the pool can't."""
         table = self._tables.setdefault(seq_id, [])
         bs = self.block_size
+        last = len(table) - 1
+        # the usual decode step: its token goes in the table's last block, which it alone holds
+        if num_computed // bs == last and num_computed + num_new_tokens <= len(table) * bs:
+            if self.pool.ref_count(table[last]) == 1:
+                return True
         shared = [i for i in range(num_computed // bs, len(table)) if self.pool.ref_count(table[i]) > 1]
         missing = max(0, blocks_for(num_computed + num_new_tokens, bs) - len(table))
         if missing + len(shared) > self.pool.num_free:

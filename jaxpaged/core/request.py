@@ -27,7 +27,8 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED))
+# a tuple: membership compares by identity in C, where a set would call Enum.__hash__ in Python
+_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 PLACEHOLDER = -1  # an output token sampled by a step still running on the device
 
 
@@ -98,7 +99,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status in _FINISHED  # read several times per row per step: one set lookup
+        return self.status in _FINISHED  # read several times per row per step
 
 
 @dataclasses.dataclass(eq=False)
