@@ -36,6 +36,10 @@ STALE_AFTER_S = 14 * 24 * 3600  # a version folder unused this long is removed
 # new process ("Function wrapped_convert not found"). So is one that JAX's persistent compilation cache
 # returned (JAX 0.10). Only a program's first real compile here is stored.
 _programs_seen: set[str] = set()
+# (program, device) -> the executable this process already holds for it: a stored entry for a program this process
+# compiled or loaded before is taken from here, not deserialized a second time (XLA:CPU's JIT would then hold two
+# copies of one program's code; a CI run crashed in deserialize_executable that way)
+_in_process: dict[tuple[str, str], jax.stages.Compiled] = {}
 
 
 @functools.cache
@@ -99,7 +103,7 @@ class ExecutableCache:
         """`jitted` compiled for `args`: from the folder when an entry matches, else compiled and stored."""
         path = None
         if self.directory is not None:
-            where = "" if self.device is None or self.device.id == 0 else f"device{self.device.id}"  # compiled for it
+            where = self._where()  # the device it is compiled for
             key = hashlib.sha256((self.salt + name + _signature(args) + where).encode()).hexdigest()[:32]
             path = self.directory / f"{name}-{key}.exe"
             compiled = self._load(path)
@@ -117,7 +121,11 @@ class ExecutableCache:
         if path is not None and program not in _programs_seen and not from_xla_cache:
             self._store(path, program, compiled)
         _programs_seen.add(program)
+        _in_process.setdefault((program, self._where()), compiled)
         return compiled
+
+    def _where(self) -> str:
+        return "" if self.device is None or self.device.id == 0 else f"device{self.device.id}"
 
     def _load(self, path: Path) -> Any:
         if not path.exists():
@@ -125,9 +133,13 @@ class ExecutableCache:
         try:
             with open(path, "rb") as f:
                 program, serialized, in_tree, out_tree = pickle.load(f)
-            # stored executables run on one device: loaded onto all of a multi-device host, they would ask for a
-            # shard per device
-            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=[self.device or jax.devices()[0]])
+            compiled = _in_process.get((program, self._where()))
+            if compiled is None:
+                # stored executables run on one device: loaded onto all of a multi-device host, they would ask for a
+                # shard per device
+                devices = [self.device or jax.devices()[0]]
+                compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
+                _in_process[(program, self._where())] = compiled
             _programs_seen.add(program)
         except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: compile instead
             logger.warning("could not load the cached executable %s (%s); compiling it again", path, exc)

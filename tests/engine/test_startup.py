@@ -234,3 +234,26 @@ def test_bench_startup_phases_add_up():
     got = phases(100.0, 104.0, startup_line("noise\n" + line + "\n"))
     assert got == pytest.approx({"import": 1.5, "load": 1.0, "pack": 0.1, "kv_cache": 0.2, "compile": 0.5, "other": 0.7})
     assert phases(100.0, None, None) == {}
+
+
+def test_an_entry_this_process_already_holds_is_not_deserialized_again(tmp_path, monkeypatch):
+    """A second engine on the same cache in one process takes the executables the first one compiled or loaded:
+    deserializing a program this process already holds made XLA:CPU crash once (a CI run)."""
+    from jaxpaged.worker import executable_cache
+
+    # an MLP width no other test uses: forward programs this process has not compiled yet, so the first engine stores
+    # them (programs it compiled before, as other tests' samplers, it does not store: see the test above)
+    model_dir = save_hf_model(random_hf_model(tiny_llama_config(num_key_value_heads=2, intermediate_size=192)), tmp_path / "m")
+    first = _engine(model_dir, tmp_path)
+    stored = len(list(tmp_path.rglob("*.exe")))
+    assert stored > 0
+    want = _greedy(first, PROMPTS)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("deserialized a program this process already holds")
+
+    monkeypatch.setattr(executable_cache.serialize_executable, "deserialize_and_load", refuse)
+    second = _engine(model_dir, tmp_path)
+    assert second.runner.executables.num_loaded == stored  # every stored entry, none of them deserialized
+    assert second.runner.executables.num_compiled == first.runner.executables.num_compiled - stored
+    assert _greedy(second, PROMPTS) == want
