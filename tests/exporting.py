@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import jax
@@ -11,16 +12,57 @@ TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call")  # JAX's Triton cu
 MOSAIC_CALL = "tpu_custom_call"
 
 
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """A GPU to lower for on a host without one: what JAX and the GPU platform read off a device."""
+
+    device_kind: str
+    compute_capability: str
+    core_count: int
+    platform: str = "gpu"
+
+
+# One card per compute capability the GPU platform is tested for: Colab's T4, A100, L4, H100
+GPUS = {
+    "7.5": Gpu("Tesla T4", "7.5", 40),
+    "8.0": Gpu("NVIDIA A100-SXM4-80GB", "8.0", 108),
+    "8.9": Gpu("NVIDIA L4", "8.9", 58),
+    "9.0": Gpu("NVIDIA H100 80GB HBM3", "9.0", 132),
+}
+
+
 @contextlib.contextmanager
-def lowering_for(platform: str):
+def lowering_for(platform: str, gpu: Gpu = GPUS["9.0"]):
     """From JAX 0.11 a Triton kernel lowers without a GPU only for an abstract GPU device, as JAX's own deviceless
-    AOT tests do (0.10 fell back to compute capability 9.0 by itself); TPU needs nothing."""
+    AOT tests do; JAX 0.10 lowers for the first local GPU's compute capability (9.0 without one), so it is shown
+    `gpu` instead. TPU needs nothing."""
     if platform != "cuda":
         yield
         return
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+    device = jax.sharding.AbstractDevice(device_kind=gpu.device_kind, num_cores=gpu.core_count, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("export",), abstract_device=device)):
+        with _triton_lowers_for(gpu):
+            yield
+
+
+@contextlib.contextmanager
+def _triton_lowers_for(gpu: Gpu):
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    real = registration.jax
+
+    class JaxWithThisGpu:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def local_devices(self, *args, backend=None, **kwargs):
+            return [gpu] if backend == "gpu" else real.local_devices(*args, backend=backend, **kwargs)
+
+    registration.jax = JaxWithThisGpu()
+    try:
         yield
+    finally:
+        registration.jax = real
 
 
 def export_checks(platform: str) -> dict:

@@ -14,10 +14,16 @@ SHARED_MEMORY_KIB = {"7.0": 96, "7.5": 64, "8.0": 163, "8.6": 99, "8.7": 163, "8
                      "10.3": 227, "12.0": 99, "12.1": 99}  # fmt: skip
 
 
+def _first_gpu():
+    """The GPU every choice here is sized for: the first local one, None on a host without one (exporting)."""
+    device = jax.devices()[0]
+    return device if device.platform == "gpu" else None
+
+
 def _capability() -> tuple[int, ...] | None:
     """The first local GPU's compute capability, (major, minor); None without a GPU or when it cannot be read."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
+    device = _first_gpu()
+    if device is None:
         return None
     try:
         return tuple(int(v) for v in str(getattr(device, "compute_capability", "")).split(".")[:2])
@@ -45,8 +51,8 @@ class GpuPlatform(AcceleratorPlatform):
 
     def kernel(self) -> TritonAttention:
         """Sized for the first local GPU; without one (exporting from a CPU host) the kernel's defaults hold."""
-        device = jax.devices()[0]
-        if device.platform != "gpu":
+        device = _first_gpu()
+        if device is None:
             return TritonAttention(interpret=False)
         kib = SHARED_MEMORY_KIB.get(str(getattr(device, "compute_capability", "")), 0)
         return TritonAttention(interpret=False, num_cores=int(getattr(device, "core_count", 0) or 0), shared_memory=kib * 1024)

@@ -20,7 +20,7 @@ from jaxpaged.platforms import gpu
 ])  # fmt: skip
 def test_w8a8_fp8_dots_take_fp8_operands_only_where_the_gpu_has_fp8_units(monkeypatch, platform, capability, expected):
     device = SimpleNamespace(platform=platform, compute_capability=capability)
-    monkeypatch.setattr(gpu.jax, "devices", lambda *a: [device])
+    monkeypatch.setattr(gpu, "_first_gpu", lambda: device if platform == "gpu" else None)
     assert gpu.GpuPlatform().fp8_dot_operands == expected
 
 
@@ -35,7 +35,7 @@ def test_w8a8_fp8_dots_take_fp8_operands_only_where_the_gpu_has_fp8_units(monkey
 ])  # fmt: skip
 def test_the_default_dtype_is_float16_where_the_gpu_has_no_bfloat16(monkeypatch, platform, capability, expected):
     device = SimpleNamespace(platform=platform, compute_capability=capability)
-    monkeypatch.setattr(gpu.jax, "devices", lambda *a: [device])
+    monkeypatch.setattr(gpu, "_first_gpu", lambda: device if platform == "gpu" else None)
     assert gpu.GpuPlatform().dtype == expected
 
 
