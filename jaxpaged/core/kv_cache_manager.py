@@ -8,6 +8,12 @@ runner copies on device before the step reads the cache); the last holder writes
 Prefix caching: once a block's tokens are all computed it is registered under a SHA-256 hash
 chained over the sequence's blocks, so equal hashes mean equal token prefixes. A sequence
 admitted with nothing computed first takes every cached block matching its tokens.
+
+Sliding windows (every layer windowed): a block whose last position lies before the window of the
+sequence's earliest query of a step is never read again, so it goes back to the pool when the
+sequence crosses into a new block, and its table entry becomes NULL_BLOCK. Released entries are
+always a prefix of the table (the window only moves forward), so one count per sequence says which
+entries are placeholders; shapes, and the kernels' indexing, do not change.
 """
 
 from __future__ import annotations
@@ -31,6 +37,26 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+# What a released table entry holds: any valid id would do, since every position in it is outside every query's
+# window and masked to an exact zero weight; 0 is also what the input batch pads tables with.
+NULL_BLOCK = 0
+
+
+def freeing_window(sliding_windows) -> int | None:
+    """The window beyond which no layer looks, when every layer has one (models/config.py's per-layer windows);
+    None when any layer is global: one pool shared by all layers cannot free a block for some layers only."""
+    if not sliding_windows or any(w is None for w in sliding_windows):
+        return None
+    return max(sliding_windows)
+
+
+def max_blocks_held(num_tokens: int, block_size: int, window: int | None, step_tokens: int) -> int:
+    """The most blocks a sequence of num_tokens holds at once: all of them, or with a window those a step of up
+    to step_tokens tokens reads (window - 1 positions before its first query, and its own), plus one for alignment."""
+    full = blocks_for(num_tokens, block_size)
+    return full if window is None else min(full, blocks_for(window - 1 + step_tokens, block_size) + 1)
+
+
 def hash_block(parent: bytes | None, tokens) -> bytes:
     """The identity of a full block: its tokens and, through the parent's hash, everything before them."""
     digest = hashlib.sha256(parent or b"")
@@ -47,10 +73,12 @@ class HashedSequence(Protocol):
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None):
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window  # set: blocks before every query's window go back to the pool
         self._tables: dict[str, list[int]] = {}
+        self._released: dict[str, int] = {}  # leading entries of each table given back (now NULL_BLOCK)
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already registered
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step needs first
         # seq_id -> when its table last changed, on a clock that never repeats: the runner keeps each table on the
@@ -63,6 +91,13 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
+    def held_blocks(self, seq_id: str) -> list[int]:
+        """The blocks seq_id holds: its table less the placeholders of released blocks."""
+        return self._tables.get(seq_id, [])[self._released.get(seq_id, 0) :]
+
+    def num_released(self, seq_id: str) -> int:
+        return self._released.get(seq_id, 0)
+
     def table_stamp(self, seq_id: str) -> int:
         """Changes whenever seq_id's block table does (blocks added or replaced, a fork, a prefix hit, a free)."""
         return self._stamps.get(seq_id, 0)
@@ -71,6 +106,10 @@ class KVCacheManager:
         """Make tokens [num_computed, num_computed + num_new_tokens) writable; False (nothing taken) if the pool can't."""
         table = self._tables.setdefault(seq_id, [])
         bs = self.block_size
+        # the step's earliest query sees positions from num_computed - window + 1: blocks wholly before it go back
+        # (an O(1) test; it passes once per block_size tokens)
+        if self.sliding_window is not None and (num_computed - self.sliding_window + 1) // bs > self._released.get(seq_id, 0):
+            self._release(seq_id, table, (num_computed - self.sliding_window + 1) // bs)
         last = len(table) - 1
         # the usual decode step: its token goes in the table's last block, which it alone holds
         if num_computed // bs == last and num_computed + num_new_tokens <= len(table) * bs:
@@ -91,6 +130,14 @@ class KVCacheManager:
             table.extend(self.pool.allocate(missing))
         return True
 
+    def _release(self, seq_id: str, table: list[int], upto: int) -> None:
+        """Give back table[released:upto] (one holder each: a block shared by a fork stays with the others)."""
+        done = self._released.get(seq_id, 0)
+        self.pool.free(reversed(table[done:upto]))
+        table[done:upto] = [NULL_BLOCK] * (upto - done)
+        self._released[seq_id] = upto
+        self._stamps[seq_id] = next(self._clock)
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
         return copies
@@ -98,13 +145,16 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child starts with the parent's blocks, shared (reference counts go up, nothing is copied)."""
         table = list(self._tables.get(parent_id, []))
-        self.pool.share(table)
+        released = self._released.get(parent_id, 0)
+        self.pool.share(table[released:])
         self._tables[child_id] = table
+        if released:
+            self._released[child_id] = released
         self._stamps[child_id] = next(self._clock)
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
 
     def free(self, seq_id: str) -> None:
-        self.pool.free(reversed(self._tables.pop(seq_id, [])))
+        self.pool.free(reversed(self._tables.pop(seq_id, [])[self._released.pop(seq_id, 0) :]))
         self._num_registered.pop(seq_id, None)
         self._stamps.pop(seq_id, None)
 
@@ -117,18 +167,42 @@ class KVCacheManager:
         """
         if not self.pool.enable_caching or self._tables.get(seq.seq_id):
             return 0
-        blocks = []
-        for block_hash in seq.block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        hashes = seq.block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size)
+        if self.sliding_window is None:
+            blocks = []
+            for block_hash in hashes:
+                block = self.pool.lookup(block_hash)
+                if block is None:
+                    break
+                blocks.append(block)
+            first = 0
+        else:
+            first, blocks = self._windowed_hit(hashes)
         for block in blocks:
             self.pool.acquire(block)
-        self._tables[seq.seq_id] = blocks
+        self._tables[seq.seq_id] = [NULL_BLOCK] * first + blocks
+        if first:
+            self._released[seq.seq_id] = first
         self._stamps[seq.seq_id] = next(self._clock)
-        self._num_registered[seq.seq_id] = len(blocks)
-        return len(blocks) * self.block_size
+        self._num_registered[seq.seq_id] = first + len(blocks)
+        return (first + len(blocks)) * self.block_size
+
+    def _windowed_hit(self, hashes: list[bytes]) -> tuple[int, list[int]]:
+        """The longest hit when the first new token, at position k * block_size, sees only blocks from
+        (k * block_size - window + 1) // block_size on (vLLM's SlidingWindowManager.find_longest_cache_hit):
+        (that first block's index, the cached blocks from it to k)."""
+        bs, window = self.block_size, self.sliding_window
+        found = [self.pool.lookup(h) for h in hashes]
+        run = 0  # cached blocks in a row ending at index k - 1
+        runs = []
+        for block in found:
+            run = run + 1 if block is not None else 0
+            runs.append(run)
+        for k in range(len(found), 0, -1):
+            first = max(0, (k * bs - window + 1) // bs)
+            if runs[k - 1] >= k - first:
+                return first, found[first:k]
+        return 0, []
 
     def count_prefix_query(self, num_tokens: int, num_hit: int) -> None:
         if self.pool.enable_caching:
@@ -144,6 +218,7 @@ class KVCacheManager:
         done = self._num_registered.get(seq.seq_id, 0)
         computed = seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known)
         full = min(computed // self.block_size, len(table))
+        done = max(done, self._released.get(seq.seq_id, 0))  # a block released before it was registered is gone
         if full <= done:
             return
         for block, block_hash in zip(table[done:full], seq.block_hashes(self.block_size, full)[done:]):

@@ -238,8 +238,8 @@ class Scheduler:
         held: set[int] = set()  # blocks shared by several sequences count once
         stored = 0
         for req in self.running:
-            stored += req.num_computed_tokens
-            held.update(self.kv.block_table(req.seq_id))
+            stored += req.num_computed_tokens - self.kv.num_released(req.seq_id) * self.kv.block_size
+            held.update(self.kv.held_blocks(req.seq_id))  # a window's released entries are placeholders
         pool, slots = self.kv.pool, len(held) * self.kv.block_size
         return {
             "kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free, "kv_blocks_used": pool.num_used,
