@@ -57,6 +57,17 @@ class EngineConfig:
     async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
     precompile: bool = option(True, "compile every step bucket at start-up, so no request waits for a compile; off, each bucket "
                               "compiles (or loads from the cache) on first use (default: on for LLM and the server, off for generate)")  # fmt: skip
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT's format) over the base model, several in one step; "
+                               "see docs/lora.md (default: off)", group="lora")  # fmt: skip
+    max_loras: int = option(4, "with enable_lora: adapters resident on the device at once, each a slot of the stacked "
+                            "LoRA arrays; a request whose adapter finds no free slot waits (default: 4)", group="lora")  # fmt: skip
+    max_lora_rank: int = option(16, "with enable_lora: the largest adapter rank r accepted; every slot is this wide "
+                                "(default: 16)", group="lora")  # fmt: skip
+    max_cpu_loras: int | None = option(None, "with enable_lora: adapters kept loaded in host memory, least recently used "
+                                       "evicted (default: max_loras)", group="lora")  # fmt: skip
+    lora_target_modules: str | None = option(None, "with enable_lora: the projections adapters may target, comma-separated "
+                                             "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj); each costs two "
+                                             "small matmuls per step (default: all seven)", group="lora")  # fmt: skip
     distributed: bool = option(False, "join a multi-process group that JAX detects by itself (TPU pod slices, SLURM, Open MPI); "
                                "see docs/distributed.md", group="distributed")  # fmt: skip
     coordinator_address: str | None = option(None, "host:port of process 0, which coordinates a multi-process group", group="distributed")
@@ -85,6 +96,24 @@ class EngineConfig:
             raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0) and process_id")
         if not isinstance(self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be a positive number (got {self.distributed_timeout_s!r})")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool (got {self.enable_lora!r})")
+        for name in ("max_loras", "max_lora_rank"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        from jaxpaged.models.lora import parse_targets
+
+        parse_targets(self.lora_target_modules)
+        if self.enable_lora and (self.pipeline_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("enable_lora needs pipeline_parallel_size and data_parallel_size 1 (tensor parallelism is supported)")
+        from jaxpaged import distributed
+
+        if self.enable_lora and distributed.is_multiprocess():
+            raise ValueError("enable_lora is not supported in a multi-process group (one process, tensor parallelism, is)")
 
     def __post_init__(self) -> None:
         from jaxpaged import distributed, platforms
@@ -123,6 +152,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile", "quantize_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
+        self._check_lora()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
         if self.batch_invariant and self.pipeline_parallel_size > 1:  # a micro-batch boundary moves with the batch

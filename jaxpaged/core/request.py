@@ -93,7 +93,7 @@ class Request:
         """Chained hashes of the first `count` full blocks of this sequence's tokens (append-only, so cached)."""
         while len(self._block_hashes) < count:
             i = len(self._block_hashes)
-            parent = self._block_hashes[-1] if i else None
+            parent = self._block_hashes[-1] if i else self.parent.cache_salt  # an adapter's prefixes are its own
             self._block_hashes.append(hash_block(parent, self.tokens_at(i * block_size, block_size)))
         return self._block_hashes[:count]
 
@@ -110,6 +110,9 @@ class ParentRequest:
     params: SamplingParams
     sequences: list[Request] = dataclasses.field(default_factory=list)  # the n samples, or the running beams
     unforked: list[Request] = dataclasses.field(default_factory=list)  # samples waiting to fork from the first
+    lora_request: object | None = None  # a LoRARequest (jaxpaged/lora): the adapter it runs with, None for the base
+    lora_slot: int = -1  # the device slot of its LoRA adapter, held until it finishes (-1: the base model)
+    cache_salt: bytes | None = None  # salts its first block's hash: a LoRA adapter's cached prefixes serve it alone
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ keeps being served.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -32,6 +33,7 @@ from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.structured_output import StructuredOutputManager
+from jaxpaged.lora import LoRARequest
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.outputs import RequestOutput
@@ -118,6 +120,13 @@ class LLMEngine:
             self.eos_token_ids, self.max_model_len,
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.lora = None  # with enable_lora: the adapters in host memory and the device's slots
+        if config.enable_lora:
+            from jaxpaged.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.runner, self.loaded.config, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        self._lora_waiting: collections.deque = collections.deque()  # (parent, sequences) until a slot is free
+        self._lora_held: dict[str, ParentRequest] = {}  # request id -> an unfinished request holding a slot
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.eos_token_ids, self.loaded.config.vocab_size)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
@@ -189,10 +198,15 @@ class LLMEngine:
         kv = self.scheduler.kv
         return max_blocks_held(num_tokens, kv.block_size, kv.sliding_window, self.config.max_num_batched_tokens)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> str:  # fmt: skip
         """Queue a request (a string, token ids, a dict with either, or a ChatPrompt); returns its id.
-        Raises ValueError naming the parameter for one that could never run."""
+        Raises ValueError naming the parameter for one that could never run (a bad LoRA adapter too)."""
         params = params or SamplingParams()
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request needs an engine started with enable_lora=True")
+            self.lora.load(lora_request)  # read and checked now: a bad adapter queues nothing
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -210,6 +224,8 @@ class LLMEngine:
             count = 1 if params.use_beam_search else params.n  # beams copy the root's as they fork
             grammars = [self.structured_outputs.new_state(params.structured_outputs) for _ in range(count)]
         parent = ParentRequest(request_id, text, ids, params)
+        if lora_request is not None:
+            parent.lora_request, parent.cache_salt = lora_request, lora_request.cache_salt
         if params.use_beam_search:
             self._add_beam_search(parent, max_tokens, grammars[0] if grammars else None)
             return request_id
@@ -228,13 +244,56 @@ class LLMEngine:
             self.output_processor.add_sequence(seq)  # may refuse the stop strings: before anything is queued
             sequences.append(seq)
         self.output_processor.add_request(parent)
+        admitted = []
         for seq in sequences:
             if fork and seq.index > 0:
                 parent.unforked.append(seq)
             else:
                 seq.hold_at = len(ids) - 1 if fork else None
-                self.scheduler.add(seq)
+                admitted.append(seq)
+        self._admit(parent, admitted)
         return request_id
+
+    def _admit(self, parent: ParentRequest, sequences: list[Request]) -> None:
+        """Into the scheduler; a LoRA request once its adapter holds a device slot (it waits while all are held)."""
+        if parent.lora_request is not None:
+            if self._lora_waiting or not self._take_lora_slot(parent):  # first come, first served
+                self._lora_waiting.append((parent, sequences))
+                return
+        for seq in sequences:
+            self.scheduler.add(seq)
+
+    def _take_lora_slot(self, parent: ParentRequest) -> bool:
+        slot = self.lora.acquire(parent.lora_request)
+        if slot is None:
+            return False
+        parent.lora_slot = slot
+        self._lora_held[parent.request_id] = parent
+        return True
+
+    def _lora_bookkeeping(self, outputs: list[RequestOutput]) -> None:
+        """Finished requests give their adapter slots back; waiting LoRA requests take free ones."""
+        if self._lora_held:
+            for out in outputs:
+                if out.finished and out.request_id in self._lora_held:
+                    self.lora.release(self._lora_held.pop(out.request_id).lora_slot)
+        while self._lora_waiting and self._take_lora_slot(self._lora_waiting[0][0]):
+            for seq in self._lora_waiting.popleft()[1]:
+                self.scheduler.add(seq)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into host memory ahead of its requests (ValueError for a bad one)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        self.lora.load(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests still running with it finish with it); False if it is not loaded."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list()
 
     def _add_beam_search(self, parent: ParentRequest, max_tokens: int, grammar) -> None:
         params = parent.params
@@ -249,7 +308,7 @@ class LLMEngine:
         root.grammar = grammar
         search.running = parent.sequences = [root]
         self.output_processor.add_beam_search(parent, search)
-        self.scheduler.add(root)
+        self._admit(parent, [root])
 
     def _beam_sequence(self, parent: ParentRequest, search: BeamSearch, number: int, outputs: list[int]) -> Request:
         """A running beam: a plain sequence asking for its next position's top candidates, never sampled from."""
@@ -315,6 +374,10 @@ class LLMEngine:
         for seq in parent.sequences:
             if not seq.finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        if parent.lora_request is not None:
+            self._lora_waiting = collections.deque(w for w in self._lora_waiting if w[0] is not parent)
+            if self._lora_held.pop(parent.request_id, None) is not None:
+                self.lora.release(parent.lora_slot)
         return self.output_processor.abort(parent.request_id)
 
     def get_prompt_token_ids(self, request_id: str) -> list[int]:
@@ -330,7 +393,7 @@ class LLMEngine:
         return len({seq.parent.request_id for seq in self.scheduler.waiting})
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._lora_waiting)
 
     def close(self) -> None:
         """Release a process group's followers (done at exit too); nothing otherwise."""
@@ -347,7 +410,10 @@ class LLMEngine:
         """One iteration: returns the outputs of every request that progressed or finished."""
         compiles_before = compile_monitor.unexpected_count()
         try:
-            return self._step()
+            outputs = self._step()
+            if self.lora is not None:
+                self._lora_bookkeeping(outputs)
+            return outputs
         finally:
             self.num_compiles_after_warmup += compile_monitor.unexpected_count() - compiles_before
 

@@ -12,6 +12,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.llm_engine import PromptType
+from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.utils.logging_utils import setup_logging
@@ -48,8 +49,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuous batch; outputs come back in input order."""
+        """Run every prompt to completion in one continuous batch; outputs come back in input order.
+        lora_request: one adapter for every prompt, or a list with one (or None: the base model) per prompt;
+        the engine needs enable_lora=True."""
         if self.is_follower:
             raise RuntimeError("this process follows process 0 of its group, which takes the requests")
         if isinstance(prompts, (str, dict)) or (
@@ -67,6 +71,12 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts; pass one or one per prompt")
         # nobody sees a request's output before it ends: the engine builds it (and decodes its text) only then
         final = {}
         for i, params in enumerate(params_list):
@@ -76,8 +86,11 @@ class LLM:
                 params_list[i] = final[id(params)]
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(self.engine.add_request(None, prompt, params))
+            for prompt, params, adapter in zip(prompts, params_list, loras):
+                if adapter is None:
+                    ids.append(self.engine.add_request(None, prompt, params))
+                else:
+                    ids.append(self.engine.add_request(None, prompt, params, lora_request=adapter))
         except Exception:
             for rid in ids:  # a bad prompt refuses the whole batch, leaving nothing queued
                 self.engine.abort_request(rid)

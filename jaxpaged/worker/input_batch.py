@@ -32,6 +32,7 @@ class StepInputs:
     sampling: SamplingMetadata | None  # numpy leaves; None: built later (ModelRunner.sample_later)
     prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
     prev_rows: np.ndarray | None = None  # [T] row of the previous step whose sampled token is this input, else -1
+    lora_slots: np.ndarray | None = None  # [T] with enable_lora: each token's adapter slot, -1 for none (and padding)
 
 
 class _OutputsAtScheduling(Sequence):
@@ -74,6 +75,8 @@ class InputBatchBuilder:
         self._table_rows = np.zeros((capacity, runner.table_width), np.int32)
         self._rows: dict[object, list[int]] = {}  # request -> [its row in _table_rows, the table stamp it holds]
         self._free_rows = list(range(capacity - 1, -1, -1))
+        # with enable_lora: each table row's adapter slot, set when a request takes the row (fixed until it finishes)
+        self._row_lora = np.full(capacity, -1, np.int32) if runner.config.enable_lora else None
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
@@ -94,6 +97,8 @@ class InputBatchBuilder:
             entry = self._rows.get(item.request)
             if entry is None:
                 entry = self._rows[item.request] = [self._take_row(scheduled), -1]
+                if self._row_lora is not None:
+                    self._row_lora[entry[0]] = item.request.parent.lora_slot
             if entry[1] != item.table_stamp:
                 table, row = item.block_table, self._table_rows[entry[0]]
                 row[: len(table)] = table
@@ -129,7 +134,8 @@ class InputBatchBuilder:
         ids[:total] = flat
 
         tables = np.zeros((s, self.runner.table_width), np.int32)
-        tables[:m] = self._table_rows[self._table_rows_of(scheduled)]
+        table_rows = self._table_rows_of(scheduled)
+        tables[:m] = self._table_rows[table_rows]
         row_of = np.repeat(np.arange(m), counts)
         pos = np.arange(total, dtype=np.int32) + (starts - (ends - counts))[row_of]
         positions = np.zeros(t, np.int32)
@@ -161,7 +167,11 @@ class InputBatchBuilder:
                 prompt_next[cursor : cursor + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
         sampling = self.sampling(output, t) if with_sampling else None
         attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
-        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows)
+        lora_slots = None
+        if self._row_lora is not None:
+            lora_slots = np.full(t, -1, np.int32)
+            lora_slots[:total] = np.repeat(self._row_lora[table_rows], counts)
+        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows, lora_slots)
 
     def sampling(self, output: SchedulerOutput, num_tokens: int) -> SamplingMetadata:
         """The step's sampling rows from its requests as they stand: at scheduling, or (deferred) once the previous

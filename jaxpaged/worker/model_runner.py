@@ -29,6 +29,7 @@ from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.kv_cache_manager import freeing_window, max_blocks_held
 from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.models import lora
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.quantization import is_quantized, quantize_activations
 from jaxpaged.models.weights import param_bytes
@@ -171,7 +172,13 @@ class ModelRunner:
         self.startup_seconds = {"pack": time.perf_counter() - t0}
         self.compile_seconds = 0.0  # compiling or loading executables, at warm-up or on first use
         self.tp = config.tensor_parallel_size
+        # LoRA: the target projections' methods wrapped before the split, so the graphdef holds them
+        self.lora_targets = lora.parse_targets(config.lora_target_modules) if config.enable_lora else ()
+        if config.enable_lora:
+            lora.check_architecture(loaded.config)
+            lora.attach(loaded.model, self.lora_targets)
         self._place(loaded)
+        self.lora_weights = self._lora_slots(loaded.config) if config.enable_lora else None
         # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
         stored = executable_dir if self.single_device else None
         self.executables = ExecutableCache(stored, salt=repr(self.graphdef), device=self.device)
@@ -302,13 +309,15 @@ class ModelRunner:
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled):
-        """-> (sampling rows' logits, prompt logprobs, the step's new K/V, the slots the write puts them in)."""
-        input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_rows = step.unpack()
+    def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None):
+        """-> (sampling rows' logits, prompt logprobs, the step's new K/V, the slots the write puts them in).
+        With enable_lora, the stacked LoRA arrays and (packed last) each token's adapter slot; without, neither."""
+        input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_rows, *lora_slots = step.unpack()
         # Inputs sampled by the previous step come from its device output: the host never waited for them.
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
-        hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
+        with self._lora_active(lora_weights, lora_slots):
+            hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
         return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
 
     def _sample_impl(self, logits, packed: Packed, history, bitmask, no_sampled):
@@ -503,8 +512,11 @@ class ModelRunner:
         none = self._all_minus_one(t)  # no prompt logprobs wanted, no input from the previous step
         next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else none
         prev_rows = step.prev_rows if step.prev_rows is not None else none
-        packed = Packed.of((step.input_ids, step.positions, step.attention, step.logit_rows, next_ids, prev_rows))
-        return (self.state, self.kv_cache, packed, prev.sampled if prev is not None else self._no_sampled)
+        leaves = (step.input_ids, step.positions, step.attention, step.logit_rows, next_ids, prev_rows)
+        if self.lora_weights is not None:  # each token's adapter slot, and the stacked arrays: LoRA engines only
+            leaves += (step.lora_slots if step.lora_slots is not None else none,)
+        args = (self.state, self.kv_cache, Packed.of(leaves), prev.sampled if prev is not None else self._no_sampled)
+        return args if self.lora_weights is None else (*args, self.lora_weights)
 
     def prefetch(self, num_tokens: int) -> None:
         """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
@@ -557,6 +569,41 @@ class ModelRunner:
                     compiled = self._compiled[(name, bucket)] = self.executables.compile(name, jitted, args)
             self.compile_seconds += time.perf_counter() - t0
         return compiled
+
+    # -- LoRA --------------------------------------------------------------------------------
+
+    def _lora_slots(self, base_config) -> dict:
+        """The empty stacked LoRA arrays (models/lora.py) on this runner's devices, and their jitted slot write,
+        compiled now with an empty slot so that adapters loaded later compile nothing."""
+        cfg, r = self.config, self.config.max_lora_rank
+        self._lora_shapes = lora.target_shapes(self.model_config, self.lora_targets)
+        # tensor parallelism may have widened the KV heads: k/v's B columns repeat as the base's did
+        self._lora_kv_repeat = (self.model_config.num_kv_heads // base_config.num_kv_heads, self.model_config.head_dim)
+        weights = lora.empty_weights(self._lora_shapes, cfg.max_loras, r, self.dtype)
+        if self.mesh is None:
+            weights = jax.device_put(weights, self.device)
+            self._lora_write = jax.jit(lora.write_slot, donate_argnums=(0,))
+        else:
+            shardings = lora.weight_shardings(self.mesh, weights)
+            weights = jax.device_put(weights, shardings)
+            self._lora_write = jax.jit(lora.write_slot, donate_argnums=(0,), out_shardings=shardings)
+        self.lora_weights = weights
+        self.write_lora_slot(0, None)
+        logger.info("LoRA: %d slots of rank %d over %s (%.1f MB)", cfg.max_loras, r, ", ".join(self.lora_targets),
+                    sum(a.nbytes + b.nbytes for a, b in self.lora_weights.values()) / 1e6)  # fmt: skip
+        return self.lora_weights
+
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Slot `slot` of the stacked arrays becomes `adapter` (None: empty), in place (donated)."""
+        arrays = lora.slot_arrays(adapter, self._lora_shapes, self.config.max_lora_rank, self.dtype, self._lora_kv_repeat)
+        with self._on_mesh():
+            self.lora_weights = self._lora_write(self.lora_weights, self._put(np.int32(slot)), self._put(arrays))
+
+    def _lora_active(self, lora_weights, lora_slots):
+        """While the step is traced: the adapters for the wrapped projections; nothing without LoRA."""
+        if lora_weights is None:
+            return contextlib.nullcontext()
+        return lora.active(lora_weights, lora_slots[0], self.config.max_loras, self.config.max_lora_rank)
 
     # -- warm-up -----------------------------------------------------------------------------
 

@@ -1,0 +1,128 @@
+"""LoRA through the engine: three PEFT adapters and the base model mixed in continuous batches over two device slots
+(so adapters wait, get evicted and come back), each request's greedy tokens those of transformers + PEFT alone;
+nothing compiles after warm-up; prefixes cached under one adapter never serve another; bad adapters are refused
+while the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+from flax import nnx
+from jaxpaged import LLM, LoRARequest, SamplingParams
+from jaxpaged.models.lora import LoRALinear
+
+from tests.hf_reference import hf_greedy, random_prompts
+from tests.models.test_lora import write_peft_adapter
+
+pytest.importorskip("peft")
+
+ADAPTERS = {"alpha": (4, 8, ["q_proj", "v_proj"], False), "beta": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj",
+            "gate_proj", "up_proj", "down_proj"], False), "gamma": (6, 12, ["o_proj", "down_proj"], True)}  # fmt: skip
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model, tmp_path_factory):
+    """name -> (LoRARequest, the PEFT model for reference)."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        ref = write_peft_adapter(hf_model, root / name, rank, alpha, targets, rslora, seed=20 + i)
+        out[name] = (LoRARequest(name, i + 1, str(root / name)), ref)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
+               max_num_seqs=8, max_num_batched_tokens=64, block_size=8, log_level="WARNING")  # fmt: skip
+
+
+def _greedy(max_tokens=MAX_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _assert_idle(llm):
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_compiles_after_warmup"] == 0
+
+
+def test_mixed_adapters_match_peft_alone(llm, hf_model, adapters):
+    """Three adapters over two slots and the base, interleaved: each request gets what PEFT gives it alone."""
+    names = ["alpha", None, "beta", "gamma", "alpha", None, "gamma", "beta", "beta", "alpha"]
+    prompts = random_prompts(256, [5, 11, 3, 17, 9, 6, 14, 4, 20, 8], seed=5)
+    loras = [None if n is None else adapters[n][0] for n in names]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False, lora_request=loras)
+    for name, prompt, out in zip(names, prompts, outs):
+        ref = hf_model if name is None else adapters[name][1]
+        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, MAX_TOKENS), name
+    _assert_idle(llm)
+
+
+def test_one_adapter_for_every_prompt(llm, adapters):
+    request, ref = adapters["gamma"]
+    prompts = random_prompts(256, [4, 7], seed=6)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False, lora_request=request)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref, p, MAX_TOKENS) for p in prompts]
+    _assert_idle(llm)
+
+
+def test_prefix_cached_under_an_adapter_serves_it_alone(llm, hf_model, adapters):
+    """The same 3-block prompt under alpha, then the base, then beta, then alpha again: only the last finds it cached."""
+    prompt = random_prompts(256, [25], seed=8)[0]
+    order = ["alpha", None, "beta", "alpha"]
+    cached = []
+    for name in order:
+        lora = None if name is None else adapters[name][0]
+        out = llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False, lora_request=lora)[0]
+        ref = hf_model if name is None else adapters[name][1]
+        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, MAX_TOKENS), name
+        cached.append(out.num_cached_tokens)
+    assert cached[:3] == [0, 0, 0] and cached[3] >= 16
+    _assert_idle(llm)
+
+
+def test_bad_adapter_is_refused_and_the_engine_keeps_serving(llm, adapters, tmp_path):
+    (tmp_path / "empty").mkdir()
+    good, ref = adapters["alpha"]
+    prompt = random_prompts(256, [6], seed=9)[0]
+    bad = [LoRARequest("empty", 9, str(tmp_path / "empty")), LoRARequest("gone", 10, str(tmp_path / "gone")),
+           LoRARequest("clash", good.lora_int_id, str(tmp_path / "empty"))]  # fmt: skip
+    for request in bad:
+        with pytest.raises(ValueError, match="lora_path|lora_int_id"):
+            llm.generate([{"prompt_token_ids": prompt}] * 2, _greedy(), use_tqdm=False, lora_request=[good, request])
+        _assert_idle(llm)
+    out = llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False, lora_request=good)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, MAX_TOKENS)
+    with pytest.raises(ValueError, match="lora_request has 1 entries for 2 prompts"):
+        llm.generate([{"prompt_token_ids": prompt}] * 2, _greedy(), use_tqdm=False, lora_request=[good])
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, "somewhere")
+
+
+def test_n_samples_and_abort_give_slots_back(llm, adapters):
+    request, _ = adapters["beta"]
+    engine = llm.engine
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}], params, use_tqdm=False, lora_request=request)
+    assert len(outs[0].outputs) == 3
+    ids = [engine.add_request(None, {"prompt_token_ids": [3, 4, 5]}, _greedy(), lora_request=adapters[n][0])
+           for n in ("alpha", "beta", "gamma")]  # fmt: skip  # gamma waits: two slots
+    assert engine.has_unfinished_requests()
+    for rid in ids:
+        engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert engine.lora.stats()["lora_slots_held"] == 0
+    _assert_idle(llm)
+
+
+def test_without_enable_lora_the_step_is_unchanged(model_dir, adapters):
+    """enable_lora off: no wrapped projection, no extra operand, and a lora_request is refused."""
+    plain = LLM(model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, precompile=False, log_level="WARNING")
+    runner = plain.engine.runner
+    assert runner.lora_weights is None
+    assert not any(isinstance(getattr(m, "method", None), LoRALinear) for _, m in nnx.iter_modules(nnx.merge(runner.graphdef, runner.state)))
+    assert len(runner._forward_args(runner.input_batch.blank(4), None)) == 4
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate([{"prompt_token_ids": [1, 2]}], _greedy(), use_tqdm=False, lora_request=adapters["alpha"][0])
