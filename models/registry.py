@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxpaged.models.bloom import BloomForCausalLM
 from jaxpaged.models.falcon import FalconForCausalLM
+from jaxpaged.models.gemma import Gemma3ForConditionalGeneration, GemmaForCausalLM
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
 from jaxpaged.models.gptj import GPTJForCausalLM
@@ -24,6 +25,10 @@ MODEL_REGISTRY = {
     "FalconForCausalLM": FalconForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,
     "MptForCausalLM": MptForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
+    "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model only
 }
 
 # Families vLLM serves whose transformers code lives on the hub (trust_remote_code); jaxpaged never runs it.
@@ -72,4 +77,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "falcon": "FalconForCausalLM",
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }

@@ -184,7 +184,7 @@ def load_tensors_into(
         name = checkpoint_name(model, name, specs)
         spec = specs.get(name)
         if spec is None:
-            if not name.endswith(IGNORED_SUFFIXES):
+            if not name.endswith(IGNORED_SUFFIXES) and not name.startswith(getattr(type(model), "IGNORED_PREFIXES", ())):
                 logger.warning("ignoring tensor %s from %s: the port has no place for it", name, source)
             continue
         if isinstance(array, (ChannelQuantized, GroupQuantized)):
