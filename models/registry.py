@@ -9,7 +9,9 @@ from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
 from jaxpaged.models.gptj import GPTJForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.mixtral import MoeForCausalLM
 from jaxpaged.models.mpt import MptForCausalLM
+from jaxpaged.models.olmoe import OlmoeForCausalLM
 from jaxpaged.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
@@ -25,6 +27,10 @@ MODEL_REGISTRY = {
     "FalconForCausalLM": FalconForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,
     "MptForCausalLM": MptForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,  # Llama attention + sparse MoE MLP (models/moe.py)
+    "Qwen2MoeForCausalLM": MoeForCausalLM,  # + shared expert, dense layers where configured
+    "Qwen3MoeForCausalLM": MoeForCausalLM,  # + q/k norm
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
@@ -77,6 +83,10 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "falcon": "FalconForCausalLM",
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

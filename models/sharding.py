@@ -6,7 +6,9 @@ NamedSharding, derived from its path alone in one place. The ports share paramet
 - row-parallel (input features split): o_proj, down_proj; their biases are replicated (added once,
   after GSPMD's all-reduce of the partial sums);
 - vocabulary-parallel: embed_tokens rows and lm_head columns, when the vocabulary divides by N;
-- everything else (norms, position tables, OPT's projections) is replicated.
+- stacked MoE experts (models/moe.py): over the expert axis when N divides the expert count (expert
+  parallelism), else over each expert's intermediate features;
+- everything else (norms, position tables, OPT's projections, MoE routers) is replicated.
 
 Attention heads split with q/k/v's columns; the KV-block array splits on its KV-head axis. A model
 with fewer KV heads than N has each KV head's k/v columns repeated N / H_kv times first, so every
@@ -24,6 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.moe import check_experts_divisible, expert_partition_spec
 from jaxpaged.pallas_kernels.attention import TP_AXIS
 from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 
@@ -43,6 +46,8 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
 
 def check_divisible(cfg: ModelConfig, n: int) -> None:
     """A ValueError naming the first size that cannot be split n ways."""
+    if cfg.option("moe") is not None:
+        check_experts_divisible(cfg, n)
     problems = []
     if cfg.num_heads % n:
         problems.append(f"num_attention_heads={cfg.num_heads}")
@@ -61,6 +66,8 @@ def partition_spec(path: str, shape: tuple[int, ...], n: int) -> P:
     """The PartitionSpec of the parameter at dotted `path` (e.g. "layers.3.self_attn.q_proj.kernel")."""
     parts = path.split(".")
     module = parts[-2] if len(parts) > 1 else ""
+    if len(parts) > 2 and parts[-3] == "experts":  # stacked MoE experts [E, in, out]: over experts, or their features
+        return expert_partition_spec(module, parts[-1], shape, n)
     # A quantized projection's scales and offsets (models/quantization.py) split like its kernel: [out] per
     # channel, [in / group, out] per group; a packed 4-bit kernel [in / 2, out] splits on the same axis.
     if module in COLUMN_PARALLEL:

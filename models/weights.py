@@ -136,7 +136,10 @@ def quantizable(model: nnx.Module, path: str) -> bool:
     from jaxpaged.models.layers import Linear
 
     module, leaf = _owner(model, path)
-    return isinstance(module, Linear) and leaf == "kernel" and not path.startswith("lm_head")
+    if leaf == "kernel" and hasattr(module, "load_quantized"):  # stacked expert kernels (models/moe.py)
+        return True
+    keep_float = getattr(module, "keep_float", False)  # MoE routers: routing decides which weights run
+    return isinstance(module, Linear) and leaf == "kernel" and not path.startswith("lm_head") and not keep_float
 
 
 def checkpoint_name(model: nnx.Module, name: str, specs: dict[str, WeightSpec]) -> str:
@@ -180,6 +183,9 @@ def load_tensors_into(
     from jaxpaged.models.quantization import ChannelQuantized, GroupQuantized, quantize_channels
 
     filled: set[str] = set()
+    regroup = getattr(model, "regroup_tensors", None)  # a MoE port stacks per-expert tensors (models/moe.py)
+    if regroup is not None:
+        tensors = regroup(tensors)
     for name, array, source in tensors:
         name = checkpoint_name(model, name, specs)
         spec = specs.get(name)
@@ -214,8 +220,12 @@ def load_tensors_into(
                     f"tensor {name} in {source} has shape {tuple(part.shape)}, but the config implies {shape}"
                 )
             if quantization in ("int8", "fp8") and quantizable(model, path):
-                q, scale = quantize_channels(part, quantization)
-                _install(*_owner(model, path), ChannelQuantized(q.T, scale), True, dtype, name, source)
+                owner, _ = _owner(model, path)
+                if hasattr(owner, "load_quantized"):  # stacked experts: per expert and output channel
+                    owner.load_quantized(part, quantization)
+                else:
+                    q, scale = quantize_channels(part, quantization)
+                    _install(owner, "kernel", ChannelQuantized(q.T, scale), True, dtype, name, source)
             else:
                 _set(var, place(part, dtype))
         filled.add(name)

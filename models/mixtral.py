@@ -1,0 +1,100 @@
+"""Mixture-of-experts families with Llama's attention: Mixtral, Qwen2-MoE, Qwen3-MoE (models/moe.py has the MoE MLP).
+
+- Mixtral: every layer sparse, top-2 renormalized; a sliding window when the config sets one.
+- Qwen2-MoE: q/k/v biased; a shared expert behind a sigmoid gate; `norm_topk_prob`; dense layers where
+  `mlp_only_layers` / `decoder_sparse_step` say so (their MLP is `intermediate_size` wide).
+- Qwen3-MoE: Qwen3's q/k RMSNorm, `attention_bias` on all four projections; many experts, `norm_topk_prob`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
+from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
+from jaxpaged.models.moe import EXPERT_PROJECTIONS, MoeOptions, SparseMoeBlock, expert_kernel_name, moe_options_from_hf, regroup_expert_tensors
+from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.pallas_kernels import AttentionBackend
+
+
+class MoeDecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend, attention_cls=Attention):
+        moe = MoeOptions.of(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = attention_cls(cfg, layer, dtype=dtype, attention=attention)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = SparseMoeBlock(cfg, moe, dtype=dtype) if layer in moe.sparse_layers else GatedMLP(cfg, dtype=dtype)
+
+    def __call__(self, x, rope, kv_cache, attn_metadata):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv
+
+
+class MoeForCausalLM(CausalLM):
+    attention_cls = Attention
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = module_list([
+            MoeDecoderLayer(cfg, i, dtype=dtype, attention=attention, attention_cls=self.attention_cls)
+            for i in range(cfg.num_layers)
+        ])  # fmt: skip
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.init_head(cfg, cfg.hidden_size, dtype)
+
+    def regroup_tensors(self, tensors):
+        return regroup_expert_tensors(tensors, MoeOptions.of(self.config).num_experts)
+
+    @staticmethod
+    def config_from_hf(hf_config, architecture: str) -> ModelConfig:
+        hf = text_config(hf_config)
+        if architecture == "MixtralForCausalLM":
+            moe = moe_options_from_hf(
+                hf, num_experts=int(hf.num_local_experts), renormalize=True, intermediate_size=int(hf.intermediate_size)
+            )
+            return model_config_from_hf(hf, architecture, options={"moe": moe.as_option()})
+        moe = moe_options_from_hf(
+            hf, num_experts=int(hf.num_experts), renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+            intermediate_size=int(hf.moe_intermediate_size),
+            shared_expert_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+        )  # fmt: skip
+        if architecture == "Qwen2MoeForCausalLM":  # q/k/v biased per qkv_bias, o_proj never
+            bias = bool(getattr(hf, "qkv_bias", True))
+            return model_config_from_hf(
+                hf, architecture, attention_bias=bias, attention_out_bias=False, options={"moe": moe.as_option()}
+            )
+        return model_config_from_hf(hf, architecture, qk_norm=True, options={"moe": moe.as_option()})  # Qwen3-MoE
+
+    @staticmethod
+    def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+        """Every tensor this port needs, and where it goes; experts by their stacked names (moe.expert_kernel_name)."""
+        moe = MoeOptions.of(cfg)
+        specs = {"model.embed_tokens.weight": WeightSpec("embed_tokens.embedding"), "model.norm.weight": WeightSpec("norm.scale")}
+        if not cfg.tie_word_embeddings:
+            specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
+        for i in range(cfg.num_layers):
+            hf, ours = f"model.layers.{i}", f"layers.{i}"
+            specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
+            specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                specs |= linear_specs(f"{hf}.self_attn.{proj}", f"{ours}.self_attn.{proj}", bias=cfg.attention_bias)
+            specs |= linear_specs(f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o_proj", bias=cfg.out_bias)
+            if cfg.qk_norm:
+                specs[f"{hf}.self_attn.q_norm.weight"] = WeightSpec(f"{ours}.self_attn.q_norm.scale")
+                specs[f"{hf}.self_attn.k_norm.weight"] = WeightSpec(f"{ours}.self_attn.k_norm.scale")
+            if i not in moe.sparse_layers:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    specs |= linear_specs(f"{hf}.mlp.{proj}", f"{ours}.mlp.{proj}", bias=False)
+                continue
+            specs[f"{hf}.mlp.gate.weight"] = WeightSpec(f"{ours}.mlp.gate.kernel", transpose=True)
+            for proj in EXPERT_PROJECTIONS:
+                specs[expert_kernel_name(hf, proj)] = WeightSpec(f"{ours}.mlp.experts.{proj}.kernel")
+            if moe.shared_expert_size:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    specs |= linear_specs(f"{hf}.mlp.shared_expert.{proj}", f"{ours}.mlp.shared_expert.{proj}", bias=False)
+                specs[f"{hf}.mlp.shared_expert_gate.weight"] = WeightSpec(f"{ours}.mlp.shared_expert_gate.kernel", transpose=True)
+        return specs
+

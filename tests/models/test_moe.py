@@ -1,0 +1,239 @@
+"""Mixture-of-experts ports against transformers in float32 (logits within 1e-4, greedy tokens identical), the
+checkpoint spellings experts come in, the grouped matmul against a per-token loop, the engine with chunked prefill
+and preemption, experts quantized per expert and channel. Expert parallelism: test_moe_expert_parallel.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from jaxpaged.models.loader import load_model
+
+from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
+from tests.static_batch import StaticBatchRunner
+
+VOCAB = 256
+BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+CASES = {
+    "mixtral-8x-top2-gqa2": (
+        transformers.MixtralConfig,
+        dict(BASE, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+             num_experts_per_tok=2),
+        "MixtralForCausalLM",
+    ),
+    # layer 0 dense (mlp_only_layers), layer 1 sparse with the shared expert; q/k/v bias; top-k not renormalized
+    "qwen2moe-shared-dense-layer0": (
+        transformers.Qwen2MoeConfig,
+        dict(BASE, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6,
+             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, mlp_only_layers=[0],
+             norm_topk_prob=False, tie_word_embeddings=True),
+        "Qwen2MoeForCausalLM",
+    ),
+    "qwen3moe-8x-top2-normed-qknorm": (
+        transformers.Qwen3MoeConfig,
+        dict(BASE, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, norm_topk_prob=True),
+        "Qwen3MoeForCausalLM",
+    ),
+    "olmoe-clip-qkv-bias": (
+        transformers.OlmoeConfig,
+        dict(BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+             num_key_value_heads=4, clip_qkv=1.5, attention_bias=True, norm_topk_prob=True),
+        "OlmoeForCausalLM",
+    ),
+}
+
+PROMPT_LENGTHS = [1, 9, 33, 77]
+GREEDY_TOKENS = 32
+
+
+def _hf_model(case: str):
+    config_cls, kwargs, _ = CASES[case]
+    return random_hf_model(config_cls(**kwargs))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """case -> (case, transformers model, its checkpoint folder), each built once."""
+    cache = {}
+
+    def get(case: str):
+        if case not in cache:
+            hf = _hf_model(case)
+            cache[case] = case, hf, save_hf_model(hf, tmp_path_factory.mktemp(case))
+        return cache[case]
+
+    return get
+
+
+@pytest.fixture(params=list(CASES), ids=list(CASES))
+def family(request, saved):
+    return saved(request.param)
+
+
+def test_logits_and_greedy_match_transformers(family):
+    case, hf, folder = family
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.config.architecture == CASES[case][2]
+    prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=7)
+    greedy, logits = StaticBatchRunner(loaded, block_size=8).generate(prompts, GREEDY_TOKENS, return_prompt_logits=True)
+    for prompt, got_logits, got_tokens in zip(prompts, logits, greedy):
+        np.testing.assert_allclose(got_logits, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+        assert got_tokens == hf_greedy(hf, prompt, GREEDY_TOKENS)
+
+
+# -- the grouped matmul ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,first,held", [(1, 8, 2, 0, 8), (37, 8, 2, 0, 8), (64, 4, 3, 0, 4), (37, 8, 2, 4, 4)])
+def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, first, held):
+    """Every (token, expert) pair computed once, whatever the routing; experts not held here add nothing."""
+    from jaxpaged.models.moe import grouped_expert_mlp, route
+
+    rng = np.random.default_rng(tokens + experts)
+    d, f = 16, 24
+    x = rng.standard_normal((tokens, d), dtype=np.float32)
+    gate, up = (rng.standard_normal((held, d, f), dtype=np.float32) * 0.3 for _ in range(2))
+    down = rng.standard_normal((held, f, d), dtype=np.float32) * 0.3
+    weights, ids = route(jnp.asarray(rng.standard_normal((tokens, experts), dtype=np.float32)), top_k, True)
+    mlp = jax.jit(grouped_expert_mlp, static_argnames=("first_expert", "act"))
+    got = mlp(jnp.asarray(x), ids, weights, (gate,), (up,), (down,), first_expert=first, act="silu")
+    want, ids_np, weights_np = np.zeros_like(x), np.asarray(ids), np.asarray(weights)
+    for t in range(tokens):
+        for slot in range(top_k):
+            e = int(ids_np[t, slot]) - first
+            if 0 <= e < held:
+                g = x[t] @ gate[e]
+                h = g / (1 + np.exp(-g)) * (x[t] @ up[e])
+                want[t] += weights_np[t, slot] * (h @ down[e])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+# -- checkpoint spellings --------------------------------------------------------------------------
+
+
+def _resave(folder, convert):
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    save_file(convert(load_file(str(path))), str(path), metadata={"format": "pt"})
+
+
+def _fuse_experts(tensors: dict) -> dict:
+    """Per-expert tensors -> transformers 5's in-memory spelling: experts.gate_up_proj [E, 2I, D], experts.down_proj."""
+    import re
+
+    out, groups = {}, {}
+    for name, w in tensors.items():
+        m = re.match(r"(.*\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m is None:
+            out[name] = w
+            continue
+        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(m[3], m[3])
+        groups.setdefault((m[1], proj), {})[int(m[2])] = w
+    for layer in {layer for layer, _ in groups}:
+        stack = lambda proj: np.stack([groups[layer, proj][e] for e in sorted(groups[layer, proj])])  # noqa: E731
+        out[f"{layer}.mlp.experts.gate_up_proj"] = np.concatenate([stack("gate_proj"), stack("up_proj")], axis=1)
+        out[f"{layer}.mlp.experts.down_proj"] = stack("down_proj")
+    return out
+
+
+@pytest.mark.parametrize(
+    "case,convert",
+    [
+        ("mixtral-8x-top2-gqa2", _fuse_experts),
+        ("mixtral-8x-top2-gqa2", lambda t: {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in t.items()}),
+        ("qwen3moe-8x-top2-normed-qknorm", _fuse_experts),
+    ],
+    ids=["mixtral-fused", "mixtral-mlp-prefix", "qwen3moe-fused"],
+)
+def test_expert_checkpoint_spellings_load(case, convert, tmp_path):
+    hf = _hf_model(case)
+    folder = save_hf_model(hf, tmp_path / case)
+    _resave(folder, convert)
+    prompt = random_prompts(VOCAB, [12])[0]
+    got = StaticBatchRunner(load_model(str(folder), dtype="float32")).prompt_logits([prompt])[0]
+    np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+def test_missing_expert_is_a_clear_error(tmp_path):
+    hf = _hf_model("olmoe-clip-qkv-bias")
+    folder = save_hf_model(hf, tmp_path / "olmoe")
+    _resave(folder, lambda t: {k: v for k, v in t.items() if "layers.1.mlp.experts.3.up_proj" not in k})
+    with pytest.raises(ValueError, match=r"3 of 4 experts for model\.layers\.1\.up_proj|3 of 4 experts"):
+        load_model(str(folder), dtype="float32")
+
+
+def test_bare_config_json_gets_random_experts(tmp_path):
+    config_cls, kwargs, arch = CASES["qwen2moe-shared-dense-layer0"]
+    config_cls(**kwargs).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path / "config.json"), dtype="float32")
+    assert loaded.config.architecture == arch
+    assert len(StaticBatchRunner(loaded).generate([[5, 6, 7]], 4)[0]) == 4
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+def test_engine_greedy_with_chunked_prefill_and_preemption(saved):
+    """Through jaxpaged.LLM: small token budget (prompts split into chunks) and a small KV pool (preemptions), the
+    tokens of transformers' one-at-a-time greedy, and no compile after warm-up."""
+    from jaxpaged import LLM, SamplingParams
+
+    _, hf, folder = saved("qwen2moe-shared-dense-layer0")  # one family: the MoE layer is shared
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(VOCAB, rng.integers(1, 40, size=8).tolist(), seed=4)
+    max_tokens = rng.integers(8, 24, size=8).tolist()
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8, num_kv_blocks=12,
+              log_level="WARNING")  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+# -- quantized experts -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["mixtral-8x-top2-gqa2", "qwen2moe-shared-dense-layer0"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_experts_per_expert_and_channel(saved, case, kind):
+    """quantization= quantizes every expert kernel per expert and output channel (router gates stay float): the
+    logits equal transformers run with those dequantized weights, and stay close to the float model's."""
+    import torch
+
+    from jaxpaged.models.quantization import quantize_channels
+
+    _, hf, folder = saved(case)
+    loaded = load_model(str(folder), dtype="float32", quantization=kind)
+    layer = loaded.model.layers[1].mlp
+    experts = layer.experts.gate_proj
+    assert experts.kernel[...].dtype == (jnp.int8 if kind == "int8" else jnp.float8_e4m3fn)
+    assert experts.scale[...].shape == experts.kernel[...].shape[::2]  # [E, out]
+    assert layer.gate.kernel[...].dtype == jnp.float32
+    prompt = random_prompts(VOCAB, [20], seed=9)[0]
+    got = StaticBatchRunner(loaded).prompt_logits([prompt])[0]
+    # transformers with every quantized weight replaced by its dequantized value (same round-trip, on the host)
+    ref = __import__("copy").deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.ndim == 3:  # fused experts [E, out, in]
+                w = p.numpy()
+                deq = [q.astype(np.float32) * s for q, s in (quantize_channels(e.T, kind) for e in w)]
+                p.copy_(torch.from_numpy(np.stack([d.T for d in deq])))
+            elif p.ndim == 2 and "embed" not in name and "lm_head" not in name and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                q, s = quantize_channels(p.numpy().T, kind)
+                p.copy_(torch.from_numpy((q.astype(np.float32) * s).T))
+    np.testing.assert_allclose(got, hf_logits(ref, prompt), atol=1e-4, rtol=0)
+    float_logits = hf_logits(hf, prompt)
+    assert np.max(np.abs(got - float_logits)) < (0.1 if kind == "int8" else 0.5) * np.max(np.abs(float_logits))
+
