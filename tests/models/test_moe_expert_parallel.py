@@ -1,0 +1,81 @@
+"""MoE on 4 CPU devices: experts split over the "model" axis (expert parallelism) when it divides their count, else
+each expert's intermediate features split; either way greedy tokens equal one device's and transformers'.
+
+As in test_tensor_parallel.py, the first test re-runs this file in a subprocess with 4 simulated devices.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multi_device import needs_devices, reference_family, rerun_with_devices
+
+
+def test_expert_parallel_suite_on_four_cpu_devices():
+    rerun_with_devices(__file__)
+
+
+VOCAB = 256
+BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+_CACHE: dict = {}
+
+
+def _configs():
+    import transformers
+
+    return {
+        # 8 experts: 2 per device
+        "mixtral-8x": transformers.MixtralConfig(
+            **BASE, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        # 6 experts: split by intermediate feature; a shared expert and a dense layer
+        "qwen2moe-6x": transformers.Qwen2MoeConfig(
+            **BASE, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6,
+            num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, mlp_only_layers=[0],
+        ),
+    }  # fmt: skip
+
+
+def _greedy(llm, prompts, max_tokens):
+    from jaxpaged import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+@needs_devices
+@pytest.mark.parametrize("name", ["mixtral-8x", "qwen2moe-6x"])
+def test_four_devices_equal_one(name, tmp_path_factory):
+    """transformers' tokens are one device's (test_moe.py checks that); 4 devices must give them too."""
+    from jaxpaged import LLM
+    from jaxpaged.models.moe import expert_parallel
+
+    folder, prompts, expected = reference_family(_CACHE, name, _configs()[name], tmp_path_factory, [3, 17, 30], 16)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+              tensor_parallel_size=4, attention_backend="reference", log_level="WARNING")  # fmt: skip
+    assert _greedy(llm, prompts, 16) == expected
+    # mixtral: 2 experts per device; qwen2moe (6 experts): a quarter of each expert's intermediate features
+    kernel = llm.engine.runner.state["layers"][1]["mlp"]["experts"]["down_proj"]["kernel"][...]
+    split_axis = 0 if expert_parallel(kernel.shape[0], 4) else 1
+    assert split_axis == (0 if name == "mixtral-8x" else 1)
+    assert all(s.data.shape[split_axis] == kernel.shape[split_axis] // 4 for s in kernel.addressable_shards)
+    assert all(s.data.size == kernel.size // 4 for s in kernel.addressable_shards)
+
+
+@needs_devices
+def test_experts_that_split_neither_way_are_a_clear_error(tmp_path):
+    import transformers
+
+    from jaxpaged import LLM
+    from tests.hf_reference import random_hf_model, save_hf_model
+
+    config = transformers.MixtralConfig(**BASE, intermediate_size=30, num_attention_heads=4, num_key_value_heads=4,
+                                        num_local_experts=6, num_experts_per_tok=2)  # fmt: skip
+    folder = save_hf_model(random_hf_model(config), tmp_path / "m")
+    with pytest.raises(ValueError, match="num_experts=6"):
+        LLM(str(folder), dtype="float32", tensor_parallel_size=4, log_level="WARNING")
+
