@@ -198,7 +198,7 @@ class AsyncLLMEngine:
         self.start()
 
     async def add_requests(
-        self, requests: Sequence[tuple[str, PromptType | ChatPrompt, SamplingParams]], event: asyncio.Event | None = None
+        self, requests: Sequence[tuple[str, PromptType | ChatPrompt, SamplingParams]] | Sequence[tuple], event: asyncio.Event | None = None
     ) -> list[RequestStream]:
         """Queue requests, all or none: the first bad one raises its ValueError and none stays queued.
 
@@ -206,7 +206,7 @@ class AsyncLLMEngine:
         """
         loop = asyncio.get_running_loop()
         event = event or asyncio.Event()
-        streams = [RequestStream(str(rid), event) for rid, _, _ in requests]
+        streams = [RequestStream(str(rid), event) for rid, *_ in requests]
         done: asyncio.Future = loop.create_future()
         self._submit(("add", list(requests), streams, loop, done))
         try:
@@ -289,8 +289,9 @@ class AsyncLLMEngine:
                 raise ValueError(f"prompt: {len(requests)} prompts in one request exceed the waiting queue ({self.max_waiting})")
             if self.max_waiting is not None and self.engine.num_waiting_requests() + len(requests) > self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
-            for (rid, prompt, params), stream in zip(requests, streams):
-                self.engine.add_request(rid, prompt, params)  # renders a ChatPrompt here, on the engine thread
+            for (rid, prompt, params, *lora), stream in zip(requests, streams):  # lora: a LoRARequest, when given
+                # renders a ChatPrompt here, on the engine thread
+                self.engine.add_request(rid, prompt, params, *lora)
                 added.append(rid)
                 stream.prompt_token_ids = self.engine.get_prompt_token_ids(rid)
         except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller; the loop goes on

@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="with tool_choice 'none', leave the tools out of the chat template (default: they go in, "
                    "as in vLLM)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters (PEFT folders or hub ids) served as models named NAME")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove "
+                        "adapters while serving (off by default; they need the API key when one is set)")
     g.add_argument("--log-level", default="INFO", help="jaxpaged log level (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     add_engine_args(p)
@@ -71,13 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         uvicorn = require("uvicorn", "python -m jaxpaged.serve")  # before the engine's start-up, not after it
         from jaxpaged.entrypoints.openai import ServerSettings, build_app
+        from jaxpaged.entrypoints.openai.lora import parse_lora_modules
 
         settings = ServerSettings(
             served_model_names=served_names(args), api_key=args.api_key or None, max_n=args.max_n,
             max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            lora_modules=parse_lora_modules(args.lora_modules), allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
+        if (settings.lora_modules or settings.allow_runtime_lora_updating) and not args.enable_lora:
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         config = EngineConfig(**engine_kwargs(args), seed=args.seed)
         core = make_engine(config)  # data_parallel_size > 1: replicas behind a router
         if core.is_follower:  # process k > 0 of a group: no server, it runs process 0's steps until it stops

@@ -61,15 +61,27 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "jaxpaged", "max_model_len": engine.max_model_len}
 
+    def lora_card(name: str) -> dict:
+        request = serving.loras.by_name[name]
+        return {**model_card(name), "root": request.lora_path, "parent": serving.model_name}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+        cards = [model_card(name) for name in settings.served_model_names]
+        return {"object": "list", "data": cards + [lora_card(name) for name in list(serving.loras.by_name)]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str):
+        if name in serving.loras.by_name:
+            return lora_card(name)
         if name not in settings.served_model_names:
-            raise errors.model_not_found(name, settings.served_model_names)
+            raise errors.model_not_found(name, serving.all_model_names)
         return model_card(name)
+
+    if settings.allow_runtime_lora_updating:
+        from jaxpaged.entrypoints.openai import lora
+
+        lora.add_routes(app, serving.loras)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -38,8 +38,8 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     params = serving.sampling_params(body, fields)
     exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none
     prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, None if exclude else body.tools or None)
-    request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages")
-    meta = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
+    request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages", model=body.model)
+    meta = {"id": request_id, "created": int(time.time()), "model": serving.response_model(body.model)}
     if body.stream:
         return StreamingResponse(
             _stream(serving, run, body, meta), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

@@ -31,6 +31,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # tool_choice "auto"'s format; None: detected from the chat template
     enable_auto_tool_choice: bool = False  # vLLM's flag: insist that "auto" can be served
     exclude_tools_when_tool_choice_none: bool = False
+    lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path) served from the start
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -58,10 +60,24 @@ class Serving:
             )
         if self.tool_parser:
             logger.info("tool_choice 'auto' reads calls with the %s parser", self.tool_parser)
+        from jaxpaged.entrypoints.openai.lora import ServedLoRAs
+
+        self.loras = ServedLoRAs(engine, settings.served_model_names)
+        for name, path in settings.lora_modules:  # loaded and checked now: a bad one stops the start
+            self.loras.add(name, path)
+
+    @property
+    def all_model_names(self) -> list[str]:
+        """The base model's names, then the adapters' (a request's `model` may be any of them)."""
+        return [*self.settings.served_model_names, *self.loras.by_name]
 
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
+
+    def response_model(self, model: str) -> str:
+        """The `model` a response names: the adapter's when one was asked for, else the first served name."""
+        return model if model in self.loras.by_name else self.model_name
 
     async def parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
         body = await request.body()
@@ -69,8 +85,8 @@ class Serving:
             parsed = model.model_validate_json(body)
         except ValidationError as exc:
             raise errors.from_validation_error(exc) from None
-        if parsed.model not in self.settings.served_model_names:
-            raise errors.model_not_found(parsed.model, self.settings.served_model_names)
+        if parsed.model not in self.settings.served_model_names and parsed.model not in self.loras.by_name:
+            raise errors.model_not_found(parsed.model, self.all_model_names)
         return parsed
 
     def sampling_params(self, body, fields: dict[str, str]) -> SamplingParams:
@@ -86,11 +102,13 @@ class Serving:
 
     async def submit(
         self, http_request: Request, prefix: str, prompts: list[PromptType | ChatPrompt], params: SamplingParams,
-        fields: dict[str, str], prompt_field: str,
+        fields: dict[str, str], prompt_field: str, model: str | None = None,
     ) -> tuple[str, RequestRun]:
-        """Queue one engine request per prompt (all or none) and return the HTTP request's id and run."""
+        """Queue one engine request per prompt (all or none) and return the HTTP request's id and run; `model` an
+        adapter's name runs them with that LoRA adapter."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        batch = [(f"{request_id}-{i}", p, params) for i, p in enumerate(prompts)]
+        lora = self.loras.by_name.get(model) if model is not None else None
+        batch = [(f"{request_id}-{i}", p, params) + ((lora,) if lora else ()) for i, p in enumerate(prompts)]
         try:
             streams = await self.engine.add_requests(batch)
         except QueueFullError as exc:
