@@ -13,17 +13,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")  # frequencies depend on the sequence's length
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
+    """transformers' rope_parameters, resolved (factor filled in as transformers infers it); see layers.rope_table."""
+
     theta: float
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    max_position_embeddings: int = 0  # dynamic: the length past which the base grows
+    attention_factor: float | None = None  # yarn/longrope: cos/sin scale; None: inferred from factor
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to original_max_position_embeddings
+    long_factor: tuple[float, ...] = ()  # ... and past it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +90,50 @@ def rope_from_hf(hf_config: Any) -> RopeConfig:
         params.update(scaling)
     theta = params.get("rope_theta", _get(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type in ("su", "yarn") and params.get("long_factor") is not None:  # Phi-3's old names for longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    max_pos = int(_get(hf_config, "max_position_embeddings", 2048))
+    # Phi-3 keeps it beside rope_scaling, and transformers prefers that one
+    original = _get(hf_config, "original_max_position_embeddings", params.get("original_max_position_embeddings"))
+    if original is None:
+        original = max_pos if rope_type in ("yarn", "longrope") else 8192
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_pos / int(original) if rope_type in ("yarn", "longrope") else 1.0
+    optional = lambda name: None if params.get(name) is None else float(params[name])  # noqa: E731
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        factors[name] = tuple(float(f) for f in params.get(name) or ())
+        if rope_type == "longrope" and not factors[name]:
+            raise ValueError(f"rope_scaling type 'longrope' needs {name}")
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0) or 1.0),
+        factor=float(factor or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
+        max_position_embeddings=max_pos,
+        attention_factor=optional("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        **factors,
     )
+
+
+def context_length(max_position_embeddings: int, rope: RopeConfig) -> int:
+    """The longest sequence the model serves: dynamic NTK and YaRN exist to run past the trained length, so, as in
+    vLLM, their context is that length times `factor` (YaRN: original_max_position_embeddings times it)."""
+    if rope.rope_type == "dynamic":
+        return max(max_position_embeddings, int(max_position_embeddings * rope.factor))
+    if rope.rope_type == "yarn":
+        return max(max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
+    return max_position_embeddings
 
 
 def _eos_ids(hf_config: Any) -> tuple[int, ...]:
@@ -119,6 +165,7 @@ def model_config_from_hf(hf_config: Any, architecture: str, **overrides) -> Mode
     hf_config = text_config(hf_config)
     num_heads = int(hf_config.num_attention_heads)
     hidden = int(hf_config.hidden_size)
+    rope = rope_from_hf(hf_config)
     fields = dict(
         architecture=architecture,
         vocab_size=int(hf_config.vocab_size),
@@ -128,9 +175,9 @@ def model_config_from_hf(hf_config: Any, architecture: str, **overrides) -> Mode
         num_heads=num_heads,
         num_kv_heads=int(_get(hf_config, "num_key_value_heads", num_heads)),
         head_dim=int(_get(hf_config, "head_dim", hidden // num_heads)),
-        max_position_embeddings=int(_get(hf_config, "max_position_embeddings", 2048)),
+        max_position_embeddings=context_length(int(_get(hf_config, "max_position_embeddings", 2048)), rope),
         rms_norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
-        rope=rope_from_hf(hf_config),
+        rope=rope,
         tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
         attention_bias=bool(_get(hf_config, "attention_bias", False)),
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxpaged.models.config import ModelConfig, RopeConfig
+from jaxpaged.models.config import LENGTH_DEPENDENT_ROPE_TYPES, ModelConfig, RopeConfig
 from jaxpaged.pallas_kernels import (
     AttentionBackend, AttentionMetadata, AttentionSpec, ReferenceAttention, paged_attention, stack_new_kv, write_kv,
 )  # fmt: skip
@@ -131,8 +131,10 @@ class LayerNorm(nnx.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
-    """Inverse frequencies as transformers computes them for each supported rope_type."""
-    inv_freq = 1.0 / (rope.theta ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim))
+    """Inverse frequencies as transformers computes them when it builds the model (dynamic: the unscaled base;
+    longrope: the short factors); rope_table switches the length-dependent ones per token."""
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == "llama3":
@@ -145,15 +147,119 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
+    elif rope.rope_type == "dynamic":
+        max_pos, factor = rope.max_position_embeddings, rope.factor
+        base = rope.theta * ((factor * max_pos / max_pos) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        inv_freq = 1.0 / (base**exponents)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(rope, rotary_dim, exponents)
+    elif rope.rope_type == "longrope":
+        inv_freq = _longrope_inv_freq(rope, rope.short_factor, exponents)
     return inv_freq.astype(np.float32)
 
 
+def _longrope_inv_freq(rope: RopeConfig, factors: tuple[float, ...], exponents: np.ndarray) -> np.ndarray:
+    if len(factors) != len(exponents):
+        raise ValueError(
+            f"rope_scaling longrope factors have {len(factors)} entries; the rotary dims need {len(exponents)}"
+        )
+    return 1.0 / (np.asarray(factors, np.float32) * rope.theta**exponents)
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int, exponents: np.ndarray) -> np.ndarray:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp between beta_fast and beta_slow."""
+    base, original = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = base**exponents
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """What transformers multiplies into cos and sin (its `attention_scaling`): YaRN's mscale, LongRoPE's factor."""
+    if rope.rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    factor = rope.factor
+    if rope.rope_type == "longrope":
+        original = rope.original_max_position_embeddings
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def mscale(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return float(mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim))
+    return mscale(factor)
+
+
+def token_seq_lens(attn_metadata: AttentionMetadata, num_tokens: int) -> jax.Array:
+    """[T] the length of each row's sequence after this step, i.e. its largest position in the step + 1: the
+    seq_len transformers' dynamic/longrope update reads in the forward of that one request."""
+    qsl = attn_metadata.query_start_loc
+    slot = jnp.searchsorted(qsl, jnp.arange(num_tokens, dtype=qsl.dtype), side="right") - 1
+    return attn_metadata.seq_lens[jnp.clip(slot, 0, attn_metadata.seq_lens.shape[0] - 1)]
+
+
+def length_scaled_inv_freq(rope: RopeConfig, rotary_dim: int, seq_lens: jax.Array) -> jax.Array:
+    """[T, rotary_dim / 2] per-token inverse frequencies of the length-dependent types, for seq_lens [T]: both
+    choices are computed and selected with where, so the step's shapes (and its compiled program) never change.
+
+    longrope: the long factors when the sequence is longer than original_max_position_embeddings, else the short.
+    dynamic (NTK): past max_position_embeddings the base grows with the length, in float32 as transformers does."""
+    seq_lens = seq_lens.astype(jnp.int32)[:, None]
+    default = jnp.asarray(rope_inv_freq(rope, rotary_dim))[None, :]
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim
+    if rope.rope_type == "longrope":
+        long = jnp.asarray(_longrope_inv_freq(rope, rope.long_factor, exponents).astype(np.float32))[None, :]
+        return jnp.where(seq_lens > rope.original_max_position_embeddings, long, default)
+    if rope.rope_type == "dynamic":
+        max_pos, factor = rope.max_position_embeddings, rope.factor
+        length = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)
+        base = rope.theta * ((factor * length / max_pos) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        grown = 1.0 / (base ** jnp.asarray(exponents)[None, :])
+        return jnp.where(seq_lens > max_pos, grown, default)
+    return jnp.broadcast_to(default, (seq_lens.shape[0], default.shape[1]))
+
+
 def rotary_table(positions: jax.Array, inv_freq, *, interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) [T, 2 * len(inv_freq)] at positions [T], laid out for `apply_rope`; computed once per forward
-    and shared by every layer, as transformers does."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    """(cos, sin) [T, 2 * R] at positions [T], laid out for `apply_rope`; inv_freq is [R], or [T, R] per token.
+    Computed once per forward and shared by every layer, as transformers does."""
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    freqs = positions.astype(jnp.float32)[:, None] * (inv_freq if inv_freq.ndim == 2 else inv_freq[None, :])
     emb = jnp.repeat(freqs, 2, axis=-1) if interleaved else jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
+
+
+def rope_table(
+    rope: RopeConfig, positions: jax.Array, rotary_dim: int, attn_metadata: AttentionMetadata | None = None, *,
+    interleaved: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """(cos, sin) as transformers' rotary embedding gives them for any supported rope_type: its frequencies (per
+    token for dynamic/longrope, from each row's own sequence length in attn_metadata), times its attention factor.
+
+    Where it can differ from transformers: transformers decides dynamic/longrope once per forward, from the whole
+    prompt; a prompt prefilled in chunks (or recomputed after preemption, or split across pipeline microbatches)
+    decides per chunk, so a prompt crossing the switch length gets the short/unscaled frequencies in its early chunks.
+    """
+    if rope.rope_type in LENGTH_DEPENDENT_ROPE_TYPES and attn_metadata is not None:
+        inv_freq = length_scaled_inv_freq(rope, rotary_dim, token_seq_lens(attn_metadata, positions.shape[0]))
+    else:
+        inv_freq = rope_inv_freq(rope, rotary_dim)
+    cos, sin = rotary_table(positions, inv_freq, interleaved=interleaved)
+    scale = rope_attention_factor(rope)
+    return (cos, sin) if scale == 1.0 else (cos * scale, sin * scale)
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array], *, interleaved: bool = False) -> jax.Array:
@@ -316,8 +422,9 @@ class CausalLM(nnx.Module):
         cfg = self.config
         rope = None
         if cfg.position_embedding == "rope":
-            inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim or cfg.head_dim)
-            rope = self.shared(lambda: rotary_table(positions, inv_freq, interleaved=cfg.rope_interleaved), positions)
+            dim, interleaved = cfg.rotary_dim or cfg.head_dim, cfg.rope_interleaved
+            table = lambda: rope_table(cfg.rope, positions, dim, attn_metadata, interleaved=interleaved)  # noqa: E731
+            rope = self.shared(table, positions)
         new_kv = []
         for layer in layers:
             x, layer_kv = layer(x, rope, kv_cache, attn_metadata)

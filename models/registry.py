@@ -13,6 +13,7 @@ from jaxpaged.models.mixtral import MoeForCausalLM
 from jaxpaged.models.mpt import MptForCausalLM
 from jaxpaged.models.olmoe import OlmoeForCausalLM
 from jaxpaged.models.opt import OPTForCausalLM
+from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,6 +28,8 @@ MODEL_REGISTRY = {
     "FalconForCausalLM": FalconForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,
     "MptForCausalLM": MptForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,  # Phi-1/1.5/2
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3, Phi-3.5, Phi-4-mini
     "MixtralForCausalLM": MoeForCausalLM,  # Llama attention + sparse MoE MLP (models/moe.py)
     "Qwen2MoeForCausalLM": MoeForCausalLM,  # + shared expert, dense layers where configured
     "Qwen3MoeForCausalLM": MoeForCausalLM,  # + q/k norm
@@ -83,6 +86,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "falcon": "FalconForCausalLM",
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
+    "phi": "PhiForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",

@@ -1,0 +1,154 @@
+"""Phi-2 and Phi-3/3.5/4-mini against transformers, in float32: logits within 1e-4, greedy tokens identical; and
+Phi-3 with LongRoPE through the engine, with chunked prefill and with preemption."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import numpy as np
+import pytest
+import transformers
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models.loader import load_model
+
+from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
+from tests.static_batch import StaticBatchRunner
+
+VOCAB = 256
+ORIGINAL = 24  # original_max_position_embeddings: LongRoPE's switch from short to long factors
+CHUNK = 32  # the engine's max_num_batched_tokens in the chunked-prefill test
+PHI3_LIKE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128,
+    rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+
+def _longrope(rotary_dim: int, **extra) -> dict:
+    half = rotary_dim // 2
+    return dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(half)],
+        long_factor=[1.0 + 1.5 * i for i in range(half)], **extra,
+    )  # fmt: skip
+
+
+PHI_LIKE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128,
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+# name -> (config, architecture the loader must pick)
+CASES = {
+    "phi3-mini-longrope": (
+        transformers.Phi3Config(**PHI3_LIKE, num_attention_heads=4, num_key_value_heads=4,
+                                original_max_position_embeddings=ORIGINAL, rope_scaling=_longrope(16)),
+        "Phi3ForCausalLM",
+    ),
+    "phi4-mini-like-gqa-partial-rotary-tied": (  # Phi-4-mini: GQA, rotary on 3/4 of each head, tied
+        transformers.Phi3Config(**PHI3_LIKE, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                original_max_position_embeddings=ORIGINAL, partial_rotary_factor=0.75,
+                                rope_scaling=_longrope(12, partial_rotary_factor=0.75)),
+        "Phi3ForCausalLM",
+    ),
+    "phi3-window12-default-rope": (
+        transformers.Phi3Config(**PHI3_LIKE, num_attention_heads=4, num_key_value_heads=1, sliding_window=12),
+        "Phi3ForCausalLM",
+    ),
+    "phi2-partial-rotary": (
+        transformers.PhiConfig(**PHI_LIKE, num_attention_heads=4, partial_rotary_factor=0.5),
+        "PhiForCausalLM",
+    ),
+    "phi-qk-layernorm-gqa-tied": (
+        transformers.PhiConfig(**PHI_LIKE, num_attention_heads=4, num_key_value_heads=2, qk_layernorm=True,
+                               partial_rotary_factor=0.25, tie_word_embeddings=True, hidden_act="gelu"),
+        "PhiForCausalLM",
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def pair(request, tmp_path_factory):
+    config, arch = CASES[request.param]
+    hf = random_hf_model(config)
+    loaded = load_model(str(save_hf_model(hf, tmp_path_factory.mktemp(request.param))), dtype="float32")
+    assert loaded.config.architecture == arch
+    return hf, loaded
+
+
+def test_config_features_reach_the_port(pair):
+    hf, loaded = pair
+    cfg, rope = loaded.config, hf.config.rope_parameters
+    assert cfg.rotary_dim == int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0))
+    assert cfg.rope.rope_type == rope["rope_type"]
+    assert cfg.num_kv_heads == hf.config.num_key_value_heads
+    assert cfg.window(0) == getattr(hf.config, "sliding_window", None)
+
+
+def test_logits_match_transformers(pair):
+    """Prompts on both sides of LongRoPE's switch (24), in one ragged step."""
+    hf, loaded = pair
+    prompts = random_prompts(VOCAB, [1, 9, ORIGINAL, 41])
+    ours = StaticBatchRunner(loaded, block_size=8).prompt_logits(prompts)
+    for prompt, got in zip(prompts, ours):
+        np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+def test_greedy_matches_transformers(pair):
+    """Prompts below LongRoPE's switch that stay below it, and one past it from the start."""
+    hf, loaded = pair
+    prompts = random_prompts(VOCAB, [3, 6, 33], seed=7)
+    ours = StaticBatchRunner(loaded, block_size=8).generate(prompts, 18)
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, prompt, 18)
+
+
+def test_greedy_crossing_the_switch_keeps_the_short_factor_keys(pair):
+    """A sequence crossing original_max_position_embeddings while decoding: transformers' Phi-3 drops its cache there
+    and recomputes every position with the long factors; jaxpaged switches per token from there on and keeps the
+    cached keys (docs/models.md). Otherwise the two agree: transformers' generic generation, without that reset."""
+    hf, loaded = pair
+    if loaded.config.rope.rope_type != "longrope":
+        pytest.skip("only LongRoPE switches")
+    hf = copy.deepcopy(hf)
+    hf.prepare_inputs_for_generation = types.MethodType(transformers.GenerationMixin.prepare_inputs_for_generation, hf)
+    prompts = random_prompts(VOCAB, [10], seed=7)
+    ours = StaticBatchRunner(loaded, block_size=8).generate(prompts, 32)
+    assert ours[0] == hf_greedy(hf, prompts[0], 32)
+
+
+# -- Phi-3 with LongRoPE through the engine -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    config, _ = CASES["phi3-mini-longrope"]
+    hf = random_hf_model(config)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("phi3-engine"))
+    # Every prompt is longer than the switch and than a 32-token chunk, and one sequence at a time makes every first
+    # chunk 32 tokens, past the switch: so each chunk and each recompute after preemption decides as transformers'
+    # whole-prompt forward does (a chunk ending before the switch would not: docs/models.md).
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(VOCAB, rng.integers(CHUNK + 2, 60, size=8).tolist(), seed=5)
+    max_tokens = rng.integers(8, 24, size=8).tolist()
+    return str(folder), prompts, max_tokens, [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+
+
+def _engine_greedy(llm: LLM, prompts, max_tokens) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_engine_chunked_prefill_matches_transformers(phi3):
+    folder, prompts, max_tokens, expected = phi3
+    llm = LLM(folder, dtype="float32", max_num_seqs=1, max_num_batched_tokens=CHUNK, block_size=8, log_level="WARNING")
+    assert llm.engine.loaded.config.architecture == "Phi3ForCausalLM"
+    assert _engine_greedy(llm, prompts, max_tokens) == expected
+
+
+def test_engine_preemption_matches_transformers(phi3):
+    folder, prompts, max_tokens, expected = phi3
+    llm = LLM(folder, dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, block_size=8, num_kv_blocks=16,
+              log_level="WARNING")  # fmt: skip
+    assert _engine_greedy(llm, prompts, max_tokens) == expected
+    assert llm.get_stats()["num_preemptions"] > 0
