@@ -16,7 +16,14 @@ from jaxpaged.utils.extras import require
 logger = logging.getLogger(__name__)
 
 # GGUF architecture -> (HF model_type, HF architecture)
-GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM")}
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+# llama.cpp writes Gemma's RMSNorm weights as 1 + w (its norms multiply by the stored weight alone)
+NORM_PLUS_ONE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # Pre-tokenizer splits for byte-level vocabularies, keyed by `tokenizer.ggml.pre`. Files whose
 # pre-tokenizer is not listed get GPT-2's own split, as transformers gives them.
@@ -107,7 +114,40 @@ def gguf_hf_config(reader, path: str):
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
         kwargs["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+    if arch in NORM_PLUS_ONE_ARCHITECTURES:
+        kwargs = _gemma_config(reader, arch, get, kwargs)
     return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+# Gemma 2 and 3 27B scale queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5; llama.cpp tells them
+# apart by depth, since its files do not store query_pre_attn_scalar
+GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(reader, arch: str, get, kwargs: dict) -> dict:
+    """The HF config fields of a Gemma GGUF, as llama.cpp's converter writes them and its loader reads them."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("attention_bias", "mlp_bias") or v}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is not None:  # Gemma 3's converter drops the padding rows past the real vocabulary
+        kwargs["vocab_size"] = int(embed.shape[-1])
+    if arch == "gemma":
+        return kwargs
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    kwargs["query_pre_attn_scalar"] = hidden // heads if layers == GEMMA_27B_BLOCKS[arch] else kwargs["head_dim"]
+    kwargs["sliding_window"] = get("attention.sliding_window")
+    kwargs["final_logit_softcapping"] = get("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
+    if arch == "gemma2":
+        kwargs["attn_logit_softcapping"] = get("attn_logit_softcapping", 50.0)
+        return kwargs
+    kwargs["rope_theta"] = float(get("rope.freq_base", 1_000_000.0))  # global layers
+    kwargs["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10_000.0))
+    pattern = get("attention.sliding_window_pattern", 6)  # llama.cpp's Gemma 3 default: 5 local, then 1 global
+    if isinstance(pattern, (list, tuple)):  # newer files: a flag per layer
+        sliding = list(pattern)
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    kwargs["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    return kwargs
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -129,6 +169,8 @@ def gguf_tokenizer(reader, path: str):
     from transformers import PreTrainedTokenizerFast
 
     kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2" and _field(reader, "general.architecture") in NORM_PLUS_ONE_ARCHITECTURES:
+        return _gemma_gguf_tokenizer(reader, path)
     if kind != "gpt2":
         raise ValueError(
             f"GGUF file {path} has a {kind!r} tokenizer; jaxpaged rebuilds byte-level BPE ('gpt2') "
@@ -173,6 +215,29 @@ def gguf_tokenizer(reader, path: str):
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, chat_template=_field(reader, "tokenizer.chat_template"), **special
     )
+
+
+def _gemma_gguf_tokenizer(reader, path: str):
+    """Gemma's SentencePiece vocabulary as transformers rebuilds it from a GGUF (its Gemma fixes included), fed from
+    this reader: transformers' own GGUF reader imports torch."""
+    from transformers import GemmaTokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    groups = {group: {} for group in GGUF_TOKENIZER_MAPPING}
+    for group, renames in GGUF_TOKENIZER_MAPPING.items():
+        for key, name in renames.items():
+            if (value := _field(reader, f"tokenizer.{key}")) is not None:
+                groups[group][name] = value
+    tokens, config = groups["tokenizer"]["tokens"], groups["tokenizer_config"]
+    config.setdefault("add_bos_token", True)  # llama.cpp's default for a SentencePiece vocabulary, as transformers
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        config[name] = tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+    try:
+        backend, _ = convert_gguf_tokenizer(_field(reader, "general.architecture"), groups["tokenizer"])
+        return GemmaTokenizer(tokenizer_object=backend, **config)
+    except Exception as exc:
+        raise ValueError(f"could not rebuild the tokenizer of GGUF file {path}: {exc}") from exc
 
 
 def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
@@ -270,4 +335,6 @@ def gguf_tensors(reader, path: str, hf_names: list[str], hf_config, keep_quantiz
             array = _unpermute_rope(array, heads)
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
             array = _unpermute_rope(array, kv_heads)
+        elif arch in NORM_PLUS_ONE_ARCHITECTURES and hf_name.endswith("norm.weight"):
+            array = array - np.float32(1.0)
         yield hf_name, array, path

@@ -249,3 +249,110 @@ def test_gemma2_soft_cap_and_windows_through_the_pallas_kernel(checkpoints):
     spec = llm.engine.loaded.model.layers[0].self_attn.spec
     assert spec.soft_cap == 5.0 and spec.sliding_window == 8
     assert _run(llm, prompts, max_tokens) == expected
+
+
+# -- GGUF files in llama.cpp's conventions -----------------------------------------------------------------------
+
+
+def _spm_vocab() -> tuple[list[str], list[int]]:
+    """A SentencePiece vocabulary as llama.cpp writes Gemma's: pad, eos, bos, unk, then pieces."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + list(letters) + [f"\u2581{c}" for c in letters]
+    tokens += [a + b for a in letters for b in letters][: VOCAB - len(tokens)]
+    return tokens, [3, 3, 3, 2] + [1] * (VOCAB - 4)
+
+
+def _write_gemma_gguf(hf, path, arch: str):
+    """What llama.cpp's convert_hf_to_gguf.py writes for Gemma: no lm_head (tied), every norm weight + 1, q/k rows as
+    stored (no permutation), the SentencePiece vocabulary, Gemma 2's caps and window, Gemma 3's RoPE and window."""
+    import gguf
+
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        full = cfg.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_sliding_window(cfg.sliding_window)
+    tokens, types_ = _spm_vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types(types_)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_space_prefix(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        array = tensor.detach().float().numpy().copy()
+        if name.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+GGUF_CASES = {
+    "gemma": lambda: transformers.GemmaConfig(**BASE, num_hidden_layers=2),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **BASE, num_hidden_layers=2, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+    ),
+    # llama.cpp's Gemma 3: five local layers (base 10000), then a global one; query_pre_attn_scalar = head_dim
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **BASE, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
+        rope_theta=1_000_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_CASES))
+def test_gguf_in_llama_cpp_conventions_matches_transformers(arch, tmp_path):
+    pytest.importorskip("gguf")
+    hf = random_hf_model(GGUF_CASES[arch]())
+    path = _write_gemma_gguf(hf, tmp_path / f"{arch}.gguf", arch)
+    loaded = load_model(str(path), dtype="float32", use_cache=False)
+    assert loaded.config.architecture == CASES_BY_GGUF_ARCH[arch]
+    prompts = random_prompts(VOCAB, [9, 40])
+    ours = StaticBatchRunner(loaded).prompt_logits(prompts)
+    for prompt, got in zip(prompts, ours):
+        np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+    # the tokenizer as transformers' own GGUF loading builds it (which needs torch; jaxpaged's reading does not)
+    tokenizer, tokens = loaded.tokenizer, _spm_vocab()[0]
+    reference = transformers.GemmaTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert tokenizer.convert_tokens_to_ids(tokens[40]) == 40 and tokenizer.bos_token == "<bos>"
+    for text in ("ab cd", " hello  world", "zz<eos>q"):
+        assert tokenizer.encode(text) == reference.encode(text)
+    ids = tokenizer.encode("ab cd", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "ab cd"
+    # converted once, then read back from the conversion cache as an HF folder: the same model and tokenizer
+    for _ in range(2):
+        cached = load_model(str(path), dtype="float32", cache_dir=str(tmp_path / "cache"))
+    assert cached.config == loaded.config and any((tmp_path / "cache").rglob("config.json"))
+    for got, want in zip(StaticBatchRunner(cached).prompt_logits(prompts), ours):
+        np.testing.assert_array_equal(got, want)
+    assert cached.tokenizer.encode("ab cd", add_special_tokens=False) == ids
+
+
+CASES_BY_GGUF_ARCH = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
