@@ -1,0 +1,208 @@
+"""A mixture-of-experts model beside a dense one with the same active parameters, on the same machine, in one run.
+
+The pair (random weights, float32): a Qwen3-MoE-shaped model (--experts experts of --expert-size features, top
+--top-k) and a dense Qwen3 of the same hidden size, layers and heads whose MLP is top-k x expert-size wide, so a
+token passes through as many weights in both (the router's hidden x experts per layer aside, reported). Each side is
+driven through `jaxpaged.LLM`'s engine with --batch-sizes requests of --prompt-len random tokens and --output-tokens
+greedy tokens each (EOS ignored). The sides alternate, their order flipped every round, for --rounds rounds, so
+both share the machine's noise; each run records the load around it (scripts/machine_load.py). Reported per side
+and batch size: the median output tokens/s and engine step time, and MoE / dense.
+
+    python scripts/bench_moe.py --json docs/data/moe_vs_dense_cpu_2026-11-26.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import machine_load  # noqa: E402 - the sibling script's module (this folder is on sys.path when run as a file)
+
+log = logging.getLogger("bench")
+SIDES = ("moe", "dense")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512, help="hidden size of both models (default: 512)")
+    p.add_argument("--layers", type=int, default=8, help="(default: 8)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
+    p.add_argument("--kv-heads", type=int, default=4, help="(default: 4)")
+    p.add_argument("--head-dim", type=int, default=64, help="(default: 64)")
+    p.add_argument("--experts", type=int, default=16, help="experts per MoE layer (default: 16)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (default: 2)")
+    p.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size; the dense MLP is "
+                   "top-k x this wide (default: 512)")  # fmt: skip
+    p.add_argument("--vocab", type=int, default=8192, help="(default: 8192)")
+    p.add_argument("--batch-sizes", default="1,16", help="concurrent requests per run, comma-separated (default: 1,16)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default: 32)")
+    p.add_argument("--output-tokens", type=int, default=256, help="greedy tokens per request (default: 256)")
+    p.add_argument("--rounds", type=int, default=3, help="times each (side, batch size) runs, sides alternating (default: 3)")
+    p.add_argument("--matmul-backend", default="auto", help="EngineConfig.matmul_backend of both sides (default: auto)")
+    p.add_argument("--settle-s", type=float, default=30.0, help="wait up to this long for the load to drop before each run")
+    p.add_argument("--json", default=None, help="write the configs, every run and the summary here")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    if args.top_k > args.experts or min(args.batch_sizes, default=0) < 1:
+        p.error("--top-k must be at most --experts, and every batch size at least 1")
+    return args
+
+
+def config_pair(*, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
+                expert_size: int, vocab: int, max_positions: int = 2048) -> tuple[dict, dict]:  # fmt: skip
+    """(Qwen3-MoE config.json, dense Qwen3 config.json): equal but for the MLP, the dense one top_k x expert_size
+    wide, so both have the same active parameters apart from the router."""
+    shared = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    moe = dict(shared, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=experts,
+               num_experts_per_tok=top_k, moe_intermediate_size=expert_size, intermediate_size=top_k * expert_size,
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    dense = dict(shared, model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=top_k * expert_size)
+    return moe, dense
+
+
+def parameter_counts(config: dict) -> dict:
+    """Parameters of a config_pair config: total, active per token (the experts a token does not use left out) and
+    the router's share of the active ones."""
+    h, layers, vocab, d = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    attention = h * q + 2 * h * kv + q * h + 2 * d  # q, k, v, o and the q/k norms
+    per_layer = attention + 2 * h  # and the two RMSNorms
+    outer = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + h  # embeddings, LM head, final norm
+    if config["model_type"] != "qwen3_moe":
+        mlp = 3 * h * config["intermediate_size"]
+        total = outer + layers * (per_layer + mlp)
+        return {"total": total, "active": total, "router": 0}
+    expert, experts, k = 3 * h * config["moe_intermediate_size"], config["num_experts"], config["num_experts_per_tok"]
+    router = h * experts
+    total = outer + layers * (per_layer + router + experts * expert)
+    return {"total": total, "active": outer + layers * (per_layer + router + k * expert), "router": layers * router}
+
+
+def write_configs(args, folder: Path) -> dict[str, Path]:
+    moe, dense = config_pair(
+        hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        experts=args.experts, top_k=args.top_k, expert_size=args.expert_size, vocab=args.vocab,
+        max_positions=max(2048, args.prompt_len + args.output_tokens + 16),
+    )  # fmt: skip
+    paths = {}
+    for side, config in zip(SIDES, (moe, dense)):
+        (folder / side).mkdir(parents=True, exist_ok=True)
+        paths[side] = folder / side / "config.json"  # a bare config.json: the engine draws random weights
+        paths[side].write_text(json.dumps(config, indent=1))
+    return paths
+
+
+def make_llm(path: Path, args):
+    from jaxpaged import LLM
+
+    return LLM(str(path), dtype="float32", max_num_seqs=max(args.batch_sizes), matmul_backend=args.matmul_backend,
+               max_model_len=args.prompt_len + args.output_tokens + 16, log_level="WARNING")  # fmt: skip
+
+
+def prompts(args, batch: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(batch)  # the same prompts for both sides
+    return [rng.integers(2, args.vocab, args.prompt_len).tolist() for _ in range(batch)]
+
+
+def run_once(llm, args, batch: int, max_tokens: int) -> dict:
+    """One batch through the engine, step by step: output tokens, steps and seconds."""
+    from jaxpaged import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for ids in prompts(args, batch):
+        engine.add_request(None, {"prompt_token_ids": ids}, params)
+    steps, tokens, t0 = 0, 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        steps += 1
+    seconds = time.perf_counter() - t0
+    return {"output_tokens": tokens, "steps": steps, "seconds": seconds, "tok_s": tokens / seconds, "step_ms": 1e3 * seconds / steps}
+
+
+def summary(runs: list[dict], batch_sizes: list[int]) -> list[dict]:
+    rows = []
+    for batch in batch_sizes:
+        row = {"batch": batch}
+        for side in SIDES:
+            mine = [r for r in runs if r["side"] == side and r["batch"] == batch]
+            row[side] = {"tok_s": statistics.median(r["tok_s"] for r in mine), "step_ms": statistics.median(r["step_ms"] for r in mine),
+                         "busy_runs": sum(r["load"]["busy"] for r in mine), "runs": len(mine),
+                         "load_before": [round(r["load"]["loadavg_1min"]["before"], 2) for r in mine]}  # fmt: skip
+        row["moe_over_dense_tok_s"] = row["moe"]["tok_s"] / row["dense"]["tok_s"]
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'batch':>5}{'MoE tok/s':>11}{'dense tok/s':>13}{'MoE/dense':>11}{'MoE step ms':>13}{'dense step ms':>15}"]
+    for r in rows:
+        lines.append(f"{r['batch']:>5}{r['moe']['tok_s']:>11.1f}{r['dense']['tok_s']:>13.1f}{r['moe_over_dense_tok_s']:>11.2f}"
+                     f"{r['moe']['step_ms']:>13.1f}{r['dense']['step_ms']:>15.1f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_configs(args, Path(tmp))
+        configs = {side: json.loads(paths[side].read_text()) for side in SIDES}
+        counts = {side: parameter_counts(configs[side]) for side in SIDES}
+        log.info("parameters: %s", counts)
+        llms = {}
+        for side in SIDES:
+            t0 = time.perf_counter()
+            llms[side] = make_llm(paths[side], args)
+            for batch in args.batch_sizes:  # untimed: every step shape of the workload, and first-use costs
+                run_once(llms[side], args, batch, 4)
+            log.info("%s: loaded and warmed up in %.1fs", side, time.perf_counter() - t0)
+    runs = []
+    for round_ in range(args.rounds):
+        order = SIDES if round_ % 2 == 0 else SIDES[::-1]
+        for batch in args.batch_sizes:
+            for side in order:
+                machine_load.settle(args.settle_s, machine_load.cores(), log=log.info)
+                with machine_load.SideWatch(side) as watch:
+                    run = run_once(llms[side], args, batch, args.output_tokens)
+                runs.append({"side": side, "batch": batch, "round": round_, **run, "load": watch.record})
+                log.info("round %d, batch %d, %s: %.1f tok/s, %.1f ms a step, load before %.2f", round_, batch, side,
+                         run["tok_s"], run["step_ms"], watch.record["loadavg_1min"]["before"])  # fmt: skip
+    compiles = {side: llms[side].engine.num_compiles_after_warmup for side in SIDES}
+    rows = summary(runs, args.batch_sizes)
+    print(f"active parameters: MoE {counts['moe']['active'] / 1e6:.2f}M ({counts['moe']['router'] / 1e6:.3f}M of them "
+          f"the router) of {counts['moe']['total'] / 1e6:.2f}M, dense {counts['dense']['active'] / 1e6:.2f}M")  # fmt: skip
+    print(table(rows))
+    for line in machine_load.busy_lines({f"{r['side']} batch {r['batch']} round {r['round']}": r["load"] for r in runs}):
+        print(line)
+    if any(compiles.values()):
+        print(f"WARNING: compiles after warm-up: {compiles}")
+    if args.json:
+        out = {"date": datetime.date.today().isoformat(), "cpu": machine_load.cpu_model(), "cores": machine_load.cores(),
+               "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
+               "args": vars(args), "configs": configs, "parameters": counts, "compiles_after_warmup": compiles,
+               "matmul_backend": {side: llms[side].engine.runner.matmul_backend for side in SIDES},
+               "summary": rows, "runs": runs}  # fmt: skip
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
