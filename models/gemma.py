@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, RopeConfig, model_config_from_hf, rope_from_hf, text_config
 from jaxpaged.models.layers import (
-    REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list, rope_inv_freq, rotary_table,
+    REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list, rope_table,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
@@ -99,8 +99,9 @@ class GemmaForCausalLM(CausalLM):
         cfg = self.config
         ropes = {"global": cfg.rope, "local": cfg.option("local_rope")}
         kinds = sorted({layer.rope_kind for layer in layers})
-        inv_freqs = {kind: rope_inv_freq(ropes[kind], cfg.head_dim) for kind in kinds}
-        tables = self.shared(lambda: {k: rotary_table(positions, f) for k, f in inv_freqs.items()}, positions)
+        tables = self.shared(
+            lambda: {kind: rope_table(ropes[kind], positions, cfg.head_dim, attn_metadata) for kind in kinds}, positions
+        )
         new_kv = []
         for layer in layers:
             x, layer_kv = layer(x, tables[layer.rope_kind], kv_cache, attn_metadata)

@@ -170,6 +170,17 @@ def test_gemma3_rope_in_the_4x_spelling_reads_the_same():
     assert (old.rope, old.option("local_rope")) == (new.rope, new.option("local_rope"))
 
 
+def test_gemma3_global_layers_with_yarn_match_transformers(tmp_path):
+    """The global layers' RoPE through the shared rope_table, scalings with an attention factor included."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 20000.0, "original_max_position_embeddings": 32}
+    hf = random_hf_model(_gemma3_text(rope_parameters={**copy.deepcopy(GEMMA3_ROPE), "full_attention": yarn}))
+    loaded = load_model(str(save_hf_model(hf, tmp_path)), dtype="float32")
+    assert loaded.config.rope.rope_type == "yarn" and loaded.config.option("local_rope").rope_type == "default"
+    prompts = random_prompts(VOCAB, [9, 70])
+    for prompt, got in zip(prompts, StaticBatchRunner(loaded).prompt_logits(prompts)):
+        np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
 def test_bidirectional_gemma_is_refused():
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         GemmaForCausalLM.config_from_hf(_gemma3_text(use_bidirectional_attention=True), "Gemma3ForCausalLM")
