@@ -11,7 +11,7 @@
   global layers `rope_theta` with their scaling (linear, factor 8 on the larger models).
 
 `Gemma3ForConditionalGeneration` checkpoints load their language model only; the vision tower and projector are
-skipped (this port reads text, as vLLM's text-only loading of the same checkpoints).
+skipped (prompts are text).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from jaxpaged.models.layers import (
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
 
-SANDWICH_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 GEMMA3_DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # transformers' defaults
 
