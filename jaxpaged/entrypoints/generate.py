@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message for --chat")
     g.add_argument("--prompts-file", default=None, help="run every line of this file as a prompt, in one batch; results as JSON lines")
     g.add_argument("--output", default=None, help="with --prompts-file: write the JSON lines here instead of stdout")
+    g.add_argument("--lora", default=None, metavar="NAME=PATH",
+                   help="run every prompt with this LoRA adapter (a PEFT folder or a hub id in the Hugging Face cache; "
+                   "turns on --enable-lora; a rank above 16 needs --max-lora-rank); see docs/lora.md")  # fmt: skip
     g = p.add_argument_group("output")
     quiet = g.add_mutually_exclusive_group()
     quiet.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -46,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _log_level(args) -> str:
     return "WARNING" if args.quiet else "DEBUG" if args.verbose else "INFO"
+
+
+def parse_lora(spec: str | None):
+    """--lora NAME=PATH -> the LoRARequest every prompt runs with (None without the flag)."""
+    if spec is None:
+        return None
+    from jaxpaged.lora import LoRARequest
+
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora takes NAME=PATH, an adapter's name and its PEFT folder (got {spec!r})")
+    return LoRARequest(name, 1, path)
 
 
 def _messages(system: str | None, history: list[dict], user: str) -> list[dict]:
@@ -61,6 +76,9 @@ class Session:
 
         self.args = args
         kwargs = engine_kwargs(args)
+        self.lora = parse_lora(args.lora)  # checked before the model loads
+        if self.lora is not None:
+            kwargs["enable_lora"] = True
         if args.prompts_file is None and kwargs["max_num_seqs"] is None:
             kwargs["max_num_seqs"] = 1  # one answer at a time: the KV pool holds one full-length sequence
         self.started = time.time()
@@ -72,6 +90,8 @@ class Session:
                 "this model has no tokenizer, so it cannot take text prompts (a bare config.json takes the "
                 "tokenizer files beside it: tokenizer.json, tokenizer_config.json)"
             )
+        if self.lora is not None:
+            self.llm.engine.add_lora(self.lora)  # read and checked now: a bad adapter stops before any prompt runs
         self.params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
         )
@@ -84,7 +104,7 @@ class Session:
     def stream(self, text: str, history: list[dict] | None = None, out=None) -> str:
         out = out or sys.stdout  # looked up per call: a default bound at import would keep a replaced stream
         engine = self.llm.engine
-        rid = engine.add_request(None, self.prompt_input(text, history), self.params)
+        rid = engine.add_request(None, self.prompt_input(text, history), self.params, lora_request=self.lora)
         shown = 0
         try:
             while engine.has_unfinished_requests():
@@ -114,7 +134,7 @@ class Session:
         self.started = None
 
     def batch(self, prompts: list[str], out) -> None:
-        results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params)
+        results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params, lora_request=self.lora)
         for prompt, result in zip(prompts, results):
             c = result.outputs[0]
             record = {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}

@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 
 ADAPTERS = {"alpha": (4, 8, ["q_proj", "v_proj"], False), "beta": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj",
             "gate_proj", "up_proj", "down_proj"], False), "gamma": (6, 12, ["o_proj", "down_proj"], True)}  # fmt: skip
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def adapters(hf_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
-               max_num_seqs=8, max_num_batched_tokens=64, block_size=8, log_level="WARNING")  # fmt: skip
+               max_num_seqs=8, max_num_batched_tokens=32, block_size=8, log_level="WARNING")  # fmt: skip
 
 
 def _greedy(max_tokens=MAX_TOKENS):
@@ -99,6 +99,30 @@ def test_bad_adapter_is_refused_and_the_engine_keeps_serving(llm, adapters, tmp_
         llm.generate([{"prompt_token_ids": prompt}] * 2, _greedy(), use_tqdm=False, lora_request=[good])
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "somewhere")
+
+
+def test_adapter_given_as_a_hub_id_loads_from_the_hf_cache(llm, adapters, tmp_path, monkeypatch):
+    """lora_path "org/alpha-adapter", offline, found in a Hugging Face cache folder (huggingface_hub's layout, as
+    tests/models/test_hub.py fakes it): the same tokens as the adapter's local folder; an id the cache lacks is refused."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    local, ref = adapters["alpha"]
+    repo = tmp_path / "hub" / "models--org--alpha-adapter"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("c" * 40)
+    shutil.copytree(local.lora_path, repo / "snapshots" / ("c" * 40))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    prompt = random_prompts(256, [7], seed=12)[0]
+    hub = LoRARequest("alpha-hub", 11, "org/alpha-adapter")
+    out = llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False, lora_request=hub)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, MAX_TOKENS)
+    with pytest.raises(ValueError, match="org/absent-adapter"):
+        llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False, lora_request=LoRARequest("absent", 12, "org/absent-adapter"))
+    llm.engine.remove_lora(hub.lora_int_id)
+    _assert_idle(llm)
 
 
 def test_n_samples_and_abort_give_slots_back(llm, adapters):

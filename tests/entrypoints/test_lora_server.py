@@ -1,6 +1,6 @@
 """LoRA on the OpenAI server: --lora-modules adapters listed by /v1/models with their parent and selected by `model`
-(greedy text equal to transformers + PEFT), runtime load/unload behind --allow-runtime-lora-updating and the API key,
-errors in OpenAI's format."""
+(greedy text equal to transformers + PEFT), runtime load/unload behind --allow-runtime-lora-updating and the API key
+(and absent without it), errors in OpenAI's format; and `python -m jaxpaged.generate --lora NAME=PATH`."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def server(cycle_model_dir, adapters, tmp_path_factory):
     root, _ = adapters
     proc = ServerProcess(
         ["--model", str(cycle_model_dir), "--served-model-name", CYCLE_MODEL, *ENGINE_ARGS, "--enable-lora", "--max-loras", "2",
-         "--max-lora-rank", "8", "--lora-modules", f"first={root / 'first'}", "--allow-runtime-lora-updating"],
+         "--max-lora-rank", "8", "--lora-modules", f"first={root / 'first'}", "--allow-runtime-lora-updating",
+         "--no-precompile"],  # each test's few shapes compile on first use: minutes less than every bucket
         tmp_path_factory.mktemp("lora-server") / "server.log", api_key=KEY,
     )  # fmt: skip
     yield proc
@@ -99,3 +100,54 @@ def test_runtime_load_and_unload(server, adapters):
     gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "second"}, headers=auth)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "lora_not_found"
     assert _complete(client, "first")[0] == texts["first"]  # still serving
+
+
+def test_without_runtime_updating_the_load_routes_are_not_found(cycle_model_dir, adapters):
+    """--enable-lora and --lora-modules but no --allow-runtime-lora-updating: the adapter is served, and loading or
+    unloading one is a 404 in OpenAI's format (the app in-process over a real engine; no step runs)."""
+    import asyncio
+
+    from jaxpaged import LLM
+    from jaxpaged.engine.async_engine import AsyncLLMEngine
+    from jaxpaged.entrypoints.openai import ServerSettings, build_app
+
+    root, _ = adapters
+    llm = LLM(str(cycle_model_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=2,
+              max_num_batched_tokens=16, block_size=8, precompile=False, log_level="WARNING")  # fmt: skip
+    settings = ServerSettings([CYCLE_MODEL], lora_modules=[("first", str(root / "first"))])
+    app = build_app(AsyncLLMEngine(llm.engine), settings)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            models = (await client.get("/v1/models")).json()["data"]
+            assert {m["id"]: m.get("parent") for m in models} == {CYCLE_MODEL: None, "first": CYCLE_MODEL}
+            body = {"lora_name": "second", "lora_path": str(root / "second")}
+            for route, payload in (("load", body), ("unload", {"lora_name": "first"})):
+                r = await client.post(f"/v1/{route}_lora_adapter", json=payload)
+                assert r.status_code == 404, (route, r.text)
+                assert r.json()["error"]["type"] == "not_found" and r.json()["error"]["message"]
+            assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == [CYCLE_MODEL, "first"]
+
+    asyncio.run(main())
+    assert [r.lora_name for r in llm.engine.list_loras()] == ["first"]  # nothing loaded or unloaded by the 404s
+
+
+def test_generate_cli_runs_the_prompt_with_the_adapter(cycle_model_dir, adapters, tmp_path, capsys):
+    """`python -m jaxpaged.generate --lora first=PATH`: the text transformers + PEFT give with that adapter; a malformed
+    flag or a bad adapter is exit status 2 with the reason."""
+    import json
+
+    from jaxpaged.entrypoints import generate
+
+    root, texts = adapters
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    flags = ["--model", str(cycle_model_dir), "--dtype", "float32", "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", "2",
+             "--max-num-batched-tokens", "16", "--block-size", "8", "--max-lora-rank", "8", "--quiet"]  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    assert generate.main([*flags, "--lora", f"first={root / 'first'}", "--prompts-file", str(prompts), "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["text"] == texts["first"] != texts["base"]
+    assert generate.main([*flags, "--lora", str(root / "first"), "--prompts-file", str(prompts)]) == 2
+    assert "--lora takes NAME=PATH" in capsys.readouterr().err
+    assert generate.main([*flags, "--lora", f"gone={root / 'nowhere'}", "--prompts-file", str(prompts)]) == 2
+    assert "not a folder" in capsys.readouterr().err
