@@ -11,19 +11,10 @@ import logging
 from collections.abc import Iterator
 
 import numpy as np
+from jaxpaged.models.gguf_archs import ARCHITECTURES, COMMON_KEYS, Metadata
 from jaxpaged.utils.extras import require
 
 logger = logging.getLogger(__name__)
-
-# GGUF architecture -> (HF model_type, HF architecture)
-GGUF_ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "gemma": ("gemma", "GemmaForCausalLM"),
-    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-}
-# llama.cpp writes Gemma's RMSNorm weights as 1 + w (its norms multiply by the stored weight alone)
-NORM_PLUS_ONE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # Pre-tokenizer splits for byte-level vocabularies, keyed by `tokenizer.ggml.pre`. Files whose
 # pre-tokenizer is not listed get GPT-2's own split, as transformers gives them.
@@ -66,88 +57,49 @@ def _field(reader, key: str, default=None):
 
 def gguf_architecture(reader, path: str) -> str:
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         from jaxpaged.models.registry import supported_architectures
 
         raise ValueError(
             f"unsupported model architecture {arch!r} in GGUF file {path}; "
-            f"supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))} "
+            f"supported GGUF architectures: {', '.join(sorted(ARCHITECTURES))} "
             f"(HF architectures: {', '.join(supported_architectures())})"
         )
     return arch
 
 
 def gguf_hf_config(reader, path: str):
-    """An HF PretrainedConfig equivalent to the one the GGUF was converted from."""
+    """An HF PretrainedConfig equivalent to the one the GGUF was converted from (models/gguf_archs.py's tables)."""
     import transformers
 
     arch = gguf_architecture(reader, path)
-    model_type, hf_arch = GGUF_ARCHITECTURES[arch]
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    spec, meta = ARCHITECTURES[arch], Metadata(reader, arch, path)
+    if meta.has("rope_freqs.weight"):
         raise ValueError(
             f"GGUF file {path} stores llama3 RoPE factors as a tensor, which jaxpaged does not read yet; "
             "load the model from its HF safetensors folder instead"
         )
-    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    tokens = reader.fields["tokenizer.ggml.tokens"].data
-    kwargs = dict(
-        architectures=[hf_arch],
-        vocab_size=int(get("vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
-        max_position_embeddings=int(get("context_length", 2048)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
-        mlp_bias=any(t.name == "blk.0.ffn_up.bias" for t in reader.tensors),
+    kwargs = meta.read_keys(COMMON_KEYS)
+    heads, hidden = kwargs["num_attention_heads"], kwargs["hidden_size"]
+    kwargs |= dict(
+        architectures=[spec.hf_architecture],
+        vocab_size=int(meta.get("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))),
+        num_key_value_heads=int(meta.get("attention.head_count_kv", heads)),
+        head_dim=int(meta.get("attention.key_length", meta.get("rope.dimension_count", hidden // heads))),
+        tie_word_embeddings=not meta.has("output.weight"),
+        bos_token_id=meta.field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.field("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.field("tokenizer.ggml.padding_token_id"),
+        attention_bias=meta.has("blk.0.attn_q.bias"),
+        mlp_bias=meta.has("blk.0.ffn_up.bias"),
     )
-    scaling = get("rope.scaling.type")
+    scaling = meta.get("rope.scaling.type")
     if scaling and scaling != "none":
-        kwargs["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
-    if arch in NORM_PLUS_ONE_ARCHITECTURES:
-        kwargs = _gemma_config(reader, arch, get, kwargs)
-    return transformers.AutoConfig.for_model(model_type, **kwargs)
-
-
-# Gemma 2 and 3 27B scale queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5; llama.cpp tells them
-# apart by depth, since its files do not store query_pre_attn_scalar
-GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
-
-
-def _gemma_config(reader, arch: str, get, kwargs: dict) -> dict:
-    """The HF config fields of a Gemma GGUF, as llama.cpp's converter writes them and its loader reads them."""
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("attention_bias", "mlp_bias") or v}
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embed is not None:  # Gemma 3's converter drops the padding rows past the real vocabulary
-        kwargs["vocab_size"] = int(embed.shape[-1])
-    if arch == "gemma":
-        return kwargs
-    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
-    kwargs["query_pre_attn_scalar"] = hidden // heads if layers == GEMMA_27B_BLOCKS[arch] else kwargs["head_dim"]
-    kwargs["sliding_window"] = get("attention.sliding_window")
-    kwargs["final_logit_softcapping"] = get("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
-    if arch == "gemma2":
-        kwargs["attn_logit_softcapping"] = get("attn_logit_softcapping", 50.0)
-        return kwargs
-    kwargs["rope_theta"] = float(get("rope.freq_base", 1_000_000.0))  # global layers
-    kwargs["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10_000.0))
-    pattern = get("attention.sliding_window_pattern", 6)  # llama.cpp's Gemma 3 default: 5 local, then 1 global
-    if isinstance(pattern, (list, tuple)):  # newer files: a flag per layer
-        sliding = list(pattern)
-    else:
-        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
-    kwargs["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    return kwargs
+        kwargs["rope_scaling"] = {"rope_type": scaling, "factor": float(meta.get("rope.scaling.factor", 1.0))}
+    kwargs |= meta.read_keys(spec.keys)
+    if spec.derive is not None:
+        kwargs = spec.derive(meta, kwargs)
+    return transformers.AutoConfig.for_model(spec.model_type, **kwargs)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -169,8 +121,9 @@ def gguf_tokenizer(reader, path: str):
     from transformers import PreTrainedTokenizerFast
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2" and _field(reader, "general.architecture") in NORM_PLUS_ONE_ARCHITECTURES:
-        return _gemma_gguf_tokenizer(reader, path)
+    sentencepiece = ARCHITECTURES[gguf_architecture(reader, path)].sentencepiece_tokenizer
+    if kind == "llama" and sentencepiece:
+        return _sentencepiece_tokenizer(reader, path, sentencepiece)
     if kind != "gpt2":
         raise ValueError(
             f"GGUF file {path} has a {kind!r} tokenizer; jaxpaged rebuilds byte-level BPE ('gpt2') "
@@ -217,10 +170,10 @@ def gguf_tokenizer(reader, path: str):
     )
 
 
-def _gemma_gguf_tokenizer(reader, path: str):
-    """Gemma's SentencePiece vocabulary as transformers rebuilds it from a GGUF (its Gemma fixes included), fed from
-    this reader: transformers' own GGUF reader imports torch."""
-    from transformers import GemmaTokenizer
+def _sentencepiece_tokenizer(reader, path: str, tokenizer_class: str):
+    """A SentencePiece vocabulary as transformers rebuilds it from a GGUF (its per-architecture fixes included: Gemma's
+    spaces and merge order, Phi-3's prefix space), fed from this reader: transformers' own GGUF reader imports torch."""
+    import transformers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     groups = {group: {} for group in GGUF_TOKENIZER_MAPPING}
@@ -235,15 +188,9 @@ def _gemma_gguf_tokenizer(reader, path: str):
         config[name] = tokens[token_id] if token_id is not None and token_id < len(tokens) else None
     try:
         backend, _ = convert_gguf_tokenizer(_field(reader, "general.architecture"), groups["tokenizer"])
-        return GemmaTokenizer(tokenizer_object=backend, **config)
+        return getattr(transformers, tokenizer_class)(tokenizer_object=backend, **config)
     except Exception as exc:
         raise ValueError(f"could not rebuild the tokenizer of GGUF file {path}: {exc}") from exc
-
-
-def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of q/k rows (interleaved rotary pairs back to HF's halves)."""
-    dim = w.shape[0] // heads // 2
-    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -292,49 +239,34 @@ def group_quantized(tensor, path: str):
     return GroupQuantized(pack_int4(codes, axis=1), d, _f16(blocks[..., 2:4]), 4, 32, "Q4_1")
 
 
-def _unpermute_quantized(q, heads: int):
-    """_unpermute_rope on a quantized weight's rows: a row's codes and group scales move together."""
-    import dataclasses
-
-    rows = lambda a: None if a is None else _unpermute_rope(a, heads)  # noqa: E731
-    return dataclasses.replace(q, codes=rows(q.codes), scale=rows(q.scale), zero=rows(q.zero))
-
-
 def gguf_tensors(reader, path: str, hf_names: list[str], hf_config, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray, str]]:
     """HF-named tensors, one at a time: float32, or with keep_quantized, GroupQuantized where group_quantized
-    reads the type."""
+    reads the type; what the converter did to a tensor undone per models/gguf_archs.py."""
     gguf = _gguf(path)
     from gguf.quants import dequantize
 
     arch = gguf_architecture(reader, path)
+    spec = ARCHITECTURES[arch]
     arch_id = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     name_map = gguf.get_tensor_name_map(arch_id, hf_config.num_hidden_layers)
     by_gguf_name = {t.name: t for t in reader.tensors}
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     for hf_name in hf_names:
-        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        rule = spec.rule(hf_name)
+        gguf_name = name_map.get_name(rule.gguf_side_name(hf_name) if rule else hf_name, try_suffixes=(".weight", ".bias"))
         tensor = by_gguf_name.get(gguf_name)
         if tensor is None:
             continue  # reported as missing by the loader
-        kept = group_quantized(tensor, path) if keep_quantized and len(tensor.shape) == 2 else None
+        undo = rule.undo if rule and rule.undo else (lambda x, _: x)
+        keep = keep_quantized and len(tensor.shape) == 2 and (rule is None or rule.keep_quantized)
+        kept = group_quantized(tensor, path) if keep else None
         if kept is not None:
-            if arch == "llama" and ".self_attn.q_proj." in hf_name:
-                kept = _unpermute_quantized(kept, heads)
-            elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-                kept = _unpermute_quantized(kept, kv_heads)
-            yield hf_name, kept, path
+            yield hf_name, undo(kept, hf_config), path
             continue
-        if keep_quantized and len(tensor.shape) == 2:
-            logger.info("GGUF tensor %s is %s, which stays quantized only as Q8_0/Q4_0/Q4_1/Q4_K: dequantized", gguf_name, tensor.tensor_type.name)
+        if keep_quantized and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            why = "is split at load" if rule and not rule.keep_quantized else "is not a Q8_0/Q4_0/Q4_1/Q4_K matrix"
+            logger.info("GGUF tensor %s (%s) %s: dequantized", gguf_name, tensor.tensor_type.name, why)
         try:
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         except Exception as exc:
             raise ValueError(f"could not dequantize tensor {gguf_name} in {path}: {exc}") from exc
-        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if arch == "llama" and ".self_attn.q_proj." in hf_name:
-            array = _unpermute_rope(array, heads)
-        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-            array = _unpermute_rope(array, kv_heads)
-        elif arch in NORM_PLUS_ONE_ARCHITECTURES and hf_name.endswith("norm.weight"):
-            array = array - np.float32(1.0)
-        yield hf_name, array, path
+        yield hf_name, undo(array.reshape(tuple(int(d) for d in reversed(tensor.shape))), hf_config), path

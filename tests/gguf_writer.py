@@ -92,3 +92,139 @@ def write_llama_gguf(hf_model, path: Path, chat_template: str | None = None, qua
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# -- other architectures, as convert_hf_to_gguf.py writes them (no q/k permutation: that is llama's alone) -----------
+
+
+def _byte_level_vocab(writer, vocab_size: int, pre: str | None = None) -> None:
+    """A byte-level BPE vocabulary ('gpt2'): the 256 bytes, then a BOS and an EOS control token."""
+    spelling = _bytes_to_unicode()
+    tokens = [spelling[b] for b in range(vocab_size - 2)] + ["<|start|>", "<|end|>"]
+    writer.add_tokenizer_model("gpt2")
+    if pre:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+
+
+def sentencepiece_vocab(vocab_size: int) -> list[str]:
+    """A SentencePiece ('llama') vocabulary shaped as Phi-3's: <unk>, <s>, </s>, pieces by falling score, and a
+    control token at the end (Phi-3's <|end|>)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    tokens = ["<unk>", "<s>", "</s>", "\u2581"] + list(letters) + [f"\u2581{c}" for c in letters]
+    tokens += [a + b for a in letters for b in letters][: vocab_size - len(tokens) - 1]
+    return tokens + ["<|end|>"]
+
+
+def _sentencepiece_vocab(writer, vocab_size: int) -> None:
+    tokens = sentencepiece_vocab(vocab_size)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0, 0.0, 0.0] + [-float(i) for i in range(len(tokens) - 4)] + [-1000.0])
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 4) + [3])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(False)
+
+
+def _write_tensors(writer, arch, tensors: dict[str, np.ndarray], layers: int, quant=None) -> None:
+    """HF-named arrays under the names gguf-py's map gives them for `arch`."""
+    names = gguf.get_tensor_name_map(arch, layers)
+    for hf_name, array in tensors.items():
+        kind = quant if not isinstance(quant, dict) else next((t for key, t in quant.items() if key in hf_name), None)
+        if hf_name.endswith(".mlp.gate.weight"):  # llama.cpp keeps routers (ffn_gate_inp) in float32
+            kind = None
+        data, raw_dtype = _quantized(array, kind)
+        name = hf_name if hf_name.startswith("rope_factors") else names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise KeyError(f"no GGUF name for {hf_name}")
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+
+
+def _finish(writer, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _state(hf_model) -> dict[str, np.ndarray]:
+    tied = hf_model.config.tie_word_embeddings
+    return {k: v.detach().float().numpy().copy() for k, v in hf_model.state_dict().items() if not (tied and k == "lm_head.weight")}
+
+
+def write_phi3_gguf(hf_model, path: Path, vocab: str = "llama", quant=None) -> Path:
+    """Phi3MiniModel's file: fused attn_qkv and ffn_up (gate rows, then up) as HF stores them, the rotary width as
+    rope.dimension_count, LongRoPE factors as rope_factors_long/short tensors with their attention factor, a window
+    of 0 for none. vocab: "llama" (SentencePiece, Phi-3/3.5) or "gpt2" (byte-level, Phi-4-mini)."""
+    import math
+
+    cfg = hf_model.config
+    rope = dict(cfg.rope_parameters)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rotary = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(rotary)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(cfg.sliding_window or 0)
+    tensors = _state(hf_model)
+    if rope.get("long_factor"):
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        original = cfg.original_max_position_embeddings  # LongRoPE's attention factor, as the converter computes it
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        assert len(rope["long_factor"]) == rotary // 2 and head_dim >= rotary
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
+    (_sentencepiece_vocab if vocab == "llama" else _byte_level_vocab)(writer, cfg.vocab_size)
+    _write_tensors(writer, gguf.MODEL_ARCH.PHI3, tensors, cfg.num_hidden_layers, quant)
+    return _finish(writer, path)
+
+
+def write_qwen2moe_gguf(hf_model, path: Path, quant=None) -> Path:
+    """Qwen2MoeModel's file: every layer's experts stacked into ffn_{gate,up,down}_exps ([E, out, in] in numpy's
+    order), the shared expert as ffn_*_shexp, its sigmoid gate as the [hidden] vector ffn_gate_inp_shexp; the
+    expert sizes and counts in {arch}.expert_* keys."""
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2moe")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    _byte_level_vocab(writer, cfg.vocab_size, pre="qwen2")
+    tensors = {}
+    for name, array in _state(hf_model).items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused [E, 2F, H]: gate rows, then up
+            gate, up = np.split(array, 2, axis=1)
+            tensors[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            tensors[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            tensors[name + ".weight"] = array
+        elif name.endswith("mlp.shared_expert_gate.weight"):
+            tensors[name] = array.reshape(-1)
+        else:
+            tensors[name] = array
+    _write_tensors(writer, gguf.MODEL_ARCH.QWEN2MOE, tensors, cfg.num_hidden_layers, quant)
+    return _finish(writer, path)

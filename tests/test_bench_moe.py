@@ -24,7 +24,8 @@ def test_config_pair_has_equal_active_parameters(experts, top_k):
     for name, config in (("moe", moe), ("dense", dense)):
         config = dict(config)
         with torch.device("meta"):
-            models[name] = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(config.pop("model_type"), **config))
+            hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+            models[name] = transformers.AutoModelForCausalLM.from_config(hf_config)
     total = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     expert = 3 * 64 * 24  # gate, up and down of one expert
     router = sum(p.numel() for n, p in models["moe"].named_parameters() if n.endswith("mlp.gate.weight"))
