@@ -76,6 +76,9 @@ class EngineConfig:
                                     group="distributed")  # fmt: skip
     distributed_timeout_s: float = option(120.0, "seconds the group may take to form, and process 0 may wait on the others "
                                           "during a step, before it fails (default: 120)", group="distributed")  # fmt: skip
+    speculative_config: dict | str | None = option(None, "speculative decoding, vLLM's fields as a JSON object, e.g. "
+                                                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; see "
+                                                    "docs/speculative_decoding.md (default: off)", group="speculative")  # fmt: skip
     seed: int = 0
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
@@ -153,6 +156,11 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         self._check_lora()
+        from jaxpaged.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config needs pipeline_parallel_size 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
         if self.batch_invariant and self.pipeline_parallel_size > 1:  # a micro-batch boundary moves with the batch

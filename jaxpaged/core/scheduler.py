@@ -38,6 +38,8 @@ class ScheduledSequence:
     table_stamp: int = dataclasses.field(init=False, default=0)  # moves when the block table changes
     num_output_tokens: int = dataclasses.field(init=False, default=0)  # output tokens the request had then
     prev_row: int = dataclasses.field(init=False, default=-1)  # its last input is the previous step's output at this row
+    # speculative decoding: proposals fed after its last token, each verified in a sampled row of its own (row + j + 1)
+    draft_token_ids: tuple[int, ...] = dataclasses.field(init=False, default=())
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens == self.request.num_tokens  # fixed when scheduled
@@ -88,6 +90,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._sampled_rows: dict[Request, int] = {}  # the last step's sampling sequences -> their rows
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
+        # speculative decoding: proposals for decoding sequences, set before schedule() (jaxpaged/spec_decode/)
+        self.draft_tokens: dict[Request, list[int]] = {}
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -106,10 +110,12 @@ class Scheduler:
         output = self._schedule()
         if not output.scheduled and self._fork_ready():  # a held sample was admitted with its prefix all cached
             output = self._schedule()
-        cursor = 0
-        for j, item in enumerate(output.scheduled):
+        self.draft_tokens = {}
+        cursor = row = 0
+        for item in output.scheduled:
             req = item.request
-            item.row, item.first_token_row, cursor = j, cursor, cursor + item.num_tokens
+            item.row, item.first_token_row, cursor = row, cursor, cursor + item.num_tokens
+            row += 1 + len(item.draft_token_ids)
             item.block_table = self.kv.block_table(req.seq_id)
             item.table_stamp = self.kv.table_stamp(req.seq_id)
             item.num_output_tokens = len(req.output_token_ids)
@@ -138,6 +144,10 @@ class Scheduler:
             if n <= 0:  # held for a fork that happens after this step's results
                 i += 1
                 continue
+            drafts = self.draft_tokens.get(req) if self.draft_tokens else None
+            verifying = bool(drafts) and n == 1 and budget > len(drafts)  # a decode row verifying proposals: 1 + k tokens
+            if verifying:
+                n += len(drafts)
             while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
                 if self._release_idle_holder(exclude=req):
                     i = self.running.index(req)
@@ -148,7 +158,10 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
+                item = ScheduledSequence(req, req.num_computed_tokens, n)
+                if verifying:
+                    item.samples, item.draft_token_ids = True, tuple(drafts)
+                scheduled.append(item)
                 budget -= n
                 i += 1
 
@@ -178,10 +191,25 @@ class Scheduler:
             if n > 0:
                 scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
                 budget -= n
+        if self.draft_tokens:
+            self._fit_draft_rows(scheduled)
         # Single-token (decode) sequences first: the attention reads a mixed step's cached context in
         # two row groups split at the sequence slots, and prefill rows then skip decode rows' contexts.
         scheduled.sort(key=lambda item: item.num_tokens > 1)
         return SchedulerOutput(scheduled, preempted)
+
+    def _fit_draft_rows(self, scheduled: list[ScheduledSequence]) -> None:
+        """A step samples at most max_num_seqs rows: proposals beyond that are dropped (their slots stay allocated
+        and are written later)."""
+        excess = len(scheduled) + sum(len(item.draft_token_ids) for item in scheduled) - self.max_num_seqs
+        for item in reversed(scheduled):
+            if excess <= 0:
+                return
+            cut = min(excess, len(item.draft_token_ids))
+            if cut:
+                item.draft_token_ids = item.draft_token_ids[: len(item.draft_token_ids) - cut]
+                item.num_tokens -= cut
+                excess -= cut
 
     def update(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> list[ScheduledSequence]:
         """Take a step's results: fill in each sampling sequence's oldest in-flight token, register the blocks

@@ -138,6 +138,11 @@ class LLMEngine:
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
         self._in_flight: InFlightStep | None = None  # async scheduling: the step the device is running
+        self.spec = None  # speculative decoding (jaxpaged/spec_decode/): proposals, and verified steps' results
+        if config.speculative_config is not None:
+            from jaxpaged.spec_decode.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
 
     def _eos_ids(self) -> list[int]:
@@ -442,6 +447,8 @@ class LLMEngine:
 
     def _schedule_and_dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
         """schedule + execute (queued on the device, read back later); None when nothing can run."""
+        if self.spec is not None and prev is None:  # proposals need every sequence's tokens on the host
+            self.spec.propose(self.scheduler)
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             if prev is None and self.scheduler.has_unfinished() and not scheduler_output.preempted:  # admission checks prevent it
@@ -453,7 +460,14 @@ class LLMEngine:
 
     def _update(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """update: stop strings from the detokenizer, then the scheduler takes the tokens (and checks every
-        stop), the beams advance, and the output processor builds the outputs."""
+        stop), the beams advance, and the output processor builds the outputs. A step that verified proposals
+        is taken one emitted position at a time (SpecDecoder.take)."""
+        if self.spec is not None and self.spec.verifies(scheduler_output):
+            return self.spec.take(scheduler_output, result.tokens, lambda out, tokens: self._update_once(
+                out, result if out is scheduler_output else dataclasses.replace(result, tokens=tokens, prompt=None)))
+        return self._update_once(scheduler_output, result)
+
+    def _update_once(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         stop_strings = self.output_processor.detokenize(scheduler_output, result)
         live = self.scheduler.update(scheduler_output, result.tokens, stop_strings)
         ended_searches = self._update_beams(live, result)
@@ -461,7 +475,10 @@ class LLMEngine:
 
     def _can_overlap(self, step: InFlightStep) -> bool:
         """The next step can be formed without this one's results: no beam search (the host picks the next beams
-        from them). Grammars and penalties need them only to sample, which waits (sample_later)."""
+        from them). Grammars and penalties need them only to sample, which waits (sample_later). Speculative
+        decoding proposes from them, and a verifying step decides where the next one starts."""
+        if self.spec is not None and (self.spec.verifies(step.scheduler_output) or self.spec.may_propose(self.scheduler)):
+            return False
         return not self.output_processor.beams
 
     # -- introspection -------------------------------------------------------------------------
@@ -489,4 +506,5 @@ class LLMEngine:
             "num_compiles_after_warmup": self.num_compiles_after_warmup,
             "num_overlapped_steps": self.num_overlapped_steps,
             "warmup_seconds": self.warmup_seconds,
+            **(self.spec.stats() if self.spec is not None else {}),
         }

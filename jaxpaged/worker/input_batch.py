@@ -129,6 +129,9 @@ class InputBatchBuilder:
         for item in scheduled:
             if item.prev_row >= 0 and item.num_tokens == 1:
                 flat.append(0)  # the previous step's output, still on the device (prev_rows)
+            elif item.draft_token_ids:  # speculative decoding: its last token, then the proposals it verifies
+                flat.extend(item.request.tokens_at(item.start, 1))
+                flat.extend(item.draft_token_ids)
             else:
                 flat.extend(item.request.tokens_at(item.start, item.num_tokens))
         ids[:total] = flat
@@ -148,7 +151,12 @@ class InputBatchBuilder:
         query_start_loc[0] = 0
         query_start_loc[1 : m + 1] = ends
         logit_rows = np.zeros(s, np.int32)
-        logit_rows[:m] = ends - 1
+        drafts = np.fromiter((len(item.draft_token_ids) for item in scheduled), np.int32, m)
+        if drafts.any():  # a verifying sequence samples at each of its last 1 + k positions
+            per_row = np.repeat(ends - 1 - drafts, 1 + drafts)
+            logit_rows[: len(per_row)] = per_row + np.arange(len(per_row)) - np.repeat(np.cumsum(1 + drafts) - 1 - drafts, 1 + drafts)
+        else:
+            logit_rows[:m] = ends - 1
         prev_rows = None
         if (prev >= 0).any():  # rows whose last token is the previous step's output, still on the device
             prev_rows = np.full(t, -1, np.int32)
@@ -180,12 +188,17 @@ class InputBatchBuilder:
         for item in output.scheduled:
             req = item.request
             if req.finished:
-                rows.append(SamplingRow(_FINISHED_ROW, (), (), 0))
+                rows.extend([SamplingRow(_FINISHED_ROW, (), (), 0)] * (1 + len(item.draft_token_ids)))
                 continue
             outputs = req.output_token_ids
             if len(outputs) != item.num_output_tokens:
                 outputs = _OutputsAtScheduling(outputs, item.num_output_tokens)
             grammar = req.grammar if item.samples else None  # a chunk that samples nothing needs no mask
+            if item.draft_token_ids:  # speculative decoding: row j verifies proposal j; the last is the bonus row
+                for j, draft in enumerate((*item.draft_token_ids, -1)):
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids,
+                                            None, draft, j))  # fmt: skip
+                continue
             rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar))
         _, s = self.runner.bucket_for(num_tokens)
         return build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)

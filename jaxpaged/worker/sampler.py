@@ -46,6 +46,7 @@ class SamplingMetadata:
     want_logprobs: jax.Array  # [] bool some row asked for logprobs (0 included); otherwise none are computed
     bitmask: jax.Array  # [S, ceil(V / 32)] i32 structured outputs: bit i of word w allows token 32 w + i; all ones when free
     any_constrained: jax.Array  # [] bool some row has a structured-outputs constraint (otherwise the mask is not read)
+    draft_ids: jax.Array | None = None  # [S] i32 speculative decoding: the token each row verifies, -1 for none
 
 
 @jax.tree_util.register_dataclass
@@ -217,12 +218,25 @@ def sample(logits: jax.Array, attn_metadata: SamplingMetadata) -> SamplerOutput:
 
     greedy = attn_metadata.temperature < _GREEDY_EPS
 
-    def random_tokens(x: jax.Array) -> jax.Array:
+    def processed(x: jax.Array) -> jax.Array:
         x = x / jnp.where(greedy, 1.0, attn_metadata.temperature)[:, None]
-        x = jax.lax.cond(
+        return jax.lax.cond(
             attn_metadata.any_top, lambda y: apply_top_k_top_p_min_p(y, attn_metadata.top_k, attn_metadata.top_p, attn_metadata.min_p), lambda y: y, x
         )
-        return _gumbel_argmax(x, attn_metadata.seeds, attn_metadata.step_index)
+
+    def random_tokens(x: jax.Array) -> jax.Array:
+        return _gumbel_argmax(processed(x), attn_metadata.seeds, attn_metadata.step_index)
+
+    if attn_metadata.draft_ids is not None:  # speculative decoding: rows with a proposal accept or reject it
+        from jaxpaged.spec_decode.rejection_sampler import verify_proposals
+
+        plain = random_tokens
+
+        def verify(x: jax.Array) -> jax.Array:
+            return verify_proposals(processed(x), attn_metadata.draft_ids, attn_metadata.seeds, attn_metadata.step_index)
+
+        def random_tokens(x: jax.Array) -> jax.Array:  # noqa: F811
+            return jax.lax.cond(jnp.any(attn_metadata.draft_ids >= 0), verify, plain, x)
 
     # An all-greedy batch (the common serving default) draws no noise at all.
     sampled = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, random_tokens, logits)
@@ -244,6 +258,8 @@ class SamplingRow(NamedTuple):
     seed: int  # the request's seed, or one the engine drew for it; any non-negative int
     eos_token_ids: Sequence[int] = ()
     grammar: object | None = None  # structured outputs: a GrammarState (engine/structured_output.py), up to date
+    draft: int = -1  # speculative decoding: the proposed token this row verifies
+    step_offset: int = 0  # speculative decoding: this row samples output index len(output_ids) + step_offset
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -299,7 +315,9 @@ def build_sampling_metadata(
     prompt_lens = np.zeros(num_rows, np.int32)
     step_index = np.zeros(num_rows, np.int32)
     prompt_lens[:n] = [len(r.prompt_ids) for r in rows]
-    step_index[:n] = [len(r.output_ids) for r in rows]
+    step_index[:n] = [len(r.output_ids) + r.step_offset for r in rows]
+    draft_ids = np.full(num_rows, -1, np.int32)
+    draft_ids[:n] = [r.draft for r in rows]
     longest = int((prompt_lens + step_index).max(initial=0))
     if history_width < longest:
         raise ValueError(f"history_width ({history_width}) must be >= the longest prompt + output ({longest})")
@@ -357,4 +375,5 @@ def build_sampling_metadata(
         want_logprobs=np.array(any(p.logprobs is not None for p in distinct)),
         bitmask=bitmask,
         any_constrained=np.array(any_constrained),
+        draft_ids=draft_ids,
     )

@@ -40,11 +40,22 @@ class _EngineGauges:
         }
         if "kv_blocks_cached" in stats:
             values["kv_blocks_cached"] = ("Free KV-cache blocks still holding a reusable prompt prefix.", stats["kv_blocks_cached"])
+        if "spec_decode_acceptance_rate" in stats:  # with speculative_config
+            values["spec_decode_acceptance_rate"] = ("Accepted / proposed tokens so far.", stats["spec_decode_acceptance_rate"])
+            values["spec_decode_mean_accepted_length"] = (
+                "Tokens a verifying sequence gains per step (1 + accepted proposals), on average.",
+                stats["spec_decode_mean_accepted_length"],
+            )
+            values["spec_decode_proposals_per_step"] = (
+                "Sequences verifying proposals per verifying step, on average.", stats["spec_decode_proposals_per_step"])  # fmt: skip
         for name, (doc, value) in values.items():
             yield GaugeMetricFamily(f"jaxpaged:{name}", doc, value=float(value))
         counters = {
             "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
             "prefix_cache_hits": "Prompt tokens found in the prefix cache (not recomputed).",
+            "spec_decode_num_drafts": "Speculative decoding: sequences' proposals verified.",
+            "spec_decode_num_draft_tokens": "Speculative decoding: proposed tokens verified.",
+            "spec_decode_num_accepted_tokens": "Speculative decoding: proposed tokens accepted.",
         }
         for name, doc in counters.items():
             if name in stats:

@@ -1,0 +1,60 @@
+"""SpeculativeConfig: vLLM's `speculative_config` fields, validated once (a ValueError naming the field)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # measured on CPU (docs/speculative_decoding.md): beyond this, verification costs more
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: the draft's folder or id
+    # speculation is off for a step with at least this many running sequences (vLLM's disable_by_batch_size)
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From a dict, a JSON string (the CLIs' --speculative-config), a SpeculativeConfig or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object (got {value!r}: {e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (got {type(value).__name__})")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(names)}")
+        value = dict(value)
+        if "method" not in value:
+            value["method"] = "draft_model" if value.get("model") else "ngram"
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS} (got {self.method!r})")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer (got {v!r})")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")  # fmt: skip
+        if self.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not implemented yet (docs/speculative_decoding.md); "
+                             "use 'ngram'")  # fmt: skip
+        if self.model is not None and self.method == "ngram":
+            raise ValueError("speculative_config.model is for method 'draft_model'; ngram needs no model")

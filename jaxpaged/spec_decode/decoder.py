@@ -1,0 +1,126 @@
+"""The engine's side of speculative decoding: who speculates, the proposals handed to the scheduler, and a verified
+step's results taken one token at a time, so stops, detokenizing and outputs behave exactly as without it.
+
+A step with proposals is never overlapped (async scheduling): proposing needs the sequences' tokens on the host,
+and the step's accepted count decides where the next one starts. Sequences with a grammar, logprobs, penalties,
+still short of min_tokens, or beams do not speculate (their sampling rows need per-position host state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxpaged.core.request import PLACEHOLDER, Request
+from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.proposer import NgramProposer, Proposer
+
+
+def may_speculate(req: Request) -> bool:
+    """A sequence whose sampling rows need nothing but its params and seed (no grammar, logprobs or penalties)."""
+    params = req.params
+    return req.grammar is None and params.logprobs is None and not params.has_penalties and not req.is_beam
+
+
+def can_speculate(req: Request) -> bool:
+    """Such a sequence decoding now, its tokens all on the host and past min_tokens (whose suppression is per row)."""
+    return (
+        req.num_in_flight == 0 and req.num_computed_tokens == req.num_tokens - 1 and req.hold_at is None
+        and len(req.output_token_ids) >= req.params.min_tokens and may_speculate(req)
+    )  # fmt: skip
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.num_spec_steps = 0  # steps that verified some proposal
+        self.num_drafts = 0  # sequences' proposals verified (one per sequence per step)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_at = np.zeros(config.num_speculative_tokens, np.int64)  # accepted proposals by position
+
+    def active(self, scheduler: Scheduler) -> bool:
+        """Speculation pays only for small batches (vLLM's disable_by_batch_size)."""
+        return 0 < len(scheduler.running) < self.config.disable_by_batch_size
+
+    def may_propose(self, scheduler: Scheduler) -> bool:
+        """Whether the next step may speculate: then it is formed after this one's tokens are read."""
+        return self.active(scheduler) and any(may_speculate(req) for req in scheduler.running)
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Proposals for the running sequences that may speculate, into scheduler.draft_tokens."""
+        if not self.active(scheduler):
+            return
+        k = self.config.num_speculative_tokens
+        reqs, ks = [], []
+        for req in scheduler.running:
+            if can_speculate(req):  # no proposal past max_tokens, nor a position past max_model_len
+                room = min(k, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+                if room > 0:
+                    reqs.append(req)
+                    ks.append(room)
+        if not reqs:
+            return
+        proposals = self.proposer.propose([req.prompt_token_ids + req.output_token_ids for req in reqs], ks)
+        scheduler.draft_tokens = {req: p for req, p in zip(reqs, proposals) if p}
+
+    @staticmethod
+    def verifies(output: SchedulerOutput) -> bool:
+        return any(item.draft_token_ids for item in output.scheduled)
+
+    def take(self, output: SchedulerOutput, tokens: np.ndarray, update: Callable[[SchedulerOutput, np.ndarray], list]) -> list:
+        """A verifying step's results: each sequence keeps its accepted proposals and the token after them, its
+        rejected positions rolled back (their KV slots are rewritten later, never read or registered), then the
+        step is taken as one ordinary update per emitted position. Returns the outputs (the last per request)."""
+        tokens = np.asarray(tokens)
+        emitted: list[tuple[ScheduledSequence, list[int]]] = []
+        self.num_spec_steps += 1
+        for item in output.scheduled:
+            drafts = item.draft_token_ids
+            if not drafts or item.request.finished:
+                continue
+            k = len(drafts)
+            rows = tokens[item.row : item.row + k + 1]
+            match = rows[:k] == np.asarray(drafts)
+            accepted = k if match.all() else int(np.argmin(match))
+            emitted.append((item, rows[: accepted + 1].tolist()))
+            item.request.num_computed_tokens -= k - accepted
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += accepted
+            self.accepted_at[:accepted] += 1
+        outputs = list(update(output, tokens))
+        for j in range(1, 1 + max((len(ids) for _, ids in emitted), default=1)):
+            step, next_tokens = [], tokens.copy()
+            for item, ids in emitted:
+                req = item.request
+                if len(ids) <= j or req.finished:
+                    continue
+                sub = ScheduledSequence(req, req.num_computed_tokens, 0)
+                sub.samples, sub.row = True, item.row
+                req.output_token_ids.append(PLACEHOLDER)
+                req.num_in_flight += 1
+                next_tokens[item.row] = ids[j]
+                step.append(sub)
+            if not step:
+                break
+            outputs.extend(update(SchedulerOutput(step, []), next_tokens))
+        last = {out.request_id: out for out in outputs}
+        return list(last.values())
+
+    def stats(self) -> dict:
+        drafts = max(self.num_drafts, 1)
+        return {
+            "spec_decode_num_steps": self.num_spec_steps,
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+            "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / drafts,  # tokens per verifying row
+            "spec_decode_proposals_per_step": self.num_drafts / max(self.num_spec_steps, 1),
+            "spec_decode_accepted_per_position": self.accepted_at.tolist(),
+        }
