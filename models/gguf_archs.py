@@ -152,6 +152,15 @@ QWEN2MOE_EXPERTS = (
 # -- the config fields no single key states -------------------------------------------------------------------------
 
 
+def _llama(meta: Metadata, kwargs: dict) -> dict:
+    if meta.get("expert_count"):  # llama.cpp writes Mixtral as `llama` with stacked experts
+        raise ValueError(
+            f"GGUF file {meta.path} is a llama-architecture file with experts (Mixtral), which jaxpaged does not read "
+            "from GGUF; load the model from its HF safetensors folder instead"
+        )
+    return kwargs
+
+
 def _without_false_biases(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in ("attention_bias", "mlp_bias") or v}
 
@@ -231,7 +240,7 @@ QWEN2MOE_KEYS = (
 )
 
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", tensors=LLAMA_QK),
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", derive=_llama, tensors=LLAMA_QK),
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", (), _gemma, GEMMA_NORMS, "GemmaTokenizer"),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA2_KEYS, _gemma, GEMMA_NORMS, "GemmaTokenizer"),
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", GEMMA3_KEYS, _gemma, GEMMA_NORMS, "GemmaTokenizer"),

@@ -137,3 +137,23 @@ def test_q8_0_file_stays_quantized_but_fused_and_expert_tensors(case, written, t
     prompts = random_prompts(VOCAB, lengths, seed=3)
     for got, want in zip(StaticBatchRunner(kept).prompt_logits(prompts), StaticBatchRunner(floats).prompt_logits(prompts)):
         np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("arch,message", [("llama", "with experts \\(Mixtral\\)"), ("qwen3moe", "architecture 'qwen3moe'")])
+def test_files_jaxpaged_does_not_read_are_refused_by_name(arch, message, tmp_path):
+    import gguf
+    from jaxpaged.models import gguf_io
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in (("block_count", 2), ("embedding_length", 64), ("feed_forward_length", 96), ("head_count", 4),
+                       ("expert_count", 8)):  # fmt: skip
+        getattr(writer, f"add_{add}")(value)
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=message):
+        gguf_io.gguf_hf_config(gguf_io.open_gguf(str(path)), str(path))
