@@ -4,8 +4,9 @@ longer see (issue 34 item 7), counted by running the engine's Scheduler and KVCa
 Two model shapes, built from transformers configs as the loader reads them (models/config.py's per-layer windows):
 Mistral-7B-shaped (every layer windowed, 4,096: the engine frees today) and Gemma-3-shaped (5 local layers of
 window 1,024 per global layer, emulated with a Qwen2 config's `layer_types`). A hybrid model's one pool cannot free a
-block for its local layers only, so the engine keeps every block for it; the "per group" column runs one manager
-per layer group (local: windowed, global: not), the KV cache groups of docs/design.md's stage-2 design.
+block for its local layers only, so the engine keeps every block for it; the "per group" column runs the
+KVCacheCoordinator over the model's layer groups (local: windowed, global: not), the KV cache groups of
+docs/design.md's stage 2, whose device side is not built yet.
 
     python scripts/kv_window_bytes.py                        # prints a table
     python scripts/kv_window_bytes.py --json docs/data/kv_window_bytes_8k.json
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformers
 
 from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator, layer_groups
 from jaxpaged.core.kv_cache_manager import KVCacheManager, freeing_window
 from jaxpaged.core.request import ParentRequest, Request
 from jaxpaged.core.scheduler import Scheduler
@@ -43,10 +45,9 @@ SHAPES = {
 }
 
 
-def blocks_held_at(context: int, window: int | None, block_size: int, prompt: int, step_tokens: int) -> int:
-    """Blocks one sequence holds once `context` tokens are in the cache: its prompt prefilled in chunks of
-    step_tokens, then decoded a token a step, through the engine's Scheduler and KVCacheManager."""
-    kv = KVCacheManager(BlockPool(context // block_size + 8, enable_caching=True), block_size, window)
+def blocks_held_at(kv, context: int, prompt: int, step_tokens: int):
+    """Run one sequence until `context` tokens are in the cache (its prompt prefilled in chunks of step_tokens, then
+    decoded a token a step) through the engine's Scheduler and `kv`; returns `kv` holding it."""
     scheduler = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=step_tokens)
     params = SamplingParams(max_tokens=context, ignore_eos=True)
     ids = [(7 * i) % 30000 + 2 for i in range(prompt)]
@@ -57,33 +58,40 @@ def blocks_held_at(context: int, window: int | None, block_size: int, prompt: in
     while request.num_computed_tokens < context:
         out = scheduler.schedule()
         scheduler.update(out, [5] * len(out.scheduled), {})
-    return len(kv.held_blocks("r"))
+    return kv
 
 
 def measure(name: str, context: int, block_size: int, prompt: int, step_tokens: int, dtype_bytes: int) -> dict:
     cfg = model_config_from_hf(SHAPES[name](), "measure")
     windows = cfg.sliding_windows or (None,) * cfg.num_layers
     per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes  # K and V of one token in one layer
-    groups: dict[int | None, int] = {}
+    layers_by_window: dict[int | None, int] = {}
     for w in windows:
-        groups[w] = groups.get(w, 0) + 1
+        layers_by_window[w] = layers_by_window.get(w, 0) + 1
+    pool = lambda: BlockPool(2 * context // block_size + 8)  # noqa: E731
 
-    def bytes_per_token(blocks_of_group) -> float:
-        held = sum(layers * blocks_of_group(w) * block_size for w, layers in groups.items())
-        return held * per_layer_token / context
+    def held(window: int | None) -> int:
+        kv = blocks_held_at(KVCacheManager(pool(), block_size, window), context, prompt, step_tokens)
+        return len(kv.held_blocks("r"))
 
-    full = blocks_held_at(context, None, block_size, prompt, step_tokens)
+    full = held(None)
     engine_window = freeing_window(cfg.sliding_windows)
-    engine = blocks_held_at(context, engine_window, block_size, prompt, step_tokens) if engine_window else full
-    per_group = {w: blocks_held_at(context, w, block_size, prompt, step_tokens) for w in groups}
+    engine = held(engine_window) if engine_window else full
+    groups = layer_groups(cfg.sliding_windows, cfg.num_layers)
+    coordinator = blocks_held_at(KVCacheCoordinator(pool(), block_size, [w for w, _ in groups]), context, prompt,
+                                 step_tokens)  # fmt: skip
+    group_blocks = [len(g.held_blocks("r")) for g in coordinator.groups]
+    per_group_bytes = sum(len(layers) * n for (_, layers), n in zip(groups, group_blocks)) * block_size * per_layer_token
+    per_group = {str(w): n for (w, _), n in zip(groups, group_blocks)}  # equal windows' groups hold equally many
     return {
         "model": name, "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "layers_by_window": {str(w): n for w, n in groups.items()}, "bytes_per_token_per_layer": per_layer_token,
+        "layers_by_window": {str(w): n for w, n in layers_by_window.items()},
+        "bytes_per_token_per_layer": per_layer_token, "num_groups": len(groups), "layers_per_group": len(groups[0][1]),
         "blocks_held_without_freeing": full, "engine_freeing_window": engine_window, "blocks_held_engine": engine,
-        "blocks_held_per_group": {str(w): n for w, n in per_group.items()},
-        "kv_bytes_per_token_without_freeing": bytes_per_token(lambda w: full),
-        "kv_bytes_per_token_engine": bytes_per_token(lambda w: engine),
-        "kv_bytes_per_token_per_group": bytes_per_token(lambda w: per_group[w]),
+        "blocks_held_per_group": per_group,
+        "kv_bytes_per_token_without_freeing": cfg.num_layers * full * block_size * per_layer_token / context,
+        "kv_bytes_per_token_engine": cfg.num_layers * engine * block_size * per_layer_token / context,
+        "kv_bytes_per_token_per_group": per_group_bytes / context,
     }  # fmt: skip
 
 

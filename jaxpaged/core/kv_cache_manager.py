@@ -73,7 +73,10 @@ class HashedSequence(Protocol):
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None):
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None, *, clock=None,
+                 hash_salt: bytes = b""):  # fmt: skip
+        """clock and hash_salt let several managers share one pool (kv_cache_coordinator.py): one clock for their
+        stamps, and a salt per manager so that equal prefixes in different layer groups are different blocks."""
         self.pool = pool
         self.block_size = block_size
         self.sliding_window = sliding_window  # set: blocks before every query's window go back to the pool
@@ -84,7 +87,8 @@ class KVCacheManager:
         # seq_id -> when its table last changed, on a clock that never repeats: the runner keeps each table on the
         # host between steps and copies it again only when this moves
         self._stamps: dict[str, int] = {}
-        self._clock = itertools.count(1)
+        self._clock = clock if clock is not None else itertools.count(1)
+        self._salt = hash_salt
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -130,6 +134,19 @@ class KVCacheManager:
             table.extend(self.pool.allocate(missing))
         return True
 
+    def release_behind_window(self, seq_id: str, num_computed: int) -> None:
+        """What allocate_slots releases first, alone: so a coordinator can count the blocks every group still needs."""
+        if self.sliding_window is not None and seq_id in self._tables:
+            upto = (num_computed - self.sliding_window + 1) // self.block_size
+            if upto > self._released.get(seq_id, 0):
+                self._release(seq_id, self._tables[seq_id], upto)
+
+    def blocks_needed(self, seq_id: str, num_computed: int, num_new_tokens: int) -> int:
+        """Fresh blocks allocate_slots would take now (missing ones and copies on write)."""
+        table, bs = self._tables.get(seq_id, []), self.block_size
+        shared = sum(1 for i in range(num_computed // bs, len(table)) if self.pool.ref_count(table[i]) > 1)
+        return shared + max(0, blocks_for(num_computed + num_new_tokens, bs) - len(table))
+
     def _release(self, seq_id: str, table: list[int], upto: int) -> None:
         """Give back table[released:upto] (one holder each: a block shared by a fork stays with the others)."""
         done = self._released.get(seq_id, 0)
@@ -168,41 +185,39 @@ class KVCacheManager:
         if not self.pool.enable_caching or self._tables.get(seq.seq_id):
             return 0
         hashes = seq.block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size)
-        if self.sliding_window is None:
-            blocks = []
-            for block_hash in hashes:
-                block = self.pool.lookup(block_hash)
-                if block is None:
-                    break
-                blocks.append(block)
-            first = 0
-        else:
-            first, blocks = self._windowed_hit(hashes)
-        for block in blocks:
-            self.pool.acquire(block)
-        self._tables[seq.seq_id] = [NULL_BLOCK] * first + blocks
-        if first:
-            self._released[seq.seq_id] = first
-        self._stamps[seq.seq_id] = next(self._clock)
-        self._num_registered[seq.seq_id] = first + len(blocks)
-        return (first + len(blocks)) * self.block_size
+        return self.take_hit(seq.seq_id, hashes, self.longest_hit(hashes)) * self.block_size
 
-    def _windowed_hit(self, hashes: list[bytes]) -> tuple[int, list[int]]:
-        """The longest hit when the first new token, at position k * block_size, sees only blocks from
-        (k * block_size - window + 1) // block_size on (vLLM's SlidingWindowManager.find_longest_cache_hit):
-        (that first block's index, the cached blocks from it to k)."""
-        bs, window = self.block_size, self.sliding_window
-        found = [self.pool.lookup(h) for h in hashes]
-        run = 0  # cached blocks in a row ending at index k - 1
-        runs = []
-        for block in found:
-            run = run + 1 if block is not None else 0
+    def _first_needed(self, k: int) -> int:
+        """The first block a hit of k blocks must hold: the first new token's (at k * block_size) window's."""
+        return 0 if self.sliding_window is None else max(0, (k * self.block_size - self.sliding_window + 1) // self.block_size)
+
+    def longest_hit(self, hashes: list[bytes]) -> int:
+        """The most leading blocks k a hit can cover: every block cached, or with a window only those from
+        _first_needed(k) on (vLLM's SlidingWindowManager.find_longest_cache_hit)."""
+        found = [self.pool.lookup(self._salt + h) is not None for h in hashes]
+        if self.sliding_window is None:
+            return found.index(False) if False in found else len(found)
+        run, runs = 0, []  # cached blocks in a row ending at each index
+        for hit in found:
+            run = run + 1 if hit else 0
             runs.append(run)
         for k in range(len(found), 0, -1):
-            first = max(0, (k * bs - window + 1) // bs)
-            if runs[k - 1] >= k - first:
-                return first, found[first:k]
-        return 0, []
+            if runs[k - 1] >= k - self._first_needed(k):
+                return k
+        return 0
+
+    def take_hit(self, seq_id: str, hashes: list[bytes], k: int) -> int:
+        """Hold the cached blocks a hit of k blocks needs (longest_hit(hashes[:k]) == k); the rest are placeholders."""
+        first = self._first_needed(k)
+        blocks = [self.pool.lookup(self._salt + h) for h in hashes[first:k]]
+        for block in blocks:
+            self.pool.acquire(block)
+        self._tables[seq_id] = [NULL_BLOCK] * first + blocks
+        if first:
+            self._released[seq_id] = first
+        self._stamps[seq_id] = next(self._clock)
+        self._num_registered[seq_id] = k
+        return k
 
     def count_prefix_query(self, num_tokens: int, num_hit: int) -> None:
         if self.pool.enable_caching:
@@ -222,5 +237,5 @@ class KVCacheManager:
         if full <= done:
             return
         for block, block_hash in zip(table[done:full], seq.block_hashes(self.block_size, full)[done:]):
-            self.pool.register(block, block_hash)
+            self.pool.register(block, self._salt + block_hash)
         self._num_registered[seq.seq_id] = full

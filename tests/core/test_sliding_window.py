@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator, layer_groups
 from jaxpaged.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, freeing_window, hash_block, max_blocks_held
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler
@@ -294,3 +295,85 @@ def test_placeholder_contents_never_change_the_kernels(kernel):
         cache, md, _ = _with_placeholders(case, 11, 8, poison)
         got = np.asarray(run(case.q, case.k, case.v, cache, 0, md, spec))
         np.testing.assert_array_equal(got[:n], clean[:n])
+
+
+# -- KV cache groups over one pool (hybrid models) ------------------------------------------------------------------
+
+
+def test_layer_groups_have_equally_many_layers():
+    gemma3 = ([1024] * 5 + [None]) * 8
+    groups = layer_groups(gemma3, 48)
+    assert [w for w, _ in groups] == [1024] * 5 + [None]
+    assert all(len(layers) == 8 for _, layers in groups)
+    assert sorted(layer for _, layers in groups for layer in layers) == list(range(48))
+    assert layer_groups((), 4) == [(None, (0, 1, 2, 3))]
+    assert layer_groups((16,) * 4, 4) == [(16, (0, 1, 2, 3))]
+    assert layer_groups((None, 8, 8, None, 8, 8), 6) == [(None, (0, 3)), (8, (1, 2)), (8, (4, 5))]
+
+
+def test_groups_share_one_pool_and_allocate_all_or_nothing():
+    window = 6
+    pool = BlockPool(14, enable_caching=False)
+    kv = KVCacheCoordinator(pool, BS, [None, window])
+    c = 0
+    while kv.allocate_slots("s", c, 1):
+        global_table, local_table = kv.block_table("s")
+        assert len(kv.groups[0].held_blocks("s")) == len(global_table) == c // BS + 1  # global: everything
+        _check_table(kv.groups[1], "s", c, window)  # local: its window
+        assert pool.num_used == len(kv.held_blocks("s"))
+        c += 1
+    # the pool ran dry at a block boundary: nothing was taken, by either group
+    assert c % BS == 0 and pool.num_used == len(kv.held_blocks("s"))
+    assert len(kv.block_table("s")[0]) == c // BS and len(kv.block_table("s")[1]) == c // BS
+    assert c // BS > pool.num_blocks // 2  # the local group's releases served the global group's growth
+    kv.fork("s", "t")
+    kv.free("s")
+    kv.free("t")
+    assert pool.num_free == pool.num_blocks
+
+
+def test_groups_agree_on_a_prefix_hit():
+    window = 6
+    pool = BlockPool(40)
+    kv = KVCacheCoordinator(pool, BS, [None, window])
+    tokens = list(range(1, 34))  # 8 full blocks
+    a = Seq("a", tokens)
+    for c in range(len(tokens)):
+        assert kv.allocate_slots("a", c, 1)
+        a.num_computed_tokens = c + 1
+        kv.register_full_blocks(a)
+    global_blocks = list(kv.block_table("a")[0])
+    kv.free("a")
+    b = Seq("b", tokens)
+    assert kv.take_cached_prefix(b) == 8 * BS  # every group has what it needs
+    assert kv.groups[1].num_released("b") == (8 * BS - window + 1) // BS
+    kv.free("b")
+    # the global group loses block 5: the hit shrinks to 5 blocks for both groups
+    pool._free.move_to_end(global_blocks[5], last=False)
+    assert kv.allocate_slots("x", 0, 1)
+    c = Seq("c", tokens)
+    assert kv.take_cached_prefix(c) == 5 * BS
+    assert len(kv.block_table("c")[0]) == 5 and kv.block_table("c")[1][: kv.groups[1].num_released("c")] == [NULL_BLOCK] * 3
+    kv.free("c")
+    kv.free("x")
+    assert pool.num_free == pool.num_blocks
+
+
+def test_scheduler_over_groups_gets_every_block_back():
+    pool = BlockPool(16)
+    kv = KVCacheCoordinator(pool, BS, [None, 9, 9])
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=12)
+    rng = np.random.default_rng(1)
+    reqs = [_request(f"r{i}", [int(t) for t in rng.integers(0, 5, 6)], 14) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(400):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        held = [b for r in sched.running for b in kv.held_blocks(r.seq_id)]
+        assert pool.num_used == len(set(held))
+        sched.update(out, [3] * len(out.scheduled), {})
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 14 for r in reqs)
+    assert sched.num_preemptions > 0
+    assert pool.num_free == pool.num_blocks

@@ -1,0 +1,104 @@
+"""KV cache groups over one pool (vLLM V1's KVCacheCoordinator): hybrid models whose local layers forget what their
+window no longer sees while their global layers keep everything.
+
+Layers are split into groups of equally many layers of one attention type (layer_groups); each group has its own
+KVCacheManager, so its own block table per sequence, and all of them draw on one BlockPool, so blocks a local group
+releases serve the global group's growth. A block id then means one layer of each group (docs/design.md, "Stage 2").
+The coordinator answers the scheduler with the KVCacheManager's methods; a block table is a tuple, one per group.
+What is not built yet is the device side: per-group tables and slots in the attention metadata, and the cache laid
+out by index within group; scripts/kv_window_bytes.py runs the coordinator to count what groups would hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.kv_cache_manager import HashedSequence, KVCacheManager
+
+
+def layer_groups(sliding_windows: Sequence[int | None], num_layers: int) -> list[tuple[int | None, tuple[int, ...]]]:
+    """(window, layers) of each group: layers of one window (None: global) in runs of g, g the gcd of the types'
+    layer counts, so every group has g layers (Gemma 3's 40 local and 8 global layers: 5 local groups and 1 global
+    of 8 each)."""
+    windows = list(sliding_windows) or [None] * num_layers
+    by_type: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_type.setdefault(window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in by_type.values()))
+    return [(w, tuple(layers[i : i + size])) for w, layers in by_type.items() for i in range(0, len(layers), size)]
+
+
+class KVCacheCoordinator:
+    def __init__(self, pool: BlockPool, block_size: int, group_windows: Sequence[int | None]):
+        self.pool = pool
+        self.block_size = block_size
+        clock = itertools.count(1)  # one clock: the largest of a sequence's stamps moves whenever any table does
+        self.groups = [KVCacheManager(pool, block_size, w, clock=clock, hash_salt=i.to_bytes(2, "little"))
+                       for i, w in enumerate(group_windows)]  # fmt: skip
+        self.sliding_window = None  # no single window: admission counts blocks by group (max_blocks_held per group)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def block_table(self, seq_id: str) -> tuple[list[int], ...]:
+        """One table per group; () when seq_id has none (the scheduler tests a table's truth: holds blocks?)."""
+        tables = tuple(g.block_table(seq_id) for g in self.groups)
+        return tables if any(tables) else ()
+
+    def held_blocks(self, seq_id: str) -> list[int]:
+        return [b for g in self.groups for b in g.held_blocks(seq_id)]
+
+    def num_released(self, seq_id: str) -> int:
+        """Released entries over all groups, in tokens' blocks per group (for kv_stats' token utilization)."""
+        return sum(g.num_released(seq_id) for g in self.groups) // len(self.groups)
+
+    def table_stamp(self, seq_id: str) -> int:
+        return max(g.table_stamp(seq_id) for g in self.groups)
+
+    def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
+        """Every group's blocks for the tokens, or nothing: windows release first, then the groups' needs together
+        must fit the pool before any group allocates."""
+        for g in self.groups:
+            g.release_behind_window(seq_id, num_computed)
+        need = sum(g.blocks_needed(seq_id, num_computed, num_new_tokens) for g in self.groups)
+        if need > self.pool.num_free:
+            return False
+        return all([g.allocate_slots(seq_id, num_computed, num_new_tokens) for g in self.groups])
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        return [c for g in self.groups for c in g.take_copies()]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        for g in self.groups:
+            g.fork(parent_id, child_id)
+
+    def free(self, seq_id: str) -> None:
+        for g in self.groups:
+            g.free(seq_id)
+
+    def take_cached_prefix(self, seq: HashedSequence) -> int:
+        """The longest hit every group accepts (global: all its blocks cached; local: its first new token's window),
+        shortened until they agree, as vLLM's coordinator does; each group then holds what it needs."""
+        if not self.pool.enable_caching or any(g.block_table(seq.seq_id) for g in self.groups):
+            return 0
+        hashes = seq.block_hashes(self.block_size, (seq.num_tokens - 1) // self.block_size)
+        k = len(hashes)
+        while True:
+            shortest = min(g.longest_hit(hashes[:k]) for g in self.groups)
+            if shortest == k:
+                break
+            k = shortest
+        for g in self.groups:
+            g.take_hit(seq.seq_id, hashes, k)
+        return k * self.block_size
+
+    def count_prefix_query(self, num_tokens: int, num_hit: int) -> None:
+        if self.pool.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit
+
+    def register_full_blocks(self, seq: HashedSequence, num_known: int | None = None) -> None:
+        for g in self.groups:
+            g.register_full_blocks(seq, num_known)
