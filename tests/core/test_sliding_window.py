@@ -1,7 +1,7 @@
 """Sliding-window freeing in the KV cache manager: blocks go back exactly when they leave the earliest query's
 window, released entries hold NULL_BLOCK, forks keep shared blocks by reference count, the prefix cache never
-serves a released block, and every block comes back. Then the attention implementations: a placeholder's contents,
-whatever they are, never change a result."""
+serves a released block, and every block comes back. Then the attention implementations: a placeholder's contents
+never change a result. Last, KV cache groups over one pool (kv_cache_coordinator.py)."""
 
 from __future__ import annotations
 
