@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # measured on CPU (docs/speculative_decoding.md): beyond this, verification costs more
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # a guess, not yet measured (docs/speculative_decoding.md); vLLM has no default
 
 
 @dataclasses.dataclass(frozen=True)
