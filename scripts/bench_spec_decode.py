@@ -133,11 +133,14 @@ def main(argv=None) -> int:
     model, texts = args.model, None
     common = dict(max_num_seqs=max(args.batch, 8), log_level="WARNING")
     if args.workload == "copy":
+        import atexit
+        import shutil
         import tempfile
 
         cycles = copy_cycles(256, args.words)
         texts = [{"prompt_token_ids": ids} for ids in copy_prompts(cycles, args.num_requests)]
         model = str(write_copy_model(Path(tempfile.mkdtemp(prefix="copy_model_")), cycles))
+        atexit.register(shutil.rmtree, model, ignore_errors=True)  # 650 MB of float32 weights
         blocks_per_seq = -(-(args.words + args.output_len + max(ks) + 1) // 16)
         common |= {"max_model_len": 1024, "num_kv_blocks": args.batch * blocks_per_seq + 16}
     specs = {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} for k in ks}
