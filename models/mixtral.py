@@ -28,7 +28,11 @@ class MoeDecoderLayer(nnx.Module):
     def __call__(self, x, rope, kv_cache, attn_metadata):
         attn, new_kv = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoeBlock):  # the bucket's padding rows (past the real tokens) take no expert
+            x = x + self.mlp(h, num_valid=attn_metadata.query_start_loc[-1])
+        else:
+            x = x + self.mlp(h)
         return x, new_kv
 
 

@@ -3,10 +3,11 @@
 Router: logits = x @ gate (float32), softmax, top-k, optionally renormalized (Mixtral always; the others per
 `norm_topk_prob`). Experts: E gated MLPs stacked into [E, in, out] kernels. The grouped matmul runs in the jitted
 step with fixed shapes: the T*k (token, expert) assignments are sorted by expert and each expert's run is padded to
-a whole number of m-row tiles; every tile then multiplies its rows by its one expert's weights (a batched matmul
-over tiles). The tile count is bounded statically (T*k + E*(m-1) rows), so nothing is dropped and no shape depends
-on the routing; unused tiles hold zero rows. jax.lax.ragged_dot would do the same sums, but off TPU it expands to a
-dense product against every expert (E times the work).
+a whole number of m-row tiles; a while loop over the tiles in use (a traced trip count) multiplies each tile's rows
+by its one expert's weights, read by a dynamic index. The tile count is bounded statically (T*k + E*(m-1) rows), so
+nothing is dropped and no shape depends on the routing; unused tiles cost nothing and hold zero rows, and the
+bucket's padding rows (past the step's real token count) go to no expert. jax.lax.ragged_dot would do the same sums,
+but off TPU it expands to a dense product against every expert (E times the work).
 
 Under a "model" mesh of N devices the experts split over it (expert parallelism) when N divides E, else each
 expert's intermediate features split (tensor parallelism). Tokens are replicated there, so each device computes
@@ -144,19 +145,23 @@ def tile_rows(assignments: int, num_experts: int) -> int:
     return min(128, 1 << max(0, per_expert - 1).bit_length())
 
 
-def _tile_matmul(x: jax.Array, weights: tuple[jax.Array, ...], tile_expert: jax.Array) -> jax.Array:
-    """x [NT, m, in] times each tile's expert kernel [in, out] (times its scale when quantized) -> [NT, m, out] f32."""
-    kernel = weights[0][tile_expert]
+def _expert_matmul(x: jax.Array, weights: tuple[jax.Array, ...], expert: jax.Array) -> jax.Array:
+    """x [m, in] times one expert's kernel [in, out] (times its scale when quantized) -> [m, out] f32. Only that
+    expert's kernel is read (a dynamic index), never a copy per tile."""
+    kernel = jax.lax.dynamic_index_in_dim(weights[0], expert, keepdims=False)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.einsum("tmi,tio->tmo", x, kernel.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    y = jnp.dot(x, kernel.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
     if len(weights) > 1:
-        y = y * weights[1][tile_expert].astype(jnp.float32)[:, None, :]
+        y = y * jax.lax.dynamic_index_in_dim(weights[1], expert, keepdims=False).astype(jnp.float32)[None, :]
     return y
 
 
-def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: str) -> jax.Array:
+def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: str, num_valid=None) -> jax.Array:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts held here (ids first_expert.. + E_local);
-    assignments to other experts add nothing. gate/up/down: (kernel [E_local, in, out], optional scale [E_local, out])."""
+    assignments to other experts add nothing. gate/up/down: (kernel [E_local, in, out], optional scale [E_local, out]).
+    num_valid (traced scalar, optional): rows from it on are the bucket's padding; they are routed nowhere (their
+    output is zero) so they create no tiles. Only the tiles in use run (a while loop with a traced trip count), so
+    the cost follows the experts actually used, not the static tile bound."""
     t, d = x.shape
     k = ids.shape[1]
     a = t * k
@@ -165,7 +170,10 @@ def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: st
     num_tiles = -(-(a + min(e, a) * (m - 1)) // m)
     rows = num_tiles * m
     expert = ids.reshape(a) - first_expert
-    expert = jnp.where((expert >= 0) & (expert < e), expert, e)  # e: held elsewhere, sorted last, never placed
+    held = (expert >= 0) & (expert < e)
+    if num_valid is not None:
+        held = held & (jnp.arange(a, dtype=jnp.int32) // k < num_valid)
+    expert = jnp.where(held, expert, e)  # e: held elsewhere (or padding), sorted last, never placed
     order = jnp.argsort(expert, stable=True)
     sorted_expert = expert[order]
     counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
@@ -176,11 +184,17 @@ def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: st
     rank = jnp.arange(a, dtype=jnp.int32) - count_start[sorted_expert]
     dest = jnp.where(sorted_expert < e, row_start[sorted_expert] + rank, rows)
     row_assignment = jnp.full((rows,), a, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
-    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"), e - 1)
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"), e - 1).astype(jnp.int32)
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_assignment // k].reshape(num_tiles, m, d)
     fn = activation(act)
-    h = fn(_tile_matmul(xs, gate, tile_expert)).astype(x.dtype) * _tile_matmul(xs, up, tile_expert).astype(x.dtype)
-    y = _tile_matmul(h, down, tile_expert).astype(x.dtype).reshape(rows, d)
+
+    def tile(i, y):
+        ex, xi = tile_expert[i], jax.lax.dynamic_index_in_dim(xs, i, keepdims=False)
+        h = fn(_expert_matmul(xi, gate, ex)).astype(x.dtype) * _expert_matmul(xi, up, ex).astype(x.dtype)
+        return jax.lax.dynamic_update_index_in_dim(y, _expert_matmul(h, down, ex).astype(x.dtype), i, 0)
+
+    # unused tiles keep their zeros: nothing reads their weights; a traced bound makes this a while loop
+    y = jax.lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((num_tiles, m, d), x.dtype)).reshape(rows, d)
     # back to (token, slot) order: each assignment's row (the zero row past the end when held elsewhere)
     assignment_row = jnp.full((a,), rows, jnp.int32).at[order].set(dest.astype(jnp.int32))
     y = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[assignment_row].reshape(t, k, d)
@@ -204,19 +218,20 @@ class SparseMoeBlock(nnx.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, num_valid=None) -> jax.Array:
+        """num_valid: the step's real token count (rows past it are bucket padding and go to no expert)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts_output(x, ids, weights)
+        out = self.experts_output(x, ids, weights, num_valid)
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
-    def experts_output(self, x, ids, weights) -> jax.Array:
+    def experts_output(self, x, ids, weights, num_valid=None) -> jax.Array:
         ex = self.experts
         projections = tuple(getattr(ex, p).arrays() for p in EXPERT_PROJECTIONS)
         n = tp_size()
         if n == 1:
-            return grouped_expert_mlp(x, ids, weights, *projections, first_expert=0, act=ex.act)
+            return grouped_expert_mlp(x, ids, weights, *projections, first_expert=0, act=ex.act, num_valid=num_valid)
         num_experts = projections[0][0].shape[0]
         ep = expert_parallel(num_experts, n)
         specs = tuple(
@@ -224,13 +239,15 @@ class SparseMoeBlock(nnx.Module):
             for p, arrays in zip(EXPERT_PROJECTIONS, projections)
         )
 
-        def local(x, ids, weights, gate, up, down):
+        valid = jnp.asarray(ids.shape[0] if num_valid is None else num_valid, jnp.int32)
+
+        def local(x, ids, weights, valid, gate, up, down):
             first = jax.lax.axis_index(TP_AXIS) * gate[0].shape[0] if ep else 0
-            y = grouped_expert_mlp(x, ids, weights, gate, up, down, first_expert=first, act=ex.act)
+            y = grouped_expert_mlp(x, ids, weights, gate, up, down, first_expert=first, act=ex.act, num_valid=valid)
             return jax.lax.psum(y, TP_AXIS)
 
-        mapped = jax.shard_map(local, in_specs=(P(), P(), P(), *specs), out_specs=P(), check_vma=False)
-        return mapped(x, ids, weights, *projections)
+        mapped = jax.shard_map(local, in_specs=(P(), P(), P(), P(), *specs), out_specs=P(), check_vma=False)
+        return mapped(x, ids, weights, valid, *projections)
 
 
 # -- checkpoint spellings ------------------------------------------------------------------------

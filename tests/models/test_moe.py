@@ -91,9 +91,13 @@ def test_logits_and_greedy_match_transformers(family):
 # -- the grouped matmul ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,first,held", [(1, 8, 2, 0, 8), (37, 8, 2, 0, 8), (64, 4, 3, 0, 4), (37, 8, 2, 4, 4)])
-def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, first, held):
-    """Every (token, expert) pair computed once, whatever the routing; experts not held here add nothing."""
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,first,held,valid",
+    [(1, 8, 2, 0, 8, None), (37, 8, 2, 0, 8, None), (64, 4, 3, 0, 4, None), (37, 8, 2, 4, 4, None), (37, 8, 2, 0, 8, 5)],
+)
+def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, first, held, valid):
+    """Every (token, expert) pair computed once, whatever the routing; experts not held here add nothing; rows past
+    num_valid (bucket padding) go to no expert: zero output, real rows unchanged."""
     from jaxpaged.models.moe import grouped_expert_mlp, route
 
     rng = np.random.default_rng(tokens + experts)
@@ -103,9 +107,10 @@ def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, fi
     down = rng.standard_normal((held, f, d), dtype=np.float32) * 0.3
     weights, ids = route(jnp.asarray(rng.standard_normal((tokens, experts), dtype=np.float32)), top_k, True)
     mlp = jax.jit(grouped_expert_mlp, static_argnames=("first_expert", "act"))
-    got = mlp(jnp.asarray(x), ids, weights, (gate,), (up,), (down,), first_expert=first, act="silu")
+    num_valid = None if valid is None else jnp.int32(valid)
+    got = mlp(jnp.asarray(x), ids, weights, (gate,), (up,), (down,), first_expert=first, act="silu", num_valid=num_valid)
     want, ids_np, weights_np = np.zeros_like(x), np.asarray(ids), np.asarray(weights)
-    for t in range(tokens):
+    for t in range(tokens if valid is None else valid):
         for slot in range(top_k):
             e = int(ids_np[t, slot]) - first
             if 0 <= e < held:
