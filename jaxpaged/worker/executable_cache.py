@@ -118,11 +118,7 @@ class ExecutableCache:
         from_xla_cache = compile_monitor.persistent_cache_hits() != hits  # serializes incomplete, as above
         self.num_compiled += 1
         logger.debug("compiled %s in %.2fs", name, time.perf_counter() - t0)
-        # Not where JAX's own persistent cache is on (a tensor-parallel engine earlier in this process turned it on):
-        # it holds the program already, and serializing an executable XLA:CPU had just written there crashed the
-        # test suite twice (tests/engine/test_async_scheduling.py after TP tests in the same worker).
-        xla_cache_on = bool(jax.config.jax_compilation_cache_dir)
-        if path is not None and program not in _programs_seen and not from_xla_cache and not xla_cache_on:
+        if path is not None and program not in _programs_seen and not from_xla_cache:
             self._store(path, program, compiled)
         _programs_seen.add(program)
         _in_process.setdefault((program, self._where()), compiled)
