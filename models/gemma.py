@@ -29,6 +29,7 @@ from jaxpaged.models.layers import (
     REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list, rope_table,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.models.llama import attention_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -155,11 +156,7 @@ class GemmaForCausalLM(CausalLM):
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             for norm in norms:
                 specs[f"{hf}.{norm}.weight"] = WeightSpec(f"{ours}.{norm}.scale")
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                specs |= linear_specs(f"{hf}.self_attn.{proj}", f"{ours}.self_attn.{proj}", bias=cfg.attention_bias)
-            if cfg.qk_norm:
-                specs[f"{hf}.self_attn.q_norm.weight"] = WeightSpec(f"{ours}.self_attn.q_norm.scale")
-                specs[f"{hf}.self_attn.k_norm.weight"] = WeightSpec(f"{ours}.self_attn.k_norm.scale")
+            specs |= attention_specs(cfg, hf, ours)
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 specs |= linear_specs(f"{hf}.mlp.{proj}", f"{ours}.mlp.{proj}", bias=False)
         return specs

@@ -18,6 +18,19 @@ from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
 
+def attention_specs(cfg: ModelConfig, hf: str, ours: str) -> dict[str, WeightSpec]:
+    """A Llama-style layer's self_attn tensors (q/k/v/o with the config's biases, q/k norms), shared by the ports
+    whose attention is Llama's."""
+    specs = {}
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        specs |= linear_specs(f"{hf}.self_attn.{proj}", f"{ours}.self_attn.{proj}", bias=cfg.attention_bias)
+    specs |= linear_specs(f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o_proj", bias=cfg.out_bias)
+    if cfg.qk_norm:
+        specs[f"{hf}.self_attn.q_norm.weight"] = WeightSpec(f"{ours}.self_attn.q_norm.scale")
+        specs[f"{hf}.self_attn.k_norm.weight"] = WeightSpec(f"{ours}.self_attn.k_norm.scale")
+    return specs
+
+
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -61,12 +74,7 @@ class LlamaForCausalLM(CausalLM):
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
             specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                specs |= linear_specs(f"{hf}.self_attn.{proj}", f"{ours}.self_attn.{proj}", bias=cfg.attention_bias)
-            specs |= linear_specs(f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o_proj", bias=cfg.out_bias)
-            if cfg.qk_norm:
-                specs[f"{hf}.self_attn.q_norm.weight"] = WeightSpec(f"{ours}.self_attn.q_norm.scale")
-                specs[f"{hf}.self_attn.k_norm.weight"] = WeightSpec(f"{ours}.self_attn.k_norm.scale")
+            specs |= attention_specs(cfg, hf, ours)
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 specs |= linear_specs(f"{hf}.mlp.{proj}", f"{ours}.mlp.{proj}", bias=cfg.mlp_bias)
         return specs

@@ -14,6 +14,7 @@ from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_confi
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
 from jaxpaged.models.moe import EXPERT_PROJECTIONS, MoeOptions, SparseMoeBlock, expert_kernel_name, moe_options_from_hf, regroup_expert_tensors
 from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.models.llama import attention_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
 
@@ -83,12 +84,7 @@ class MoeForCausalLM(CausalLM):
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
             specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                specs |= linear_specs(f"{hf}.self_attn.{proj}", f"{ours}.self_attn.{proj}", bias=cfg.attention_bias)
-            specs |= linear_specs(f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o_proj", bias=cfg.out_bias)
-            if cfg.qk_norm:
-                specs[f"{hf}.self_attn.q_norm.weight"] = WeightSpec(f"{ours}.self_attn.q_norm.scale")
-                specs[f"{hf}.self_attn.k_norm.weight"] = WeightSpec(f"{ours}.self_attn.k_norm.scale")
+            specs |= attention_specs(cfg, hf, ours)
             if i not in moe.sparse_layers:
                 for proj in ("gate_proj", "up_proj", "down_proj"):
                     specs |= linear_specs(f"{hf}.mlp.{proj}", f"{ours}.mlp.{proj}", bias=False)
