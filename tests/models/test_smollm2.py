@@ -140,8 +140,8 @@ def test_cli_prompts_file_and_interactive(cache_dir, tmp_path, monkeypatch, caps
     prompt_lengths = []
     add_request = LLMEngine.add_request
 
-    def spy(self, request_id, prompt, params=None):
-        request_id = add_request(self, request_id, prompt, params)
+    def spy(self, request_id, prompt, params=None, **kwargs):
+        request_id = add_request(self, request_id, prompt, params, **kwargs)
         prompt_lengths.append(len(self.get_prompt_token_ids(request_id)))  # the conversation as the engine rendered it
         return request_id
 
