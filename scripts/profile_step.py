@@ -126,13 +126,20 @@ def profile(llm: LLM, batch: int, prompt_len: int, steps: int, async_scheduling:
     engine.config.async_scheduling = async_scheduling
     rng = np.random.default_rng(seed)
     vocab = engine.loaded.config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, output_kind=output_kind)
+    # nobody may finish before the timed steps end: the prompts take prefill_steps(...) steps to get in, during which
+    # the first ones already decode (with max_tokens=steps + 64 alone, "256 rows" had thinned to ~80 by the timing)
+    max_tokens = engine.max_model_len - prompt_len
+    if max_tokens < prefill_steps(batch, prompt_len, engine.config.max_num_batched_tokens) + steps + 8:
+        raise ValueError(f"max_model_len ({engine.max_model_len}) leaves too few tokens to keep {batch} rows decoding")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind)
     for i in range(batch):
         engine.add_request(f"p{i}", {"prompt_token_ids": rng.integers(0, vocab, prompt_len).tolist()}, params)
     while any(len(r.output_token_ids) < 2 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill, until every row decodes
     for _ in range(3):
         engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"{len(engine.scheduler.running)} rows decode, not {batch}: the KV pool is too small")
     timer = PhaseTimer()
     walls = []
     with instrumented(engine, timer), (profiler or contextlib.nullcontext()):
@@ -156,6 +163,11 @@ def profile(llm: LLM, batch: int, prompt_len: int, steps: int, async_scheduling:
         "phases_ms": {k: v * 1e3 for k, v in per_step.items()}, "tokens_per_s": batch / wall,
         "host_cpu_ms": sum(cpu_per_step.values()) * 1e3, "phases_cpu_ms": {k: v * 1e3 for k, v in cpu_per_step.items()},
     }
+
+
+def prefill_steps(batch: int, prompt_len: int, step_tokens: int) -> int:
+    """Steps until every prompt is in (some of each step's budget goes to the rows already decoding)."""
+    return 2 * -(-batch * prompt_len // step_tokens) + 4
 
 
 TINY_CONFIG = {
@@ -198,9 +210,10 @@ def main(argv=None) -> None:
     if args.tiny:
         args.model = tiny_model(Path(tempfile.mkdtemp(prefix="jaxpaged-tiny-")))
     profiler = cProfile.Profile() if args.cprofile else None
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 128,
-              max_num_batched_tokens=max(args.batch, 256),  # every row decodes in one step
-              log_level="WARNING")  # fmt: skip
+    step_tokens = max(2 * args.batch, 256)  # every row decodes in one step
+    model_len = args.prompt_len + prefill_steps(args.batch, args.prompt_len, step_tokens) + args.steps + 64
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=model_len,
+              max_num_batched_tokens=step_tokens, log_level="WARNING")  # fmt: skip
     runs = []
     for r in range(args.rounds):
         for mode in (False, True):

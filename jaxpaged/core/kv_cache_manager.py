@@ -40,6 +40,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 # What a released table entry holds: any valid id would do, since every position in it is outside every query's
 # window and masked to an exact zero weight; 0 is also what the input batch pads tables with.
 NULL_BLOCK = 0
+NEVER = 1 << 62  # a token count no sequence reaches
 
 
 def freeing_window(sliding_windows) -> int | None:
@@ -83,6 +84,9 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._released: dict[str, int] = {}  # leading entries of each table given back (now NULL_BLOCK)
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already registered
+        # seq_id -> computed and known tokens at which its next block could be registered (never later than that):
+        # register_if_due passes over the other sequences of a step with one lookup each
+        self._register_due: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step needs first
         # seq_id -> when its table last changed, on a clock that never repeats: the runner keeps each table on the
         # host between steps and copies it again only when this moves
@@ -169,10 +173,12 @@ class KVCacheManager:
             self._released[child_id] = released
         self._stamps[child_id] = next(self._clock)
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+        self._register_due.pop(child_id, None)
 
     def free(self, seq_id: str) -> None:
         self.pool.free(reversed(self._tables.pop(seq_id, [])[self._released.pop(seq_id, 0) :]))
         self._num_registered.pop(seq_id, None)
+        self._register_due.pop(seq_id, None)
         self._stamps.pop(seq_id, None)
 
     # -- prefix caching -------------------------------------------------------------------------
@@ -217,6 +223,7 @@ class KVCacheManager:
             self._released[seq_id] = first
         self._stamps[seq_id] = next(self._clock)
         self._num_registered[seq_id] = k
+        self._register_due.pop(seq_id, None)
         return k
 
     def count_prefix_query(self, num_tokens: int, num_hit: int) -> None:
@@ -224,16 +231,25 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit
 
+    def register_if_due(self, seq: HashedSequence, num_known: int) -> None:
+        """register_full_blocks, called for every sequence of every step: most have not filled a block since the
+        last one and are passed over at the cost of one lookup."""
+        computed = seq.num_computed_tokens
+        if (computed if computed < num_known else num_known) >= self._register_due.get(seq.seq_id, self.block_size):
+            self.register_full_blocks(seq, num_known)
+
     def register_full_blocks(self, seq: HashedSequence, num_known: int | None = None) -> None:
         """Blocks whose tokens are all computed (and, of those, the first `num_known`: a token still on the
         device has no value to hash yet) become findable by later requests."""
         if not self.pool.enable_caching:
+            self._register_due[seq.seq_id] = NEVER
             return
         table = self._tables.get(seq.seq_id, [])
         done = self._num_registered.get(seq.seq_id, 0)
         computed = seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known)
         full = min(computed // self.block_size, len(table))
         done = max(done, self._released.get(seq.seq_id, 0))  # a block released before it was registered is gone
+        self._register_due[seq.seq_id] = (max(full, done) + 1) * self.block_size
         if full <= done:
             return
         for block, block_hash in zip(table[done:full], seq.block_hashes(self.block_size, full)[done:]):

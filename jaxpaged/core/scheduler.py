@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
+from jaxpaged.core.request import FINISHED_STATUSES, PLACEHOLDER, Request, RequestStatus
 
 
 @dataclasses.dataclass(slots=True)  # a step makes one per row
@@ -112,24 +112,25 @@ class Scheduler:
             output = self._schedule()
         self.draft_tokens = {}
         cursor = row = 0
-        for item in output.scheduled:
+        kv, prev_rows, sampled_rows = self.kv, self._sampled_rows, output.sampled_rows
+        for item in output.scheduled:  # per row: kept to a few lookups (issue 33's host budget)
             req = item.request
             item.row, item.first_token_row, cursor = row, cursor, cursor + item.num_tokens
             row += 1 + len(item.draft_token_ids)
-            item.block_table = self.kv.block_table(req.seq_id)
-            item.table_stamp = self.kv.table_stamp(req.seq_id)
-            item.num_output_tokens = len(req.output_token_ids)
+            item.block_table = kv.block_table(req.seq_id)
+            item.table_stamp = kv.table_stamp(req.seq_id)
+            outputs = req.output_token_ids
+            item.num_output_tokens = len(outputs)
             if req.num_in_flight and item.samples:  # its last input is the previous step's output
-                item.prev_row = self._sampled_rows[req]
-        output.block_copies = self.kv.take_copies()
-        for item in output.scheduled:
-            req = item.request
+                item.prev_row = prev_rows[req]
+            # the sequence advances at once
             req.num_computed_tokens += item.num_tokens
             if item.samples and not req.is_beam:
-                req.output_token_ids.append(PLACEHOLDER)
+                outputs.append(PLACEHOLDER)
                 req.num_in_flight += 1
-                output.sampled_rows[req] = item.row
-        self._sampled_rows = output.sampled_rows
+                sampled_rows[req] = item.row
+        output.block_copies = kv.take_copies()
+        self._sampled_rows = sampled_rows
         return output
 
     def _schedule(self) -> SchedulerOutput:
@@ -195,7 +196,8 @@ class Scheduler:
             self._fit_draft_rows(scheduled)
         # Single-token (decode) sequences first: the attention reads a mixed step's cached context in
         # two row groups split at the sequence slots, and prefill rows then skip decode rows' contexts.
-        scheduled.sort(key=lambda item: item.num_tokens > 1)
+        if any(item.num_tokens > 1 for item in scheduled):  # (a step of decode rows alone needs no sort)
+            scheduled.sort(key=lambda item: item.num_tokens > 1)
         return SchedulerOutput(scheduled, preempted)
 
     def _fit_draft_rows(self, scheduled: list[ScheduledSequence]) -> None:
@@ -217,14 +219,15 @@ class Scheduler:
         live = []
         self.num_computed_tokens_total += output.num_tokens
         tokens = sampled_tokens.tolist() if hasattr(sampled_tokens, "tolist") else list(sampled_tokens)  # ints, once
-        for item in output.scheduled:
+        register, append = self.kv.register_if_due, self._append_token
+        for item in output.scheduled:  # per row: kept to a few lookups (issue 33's host budget)
             req = item.request
-            if req.finished:  # ended by an earlier step, or aborted, while this one ran: its row is dropped
+            if req.status in FINISHED_STATUSES:  # ended by an earlier step, or aborted, while this ran: row dropped
                 continue
             live.append(item)
-            self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)
+            register(req, len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_in_flight)
             if item.samples and not req.is_beam:
-                self._append_token(req, tokens[item.row], stop_strings.get(req) if stop_strings else None)
+                append(req, tokens[item.row], stop_strings.get(req) if stop_strings else None)
         return live
 
     def _append_token(self, req: Request, token: int, stop_string: str | None) -> None:

@@ -327,6 +327,8 @@ class LLMEngine:
     def _update_beams(self, live: list[ScheduledSequence], result: StepResult) -> list[str]:
         """Record each computed beam's candidates; where every beam of a search has them, take the next beams
         (forked from their parents, which are freed). Returns the searches that ended."""
+        if not self.output_processor.beams:
+            return []
         moved: dict[str, BeamSearch] = {}
         for item in live:
             req = item.request

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxpaged.core.request import ParentRequest, Request
+from jaxpaged.core.request import FINISHED_STATUSES, ParentRequest, Request
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
@@ -39,6 +39,10 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}  # unfinished requests by id
         self.beams: dict[str, BeamSearch] = {}  # use_beam_search requests' search state, by request id
         self._states: dict[Request, SequenceOutputState] = {}
+        # how many of those need each step's tokens: detokenized token by token (streamed, or with stop strings),
+        # and not quiet; with none, a step's rows are passed over in bulk (LLM.generate's FINAL_ONLY requests)
+        self._num_detokenized = 0
+        self._num_loud = 0
 
     def add_request(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
@@ -55,11 +59,16 @@ class OutputProcessor:
             )  # fmt: skip
         final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         prompt_logprobs = [None] if seq.wants_prompt_logprobs else None
-        self._states[seq] = SequenceOutputState(
+        state = self._states[seq] = SequenceOutputState(
             detok, logprobs=[] if params.logprobs is not None else None, prompt_logprobs=prompt_logprobs,
             final_only=final_only, deferred_text=final_only and not params.stop,
             quiet=final_only and params.logprobs is None and prompt_logprobs is None,
         )  # fmt: skip
+        self._count(state, 1)
+
+    def _count(self, state: SequenceOutputState, sign: int) -> None:
+        self._num_detokenized += sign * (state.detokenizer is not None and not state.deferred_text)
+        self._num_loud += sign * (not state.quiet)
 
     def add_beam_search(self, parent: ParentRequest, search: BeamSearch) -> None:
         self.parents[parent.request_id] = parent
@@ -68,6 +77,8 @@ class OutputProcessor:
     def detokenize(self, output: SchedulerOutput, result: StepResult) -> dict[Request, str]:
         """Push each live sampling sequence's new token through its detokenizer; returns the stop strings hit."""
         stops = {}
+        if not self._num_detokenized:
+            return stops
         tokens = None
         for item in output.scheduled:
             req = item.request
@@ -85,6 +96,8 @@ class OutputProcessor:
     def process(self, live: list[ScheduledSequence], result: StepResult, finished_beams: Sequence[str] = ()) -> list[RequestOutput]:
         """Logprobs of the scheduled sequences the scheduler took, then the outputs of every request that moved."""
         touched: dict[str, ParentRequest] = {}
+        if not self._num_loud:  # every sequence quiet: only those that ended have anything to do
+            live = [item for item in live if item.request.status in FINISHED_STATUSES]
         for item in live:
             req = item.request
             state = self._states.get(req)
@@ -137,7 +150,9 @@ class OutputProcessor:
         self.parents.pop(parent.request_id, None)
         self.beams.pop(parent.request_id, None)
         for seq in parent.sequences:
-            self._states.pop(seq, None)
+            state = self._states.pop(seq, None)
+            if state is not None:
+                self._count(state, -1)
 
     def _record_logprobs(self, req: Request, state: SequenceOutputState, token: int, result: StepResult, row: int) -> None:
         lp = float(result.logprobs[row])

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxpaged.core.request import FINISHED_STATUSES
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, bitmask_words, build_sampling_metadata
+from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, bitmask_words, build_sampling_metadata, columns_metadata
 
 if TYPE_CHECKING:
     from jaxpaged.worker.model_runner import ModelRunner
@@ -184,6 +185,23 @@ class InputBatchBuilder:
     def sampling(self, output: SchedulerOutput, num_tokens: int) -> SamplingMetadata:
         """The step's sampling rows from its requests as they stand: at scheduling, or (deferred) once the previous
         step's tokens are in, when a sequence that finished meanwhile gets a neutral row (its result is dropped)."""
+        _, s = self.runner.bucket_for(num_tokens)
+        scheduled = output.scheduled
+        params = []
+        for item in scheduled:  # most steps: every row plain, its metadata built as columns
+            req = item.request
+            p = req.params
+            if (req.status in FINISHED_STATUSES or item.draft_token_ids or req.grammar is not None or p.has_penalties
+                    or item.num_output_tokens < p.min_tokens):  # fmt: skip
+                break
+            params.append(p)
+        else:
+            m = len(scheduled)
+            return columns_metadata(
+                params, np.fromiter((len(item.request.prompt_token_ids) for item in scheduled), np.int32, m),
+                np.fromiter((item.num_output_tokens for item in scheduled), np.int32, m),
+                [item.request.seed for item in scheduled], s, self.runner.history_width, self.max_suppress, self.mask_words,
+            )  # fmt: skip
         rows = []
         for item in output.scheduled:
             req = item.request
@@ -200,5 +218,4 @@ class InputBatchBuilder:
                                             None, draft, j))  # fmt: skip
                 continue
             rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar))
-        _, s = self.runner.bucket_for(num_tokens)
         return build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_KINDS = {"int32": "i", "uint32": "u", "float32": "f", "bool": "b"}  # what a leaf may be, stored as 32 bits
+# what a leaf may be, stored as 32 bits (keyed by dtype: a dtype's .name is computed in Python, per call)
+_KINDS = {np.dtype(np.int32): "i", np.dtype(np.uint32): "u", np.dtype(np.float32): "f", np.dtype(np.bool_): "b"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +46,21 @@ class Packed:
 
     @classmethod
     def of(cls, tree) -> Packed:
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        leaves = [np.asarray(leaf) for leaf in leaves]
+        """Called twice a step (the forward's inputs, the sampler's): a few microseconds a leaf would add up."""
+        return cls.of_leaves(*jax.tree_util.tree_flatten(tree))
+
+    @classmethod
+    def of_leaves(cls, leaves, treedef) -> Packed:
+        """A flattened tree: leaves in treedef's order."""
+        leaves = [leaf if type(leaf) is np.ndarray else np.asarray(leaf) for leaf in leaves]
         try:
-            kinds = "".join(_KINDS[leaf.dtype.name] for leaf in leaves)
+            kinds = "".join([_KINDS[leaf.dtype] for leaf in leaves])
         except KeyError as exc:
             raise TypeError(f"cannot pack a {exc.args[0]} array: int32, uint32, float32 and bool only") from None
-        layout = _layout(treedef, tuple(leaf.shape for leaf in leaves), kinds)
-        data = np.empty(layout.size, np.int32)
-        for leaf, kind, offset in zip(leaves, kinds, layout.offsets):
-            flat = leaf.reshape(-1)
-            data[offset : offset + flat.size] = flat.astype(np.int32) if kind == "b" else flat.view(np.int32)
-        return cls(data, layout)
+        layout = _layout(treedef, tuple([leaf.shape for leaf in leaves]), kinds)
+        flat = [leaf.reshape(-1).astype(np.int32) if kind == "b" else leaf.reshape(-1).view(np.int32)
+                for leaf, kind in zip(leaves, kinds)]  # fmt: skip
+        return cls(np.concatenate(flat) if flat else np.empty(0, np.int32), layout)
 
     def unpack(self):
         """The tree, from slices of the buffer (inside jit: static slices and bitcasts, no copies to speak of)."""

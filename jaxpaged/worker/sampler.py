@@ -312,68 +312,86 @@ def build_sampling_metadata(
     if len(rows) > num_rows:
         raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({len(rows)})")
     n = len(rows)
-    prompt_lens = np.zeros(num_rows, np.int32)
-    step_index = np.zeros(num_rows, np.int32)
-    prompt_lens[:n] = [len(r.prompt_ids) for r in rows]
-    step_index[:n] = [len(r.output_ids) + r.step_offset for r in rows]
-    draft_ids = np.full(num_rows, -1, np.int32)
-    draft_ids[:n] = [r.draft for r in rows]
-    longest = int((prompt_lens + step_index).max(initial=0))
-    if history_width < longest:
-        raise ValueError(f"history_width ({history_width}) must be >= the longest prompt + output ({longest})")
-
-    # Whole columns at once: each distinct SamplingParams' constants once (a batch usually shares a few), then
-    # gathered per row; only rows with something of their own (min_tokens, a grammar, penalties) are visited.
-    which: dict[int, int] = {}
-    index = [which.setdefault(id(r.params), len(which)) for r in rows]
-    distinct = list({id(r.params): r.params for r in rows}.values())
-    table = np.array([_constants(p) for p in distinct] or [(0.0,) * 8], np.float64)
-    neutral = np.array([[0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0]])  # a padding row: greedy, no truncation, no penalty
-    per_row = np.concatenate([table[index] if n else table[:0], np.repeat(neutral, num_rows - n, axis=0)])
-    temperature, top_p, min_p = (per_row[:, i].astype(np.float32) for i in (0, 2, 3))
-    top_k = per_row[:, 1].astype(np.int32)
-    presence, frequency, repetition = (per_row[:, i].astype(np.float32) for i in (4, 5, 6))
-    seeds = np.zeros(num_rows, np.uint32)
-    seeds[:n] = _seeds_u32([r.seed for r in rows])
-    suppress_ids = np.full((num_rows, max_suppress), -1, np.int32)
-    for i in np.flatnonzero(step_index[:n] < per_row[:n, 7]):  # still short of min_tokens
+    prompt_lens = np.fromiter((len(r.prompt_ids) for r in rows), np.int32, n)
+    step_index = np.fromiter((len(r.output_ids) + r.step_offset for r in rows), np.int32, n)
+    draft_ids = np.fromiter((r.draft for r in rows), np.int32, n)
+    metadata = columns_metadata([r.params for r in rows], prompt_lens, step_index, [r.seed for r in rows], num_rows,
+                                history_width, max_suppress, mask_words, draft_ids)  # fmt: skip
+    # Only rows with something of their own (min_tokens, a grammar, penalties) are visited.
+    min_tokens = np.fromiter((r.params.min_tokens for r in rows), np.int32, n)
+    for i in np.flatnonzero(step_index < min_tokens):  # still short of min_tokens
         banned = _suppressed(rows[i])
         if len(banned) > max_suppress:
             raise ValueError(f"max_suppress ({max_suppress}) must be >= the ids row {i} suppresses ({len(banned)})")
-        suppress_ids[i, : len(banned)] = banned
+        metadata.suppress_ids[i, : len(banned)] = banned
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
-    any_constrained = bool(constrained)
-    bitmask = np.full((num_rows, mask_words), -1, np.int32) if any_constrained else _blank((num_rows, mask_words))
-    for i in constrained:
-        grammar = rows[i].grammar
-        if grammar.num_consumed != len(rows[i].output_ids):  # the engine syncs before such a step (design.md)
-            raise RuntimeError(f"row {i}'s grammar has consumed {grammar.num_consumed} of {len(rows[i].output_ids)} outputs")
-        grammar.fill_bitmask(bitmask[i])
-    any_penalty = any(p.has_penalties for p in distinct)
-    history = np.full((num_rows, history_width), -1, np.int32) if any_penalty else _blank((num_rows, history_width))
-    if any_penalty:
+    if constrained:
+        bitmask = np.full((num_rows, mask_words), -1, np.int32)
+        for i in constrained:
+            grammar = rows[i].grammar
+            if grammar.num_consumed != len(rows[i].output_ids):  # the engine syncs before such a step (design.md)
+                raise RuntimeError(f"row {i}'s grammar has consumed {grammar.num_consumed} of {len(rows[i].output_ids)} outputs")
+            grammar.fill_bitmask(bitmask[i])
+        metadata = dataclasses.replace(metadata, bitmask=bitmask, any_constrained=np.array(True))
+    if metadata.any_penalty:
+        history = np.full((num_rows, history_width), -1, np.int32)
         for i, row in enumerate(rows):
             k = len(row.prompt_ids)
             history[i, :k] = row.prompt_ids
             history[i, k : k + len(row.output_ids)] = row.output_ids
+        metadata = dataclasses.replace(metadata, history=history)
+    return metadata
 
+
+def columns_metadata(
+    params: Sequence[SamplingParams], prompt_lens: np.ndarray, step_index: np.ndarray, seeds: Sequence[int],
+    num_rows: int, history_width: int, max_suppress: int = 64, mask_words: int = 1, draft_ids: np.ndarray | None = None,
+) -> SamplingMetadata:  # fmt: skip
+    """The metadata of rows given as columns, with nothing suppressed, no grammar mask and no history filled in:
+    complete for rows with no min_tokens still to reach, grammar, penalty or proposal (most steps: the input batch
+    builds those without a SamplingRow per row); build_sampling_metadata adds the rest."""
+    n = len(params)
+    if n > num_rows:
+        raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({n})")
+    longest = int((prompt_lens + step_index).max(initial=0))
+    if history_width < longest:
+        raise ValueError(f"history_width ({history_width}) must be >= the longest prompt + output ({longest})")
+
+    def padded(column, fill):
+        out = np.full(num_rows, fill, np.int32)
+        if column is not None:
+            out[:n] = column
+        return out
+
+    # Whole columns at once: each distinct SamplingParams' constants once (a batch usually shares a few), then
+    # gathered per row.
+    which: dict[int, int] = {}
+    index = [which.setdefault(id(p), len(which)) for p in params]
+    distinct = list({id(p): p for p in params}.values())
+    table = np.array([_constants(p) for p in distinct] or [(0.0,) * 8], np.float64)
+    neutral = np.array([[0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0]])  # a padding row: greedy, no truncation, no penalty
+    per_row = np.concatenate([table[index] if n else table[:0], np.repeat(neutral, num_rows - n, axis=0)])
+    temperature, top_p, min_p = (per_row[:, i].astype(np.float32) for i in (0, 2, 3))
+    presence, frequency, repetition = (per_row[:, i].astype(np.float32) for i in (4, 5, 6))
+    seeds_u32 = np.zeros(num_rows, np.uint32)
+    seeds_u32[:n] = _seeds_u32(seeds)
     return SamplingMetadata(
         temperature=temperature,
-        top_k=top_k,
+        top_k=per_row[:, 1].astype(np.int32),
         top_p=top_p,
         min_p=min_p,
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
-        seeds=seeds,
-        step_index=step_index,
-        history=history,
-        prompt_lens=prompt_lens,
-        suppress_ids=suppress_ids,
-        any_penalty=np.array(any_penalty),
+        seeds=seeds_u32,
+        step_index=padded(step_index, 0),
+        history=_blank((num_rows, history_width)),
+        prompt_lens=padded(prompt_lens, 0),
+        suppress_ids=np.full((num_rows, max_suppress), -1, np.int32),
+        any_penalty=np.array(any(p.has_penalties for p in distinct)),
         any_top=np.array(any(p.uses_truncation for p in distinct if not p.is_greedy)),
         want_logprobs=np.array(any(p.logprobs is not None for p in distinct)),
-        bitmask=bitmask,
-        any_constrained=np.array(any_constrained),
-        draft_ids=draft_ids,
+        bitmask=_blank((num_rows, mask_words)),
+        any_constrained=np.array(False),
+        draft_ids=padded(draft_ids, -1),
     )

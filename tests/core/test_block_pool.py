@@ -171,3 +171,43 @@ def test_prefix_cache_lookup_register_and_eviction():
     assert pool.num_cached == 0
     kv.free("w")
     assert kv.take_cached_prefix(Seq("v", [1, 2, 3, 4, 5])) == 0
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_register_if_due_registers_what_register_full_blocks_would(window):
+    """The scheduler's per-step call skips sequences with no newly full block: after every step of growing, lagging
+    (async: known tokens behind computed ones), forking and preempting, both managers hold the same cached blocks."""
+    from jaxpaged.core.kv_cache_manager import hash_block
+
+    class Seq:
+        def __init__(self, seq_id, tokens):
+            self.seq_id, self.tokens, self.num_computed_tokens = seq_id, tokens, 0
+
+        def block_hashes(self, block_size, count):
+            hashes = []
+            for i in range(count):
+                hashes.append(hash_block(hashes[-1] if hashes else None, self.tokens[i * block_size : (i + 1) * block_size]))
+            return hashes
+
+    rng = random.Random(0)
+    pools = [BlockPool(400), BlockPool(400)]
+    fast, full = (KVCacheManager(pool, block_size=4, sliding_window=window) for pool in pools)
+    seqs = [Seq(f"s{i}", [rng.randrange(50) for _ in range(120)]) for i in range(6)]
+    for step in range(300):
+        seq = rng.choice(seqs)
+        n = rng.choice([1, 1, 1, 3, 7])
+        if seq.num_computed_tokens + n > len(seq.tokens) or rng.random() < 0.03:  # preempted, or done: start over
+            fast.free(seq.seq_id), full.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            continue
+        assert fast.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
+        assert full.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
+        seq.num_computed_tokens += n
+        for other in seqs:  # every scheduled sequence, each step: most have nothing new
+            if other.num_computed_tokens:
+                known = max(0, other.num_computed_tokens - rng.choice([0, 0, 1]))
+                fast.register_if_due(other, known)
+                full.register_full_blocks(other, known)
+        assert pools[0].num_cached == pools[1].num_cached, step
+        for other in seqs:
+            assert fast.block_table(other.seq_id) == full.block_table(other.seq_id)

@@ -73,17 +73,28 @@ def test_tokenizer_matches_transformers(ours, hf):
     assert ours.tokenizer.eos_token == hf_tok.eos_token
 
 
-def test_greedy_64_tokens_match_transformers(ours, hf):
+@pytest.fixture(scope="module")
+def hf_greedy(hf) -> dict[str, list[int]]:
+    """transformers' 64 greedy tokens after each of PROMPTS (EOS ignored), computed once: the tests that compare
+    fewer take a prefix (a greedy continuation's first k tokens are its k-token continuation)."""
     model, tokenizer = hf
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    got = StaticBatchRunner(ours).generate(prompts, 64)
-    for prompt, tokens in zip(prompts, got):
+    want = {}
+    for text in PROMPTS:
+        prompt = tokenizer.encode(text)
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 do_sample=False, max_new_tokens=64, min_new_tokens=64, pad_token_id=0,
             )
-        assert tokens == out[0, len(prompt):].tolist(), tokenizer.decode(prompt)
+        want[text] = out[0, len(prompt) :].tolist()
+    return want
+
+
+def test_greedy_64_tokens_match_transformers(ours, hf, hf_greedy):
+    _, tokenizer = hf
+    got = StaticBatchRunner(ours).generate([tokenizer.encode(p) for p in PROMPTS], 64)
+    for text, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy[text], text
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +105,16 @@ def llm(cache_dir):
                log_level="WARNING")
 
 
-def test_engine_greedy_matches_transformers_and_stops(llm, hf):
+def test_engine_greedy_matches_transformers_and_stops(llm, hf, hf_greedy):
     """The continuous-batching engine gives transformers' greedy tokens; stop strings cut the text."""
     from jaxpaged import SamplingParams
 
-    model, tokenizer = hf
+    _, tokenizer = hf
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            want = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=0)
-        assert out.outputs[0].token_ids == want[0, len(ids):].tolist()
-        assert out.outputs[0].text == tokenizer.decode(want[0, len(ids):], skip_special_tokens=True)
+        want = hf_greedy[prompt][:32]
+        assert out.outputs[0].token_ids == want
+        assert out.outputs[0].text == tokenizer.decode(want, skip_special_tokens=True)
     full = outs[0].outputs[0].text
     word = full.split()[1]
     stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32, stop=[word]), use_tqdm=False)[0]
