@@ -99,10 +99,6 @@ class KVCacheCoordinator:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit
 
-    def register_if_due(self, seq: HashedSequence, num_known: int) -> None:
-        for g in self.groups:
-            g.register_if_due(seq, num_known)
-
     def register_full_blocks(self, seq: HashedSequence, num_known: int | None = None) -> None:
         for g in self.groups:
             g.register_full_blocks(seq, num_known)

@@ -85,7 +85,7 @@ class KVCacheManager:
         self._released: dict[str, int] = {}  # leading entries of each table given back (now NULL_BLOCK)
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already registered
         # seq_id -> computed and known tokens at which its next block could be registered (never later than that):
-        # register_if_due passes over the other sequences of a step with one lookup each
+        # register_full_blocks, called for every sequence every step, passes over the others with one lookup each
         self._register_due: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step needs first
         # seq_id -> when its table last changed, on a clock that never repeats: the runner keeps each table on the
@@ -231,22 +231,17 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit
 
-    def register_if_due(self, seq: HashedSequence, num_known: int) -> None:
-        """register_full_blocks, called for every sequence of every step: most have not filled a block since the
-        last one and are passed over at the cost of one lookup."""
-        computed = seq.num_computed_tokens
-        if (computed if computed < num_known else num_known) >= self._register_due.get(seq.seq_id, self.block_size):
-            self.register_full_blocks(seq, num_known)
-
     def register_full_blocks(self, seq: HashedSequence, num_known: int | None = None) -> None:
         """Blocks whose tokens are all computed (and, of those, the first `num_known`: a token still on the
         device has no value to hash yet) become findable by later requests."""
+        computed = seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known)
+        if computed < self._register_due.get(seq.seq_id, self.block_size):  # no block filled since the last call
+            return
         if not self.pool.enable_caching:
             self._register_due[seq.seq_id] = NEVER
             return
         table = self._tables.get(seq.seq_id, [])
         done = self._num_registered.get(seq.seq_id, 0)
-        computed = seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known)
         full = min(computed // self.block_size, len(table))
         done = max(done, self._released.get(seq.seq_id, 0))  # a block released before it was registered is gone
         self._register_due[seq.seq_id] = (max(full, done) + 1) * self.block_size

@@ -24,11 +24,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in FINISHED_STATUSES
+        return self in _FINISHED
 
 
 # a tuple: membership compares by identity in C, where a set would call Enum.__hash__ in Python
-FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 PLACEHOLDER = -1  # an output token sampled by a step still running on the device
 
 
@@ -99,7 +99,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status in FINISHED_STATUSES  # read several times per row per step
+        return self.status in _FINISHED  # read several times per row per step
 
 
 @dataclasses.dataclass(eq=False)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.request import FINISHED_STATUSES, PLACEHOLDER, Request, RequestStatus
+from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclasses.dataclass(slots=True)  # a step makes one per row
@@ -196,8 +196,7 @@ class Scheduler:
             self._fit_draft_rows(scheduled)
         # Single-token (decode) sequences first: the attention reads a mixed step's cached context in
         # two row groups split at the sequence slots, and prefill rows then skip decode rows' contexts.
-        if any(item.num_tokens > 1 for item in scheduled):  # (a step of decode rows alone needs no sort)
-            scheduled.sort(key=lambda item: item.num_tokens > 1)
+        scheduled.sort(key=lambda item: item.num_tokens > 1)
         return SchedulerOutput(scheduled, preempted)
 
     def _fit_draft_rows(self, scheduled: list[ScheduledSequence]) -> None:
@@ -219,15 +218,14 @@ class Scheduler:
         live = []
         self.num_computed_tokens_total += output.num_tokens
         tokens = sampled_tokens.tolist() if hasattr(sampled_tokens, "tolist") else list(sampled_tokens)  # ints, once
-        register, append = self.kv.register_if_due, self._append_token
-        for item in output.scheduled:  # per row: kept to a few lookups (issue 33's host budget)
+        for item in output.scheduled:
             req = item.request
-            if req.status in FINISHED_STATUSES:  # ended by an earlier step, or aborted, while this ran: row dropped
+            if req.finished:  # ended by an earlier step, or aborted, while this one ran: its row is dropped
                 continue
             live.append(item)
-            register(req, len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_in_flight)
+            self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)  # one lookup, unless a block filled
             if item.samples and not req.is_beam:
-                append(req, tokens[item.row], stop_strings.get(req) if stop_strings else None)
+                self._append_token(req, tokens[item.row], stop_strings.get(req) if stop_strings else None)
         return live
 
     def _append_token(self, req: Request, token: int, stop_string: str | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxpaged.core.request import FINISHED_STATUSES, ParentRequest, Request
+from jaxpaged.core.request import ParentRequest, Request
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
@@ -97,7 +97,7 @@ class OutputProcessor:
         """Logprobs of the scheduled sequences the scheduler took, then the outputs of every request that moved."""
         touched: dict[str, ParentRequest] = {}
         if not self._num_loud:  # every sequence quiet: only those that ended have anything to do
-            live = [item for item in live if item.request.status in FINISHED_STATUSES]
+            live = [item for item in live if item.request.finished]
         for item in live:
             req = item.request
             state = self._states.get(req)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxpaged.core.request import FINISHED_STATUSES
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.sampling_params import SamplingParams
@@ -191,7 +190,7 @@ class InputBatchBuilder:
         for item in scheduled:  # most steps: every row plain, its metadata built as columns
             req = item.request
             p = req.params
-            if (req.status in FINISHED_STATUSES or item.draft_token_ids or req.grammar is not None or p.has_penalties
+            if (req.finished or item.draft_token_ids or req.grammar is not None or p.has_penalties
                     or item.num_output_tokens < p.min_tokens):  # fmt: skip
                 break
             params.append(p)

@@ -43,8 +43,11 @@ from jaxpaged.worker.packing import Packed
 from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
-# SamplingMetadata's leaves but the two large arrays sent apart, in its field order (draft_ids, last, may be None)
+# The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its two large arrays, sent apart.
+# Its structure is fixed once here (a dataclasses.replace per step cost ~25 us).
 _KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in ("history", "bitmask"))
+_KNOBS_TREEDEF = jax.tree_util.tree_structure(
+    SamplingMetadata(**dict.fromkeys(_KNOB_FIELDS, 0), history=None, bitmask=None))
 KV_STORAGE = {"int8": jnp.int8, "fp8": jnp.uint8}  # an 8-bit cache's element type, per kv_cache_dtype
 
 
@@ -191,7 +194,6 @@ class ModelRunner:
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
-        self._knobs_treedefs: dict[bool, object] = {}  # with draft_ids or not -> the packed sampling knobs' structure
         self._blank_prompt_ids: dict[int, np.ndarray] = {}  # token bucket -> all -1
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
         # under TP), so both kinds of step hit the one compiled executable
@@ -503,13 +505,7 @@ class ModelRunner:
     def _sampling_args(self, sampling: SamplingMetadata) -> tuple:
         """(the per-row knobs packed in one buffer, the history, the grammar bitmask): the last two are large and
         mostly blank, so a blank one is a device array kept from an earlier step instead."""
-        with_drafts = sampling.draft_ids is not None
-        treedef = self._knobs_treedefs.get(with_drafts)
-        if treedef is None:  # the metadata less its two large arrays (a dataclasses.replace per step costs ~25 us)
-            treedef = self._knobs_treedefs[with_drafts] = jax.tree_util.tree_structure(
-                dataclasses.replace(sampling, history=None, bitmask=None))
-        names = _KNOB_FIELDS if with_drafts else _KNOB_FIELDS[:-1]
-        knobs = Packed.of_leaves([getattr(sampling, name) for name in names], treedef)
+        knobs = Packed.of_leaves([getattr(sampling, name) for name in _KNOB_FIELDS], _KNOBS_TREEDEF)
         return (
             knobs, self._blank("history", sampling.history, bool(sampling.any_penalty)),
             self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),

@@ -309,8 +309,6 @@ def build_sampling_metadata(
     logprobs, 0 included (the sampled id's own logprob). A row with a grammar gets its next allowed tokens in
     `bitmask` (`mask_words` words, covering the model's vocabulary); the others, all ones.
     """
-    if len(rows) > num_rows:
-        raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({len(rows)})")
     n = len(rows)
     prompt_lens = np.fromiter((len(r.prompt_ids) for r in rows), np.int32, n)
     step_index = np.fromiter((len(r.output_ids) + r.step_offset for r in rows), np.int32, n)

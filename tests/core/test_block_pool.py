@@ -174,9 +174,11 @@ def test_prefix_cache_lookup_register_and_eviction():
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_register_if_due_registers_what_register_full_blocks_would(window):
-    """The scheduler's per-step call skips sequences with no newly full block: after every step of growing, lagging
-    (async: known tokens behind computed ones), forking and preempting, both managers hold the same cached blocks."""
+def test_the_registration_shortcut_skips_no_full_block(window):
+    """register_full_blocks passes over a sequence that has filled no block since its last call (one lookup, as the
+    scheduler calls it for every sequence every step). After every step of growing, lagging (async: known tokens
+    behind computed ones), preemptions and restarts, a manager with the shortcut and one without it
+    hold the same cached blocks."""
     from jaxpaged.core.kv_cache_manager import hash_block
 
     class Seq:
@@ -189,10 +191,16 @@ def test_register_if_due_registers_what_register_full_blocks_would(window):
                 hashes.append(hash_block(hashes[-1] if hashes else None, self.tokens[i * block_size : (i + 1) * block_size]))
             return hashes
 
+    class AlwaysDue(dict):  # the shortcut's memory, answering "due now" for every sequence
+        def get(self, key, default=None):
+            return 0
+
     rng = random.Random(0)
     pools = [BlockPool(400), BlockPool(400)]
     fast, full = (KVCacheManager(pool, block_size=4, sliding_window=window) for pool in pools)
+    full._register_due = AlwaysDue()
     seqs = [Seq(f"s{i}", [rng.randrange(50) for _ in range(120)]) for i in range(6)]
+    skipped = 0
     for step in range(300):
         seq = rng.choice(seqs)
         n = rng.choice([1, 1, 1, 3, 7])
@@ -206,8 +214,10 @@ def test_register_if_due_registers_what_register_full_blocks_would(window):
         for other in seqs:  # every scheduled sequence, each step: most have nothing new
             if other.num_computed_tokens:
                 known = max(0, other.num_computed_tokens - rng.choice([0, 0, 1]))
-                fast.register_if_due(other, known)
+                skipped += min(other.num_computed_tokens, known) < fast._register_due.get(other.seq_id, 4)
+                fast.register_full_blocks(other, known)
                 full.register_full_blocks(other, known)
         assert pools[0].num_cached == pools[1].num_cached, step
         for other in seqs:
             assert fast.block_table(other.seq_id) == full.block_table(other.seq_id)
+    assert skipped > 1000  # the shortcut was taken

@@ -49,7 +49,7 @@ class FakeKV:
     def take_copies(self) -> list[tuple[int, int]]:
         return []
 
-    def register_if_due(self, request: Request, num_known: int) -> None:
+    def register_full_blocks(self, request: Request, num_known: int | None = None) -> None:
         pass
 
 
