@@ -11,7 +11,6 @@ out by index within group; scripts/kv_window_bytes.py runs the coordinator to co
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
@@ -35,9 +34,7 @@ class KVCacheCoordinator:
     def __init__(self, pool: BlockPool, block_size: int, group_windows: Sequence[int | None]):
         self.pool = pool
         self.block_size = block_size
-        clock = itertools.count(1)  # one clock: the largest of a sequence's stamps moves whenever any table does
-        self.groups = [KVCacheManager(pool, block_size, w, clock=clock, hash_salt=i.to_bytes(2, "little"))
-                       for i, w in enumerate(group_windows)]  # fmt: skip
+        self.groups = [KVCacheManager(pool, block_size, w, hash_salt=i.to_bytes(2, "little")) for i, w in enumerate(group_windows)]
         self.sliding_window = None  # no single window: admission counts blocks by group (max_blocks_held per group)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -54,9 +51,6 @@ class KVCacheCoordinator:
         """Released entries over all groups, in tokens' blocks per group (for kv_stats' token utilization)."""
         return sum(g.num_released(seq_id) for g in self.groups) // len(self.groups)
 
-    def table_stamp(self, seq_id: str) -> int:
-        return max(g.table_stamp(seq_id) for g in self.groups)
-
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
         """Every group's blocks for the tokens, or nothing: windows release first, then the groups' needs together
         must fit the pool before any group allocates."""
@@ -66,6 +60,9 @@ class KVCacheCoordinator:
         if need > self.pool.num_free:
             return False
         return all([g.allocate_slots(seq_id, num_computed, num_new_tokens) for g in self.groups])
+
+    def take_changed(self) -> set[str]:
+        return set().union(*[g.take_changed() for g in self.groups])
 
     def take_copies(self) -> list[tuple[int, int]]:
         return [c for g in self.groups for c in g.take_copies()]

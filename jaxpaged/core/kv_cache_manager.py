@@ -19,7 +19,7 @@ entries are placeholders; shapes, and the kernels' indexing, do not change.
 from __future__ import annotations
 
 import hashlib
-import itertools
+from array import array
 from typing import Protocol
 
 import numpy as np
@@ -61,7 +61,7 @@ def max_blocks_held(num_tokens: int, block_size: int, window: int | None, step_t
 def hash_block(parent: bytes | None, tokens) -> bytes:
     """The identity of a full block: its tokens and, through the parent's hash, everything before them."""
     digest = hashlib.sha256(parent or b"")
-    digest.update(np.asarray(tokens, np.int64).tobytes())
+    digest.update(array("q", tokens).tobytes())  # int64s, as np.asarray(tokens, np.int64) gives them, at half the cost
     return digest.digest()
 
 
@@ -74,10 +74,9 @@ class HashedSequence(Protocol):
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None, *, clock=None,
-                 hash_salt: bytes = b""):  # fmt: skip
-        """clock and hash_salt let several managers share one pool (kv_cache_coordinator.py): one clock for their
-        stamps, and a salt per manager so that equal prefixes in different layer groups are different blocks."""
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None, *, hash_salt: bytes = b""):
+        """hash_salt lets several managers share one pool (kv_cache_coordinator.py): a salt per manager, so that
+        equal prefixes in different layer groups are different blocks."""
         self.pool = pool
         self.block_size = block_size
         self.sliding_window = sliding_window  # set: blocks before every query's window go back to the pool
@@ -88,10 +87,13 @@ class KVCacheManager:
         # register_full_blocks, called for every sequence every step, passes over the others with one lookup each
         self._register_due: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies the next step needs first
-        # seq_id -> when its table last changed, on a clock that never repeats: the runner keeps each table on the
-        # host between steps and copies it again only when this moves
-        self._stamps: dict[str, int] = {}
-        self._clock = clock if clock is not None else itertools.count(1)
+        # seq_ids whose table changed since take_changed(): the runner keeps each table on the host between steps
+        # and copies it again only then
+        self._changed: set[str] = set()
+        # seq_id -> the tokens [0, n) it can write without allocating or copying (it alone holds its blocks from its
+        # first unwritten one on), kept without a window: the scheduler's decode rows pass allocate_slots with a
+        # lookup while their tokens fit (with a window, blocks are released on the way, so every step asks)
+        self.writable: dict[str, int] = {}
         self._salt = hash_salt
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -106,10 +108,6 @@ class KVCacheManager:
     def num_released(self, seq_id: str) -> int:
         return self._released.get(seq_id, 0)
 
-    def table_stamp(self, seq_id: str) -> int:
-        """Changes whenever seq_id's block table does (blocks added or replaced, a fork, a prefix hit, a free)."""
-        return self._stamps.get(seq_id, 0)
-
     def allocate_slots(self, seq_id: str, num_computed: int, num_new_tokens: int) -> bool:
         """Make tokens [num_computed, num_computed + num_new_tokens) writable; False (nothing taken) if the pool can't."""
         table = self._tables.setdefault(seq_id, [])
@@ -122,13 +120,15 @@ class KVCacheManager:
         # the usual decode step: its token goes in the table's last block, which it alone holds
         if num_computed // bs == last and num_computed + num_new_tokens <= len(table) * bs:
             if self.pool.ref_count(table[last]) == 1:
+                if self.sliding_window is None:
+                    self.writable[seq_id] = len(table) * bs
                 return True
         shared = [i for i in range(num_computed // bs, len(table)) if self.pool.ref_count(table[i]) > 1]
         missing = max(0, blocks_for(num_computed + num_new_tokens, bs) - len(table))
         if missing + len(shared) > self.pool.num_free:
             return False
         if missing or shared:
-            self._stamps[seq_id] = next(self._clock)
+            self._changed.add(seq_id)
         for i, fresh in zip(shared, self.pool.allocate(len(shared)) or []):
             if i * bs < num_computed:  # holds computed tokens: they move with it
                 self._copies.append((table[i], fresh))
@@ -136,6 +136,8 @@ class KVCacheManager:
             table[i] = fresh
         if missing:
             table.extend(self.pool.allocate(missing))
+        if self.sliding_window is None:
+            self.writable[seq_id] = len(table) * bs
         return True
 
     def release_behind_window(self, seq_id: str, num_computed: int) -> None:
@@ -157,7 +159,13 @@ class KVCacheManager:
         self.pool.free(reversed(table[done:upto]))
         table[done:upto] = [NULL_BLOCK] * (upto - done)
         self._released[seq_id] = upto
-        self._stamps[seq_id] = next(self._clock)
+        self._changed.add(seq_id)
+
+    def take_changed(self) -> set[str]:
+        """The sequences whose block table changed since the last call (blocks added or replaced, a fork, a prefix
+        hit, a release): the runner keeps tables on the host between steps and copies only these again."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
@@ -169,17 +177,20 @@ class KVCacheManager:
         released = self._released.get(parent_id, 0)
         self.pool.share(table[released:])
         self._tables[child_id] = table
+        self.writable.pop(parent_id, None)  # its blocks are shared now
+        self.writable.pop(child_id, None)
         if released:
             self._released[child_id] = released
-        self._stamps[child_id] = next(self._clock)
+        self._changed.add(child_id)
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
         self._register_due.pop(child_id, None)
 
     def free(self, seq_id: str) -> None:
         self.pool.free(reversed(self._tables.pop(seq_id, [])[self._released.pop(seq_id, 0) :]))
+        self.writable.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
         self._register_due.pop(seq_id, None)
-        self._stamps.pop(seq_id, None)
+        self._changed.add(seq_id)
 
     # -- prefix caching -------------------------------------------------------------------------
 
@@ -219,9 +230,10 @@ class KVCacheManager:
         for block in blocks:
             self.pool.acquire(block)
         self._tables[seq_id] = [NULL_BLOCK] * first + blocks
+        self.writable.pop(seq_id, None)
         if first:
             self._released[seq_id] = first
-        self._stamps[seq_id] = next(self._clock)
+        self._changed.add(seq_id)
         self._num_registered[seq_id] = k
         self._register_due.pop(seq_id, None)
         return k

@@ -51,6 +51,7 @@ class Request:
     _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
     grammar: object | None = None  # structured outputs: the engine's GrammarState, advanced by each sampled token
+    slot: int = -1  # while running: its row in the scheduler's and the input batch's per-sequence arrays
 
     @property
     def is_beam(self) -> bool:
@@ -84,9 +85,10 @@ class Request:
 
     @property
     def num_schedulable_tokens(self) -> int:
-        if len(self.output_token_ids) >= self.max_tokens:  # its last token is sampled (in flight): nothing to feed
+        num_outputs = len(self.output_token_ids)  # read once per running sequence per step: kept to a few lookups
+        if num_outputs >= self.max_tokens:  # its last token is sampled (in flight): nothing to feed
             return 0
-        pending = self.num_pending_tokens
+        pending = len(self.prompt_token_ids) + num_outputs - self.num_computed_tokens
         return pending if self.hold_at is None else min(pending, self.hold_at - self.num_computed_tokens)
 
     def block_hashes(self, block_size: int, count: int) -> list[bytes]:

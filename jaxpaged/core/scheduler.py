@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
 
@@ -30,19 +32,48 @@ class ScheduledSequence:
     request: Request
     start: int  # first position fed this step (== num_computed_tokens at scheduling)
     num_tokens: int
-    samples: bool = dataclasses.field(init=False)  # reaches the end of the sequence's tokens: yields the next one
+    samples: bool = False  # reaches the end of the sequence's tokens: yields the next one
     # what the runner needs, fixed when the step is formed (the request moves on before the step runs):
-    row: int = dataclasses.field(init=False, default=0)  # its row in the step's sampled outputs
-    first_token_row: int = dataclasses.field(init=False, default=0)  # its first row in the step's token rows
-    block_table: list[int] = dataclasses.field(init=False, default_factory=list, repr=False)
-    table_stamp: int = dataclasses.field(init=False, default=0)  # moves when the block table changes
-    num_output_tokens: int = dataclasses.field(init=False, default=0)  # output tokens the request had then
-    prev_row: int = dataclasses.field(init=False, default=-1)  # its last input is the previous step's output at this row
+    row: int = 0  # its row in the step's sampled outputs
+    first_token_row: int = 0  # its first row in the step's token rows
+    num_output_tokens: int = 0  # output tokens the request had then
+    prev_row: int = -1  # its last input is the previous step's output at this row
     # speculative decoding: proposals fed after its last token, each verified in a sampled row of its own (row + j + 1)
-    draft_token_ids: tuple[int, ...] = dataclasses.field(init=False, default=())
+    draft_token_ids: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.request.num_tokens  # fixed when scheduled
+
+@dataclasses.dataclass
+class StepColumns:
+    """The step's rows as arrays, in `scheduled` order, for the consumers that work on whole arrays (the input batch,
+    the scheduler's update): per-row Python is what limits a GPU's step rate (issue 33)."""
+
+    slots: np.ndarray  # each row's sequence's slot: its row in the per-sequence arrays kept across steps
+    starts: np.ndarray
+    counts: np.ndarray
+    prev_rows: np.ndarray  # -1: its inputs are on the host
+    num_outputs: np.ndarray  # output tokens it had at scheduling (the index of the token it samples, if it does)
+    appends: np.ndarray  # bool: samples a token the scheduler appends (not a beam's)
+    admitted: list[Request]  # sequences that took their slot in this step: the per-slot state to set
+    tables: list[tuple[int, list[int]]]  # (slot, block table) of the slots whose table changed or is new
+    slot_epoch: int  # the scheduler's count of slots given up, at scheduling: unchanged, every row still holds its slot
+    drafts: bool  # some row verifies proposals (its sampled rows are not one per scheduled row)
+
+
+class _Rows:
+    """The step's columns as schedule() collects them, a row at a time."""
+
+    __slots__ = ("slots", "starts", "counts", "prevs", "outs", "appends")
+
+    def __init__(self):
+        self.slots, self.starts, self.counts, self.prevs, self.outs, self.appends = [], [], [], [], [], []
+
+    def add(self, slot: int, start: int, count: int, prev: int, num_outputs: int, append: bool) -> None:
+        self.slots.append(slot)
+        self.starts.append(start)
+        self.counts.append(count)
+        self.prevs.append(prev)
+        self.outs.append(num_outputs)
+        self.appends.append(append)
 
 
 @dataclasses.dataclass
@@ -51,9 +82,13 @@ class SchedulerOutput:
     preempted: list[Request]
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst): copy before the step
     sampled_rows: dict[Request, int] = dataclasses.field(default_factory=dict)  # sequences given a token -> row
+    columns: StepColumns | None = None  # set by Scheduler.schedule (an output built otherwise takes the row-wise paths)
+    needs_host_tokens: bool = False  # a sampling row's sampler reads its tokens on the host (a grammar, penalties)
 
     @property
     def num_tokens(self) -> int:
+        if self.columns is not None:
+            return int(self.columns.counts.sum())
         return sum(s.num_tokens for s in self.scheduled)
 
 
@@ -92,6 +127,19 @@ class Scheduler:
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
         # speculative decoding: proposals for decoding sequences, set before schedule() (jaxpaged/spec_decode/)
         self.draft_tokens: dict[Request, list[int]] = {}
+        # Slots: each running sequence holds one, a row in per-sequence arrays kept across steps (here, and in the
+        # runner's input batch), so a step's checks run on whole arrays instead of a Python call per row.
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._by_seq: dict[str, Request] = {}  # seq_id -> the running sequence (holding a slot)
+        self._admitted: list[Request] = []  # took a slot since the last step was formed
+        self._slot_epoch = 0  # moves whenever a slot is given up: a step's slots still name its rows while it stands
+        self._stop_at = np.zeros(max_num_seqs, np.int64)  # output count at which the sequence ends by length
+        self._min_tokens = np.zeros(max_num_seqs, np.int64)
+        self._eos_stops = np.zeros(max_num_seqs, bool)  # EOS may end it (not ignore_eos)
+        self._bulk = np.zeros(max_num_seqs, bool)  # update may take its tokens in bulk: no beam, grammar or stop ids
+        self._host_sampled = np.zeros(max_num_seqs, bool)  # its sampler reads its tokens on the host
+        self._eos_ids = np.array(self.eos_token_ids, np.int64)
+        self.finished_items: list[ScheduledSequence] = []  # the rows of the last update whose sequences ended in it
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -100,6 +148,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _take_slot(self, req: Request) -> None:
+        slot = req.slot = self._free_slots.pop()
+        self._by_seq[req.seq_id] = req
+        self._admitted.append(req)
+        params = req.params
+        self._stop_at[slot] = req.max_tokens if self.max_model_len is None else min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+        self._min_tokens[slot] = params.min_tokens
+        self._eos_stops[slot] = not params.ignore_eos
+        self._bulk[slot] = not (req.is_beam or req.grammar is not None or params.stop_token_ids)
+        self._host_sampled[slot] = req.grammar is not None or params.has_penalties
+
+    def _drop_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            del self._by_seq[req.seq_id]
+            req.slot = -1
+            self._slot_epoch += 1
+
     def schedule(self) -> SchedulerOutput:
         """The next step: who runs how many tokens, their block tables and the copies to make first.
 
@@ -107,97 +173,155 @@ class Scheduler:
         sample), so the following step can be formed before this one's results are read.
         """
         self._fork_ready()
-        output = self._schedule()
+        rows = _Rows()
+        output = self._schedule(rows)
         if not output.scheduled and self._fork_ready():  # a held sample was admitted with its prefix all cached
-            output = self._schedule()
+            output = self._schedule(rows)
+        drafts = bool(self.draft_tokens)
         self.draft_tokens = {}
-        cursor = row = 0
-        kv, prev_rows, sampled_rows = self.kv, self._sampled_rows, output.sampled_rows
-        for item in output.scheduled:  # per row: kept to a few lookups (issue 33's host budget)
+        # the rows _schedule did not advance itself (all but running decode rows): admissions, chunks, proposals
+        cursor = row = len(rows.slots)
+        prev_rows, sampled_rows = self._sampled_rows, output.sampled_rows
+        for item in output.scheduled[row:]:
             req = item.request
-            item.row, item.first_token_row, cursor = row, cursor, cursor + item.num_tokens
+            n = item.num_tokens
+            item.row, item.first_token_row = row, cursor
+            cursor += n
             row += 1 + len(item.draft_token_ids)
-            item.block_table = kv.block_table(req.seq_id)
-            item.table_stamp = kv.table_stamp(req.seq_id)
             outputs = req.output_token_ids
-            item.num_output_tokens = len(outputs)
+            k = item.num_output_tokens = len(outputs)
             if req.num_in_flight and item.samples:  # its last input is the previous step's output
                 item.prev_row = prev_rows[req]
-            # the sequence advances at once
-            req.num_computed_tokens += item.num_tokens
-            if item.samples and not req.is_beam:
+            req.num_computed_tokens += n
+            append = item.samples and not req.is_beam
+            if append:
                 outputs.append(PLACEHOLDER)
                 req.num_in_flight += 1
                 sampled_rows[req] = item.row
-        output.block_copies = kv.take_copies()
+            rows.add(req.slot, item.start, n, item.prev_row, k, append)
+        output.block_copies = self.kv.take_copies()
         self._sampled_rows = sampled_rows
+        output.columns = self._columns(rows, drafts)
+        output.needs_host_tokens = bool(self._host_sampled[output.columns.slots[output.columns.appends]].any())
         return output
 
-    def _schedule(self) -> SchedulerOutput:
+    def _columns(self, rows: _Rows, drafts: bool) -> StepColumns:
+        """The step's columns, with the block tables the runner must copy again: those that changed, and the whole
+        table of every sequence that took a slot."""
+        kv, tables = self.kv, {}
+        for seq_id in kv.take_changed():
+            req = self._by_seq.get(seq_id)
+            if req is not None:
+                tables[req.slot] = kv.block_table(seq_id)
+        admitted = [req for req in self._admitted if req.slot >= 0]  # not given up again within the step
+        self._admitted = []
+        for req in admitted:
+            tables[req.slot] = kv.block_table(req.seq_id)
+        i32 = np.int32
+        return StepColumns(
+            np.array(rows.slots, np.intp), np.array(rows.starts, i32), np.array(rows.counts, i32), np.array(rows.prevs, i32),
+            np.array(rows.outs, i32), np.array(rows.appends, bool), admitted, list(tables.items()), self._slot_epoch, drafts,
+        )  # fmt: skip
+
+    def _schedule(self, rows: _Rows) -> SchedulerOutput:
+        """Who runs, in row order. Running decode rows are advanced and added to `rows` here, in the one pass over
+        the running sequences (without proposals); schedule() does the rest."""
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        # Single-token (decode) rows first: the attention reads a mixed step's cached context in two row groups
+        # split at the sequence slots, and prefill rows then skip decode rows' contexts. (With proposals, rows keep
+        # their order until _fit_draft_rows has cut them, then sort.)
+        single: list[ScheduledSequence] = []
+        multi: list[ScheduledSequence] = []
         preempted: list[Request] = []
+        kv, running, draft_tokens = self.kv, self.running, self.draft_tokens
+        writable = getattr(kv, "writable", None)  # seq_id -> tokens it can write without allocate_slots (no window)
+        prev_rows, sampled_rows = self._sampled_rows, {}
+        add_slot, add_start, add_count = rows.slots.append, rows.starts.append, rows.counts.append  # (rows.add, inlined)
+        add_prev, add_out, add_append = rows.prevs.append, rows.outs.append, rows.appends.append
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_schedulable_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            # req.num_schedulable_tokens, inlined: this loop runs for every running sequence every step
+            num_outputs, start = len(req.output_token_ids), req.num_computed_tokens
+            n = 0 if num_outputs >= req.max_tokens else len(req.prompt_token_ids) + num_outputs - start
+            if req.hold_at is not None:
+                n = min(n, req.hold_at - start)
+            if n > budget:
+                n = budget
             if n <= 0:  # held for a fork that happens after this step's results
                 i += 1
                 continue
-            drafts = self.draft_tokens.get(req) if self.draft_tokens else None
-            verifying = bool(drafts) and n == 1 and budget > len(drafts)  # a decode row verifying proposals: 1 + k tokens
-            if verifying:
-                n += len(drafts)
-            while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n):
+            verifying = False
+            if draft_tokens:
+                drafts = draft_tokens.get(req)
+                verifying = bool(drafts) and n == 1 and budget > len(drafts)  # a decode row verifying proposals: 1 + k tokens
+                if verifying:
+                    n += len(drafts)
+            fits = writable is not None and start + n <= writable.get(req.seq_id, 0)  # the usual decode step
+            while not fits and not kv.allocate_slots(req.seq_id, start, n):
                 if self._release_idle_holder(exclude=req):
-                    i = self.running.index(req)
+                    i = running.index(req)
                     continue
-                victim = self.running.pop()  # the most recently admitted
+                victim = running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                item = ScheduledSequence(req, req.num_computed_tokens, n)
-                if verifying:
-                    item.samples, item.draft_token_ids = True, tuple(drafts)
-                scheduled.append(item)
+                samples = start + n == len(req.prompt_token_ids) + num_outputs
+                if n == 1 and not draft_tokens:  # a decode row: advanced here, schedule() passes over it
+                    row = len(single)
+                    prev = prev_rows[req] if req.num_in_flight and samples else -1
+                    single.append(ScheduledSequence(req, start, 1, samples, row, row, num_outputs, prev))
+                    req.num_computed_tokens = start + 1
+                    append = samples and not req.is_beam
+                    if append:
+                        req.output_token_ids.append(PLACEHOLDER)
+                        req.num_in_flight += 1
+                        sampled_rows[req] = row
+                    add_slot(req.slot), add_start(start), add_count(1), add_prev(prev), add_out(num_outputs), add_append(append)
+                else:
+                    item = ScheduledSequence(req, start, n, samples)
+                    if verifying:
+                        item.samples, item.draft_token_ids = True, tuple(drafts)
+                    (single if n == 1 or draft_tokens else multi).append(item)
                 budget -= n
                 i += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
-            fresh = req.num_computed_tokens == 0 and not self.kv.block_table(req.seq_id)
+            fresh = req.num_computed_tokens == 0 and not kv.block_table(req.seq_id)
             # prompt logprobs need every prompt position computed, so such a request skips the cache
-            hit = self.kv.take_cached_prefix(req) if fresh and not req.wants_prompt_logprobs else 0
+            hit = kv.take_cached_prefix(req) if fresh and not req.wants_prompt_logprobs else 0
             if fresh:
                 req.num_computed_tokens = hit
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
-            admitted = n <= 0 or self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
+            admitted = n <= 0 or kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
             while not admitted and self._release_idle_holder(exclude=req):
-                admitted = self.kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
+                admitted = kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
             if not admitted:
                 if fresh:  # hand back what the lookup took
-                    self.kv.free(req.seq_id)
+                    kv.free(req.seq_id)
                     req.num_computed_tokens = 0
                 break
             if fresh:
-                self.kv.count_prefix_query(req.num_tokens, hit)
+                kv.count_prefix_query(req.num_tokens, hit)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            running.append(req)
+            self._take_slot(req)
             if n > 0:
-                scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
+                start = req.num_computed_tokens
+                (single if n == 1 or draft_tokens else multi).append(ScheduledSequence(req, start, n, start + n == req.num_tokens))
                 budget -= n
-        if self.draft_tokens:
+        scheduled = single + multi
+        if draft_tokens:
             self._fit_draft_rows(scheduled)
-        # Single-token (decode) sequences first: the attention reads a mixed step's cached context in
-        # two row groups split at the sequence slots, and prefill rows then skip decode rows' contexts.
-        scheduled.sort(key=lambda item: item.num_tokens > 1)
-        return SchedulerOutput(scheduled, preempted)
+            scheduled.sort(key=lambda item: item.num_tokens > 1)  # (in admission order until here)
+        return SchedulerOutput(scheduled, preempted, sampled_rows=sampled_rows)
 
     def _fit_draft_rows(self, scheduled: list[ScheduledSequence]) -> None:
         """A step samples at most max_num_seqs rows: proposals beyond that are dropped (their slots stay allocated
@@ -214,9 +338,46 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> list[ScheduledSequence]:
         """Take a step's results: fill in each sampling sequence's oldest in-flight token, register the blocks
-        now full and finish the sequences that stop. Returns the scheduled sequences that were still live."""
-        live = []
+        now full and finish the sequences that stop. Returns the scheduled sequences that were still live; the
+        rows among them whose sequences ended are in `finished_items`."""
         self.num_computed_tokens_total += output.num_tokens
+        self.finished_items = []
+        cols = output.columns
+        if cols is None or stop_strings or cols.drafts or cols.slot_epoch != self._slot_epoch:
+            return self._update_rows(output, sampled_tokens, stop_strings)
+        # Every row is still running and holds its slot, its sampled row is its index, and no stop string hit: the
+        # rows that may end (length, EOS), may have filled a block or need more (beams, grammars, stop ids) go through
+        # the row-wise path, the others only take their token.
+        scheduled = output.scheduled
+        tokens = np.asarray(sampled_tokens)[: len(scheduled)]
+        slots, appends, n_out = cols.slots, cols.appends, cols.num_outputs + 1
+        may_end = n_out >= self._stop_at[slots]
+        if len(self.eos_token_ids):
+            eos = tokens == self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else np.isin(tokens, self._eos_ids)
+            may_end |= eos & self._eos_stops[slots] & (n_out >= self._min_tokens[slots])
+        may_end &= appends
+        # a block is registered once its tokens are computed and known: a decode row's known count reaches
+        # start + 1 in this update (the tokens before its own sampled one)
+        filled = (cols.counts > 1) | ((cols.starts + 1) % self.kv.block_size == 0)
+        by_row = may_end | filled | ~self._bulk[slots]
+        token_list = tokens.tolist()
+        for j in np.flatnonzero(by_row).tolist():
+            item = scheduled[j]
+            req = item.request
+            self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)
+            if appends[j]:
+                self._append_token(req, token_list[j], None)
+                if req.finished:
+                    self.finished_items.append(item)
+        take = np.flatnonzero(appends & ~by_row)
+        for item, k, token in zip([scheduled[j] for j in take.tolist()], cols.num_outputs[take].tolist(), tokens[take].tolist()):
+            req = item.request
+            req.output_token_ids[k] = token
+            req.num_in_flight -= 1
+        return scheduled
+
+    def _update_rows(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> list[ScheduledSequence]:
+        live = []
         tokens = sampled_tokens.tolist() if hasattr(sampled_tokens, "tolist") else list(sampled_tokens)  # ints, once
         for item in output.scheduled:
             req = item.request
@@ -226,6 +387,8 @@ class Scheduler:
             self.kv.register_full_blocks(req, req.num_tokens - req.num_in_flight)  # one lookup, unless a block filled
             if item.samples and not req.is_beam:
                 self._append_token(req, tokens[item.row], stop_strings.get(req) if stop_strings else None)
+                if req.finished:
+                    self.finished_items.append(item)
         return live
 
     def _append_token(self, req: Request, token: int, stop_string: str | None) -> None:
@@ -306,6 +469,7 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request) -> None:
+        self._drop_slot(req)
         self.kv.free(req.seq_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -317,6 +481,7 @@ class Scheduler:
         """Take a sequence out of scheduling and return its blocks at once."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._drop_slot(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import os
@@ -80,11 +81,6 @@ def _loading_place(config: EngineConfig):
     return jax.default_device(jax.local_devices(backend="cpu")[0])
 
 
-def _needs_host_tokens(req: Request) -> bool:
-    """Sampling this sequence reads its latest tokens on the host: its grammar's mask, or its penalties' history."""
-    return req.grammar is not None or req.params.has_penalties
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, devices=None):
         """devices: where this engine runs (default: JAX's devices, of which it takes what its parallelism needs)."""
@@ -144,6 +140,11 @@ class LLMEngine:
 
             self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
+        # What start-up made (the model, JAX's and the tokenizer's objects) lives as long as the process: moved out
+        # of the collector's reach, so the full collections that a step's allocations trigger now and then pass
+        # over only what came after (as vLLM does). At 256 rows they had cost the step loop ~0.3 ms a step.
+        gc.collect()
+        gc.freeze()
 
     def _eos_ids(self) -> list[int]:
         ids = set(self.loaded.config.eos_token_ids)
@@ -456,7 +457,7 @@ class LLMEngine:
             if prev is None and self.scheduler.has_unfinished() and not scheduler_output.preempted:  # admission checks prevent it
                 raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request")
             return None
-        later = prev is not None and any(_needs_host_tokens(req) for req in scheduler_output.sampled_rows)
+        later = prev is not None and scheduler_output.needs_host_tokens
         dispatched = self.runner.execute_model(scheduler_output, prev.dispatched if prev else None, defer_sampling=later)
         return InFlightStep(scheduler_output, dispatched, later)
 
@@ -473,7 +474,7 @@ class LLMEngine:
         stop_strings = self.output_processor.detokenize(scheduler_output, result)
         live = self.scheduler.update(scheduler_output, result.tokens, stop_strings)
         ended_searches = self._update_beams(live, result)
-        return self.output_processor.process(live, result, ended_searches)
+        return self.output_processor.process(live, result, ended_searches, self.scheduler.finished_items)
 
     def _can_overlap(self, step: InFlightStep) -> bool:
         """The next step can be formed without this one's results: no beam search (the host picks the next beams

@@ -93,11 +93,13 @@ class OutputProcessor:
                 stops[req] = detok.stop_reason
         return stops
 
-    def process(self, live: list[ScheduledSequence], result: StepResult, finished_beams: Sequence[str] = ()) -> list[RequestOutput]:
-        """Logprobs of the scheduled sequences the scheduler took, then the outputs of every request that moved."""
+    def process(self, live: list[ScheduledSequence], result: StepResult, finished_beams: Sequence[str] = (),
+                ended: list[ScheduledSequence] | None = None) -> list[RequestOutput]:  # fmt: skip
+        """Logprobs of the scheduled sequences the scheduler took, then the outputs of every request that moved.
+        ended: the rows of `live` whose sequences the scheduler ended in this update, where it kept them."""
         touched: dict[str, ParentRequest] = {}
         if not self._num_loud:  # every sequence quiet: only those that ended have anything to do
-            live = [item for item in live if item.request.finished]
+            live = ended if ended is not None else [item for item in live if item.request.finished]
         for item in live:
             req = item.request
             state = self._states.get(req)

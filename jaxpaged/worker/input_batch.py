@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
+from jaxpaged.core.scheduler import SchedulerOutput, StepColumns
 from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.worker.sampler import SamplingMetadata, SamplingRow, bitmask_words, build_sampling_metadata, columns_metadata
+from jaxpaged.worker.sampler import (
+    SamplingMetadata, SamplingRow, _blank, _constants, _seeds_u32, bitmask_words, build_sampling_metadata, columns_metadata,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from jaxpaged.worker.model_runner import ModelRunner
@@ -54,14 +56,16 @@ class _OutputsAtScheduling(Sequence):
 
 
 _FINISHED_ROW = SamplingParams(temperature=0.0, max_tokens=1)  # a row whose result will be dropped
+_NEUTRAL = np.array([0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0])  # a padding row's constants: greedy, no truncation, no penalty
 
 
 class InputBatchBuilder:
     """The runner's: its buckets and table width fix every array's shape.
 
-    It works on whole arrays, with per-row Python kept to reading each scheduled sequence's few numbers: block
-    tables stay on the host between steps (a row per sequence, copied again only when the KV cache manager's stamp
-    for it moves: a new block, a copy-on-write, a fork), and positions, slots and offsets are computed in numpy.
+    It keeps a row per scheduler slot (a running sequence's, fixed while it runs) across steps: its block table,
+    copied again only when the scheduler says it changed, and its sampling constants, set when a sequence takes
+    the slot. A step is then built from the scheduler's columns in numpy; per-row Python is left to rows whose
+    tokens are on the host (prefill chunks, or every row with async scheduling off).
     """
 
     def __init__(self, runner: ModelRunner, eos_token_ids: Sequence[int], max_suppress: int):
@@ -70,13 +74,19 @@ class InputBatchBuilder:
         self.eos_token_ids = list(eos_token_ids)
         self.max_suppress = max_suppress  # ids min_tokens may forbid per row
         self.mask_words = bitmask_words(runner.model_config.vocab_size)  # structured outputs' packed bitmask
-        # a step holds at most max_num_seqs sequences: twice that many rows never run out within one step
-        capacity = 2 * runner.config.max_num_seqs
-        self._table_rows = np.zeros((capacity, runner.table_width), np.int32)
-        self._rows: dict[object, list[int]] = {}  # request -> [its row in _table_rows, the table stamp it holds]
-        self._free_rows = list(range(capacity - 1, -1, -1))
-        # with enable_lora: each table row's adapter slot, set when a request takes the row (fixed until it finishes)
-        self._row_lora = np.full(capacity, -1, np.int32) if runner.config.enable_lora else None
+        slots = runner.config.max_num_seqs
+        self._table_rows = np.zeros((slots, runner.table_width), np.int32)
+        # per slot, set when a sequence takes it: sampling constants (sampler._constants), seed, prompt length and
+        # whether its sampling is plain (no penalties, no grammar: built as columns), prompt logprobs, adapter slot
+        self._constants = np.zeros((slots, 8), np.float64)
+        self._seeds = np.zeros(slots, np.uint32)
+        self._prompt_lens = np.zeros(slots, np.int32)
+        self._plain = np.zeros(slots, bool)
+        self._top = np.zeros(slots, bool)  # truncation (top-k/p, min-p) in a sampled, not greedy, row
+        self._logprobs = np.zeros(slots, bool)
+        self._prompt_logprobs = np.zeros(slots, bool)
+        # with enable_lora: each slot's adapter slot (fixed until its sequence finishes)
+        self._row_lora = np.full(slots, -1, np.int32) if runner.config.enable_lora else None
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
@@ -90,69 +100,60 @@ class InputBatchBuilder:
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
-    def _table_rows_of(self, scheduled: Sequence[ScheduledSequence]) -> np.ndarray:
-        """Each scheduled sequence's row in _table_rows, its block table brought up to date where it changed."""
-        rows = np.empty(len(scheduled), np.intp)
-        for j, item in enumerate(scheduled):
-            entry = self._rows.get(item.request)
-            if entry is None:
-                entry = self._rows[item.request] = [self._take_row(scheduled), -1]
-                if self._row_lora is not None:
-                    self._row_lora[entry[0]] = item.request.parent.lora_slot
-            if entry[1] != item.table_stamp:
-                table, row = item.block_table, self._table_rows[entry[0]]
-                row[: len(table)] = table
-                row[len(table) :] = 0
-                entry[1] = item.table_stamp
-            rows[j] = entry[0]
-        return rows
-
-    def _take_row(self, scheduled: Sequence[ScheduledSequence]) -> int:
-        if not self._free_rows:  # hand back the rows of every sequence not in this step (finished, or idle)
-            current = {item.request for item in scheduled}
-            for req in [r for r in self._rows if r not in current]:
-                self._free_rows.append(self._rows.pop(req)[0])
-        return self._free_rows.pop()
+    def _take_slots(self, cols: StepColumns) -> None:
+        """The per-slot state of sequences that took a slot, and the block tables that changed."""
+        for req in cols.admitted:
+            slot, params = req.slot, req.params
+            self._constants[slot] = _constants(params)
+            self._seeds[slot] = _seeds_u32([req.seed])[0]
+            self._prompt_lens[slot] = len(req.prompt_token_ids)
+            self._plain[slot] = req.grammar is None and not params.has_penalties
+            self._top[slot] = params.uses_truncation and not params.is_greedy
+            self._logprobs[slot] = params.logprobs is not None
+            self._prompt_logprobs[slot] = req.wants_prompt_logprobs
+            if self._row_lora is not None:
+                self._row_lora[slot] = req.parent.lora_slot
+        for slot, table in cols.tables:
+            row = self._table_rows[slot]
+            row[: len(table)] = table
+            row[len(table) :] = 0
 
     def build(self, output: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
         t, s = self.runner.bucket_for(output.num_tokens)
-        scheduled = output.scheduled
+        scheduled, cols = output.scheduled, output.columns
+        self._take_slots(cols)
         m = len(scheduled)
-        counts = np.fromiter((item.num_tokens for item in scheduled), np.int32, m)
-        starts = np.fromiter((item.start for item in scheduled), np.int32, m)
-        prev = np.fromiter((item.prev_row for item in scheduled), np.int32, m)
+        slots, counts, starts, prev = cols.slots, cols.counts, cols.starts, cols.prev_rows
         ends = np.cumsum(counts, dtype=np.int32)
         total = int(ends[-1]) if m else 0
 
         ids = np.zeros(t, np.int32)
-        flat: list[int] = []
-        for item in scheduled:
-            if item.prev_row >= 0 and item.num_tokens == 1:
-                flat.append(0)  # the previous step's output, still on the device (prev_rows)
-            elif item.draft_token_ids:  # speculative decoding: its last token, then the proposals it verifies
-                flat.extend(item.request.tokens_at(item.start, 1))
-                flat.extend(item.draft_token_ids)
+        fed = (prev >= 0) & (counts == 1)  # the previous step's output, still on the device (prev_rows)
+        for j in np.flatnonzero(~fed).tolist():  # the rows whose tokens are on the host
+            item = scheduled[j]
+            first = int(ends[j]) - item.num_tokens
+            if item.draft_token_ids:  # speculative decoding: its last token, then the proposals it verifies
+                ids[first] = item.request.tokens_at(item.start, 1)[0]
+                ids[first + 1 : first + 1 + len(item.draft_token_ids)] = item.draft_token_ids
             else:
-                flat.extend(item.request.tokens_at(item.start, item.num_tokens))
-        ids[:total] = flat
+                ids[first : first + item.num_tokens] = item.request.tokens_at(item.start, item.num_tokens)
 
         tables = np.zeros((s, self.runner.table_width), np.int32)
-        table_rows = self._table_rows_of(scheduled)
-        tables[:m] = self._table_rows[table_rows]
+        tables[:m] = self._table_rows[slots]
         row_of = np.repeat(np.arange(m), counts)
         pos = np.arange(total, dtype=np.int32) + (starts - (ends - counts))[row_of]
         positions = np.zeros(t, np.int32)
         positions[:total] = pos
-        slots = np.full(t, -1, np.int32)
-        slots[:total] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
+        slot_mapping = np.full(t, -1, np.int32)
+        slot_mapping[:total] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
         seq_lens = np.zeros(s, np.int32)
         seq_lens[:m] = starts + counts
         query_start_loc = np.full(s + 1, total, np.int32)
         query_start_loc[0] = 0
         query_start_loc[1 : m + 1] = ends
         logit_rows = np.zeros(s, np.int32)
-        drafts = np.fromiter((len(item.draft_token_ids) for item in scheduled), np.int32, m)
-        if drafts.any():  # a verifying sequence samples at each of its last 1 + k positions
+        if cols.drafts:  # a verifying sequence samples at each of its last 1 + k positions
+            drafts = np.fromiter((len(item.draft_token_ids) for item in scheduled), np.int32, m)
             per_row = np.repeat(ends - 1 - drafts, 1 + drafts)
             logit_rows[: len(per_row)] = per_row + np.arange(len(per_row)) - np.repeat(np.cumsum(1 + drafts) - 1 - drafts, 1 + drafts)
         else:
@@ -160,26 +161,61 @@ class InputBatchBuilder:
         prev_rows = None
         if (prev >= 0).any():  # rows whose last token is the previous step's output, still on the device
             prev_rows = np.full(t, -1, np.int32)
-            fed = prev >= 0
-            prev_rows[ends[fed] - 1] = prev[fed]
+            has_prev = prev >= 0
+            prev_rows[ends[has_prev] - 1] = prev[has_prev]
         prompt_next = None
-        for j, item in enumerate(scheduled):
+        for j in np.flatnonzero(self._prompt_logprobs[slots]).tolist():
+            item = scheduled[j]
             req = item.request
-            if req.params.prompt_logprobs is None or not req.wants_prompt_logprobs:
-                continue
             start, n, prompt_len = item.start, item.num_tokens, len(req.prompt_token_ids)
             if start < prompt_len - 1:
                 prompt_next = np.full(t, -1, np.int32) if prompt_next is None else prompt_next
                 stop = min(start + n, prompt_len - 1)  # rows that predict a prompt token
                 cursor = int(ends[j] - n)
                 prompt_next[cursor : cursor + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
-        sampling = self.sampling(output, t) if with_sampling else None
-        attn_metadata = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
+        sampling = None
+        if with_sampling:
+            sampling = self._plain_sampling(cols, s) if self._is_plain(cols) else self.sampling(output, t)
+        attn_metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc)
         lora_slots = None
         if self._row_lora is not None:
             lora_slots = np.full(t, -1, np.int32)
-            lora_slots[:total] = np.repeat(self._row_lora[table_rows], counts)
+            lora_slots[:total] = np.repeat(self._row_lora[slots], counts)
         return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows, lora_slots)
+
+    def _is_plain(self, cols: StepColumns) -> bool:
+        """Every row's sampling metadata comes from its slot's constants: no proposals, penalties, grammars, and no
+        row still short of its min_tokens (its EOS suppressed)."""
+        slots = cols.slots
+        return not cols.drafts and bool(self._plain[slots].all()) and bool(
+            (cols.num_outputs >= self._constants[slots, 7]).all())
+
+    def _plain_sampling(self, cols: StepColumns, num_rows: int) -> SamplingMetadata:
+        """columns_metadata's values, gathered from the slots' constants."""
+        slots, m = cols.slots, len(cols.slots)
+        per_row = np.empty((num_rows, 8), np.float64)
+        per_row[:m] = self._constants[slots]
+        per_row[m:] = _NEUTRAL
+        seeds = np.zeros(num_rows, np.uint32)
+        seeds[:m] = self._seeds[slots]
+        step_index = np.zeros(num_rows, np.int32)
+        step_index[:m] = cols.num_outputs
+        prompt_lens = np.zeros(num_rows, np.int32)
+        prompt_lens[:m] = self._prompt_lens[slots]
+        longest = int((prompt_lens + step_index).max(initial=0))
+        if self.runner.history_width < longest:
+            raise ValueError(f"history_width ({self.runner.history_width}) must be >= the longest prompt + output ({longest})")
+        f32 = np.float32
+        return SamplingMetadata(
+            temperature=per_row[:, 0].astype(f32), top_k=per_row[:, 1].astype(np.int32), top_p=per_row[:, 2].astype(f32),
+            min_p=per_row[:, 3].astype(f32), presence_penalty=per_row[:, 4].astype(f32),
+            frequency_penalty=per_row[:, 5].astype(f32), repetition_penalty=per_row[:, 6].astype(f32), seeds=seeds,
+            step_index=step_index, history=_blank((num_rows, self.runner.history_width)), prompt_lens=prompt_lens,
+            suppress_ids=_blank((num_rows, self.max_suppress)), any_penalty=np.array(False),
+            any_top=np.array(bool(self._top[slots].any())), want_logprobs=np.array(bool(self._logprobs[slots].any())),
+            bitmask=_blank((num_rows, self.mask_words)), any_constrained=np.array(False),
+            draft_ids=np.full(num_rows, -1, np.int32),
+        )  # fmt: skip
 
     def sampling(self, output: SchedulerOutput, num_tokens: int) -> SamplingMetadata:
         """The step's sampling rows from its requests as they stand: at scheduling, or (deferred) once the previous

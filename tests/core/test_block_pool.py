@@ -114,26 +114,22 @@ def test_first_write_into_a_shared_partial_block_copies_it():
     assert kv.block_table("p") == [a, b] and kv.take_copies() == []
 
 
-def test_a_table_stamp_moves_with_every_change_of_the_table_and_only_then():
+def test_take_changed_names_a_table_after_every_change_and_only_then():
     pool = BlockPool(8)
     kv = KVCacheManager(pool, block_size=4)
-    assert kv.table_stamp("p") == 0  # no table
-    assert kv.allocate_slots("p", 0, 6)
-    seen = {kv.table_stamp("p")}
-    assert kv.allocate_slots("p", 6, 1) and kv.table_stamp("p") in seen  # room left in its last block: no change
-    assert kv.allocate_slots("p", 7, 2) and kv.table_stamp("p") not in seen  # a new block
-    seen.add(kv.table_stamp("p"))
+    assert kv.take_changed() == set()
+    assert kv.allocate_slots("p", 0, 6) and kv.take_changed() == {"p"}
+    assert kv.allocate_slots("p", 6, 1) and kv.take_changed() == set()  # room left in its last block: no change
+    assert kv.allocate_slots("p", 7, 2) and kv.take_changed() == {"p"}  # a new block
     kv.fork("p", "c")
-    assert kv.table_stamp("c") not in seen and kv.table_stamp("p") in seen
-    seen.add(kv.table_stamp("c"))
+    assert kv.take_changed() == {"c"}
     before = list(kv.block_table("c"))
     assert kv.allocate_slots("c", 9, 1)  # writes into the shared partial block: copy-on-write replaces it in place
     assert kv.block_table("c") != before and len(kv.block_table("c")) == len(before)
-    assert kv.table_stamp("c") not in seen
-    seen.add(kv.table_stamp("c"))
+    assert kv.take_changed() == {"c"}
     kv.free("c")
-    assert kv.table_stamp("c") == 0
-    assert kv.allocate_slots("c", 0, 1) and kv.table_stamp("c") not in seen  # a new table never reuses a stamp
+    assert kv.take_changed() == {"c"}
+    assert kv.allocate_slots("c", 0, 1) and kv.take_changed() == {"c"}  # a new table
 
 
 def test_prefix_cache_lookup_register_and_eviction():

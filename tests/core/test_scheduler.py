@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
+
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.sampling_params import SamplingParams
@@ -15,6 +18,8 @@ BLOCK = 4
 
 class FakeKV:
     """A pool of `num_blocks` blocks of BLOCK tokens; allocate_slots grows a sequence's table or says no."""
+
+    block_size = BLOCK
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -34,8 +39,8 @@ class FakeKV:
     def block_table(self, seq_id: str) -> list[int]:
         return list(range(self.tables.get(seq_id, 0)))
 
-    def table_stamp(self, seq_id: str) -> int:
-        return self.tables.get(seq_id, 0)
+    def take_changed(self) -> set[str]:
+        return set(self.tables)  # every table, every step: the scheduler sends those of running sequences
 
     def free(self, seq_id: str) -> None:
         self.tables.pop(seq_id, None)
@@ -128,3 +133,67 @@ def test_finishing_a_waiting_request_frees_it_and_nothing_else():
     assert sched.running == [a] and list(sched.waiting) == [b]  # the sequence cap
     sched.finish(b, RequestStatus.FINISHED_ABORTED)
     assert not sched.waiting and b.status == RequestStatus.FINISHED_ABORTED and kv.tables == {"a": 2}
+
+
+class _Counting(Scheduler):
+    """Counts the updates that fall back to the row-wise path."""
+
+    row_wise_updates = 0
+
+    def _update_rows(self, *args):
+        self.row_wise_updates += 1
+        return super()._update_rows(*args)
+
+
+class _RowWise(Scheduler):
+    """The definition: every update takes its rows one by one."""
+
+    def update(self, output, sampled_tokens, stop_strings):
+        self.num_computed_tokens_total += output.num_tokens
+        self.finished_items = []
+        return self._update_rows(output, sampled_tokens, stop_strings)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bulk_update_equals_the_row_wise_update(overlap):
+    """The update that takes most rows' tokens as arrays (only possible stops and filled blocks row by row) ends the
+    same sequences with the same tokens and reasons, and registers the same blocks, as the row-wise one, through EOS
+    with min_tokens, stop ids, length limits, preemptions and prefix hits; overlap schedules step N + 1 before N's
+    tokens are taken, as async scheduling does."""
+    from jaxpaged.core.block_pool import BlockPool
+    from jaxpaged.core.kv_cache_manager import KVCacheManager
+
+    def run(cls):
+        pool = BlockPool(40)
+        sched = cls(KVCacheManager(pool, BLOCK), max_num_seqs=6, max_num_batched_tokens=24, eos_token_ids=[2, 5],
+                    max_model_len=70)  # fmt: skip
+        rng = np.random.default_rng(0)
+        reqs, common = [], rng.integers(6, 30, 12).tolist()
+        for i in range(16):
+            params = SamplingParams(max_tokens=int(rng.integers(3, 40)), min_tokens=int(rng.integers(0, 4)),
+                                    ignore_eos=i % 5 == 0, stop_token_ids=[7] if i % 4 == 1 else None)  # fmt: skip
+            prompt = (common if i % 3 == 0 else []) + rng.integers(6, 30, int(rng.integers(1, 30))).tolist()
+            group = ParentRequest(str(i), None, prompt, params)
+            req = Request(str(i), group, 0, prompt, params, min(params.max_tokens, 70 - len(prompt)), seed=0)
+            group.sequences.append(req)
+            reqs.append(req)
+            sched.add(req)
+        in_flight, registered = None, []
+        while sched.has_unfinished() or in_flight is not None:
+            out = sched.schedule() if sched.has_unfinished() else None
+            done = in_flight if overlap else out
+            if done is not None:
+                # mostly ordinary ids, some EOS and stop ids
+                sched.update(done, rng.choice([2, 5, 7] + list(range(8, 20)), size=len(done.scheduled) + 8), {})
+                registered.append(pool.num_cached)
+            in_flight = out if overlap else None
+        assert pool.num_free == pool.num_blocks
+        if cls is _Counting:  # most updates were in bulk (the others had a preemption or an end in flight)
+            assert sched.row_wise_updates < len(registered) / 2
+        return [(r.output_token_ids, r.status, r.stop_reason) for r in reqs], registered, sched.num_preemptions
+
+    bulk, row_wise = run(_Counting), run(_RowWise)
+    assert bulk == row_wise
+    assert bulk[2] > 0 and max(bulk[1]) > 0  # preemptions, and blocks registered
+    statuses = {status for _, status, _ in bulk[0]}
+    assert statuses == {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH}
