@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import gc
 import itertools
 import logging
 import os
@@ -140,11 +139,6 @@ class LLMEngine:
 
             self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
-        # What start-up made (the model, JAX's and the tokenizer's objects) lives as long as the process: moved out
-        # of the collector's reach, so the full collections that a step's allocations trigger now and then pass
-        # over only what came after (as vLLM does). At 256 rows they had cost the step loop ~0.3 ms a step.
-        gc.collect()
-        gc.freeze()
 
     def _eos_ids(self) -> list[int]:
         ids = set(self.loaded.config.eos_token_ids)

@@ -61,6 +61,7 @@ CASES = [
     (shape, bs, HEADS[(i + j) % 4], HEAD_DIMS[(i + 2 * j) % 4])
     for i, shape in enumerate(SHAPES)
     for j, bs in enumerate([8, 16, 32])
+    if (i + j) % 3 != 1  # two block sizes per shape; every block size, GQA ratio and head_dim still meets others
 ]
 
 

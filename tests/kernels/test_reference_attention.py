@@ -21,7 +21,9 @@ SHAPES = [
 
 
 HEADS = [(4, 4), (4, 2), (8, 2), (8, 1)]  # GQA ratios 1, 2, 4, 8
-CASES = [(shape, bs, HEADS[(i + j) % 4]) for i, shape in enumerate(SHAPES) for j, bs in enumerate([8, 16, 32])]
+CASES = [  # two block sizes per shape; every block size and GQA ratio still meets other shapes
+    (shape, bs, HEADS[(i + j) % 4]) for i, shape in enumerate(SHAPES) for j, bs in enumerate([8, 16, 32]) if (i + j) % 3 != 1
+]
 
 
 @pytest.mark.parametrize("shape,block_size,heads", CASES)
