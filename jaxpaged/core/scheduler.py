@@ -199,10 +199,11 @@ class Scheduler:
                 req.num_in_flight += 1
                 sampled_rows[req] = item.row
             rows.add(req.slot, item.start, n, item.prev_row, k, append)
-        output.block_copies = self.kv.take_copies()
         self._sampled_rows = sampled_rows
-        output.columns = self._columns(rows, drafts)
-        output.needs_host_tokens = bool(self._host_sampled[output.columns.slots[output.columns.appends]].any())
+        if output.scheduled:  # an empty step runs nothing: the slots taken, tables changed and copies wait for the next
+            output.block_copies = self.kv.take_copies()
+            output.columns = self._columns(rows, drafts)
+            output.needs_host_tokens = bool(self._host_sampled[output.columns.slots[output.columns.appends]].any())
         return output
 
     def _columns(self, rows: _Rows, drafts: bool) -> StepColumns:

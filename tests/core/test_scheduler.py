@@ -178,9 +178,13 @@ def test_bulk_update_equals_the_row_wise_update(overlap):
             group.sequences.append(req)
             reqs.append(req)
             sched.add(req)
-        in_flight, registered = None, []
+        in_flight, registered, slot_tables = None, [], {}
         while sched.has_unfinished() or in_flight is not None:
             out = sched.schedule() if sched.has_unfinished() else None
+            if out is not None and out.scheduled:  # the tables the columns carry, replayed, are the manager's
+                slot_tables.update((slot, list(table)) for slot, table in out.columns.tables)
+                for item in out.scheduled:
+                    assert slot_tables[item.request.slot] == sched.kv.block_table(item.request.seq_id)
             done = in_flight if overlap else out
             if done is not None:
                 # mostly ordinary ids, some EOS and stop ids
