@@ -104,10 +104,14 @@ def test_a_killed_follower_is_reported_by_process_0(model, tmp_path):
             time.sleep(0.5)
         os.killpg(procs[1].pid, signal.SIGKILL)
         killed = time.monotonic()
-        code = procs[0].wait(timeout=60)  # bounded: the next broadcast fails as the peer's connection closes
+        try:
+            code = procs[0].wait(timeout=60)  # bounded: the next broadcast fails as the peer's connection closes
+        except subprocess.TimeoutExpired:
+            code = None  # (once in a loaded CI run: its log, below, says where process 0 was)
         reported_after = time.monotonic() - killed
     finally:
         logs = _stop(procs)
+    assert code is not None, "process 0 still ran 60 s after the kill:\n" + logs[0][-6000:]
     assert code == 0, logs[0][-6000:]
     result = json.loads(out.read_text())
     assert "error" in result and "process of the group failed or left" in result["error"], result
