@@ -64,6 +64,11 @@ class Request:
         return self.params.prompt_logprobs is not None and self.index == 0 and not self.is_beam
 
     @property
+    def sampler_reads_tokens(self) -> bool:
+        """Sampling it reads its latest tokens on the host: its grammar's mask, or its penalties' history."""
+        return self.grammar is not None or self.params.has_penalties
+
+    @property
     def num_sampled_tokens(self) -> int:
         """Output tokens known on the host."""
         return len(self.output_token_ids) - self.num_in_flight

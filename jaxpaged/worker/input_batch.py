@@ -17,6 +17,7 @@ from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.worker.sampler import (
     SamplingMetadata, SamplingRow, _blank, _constants, _seeds_u32, bitmask_words, build_sampling_metadata, columns_metadata,
+    constants_metadata,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ class _OutputsAtScheduling(Sequence):
 
 
 _FINISHED_ROW = SamplingParams(temperature=0.0, max_tokens=1)  # a row whose result will be dropped
-_NEUTRAL = np.array([0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0])  # a padding row's constants: greedy, no truncation, no penalty
 
 
 class InputBatchBuilder:
@@ -107,7 +107,7 @@ class InputBatchBuilder:
             self._constants[slot] = _constants(params)
             self._seeds[slot] = _seeds_u32([req.seed])[0]
             self._prompt_lens[slot] = len(req.prompt_token_ids)
-            self._plain[slot] = req.grammar is None and not params.has_penalties
+            self._plain[slot] = not req.sampler_reads_tokens
             self._top[slot] = params.uses_truncation and not params.is_greedy
             self._logprobs[slot] = params.logprobs is not None
             self._prompt_logprobs[slot] = req.wants_prompt_logprobs
@@ -192,29 +192,11 @@ class InputBatchBuilder:
 
     def _plain_sampling(self, cols: StepColumns, num_rows: int) -> SamplingMetadata:
         """columns_metadata's values, gathered from the slots' constants."""
-        slots, m = cols.slots, len(cols.slots)
-        per_row = np.empty((num_rows, 8), np.float64)
-        per_row[:m] = self._constants[slots]
-        per_row[m:] = _NEUTRAL
-        seeds = np.zeros(num_rows, np.uint32)
-        seeds[:m] = self._seeds[slots]
-        step_index = np.zeros(num_rows, np.int32)
-        step_index[:m] = cols.num_outputs
-        prompt_lens = np.zeros(num_rows, np.int32)
-        prompt_lens[:m] = self._prompt_lens[slots]
-        longest = int((prompt_lens + step_index).max(initial=0))
-        if self.runner.history_width < longest:
-            raise ValueError(f"history_width ({self.runner.history_width}) must be >= the longest prompt + output ({longest})")
-        f32 = np.float32
-        return SamplingMetadata(
-            temperature=per_row[:, 0].astype(f32), top_k=per_row[:, 1].astype(np.int32), top_p=per_row[:, 2].astype(f32),
-            min_p=per_row[:, 3].astype(f32), presence_penalty=per_row[:, 4].astype(f32),
-            frequency_penalty=per_row[:, 5].astype(f32), repetition_penalty=per_row[:, 6].astype(f32), seeds=seeds,
-            step_index=step_index, history=_blank((num_rows, self.runner.history_width)), prompt_lens=prompt_lens,
-            suppress_ids=_blank((num_rows, self.max_suppress)), any_penalty=np.array(False),
-            any_top=np.array(bool(self._top[slots].any())), want_logprobs=np.array(bool(self._logprobs[slots].any())),
-            bitmask=_blank((num_rows, self.mask_words)), any_constrained=np.array(False),
-            draft_ids=np.full(num_rows, -1, np.int32),
+        slots = cols.slots
+        return constants_metadata(
+            self._constants[slots], self._seeds[slots], self._prompt_lens[slots], cols.num_outputs, num_rows,
+            self.runner.history_width, _blank((num_rows, self.max_suppress)), self.mask_words, any_penalty=False,
+            any_top=bool(self._top[slots].any()), want_logprobs=bool(self._logprobs[slots].any()),
         )  # fmt: skip
 
     def sampling(self, output: SchedulerOutput, num_tokens: int) -> SamplingMetadata:
@@ -226,8 +208,7 @@ class InputBatchBuilder:
         for item in scheduled:  # most steps: every row plain, its metadata built as columns
             req = item.request
             p = req.params
-            if (req.finished or item.draft_token_ids or req.grammar is not None or p.has_penalties
-                    or item.num_output_tokens < p.min_tokens):  # fmt: skip
+            if req.finished or item.draft_token_ids or req.sampler_reads_tokens or item.num_output_tokens < p.min_tokens:
                 break
             params.append(p)
         else:

@@ -349,46 +349,64 @@ def columns_metadata(
     complete for rows with no min_tokens still to reach, grammar, penalty or proposal (most steps: the input batch
     builds those without a SamplingRow per row); build_sampling_metadata adds the rest."""
     n = len(params)
-    if n > num_rows:
-        raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({n})")
-    longest = int((prompt_lens + step_index).max(initial=0))
-    if history_width < longest:
-        raise ValueError(f"history_width ({history_width}) must be >= the longest prompt + output ({longest})")
-
-    def padded(column, fill):
-        out = np.full(num_rows, fill, np.int32)
-        if column is not None:
-            out[:n] = column
-        return out
-
     # Whole columns at once: each distinct SamplingParams' constants once (a batch usually shares a few), then
     # gathered per row.
     which: dict[int, int] = {}
     index = [which.setdefault(id(p), len(which)) for p in params]
     distinct = list({id(p): p for p in params}.values())
     table = np.array([_constants(p) for p in distinct] or [(0.0,) * 8], np.float64)
-    neutral = np.array([[0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0]])  # a padding row: greedy, no truncation, no penalty
-    per_row = np.concatenate([table[index] if n else table[:0], np.repeat(neutral, num_rows - n, axis=0)])
-    temperature, top_p, min_p = (per_row[:, i].astype(np.float32) for i in (0, 2, 3))
-    presence, frequency, repetition = (per_row[:, i].astype(np.float32) for i in (4, 5, 6))
-    seeds_u32 = np.zeros(num_rows, np.uint32)
-    seeds_u32[:n] = _seeds_u32(seeds)
+    return constants_metadata(
+        table[index] if n else table[:0], _seeds_u32(seeds), prompt_lens, step_index, num_rows, history_width,
+        np.full((num_rows, max_suppress), -1, np.int32), mask_words,
+        any_penalty=any(p.has_penalties for p in distinct),
+        any_top=any(p.uses_truncation for p in distinct if not p.is_greedy),
+        want_logprobs=any(p.logprobs is not None for p in distinct), draft_ids=draft_ids,
+    )  # fmt: skip
+
+
+NEUTRAL_CONSTANTS = np.array([0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0])  # a padding row's _constants: greedy, no truncation
+
+
+def constants_metadata(
+    constants: np.ndarray, seeds_u32: np.ndarray, prompt_lens: np.ndarray, step_index: np.ndarray, num_rows: int,
+    history_width: int, suppress_ids: np.ndarray, mask_words: int, *, any_penalty: bool, any_top: bool,
+    want_logprobs: bool, draft_ids: np.ndarray | None = None,
+) -> SamplingMetadata:  # fmt: skip
+    """The metadata of n rows from their `_constants` ([n, 8]) and folded seeds, padded to num_rows neutral rows:
+    columns_metadata's, and the input batch's from its slots' constants kept across steps."""
+    n = len(constants)
+    if n > num_rows:
+        raise ValueError(f"num_rows ({num_rows}) must be >= the number of rows ({n})")
+    longest = int((prompt_lens + step_index).max(initial=0))
+    if history_width < longest:
+        raise ValueError(f"history_width ({history_width}) must be >= the longest prompt + output ({longest})")
+
+    def padded(column, fill, dtype=np.int32):
+        out = np.full(num_rows, fill, dtype)
+        if column is not None:
+            out[:n] = column
+        return out
+
+    per_row = np.empty((num_rows, 8), np.float64)
+    per_row[:n] = constants
+    per_row[n:] = NEUTRAL_CONSTANTS
+    f32 = np.float32
     return SamplingMetadata(
-        temperature=temperature,
+        temperature=per_row[:, 0].astype(f32),
         top_k=per_row[:, 1].astype(np.int32),
-        top_p=top_p,
-        min_p=min_p,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
-        seeds=seeds_u32,
+        top_p=per_row[:, 2].astype(f32),
+        min_p=per_row[:, 3].astype(f32),
+        presence_penalty=per_row[:, 4].astype(f32),
+        frequency_penalty=per_row[:, 5].astype(f32),
+        repetition_penalty=per_row[:, 6].astype(f32),
+        seeds=padded(seeds_u32, 0, np.uint32),
         step_index=padded(step_index, 0),
         history=_blank((num_rows, history_width)),
         prompt_lens=padded(prompt_lens, 0),
-        suppress_ids=np.full((num_rows, max_suppress), -1, np.int32),
-        any_penalty=np.array(any(p.has_penalties for p in distinct)),
-        any_top=np.array(any(p.uses_truncation for p in distinct if not p.is_greedy)),
-        want_logprobs=np.array(any(p.logprobs is not None for p in distinct)),
+        suppress_ids=suppress_ids,
+        any_penalty=np.array(any_penalty),
+        any_top=np.array(any_top),
+        want_logprobs=np.array(want_logprobs),
         bitmask=_blank((num_rows, mask_words)),
         any_constrained=np.array(False),
         draft_ids=padded(draft_ids, -1),
