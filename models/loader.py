@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jaxpaged import platforms
 from jaxpaged.config import QUANTIZATION_CHOICES
-from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub
+from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, safetensors_io
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.registry import resolve_architecture
@@ -51,6 +51,7 @@ class LoadedModel:
     source: str
     dtype: str
     quantization: str | None = None  # the scheme the weights were loaded with (a GGUF's platform default resolved)
+    weights_seconds: float = 0.0  # of the load, reading the weights onto the device (the rest: config, imports, tokenizer)
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -104,80 +105,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weights found in {folder}")
 
 
-# safetensors dtypes numpy lacks, read through ml_dtypes (bfloat16 weights, fp8 weights and their scales)
-_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
-def _header(path: Path, headers: dict) -> tuple[dict, int]:
-    """A safetensors file's JSON header and where its data starts, read once per file."""
-    if path not in headers:
-        with open(path, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            headers[path] = json.loads(fh.read(size)), 8 + size
-    return headers[path]
-
-
-def _read_ml_dtype(path: Path, name: str, headers: dict) -> np.ndarray | None:
-    """A tensor safetensors' numpy reader refuses for its dtype (BF16, F8_*), read from the file; None otherwise."""
-    import ml_dtypes
-
-    header, start = _header(path, headers)
-    info = header.get(name) or {}
-    if info.get("dtype") not in _ML_DTYPES:
-        return None
-    begin, end = info["data_offsets"]
-    dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[info["dtype"]]))
-    array = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=start + begin)
-    return array.view(dtype).reshape(info["shape"])
-
-
 def _safetensors_tensors(files: list[Path], fmt: checkpoint_quant.CheckpointFormat | None = None) -> tuple[Iterator, int]:
-    """(name, array, file) triples; `fmt` (a pre-quantized checkpoint) groups each quantized Linear's tensors."""
-    from safetensors import safe_open
-
-    where: dict[str, tuple[Path, Any]] = {}
-    for f in files:
-        try:
-            handle = safe_open(str(f), framework="numpy")
-        except Exception as exc:
-            raise ValueError(f"could not read safetensors file {f}: {exc}") from exc
-        for name in handle.keys():
-            where.setdefault(name, (f, handle))
-
-    headers: dict = {}
-
-    def read(name: str) -> tuple[np.ndarray, str]:
-        f, handle = where[name]
-        if (_header(f, headers)[0].get(name) or {}).get("dtype") in _ML_DTYPES:  # numpy's reader would refuse it
-            return _read_ml_dtype(f, name, headers), str(f)
-        try:
-            return handle.get_tensor(name), str(f)
-        except Exception as exc:
-            array = _read_ml_dtype(f, name, headers)  # the header already parsed once: safe_open read it
-            if array is None:
-                raise ValueError(f"could not read tensor {name} from {f}: {exc}") from exc
-            return array, str(f)
-
+    """(name, array, file) triples, each array a read-only view of the file's memory map (models/safetensors_io.py);
+    `fmt` (a pre-quantized checkpoint) groups each quantized Linear's tensors."""
+    where = safetensors_io.open_files(files)
     if fmt is not None:
-        return fmt.tensors(where, read), len(where)
-    return _read_ahead(where, lambda name: (name, *read(name))), len(where)
-
-
-def _read_ahead(names, read, depth: int = 8) -> Iterator:
-    """read(name) for each name, in order, with up to `depth` reads running ahead on threads (file reads release
-    the GIL), so reading the next tensors overlaps placing this one; at most depth + 1 tensors in host memory."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
-    names = iter(names)
-    with ThreadPoolExecutor(max_workers=min(depth, os.cpu_count() or 1), thread_name_prefix="jaxpaged-read") as pool:
-        pending = deque(pool.submit(read, name) for _, name in zip(range(depth), names))
-        while pending:
-            done = pending.popleft().result()
-            for name in names:  # keep `depth` reads in flight
-                pending.append(pool.submit(read, name))
-                break
-            yield done
+        return fmt.tensors(where, lambda name: (where[name].tensor(name), str(where[name].path))), len(where)
+    return safetensors_io.tensors_in_order(where), len(where)
 
 
 def _load_tokenizer(folder: Path):
@@ -226,8 +160,8 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     files = _safetensors_files(folder)
     tensors, total = _safetensors_tensors(files, fmt)
-    load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name], quantization)
-    return model, cfg, hf_config, _load_tokenizer(folder)
+    weights_s = load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name], quantization)
+    return model, cfg, hf_config, _load_tokenizer(folder), weights_s
 
 
 def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool, quantization: str | None):
@@ -240,8 +174,8 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
         tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
         cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
         tensors = gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config, keep_quantized=True)
-        load_tensors_into(model, specs, _progress(tensors, len(specs), "Loading GGUF"), DTYPES[dtype_name], quantization)
-        return model, cfg, hf_config, tokenizer
+        weights_s = load_tensors_into(model, specs, _progress(tensors, len(specs), "Loading GGUF"), DTYPES[dtype_name], quantization)
+        return model, cfg, hf_config, tokenizer, weights_s
     t0 = time.perf_counter()
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
@@ -256,12 +190,12 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
         name: array.astype(np_dtype)
         for name, array, _ in _progress(gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config), len(specs), "Converting GGUF")
     }
-    load_tensors_into(model, specs, ((n, a, str(path)) for n, a in converted.items()), DTYPES[dtype_name], quantization)
+    weights_s = load_tensors_into(model, specs, ((n, a, str(path)) for n, a in converted.items()), DTYPES[dtype_name], quantization)
     logger.info("converted %s in %.1fs", path.name, time.perf_counter() - t0)
     if use_cache:
         convert_cache.save_entry(entry, converted, hf_config, tokenizer)
         logger.info("cached the converted parameters in %s", entry)
-    return model, cfg, hf_config, tokenizer
+    return model, cfg, hf_config, tokenizer, weights_s
 
 
 def _config_json(config_file: Path):
@@ -278,9 +212,9 @@ def _load_random(config_file: Path, dtype_name: str, choose_attention, quantizat
     """A bare config.json: random weights in its shapes, for benchmarks and tests."""
     hf_config = _config_json(config_file)
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
-    load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization)
+    weights_s = load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization)
     folder = config_file.parent
-    return model, cfg, hf_config, _load_tokenizer(folder)
+    return model, cfg, hf_config, _load_tokenizer(folder), weights_s
 
 
 def model_config(config_file: str | Path) -> ModelConfig:
@@ -346,10 +280,10 @@ def load_model(
         result = _load_random(path, dtype_name, choose_attention, quantization)
     else:
         raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
-    module, cfg, hf_config, tokenizer = result
+    module, cfg, hf_config, tokenizer, weights_s = result
     size = param_bytes(nnx.state(module, nnx.Param))
     logger.info(
         "loaded %s (%s, %.1f MB of %s weights%s) in %.1fs", path.name, cfg.architecture, size / 1e6, dtype_name,
         f", quantization {quantization}" if quantization not in (None, "none") else "", time.perf_counter() - t0,
     )
-    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization)
+    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s)

@@ -8,8 +8,10 @@ q, k and v separate so every family shares one attention layer and one set of sh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -155,16 +157,25 @@ def checkpoint_name(model: nnx.Module, name: str, specs: dict[str, WeightSpec]) 
     return name
 
 
-_device_transpose = jax.jit(lambda x: x.T)  # one small program per weight shape (a model has a handful)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _finish(x: jax.Array, dtype, transpose: bool) -> jax.Array:
+    """A weight's cast and transpose, on the device: one small program per weight shape (a model has a handful)."""
+    return (x.T if transpose else x).astype(dtype)
 
 
 def place(part: np.ndarray, dtype) -> jax.Array:
-    """A host weight on the default device as a C-contiguous `dtype` array. A transposed view (a Linear's [out, in]
-    checkpoint weight as our [in, out] kernel) goes as stored and is transposed there: numpy's strided copy of a
-    large matrix runs at a few hundred MB/s, an accelerator's transpose at memory speed."""
-    if part.ndim == 2 and not part.flags.c_contiguous and part.T.flags.c_contiguous:
-        return _device_transpose(jax.device_put(np.asarray(part.T, dtype=dtype)))
-    return jax.device_put(np.ascontiguousarray(part, dtype=dtype))
+    """A host weight on the default device as a C-contiguous `dtype` array, copied once on the host side at most.
+
+    It goes as stored and is cast and transposed there (a Linear's [out, in] checkpoint weight as our [in, out]
+    kernel): numpy's strided copies and casts run at a few hundred MB/s, a device's at memory speed. A read-only
+    array (a view of a checkpoint's memory map) always passes through that program, because a CPU device may
+    alias read-only host memory rather than copy it, and a weight must not live in a file that can change."""
+    transpose = part.ndim == 2 and not part.flags.c_contiguous and part.T.flags.c_contiguous
+    host = part.T if transpose else np.ascontiguousarray(part)  # copies only a strided split's part
+    on_device = jax.device_put(host)
+    if transpose or host.dtype != jnp.dtype(dtype) or not host.flags.writeable:
+        return _finish(on_device, jnp.dtype(dtype), transpose)
+    return on_device
 
 
 def load_tensors_into(
@@ -173,15 +184,17 @@ def load_tensors_into(
     tensors: Iterable[tuple[str, Any, str]],
     dtype,
     quantization: str | None = None,
-) -> None:
+) -> float:
     """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor.
 
     An array may be a quantized weight (models/quantization.py: ChannelQuantized, GroupQuantized), installed as
     stored (quantization None or "gguf"); "int8"|"fp8" quantizes float Linear kernels on the host as they arrive, so
-    the device never holds the float weights; "none" dequantizes quantized ones instead.
+    the device never holds the float weights; "none" dequantizes quantized ones instead. Returns the seconds it took,
+    the device's copies done.
     """
     from jaxpaged.models.quantization import ChannelQuantized, GroupQuantized, quantize_channels
 
+    t0 = time.perf_counter()
     filled: set[str] = set()
     regroup = getattr(model, "regroup_tensors", None)  # a MoE port stacks per-expert tensors (models/moe.py)
     if regroup is not None:
@@ -233,6 +246,8 @@ def load_tensors_into(
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: {shown}")
+    jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(model)))
+    return time.perf_counter() - t0
 
 
 def random_tensors(specs: dict[str, WeightSpec], model: nnx.Module, seed: int = 0, std: float = 0.02):

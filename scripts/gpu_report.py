@@ -105,7 +105,9 @@ def _startup(args, out: Partial, key: str, t_process: float):
     out[key] = {
         "import_s": imported, "phases_s": phases, "ready_s": ready, "first_token_s": first,
         "process_to_first_token_s": time.perf_counter() - t_process, "weights_bytes": weights,
-        "weights_read_gbs": weights / phases["load"] / 1e9 if phases.get("load") else None,
+        # the weights' own read (file to device); "load" adds imports, the config and the tokenizer
+        "weights_read_gbs": weights / phases["weights"] / 1e9 if phases.get("weights") else None,
+        "load_gbs": weights / phases["load"] / 1e9 if phases.get("load") else None,
         "executables_loaded": engine.runner.executables.num_loaded, "executables_compiled": engine.runner.executables.num_compiled,
         "buckets": engine.runner.buckets, "num_kv_blocks": engine.runner.num_blocks, "memory_plan": engine.runner.memory_plan(),
     }  # fmt: skip
@@ -436,7 +438,8 @@ def summary_table(report: dict) -> str:
         s = cold.get(key) or warm.get(key)
         if s:
             ph = s["phases_s"]
-            lines.append(f"{label}: ready {s['ready_s']:.1f} s (load {_f(ph.get('load'))}, warm-up {_f(ph.get('warmup'))}; "
+            lines.append(f"{label}: ready {s['ready_s']:.1f} s (load {_f(ph.get('load'))} of which weights {_f(ph.get('weights'))}, "
+                         f"warm-up {_f(ph.get('warmup'))}; "
                          f"weights {_f(s.get('weights_read_gbs'), '{:.2f}')} GB/s), first token {s['first_token_s']:.2f} s, "
                          f"{s['executables_loaded']} executables loaded, {s['executables_compiled']} compiled")
     att = st.get("attention", {}).get("attention")

@@ -129,7 +129,9 @@ class LLMEngine:
         # a follower of a process group compiles as the leader's warm-up steps reach it (follow())
         self.is_follower = distributed.is_multiprocess() and not distributed.is_leader()
         self.warmup_seconds = 0.0 if self.is_follower else self.runner.warmup()
-        self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds}
+        self.startup_seconds = {
+            "load": load_seconds, "weights": self.loaded.weights_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds,
+        }  # "weights" is the part of "load" spent reading the weights onto the device
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
         self._in_flight: InFlightStep | None = None  # async scheduling: the step the device is running

@@ -109,6 +109,64 @@ def test_corrupt_safetensors_is_named(tiny_hf, tmp_path):
         load_model(str(folder))
 
 
+def test_a_tensor_past_the_files_end_is_named(tiny_hf, tmp_path):
+    """A header whose offsets reach past the data (a truncated download) is refused before anything is read."""
+    folder = save_hf_model(tiny_hf, tmp_path / "m")
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*do not fit"):
+        load_model(str(folder))
+
+
+def test_memory_mapped_tensors_match_safetensors_own_reader(tmp_path):
+    import ml_dtypes
+    from jaxpaged.models import safetensors_io
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32), "f16": rng.standard_normal(7).astype(np.float16),
+        "i8": rng.integers(-128, 127, (4, 4), dtype=np.int8), "u8": rng.integers(0, 255, 9, dtype=np.uint8),
+        "i64": rng.integers(0, 1 << 40, (2, 3)), "flag": np.array([True, False, True]), "empty": np.zeros((0, 4), np.float32),
+    }  # fmt: skip
+    save_file(tensors, tmp_path / "t.safetensors")
+    where = safetensors_io.open_files([tmp_path / "t.safetensors"])
+    theirs = load_file(tmp_path / "t.safetensors")
+    got = {name: array for name, array, _ in safetensors_io.tensors_in_order(where)}
+    assert sorted(got) == sorted(tensors)
+    for name, array in got.items():
+        assert array.dtype == theirs[name].dtype and np.array_equal(array, theirs[name]), name
+        assert not array.flags.writeable  # a view of the file, never written through
+    bf16 = tmp_path / "bf16.safetensors"  # numpy's safetensors writer has no bfloat16; build the file by hand
+    value = rng.standard_normal((2, 3)).astype(ml_dtypes.bfloat16)
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, value.nbytes]}}).encode()
+    bf16.write_bytes(len(header).to_bytes(8, "little") + header + value.tobytes())
+    read = safetensors_io.open_files([bf16])["w"].tensor("w")
+    assert read.dtype == value.dtype and np.array_equal(read, value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loaded_weights_do_not_live_in_the_file(tiny_hf, tmp_path, dtype):
+    """The checkpoint is read through a memory map, and a CPU device may alias read-only host memory: the weights
+    must be copies, so overwriting the file later (a new checkpoint saved over the old) changes nothing served."""
+    folder = save_hf_model(tiny_hf, tmp_path / "m")
+    path = folder / "model.safetensors"
+    data = path.read_bytes()  # pad the header so the data starts 64-byte aligned, where XLA:CPU aliases host memory
+    size = int.from_bytes(data[:8], "little")
+    padded = size + (-(8 + size) % 64)
+    path.write_bytes(padded.to_bytes(8, "little") + data[8 : 8 + size] + b" " * (padded - size) + data[8 + size :])
+    loaded = load_model(str(folder), dtype=dtype)
+    layer = loaded.model.layers[0]
+    before = [np.asarray(p[...]).copy() for p in (layer.input_layernorm.scale, layer.self_attn.q_proj.kernel, loaded.model.embed_tokens.embedding)]
+    with open(path, "r+b") as fh:  # in place: the same inode and pages the map shows
+        fh.seek(8 + padded)
+        fh.write(b"\x00" * (len(data) - 8 - size))
+    after = [np.asarray(p[...]) for p in (layer.input_layernorm.scale, layer.self_attn.q_proj.kernel, loaded.model.embed_tokens.embedding)]
+    for b, a in zip(before, after):
+        assert np.array_equal(b, a)
+    assert np.abs(before[1]).max() > 0  # the overwritten region held real weights
+
+
 def test_corrupt_gguf_is_named(tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\xff" * 64)
