@@ -116,7 +116,8 @@ def _install(module, leaf: str, value, transpose: bool, dtype, name: str, source
     shape = value.shape[::-1] if transpose else value.shape
     if tuple(shape) != expected:
         raise ValueError(f"tensor {name} in {source} has shape {tuple(shape)}, but the config implies {expected}")
-    put = lambda a: None if a is None else nnx.Param(jax.device_put(np.ascontiguousarray(a)))  # noqa: E731
+    # owned, writable host memory: XLA:CPU would alias a read-only view of a memory-mapped file instead of copying it
+    put = lambda a: None if a is None else nnx.Param(jax.device_put(np.require(a, requirements=("C", "W"))))  # noqa: E731
     if isinstance(module, Linear) and leaf == "kernel" and transpose:
         if isinstance(value, ChannelQuantized):
             module.kernel, module.scale, module.method = put(value.values.T), put(value.scale.astype(np.float32)), ChannelLinear()
