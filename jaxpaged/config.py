@@ -57,6 +57,10 @@ class EngineConfig:
     async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
     precompile: bool = option(True, "compile every step bucket at start-up, so no request waits for a compile; off, each bucket "
                               "compiles (or loads from the cache) on first use (default: on for LLM and the server, off for generate)")  # fmt: skip
+    background_compile: bool | None = option(
+        None, "with precompile: serve once the largest step bucket is compiled and compile the others in the background, "
+        "a step meanwhile padded to the smallest bucket ready (default: on for GPU/TPU, where compiling every bucket "
+        "takes a minute; off on CPU)")  # fmt: skip
     enable_lora: bool = option(False, "serve LoRA adapters (PEFT's format) over the base model, several in one step; "
                                "see docs/lora.md (default: off)", group="lora")  # fmt: skip
     max_loras: int = option(4, "with enable_lora: adapters resident on the device at once, each a slot of the stacked "
@@ -135,6 +139,8 @@ class EngineConfig:
             self.max_num_batched_tokens = platform.max_num_batched_tokens
         if self.kv_cache_memory_fraction is None:
             self.kv_cache_memory_fraction = platform.kv_cache_memory_fraction
+        if self.background_compile is None:
+            self.background_compile = platform.background_compile
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size",
                      "data_parallel_size"):  # fmt: skip
             _positive_int(name, getattr(self, name))

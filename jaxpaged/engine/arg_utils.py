@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser, precompile: bool = True) -> None
         flag, default = "--" + f.name.replace("_", "-"), precompile if f.name == "precompile" else f.default
         kwargs: dict[str, Any] = {"default": default, "help": f.metadata["help"], "dest": f.name}
         kind = str(f.type)
-        if kind == "bool":
+        if kind in ("bool", "bool | None"):  # None: left to the platform
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str

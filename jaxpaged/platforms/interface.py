@@ -25,6 +25,7 @@ class Platform:
     max_num_seqs: ClassVar[int] = 256
     max_num_batched_tokens: ClassVar[int] = 2048
     kv_cache_memory_fraction: ClassVar[float | None] = 0.9
+    background_compile: ClassVar[bool] = True  # EngineConfig.background_compile's default
     fp8_dot_operands: ClassVar[str] = "bfloat16"  # W8A8 fp8 dots: widened to bfloat16, or "float8" (fp8 units)
     gguf_quantization: ClassVar[str] = "gguf"  # a GGUF's weights stay quantized: memory is what runs out first
 

@@ -119,7 +119,7 @@ class InputBatchBuilder:
             row[len(table) :] = 0
 
     def build(self, output: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
-        t, s = self.runner.bucket_for(output.num_tokens)
+        t, s = self.runner.step_bucket(output.num_tokens)
         scheduled, cols = output.scheduled, output.columns
         self._take_slots(cols)
         m = len(scheduled)

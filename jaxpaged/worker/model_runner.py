@@ -10,6 +10,7 @@ the new K/V in place. Under tensor parallelism both run under the runner's mesh 
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -190,6 +191,9 @@ class ModelRunner:
         # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
         self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
+        # the buckets a step may use now: all of them, unless background_compile has some still compiling
+        self.ready_buckets: list[int] = list(self.buckets)
+        self.background_compile_seconds: float | None = None  # warm-up's start to the last background compile done
         self._background: ThreadPoolExecutor | None = None
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
@@ -340,6 +344,34 @@ class ModelRunner:
                 return b, min(b, self.config.max_num_seqs)
         raise ValueError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens ({self.buckets[-1]})")
 
+    def step_bucket(self, num_tokens: int) -> tuple[int, int]:
+        """(T, S) for a step of num_tokens tokens: the smallest bucket ready. While background_compile compiles the
+        others, a step is padded to a larger bucket instead of waiting for its own."""
+        if len(self.ready_buckets) < len(self.buckets):
+            self._collect_background()
+        for b in self.ready_buckets:
+            if num_tokens <= b:
+                return b, min(b, self.config.max_num_seqs)
+        return self.bucket_for(num_tokens)  # (its error)
+
+    def finish_background_compiles(self) -> float | None:
+        """Wait for background_compile's buckets (benchmarks, tests): the seconds from warm-up to the last, or None."""
+        for future in list(self._pending.values()):
+            future.result()
+        if len(self.ready_buckets) < len(self.buckets):
+            self._collect_background()
+        return self.background_compile_seconds
+
+    def _collect_background(self) -> None:
+        """Take in the background compiles that are done."""
+        for t, future in list(self._pending.items()):
+            if future.done():
+                self._compiled.update(self._pending.pop(t).result())
+                bisect.insort(self.ready_buckets, t)
+        if len(self.ready_buckets) == len(self.buckets):
+            self.background_compile_seconds = time.perf_counter() - self._warmup_started
+            logger.info("every step bucket compiled, %.1fs after warm-up began", self.background_compile_seconds)
+
     def _blank(self, name: str, array: np.ndarray, needed: bool) -> jax.Array | np.ndarray:
         """A per-row input that is blank in this step (no penalties: the history; no constraint: the mask) is one
         device-resident array per shape, reused instead of sent again."""
@@ -403,7 +435,9 @@ class ModelRunner:
             getattr(self, name)(*(self._dispatched[a.seq] if isinstance(a, StepRef) else a for a in args))
 
     def close(self) -> None:
-        """The leader releases its followers (their follow() returns)."""
+        """The leader releases its followers (their follow() returns); background compiles not started are dropped."""
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
         if self.channel is not None and distributed.is_leader():
             channel, self.channel = self.channel, None
             try:
@@ -617,24 +651,32 @@ class ModelRunner:
         if not self.config.precompile:
             logger.info("step buckets %s are compiled on first use (precompile off)", self.buckets)
             return 0.0
-        t0 = time.perf_counter()
+        t0 = self._warmup_started = time.perf_counter()
         # XLA compiles outside the GIL: the buckets side by side, a thread per two cores (each compile uses more than
         # one; on 2 cores two threads measured no faster than one)
         workers = min(len(self.buckets), (os.cpu_count() or 2) // 2, 8)
-        if self.single_device and workers > 1:
+        background = self.config.background_compile and self.single_device and self.channel is None and len(self.buckets) > 1
+        if background:  # the largest bucket first (it takes any step), then the decode sizes, largest first
+            self._background = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="jaxpaged-compile")
+            for t in sorted(self.buckets, key=lambda b: (b != self.buckets[-1], b > self.config.max_num_seqs, -b)):
+                self.prefetch(t)
+            self.ready_buckets = [self.buckets[-1]]
+            self._compiled.update(self._pending.pop(self.buckets[-1]).result())
+        elif self.single_device and workers > 1:
             self._background = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxpaged-compile")
             for t in self.buckets:
                 self.prefetch(t)
             for t in tqdm(list(self._pending), desc="Compiling step buckets", unit="bucket", leave=False):
                 self._compiled.update(self._pending.pop(t).result())
-        for t in self.buckets:
+        for t in self.ready_buckets:
             self.execute(self.input_batch.blank(t))
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
         jax.block_until_ready(self.kv_cache)
         elapsed = time.perf_counter() - t0
         cache = self.executables
         logger.info(
-            "step buckets %s ready in %.1fs (%d executables loaded from the cache, %d compiled)",
-            self.buckets, elapsed, cache.num_loaded, cache.num_compiled,
+            "step buckets %s ready in %.1fs (%d executables loaded from the cache, %d compiled)%s",
+            self.ready_buckets, elapsed, cache.num_loaded, cache.num_compiled,
+            f"; compiling {len(self._pending)} more in the background" if self._pending else "",
         )
         return elapsed

@@ -164,6 +164,54 @@ def test_warmup_on_many_cores_compiles_the_buckets_side_by_side_once_each(model_
     assert got == _greedy(serial, PROMPTS)
 
 
+def test_background_compile_serves_at_once_and_no_step_waits_for_a_compile(model_dir, tmp_path, monkeypatch):
+    """background_compile (a GPU's default): warm-up compiles only the largest bucket; the rest compile on a thread
+    while steps run padded to the smallest bucket ready. Here those compiles are held until generation is over, so a
+    step that waited for one would hang: the same tokens come out, nothing compiles after warm-up, and once the
+    held compiles finish the small buckets are used."""
+    import threading
+
+    from jaxpaged.worker.executable_cache import ExecutableCache
+
+    release, forwards = threading.Event(), []
+    real_compile = ExecutableCache.compile
+
+    def held_compile(self, name, jitted, args):
+        if threading.current_thread().name.startswith("jaxpaged-compile") and name == "forward":
+            forwards.append(name)
+            if len(forwards) > 1:  # one compile thread: the first is the largest bucket's, which warm-up waits for
+                assert release.wait(timeout=300), "a held compile was never released"
+        return real_compile(self, name, jitted, args)
+
+    monkeypatch.setattr(ExecutableCache, "compile", held_compile)
+    monkeypatch.setattr("jaxpaged.worker.model_runner.os.cpu_count", lambda: 2)  # one compile thread
+    engine = _engine(model_dir, tmp_path / "a", background_compile=True)
+    runner = engine.runner
+    largest = runner.buckets[-1]
+    assert runner.ready_buckets == [largest] and runner._pending  # served from the largest bucket alone
+    assert ("forward", largest) in runner._compiled and ("forward", runner.buckets[0]) not in runner._compiled
+    try:
+        got = _greedy(engine, PROMPTS)
+        assert runner.ready_buckets == [largest]  # every step ran in the largest bucket: none waited
+        assert engine.get_stats()["num_compiles_after_warmup"] == 0
+    finally:
+        release.set()
+    assert got == _greedy(_engine(model_dir, tmp_path / "b", background_compile=False), PROMPTS)
+    assert runner.finish_background_compiles() > 0
+    assert runner.ready_buckets == runner.buckets and runner.step_bucket(1)[0] == runner.buckets[0]
+    assert sorted(runner._compiled) == sorted(_engine(model_dir, tmp_path / "b", background_compile=False).runner._compiled)
+    assert _greedy(engine, PROMPTS) == got  # now in the small buckets
+    assert engine.get_stats()["num_compiles_after_warmup"] == 0
+
+
+def test_background_compile_defaults_to_the_platforms_choice():
+    from jaxpaged import platforms
+
+    assert EngineConfig(**ENGINE).background_compile is False  # CPU: a step's bucket never depends on timing
+    assert platforms.get("gpu").background_compile is True
+    assert EngineConfig(**ENGINE, background_compile=True).background_compile is True
+
+
 def test_precompiled_engines_still_count_a_compile_after_warmup(model_dir, tmp_path):
     """The guard still bites where precompile is on: a lowering during step() is counted."""
     import jax

@@ -53,6 +53,7 @@ class CpuPlatform(Platform):
     max_num_batched_tokens = 256
     kv_cache_memory_fraction = None  # a fixed budget (KV_CACHE_BYTES) unless asked for a share of free RAM
     gguf_quantization = "none"  # dequantized, a GGUF runs on the packed float32 matmul: 5x faster than XLA's dequantizing dot
+    background_compile = False  # compiles take seconds here; and a step's bucket then never depends on timing
 
     def prepare(self, config: EngineConfig) -> None:
         """Tune malloc before XLA's threads first allocate; build the native kernels while the model loads."""
