@@ -12,7 +12,9 @@ output tokens for Llama-3.2-1B's vocabulary), greedy, EOS ignored, on random bfl
 shape written once by transformers' save_pretrained, so every engine reads the same bytes.
 
 Stages run as child processes (each with the device to itself), in order of value: weights, cold (start-up with an
-empty executable cache, first token, the workload, the profile), attention (bench_attention.py's goal cases),
+empty executable cache, first token, the workload, the profile), probe (scripts/dispatch_probe.py: the decode step
+dispatched as the engine does, forward alone, write alone, and fused; which call makes the host wait), attention
+(bench_attention.py's goal cases),
 warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
 --with-hf). A stage that would not fit in what is left of the budget is dropped and named; a child writes its
 results as it goes, and the report is rewritten after every stage, so a run cut short keeps what it measured.
@@ -39,7 +41,8 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "attention": (30, 120), "warm": (30, 90), "hf_cb": (120, 300)}
+STAGES = {"weights": (20, 120), "cold": (60, 300), "probe": (40, 150), "attention": (30, 120), "warm": (30, 90),
+          "hf_cb": (120, 300)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
 
 
@@ -243,6 +246,15 @@ def profile_decode(llm, args, out: Partial) -> None:
         engine.step()
 
 
+def stage_probe(args, out: Partial) -> None:
+    """The decode step dispatched four ways (scripts/dispatch_probe.py): which call makes the host wait."""
+    import dispatch_probe
+
+    ctx = (args.lo + args.hi) // 2
+    llm = dispatch_probe.make_llm(args.model_dir, args.profile_rows, ctx, args.dtype)
+    out["probe"] = dispatch_probe.probe(llm.engine.runner, args.profile_rows, ctx, max(args.profile_steps, 5))
+
+
 def stage_attention(args, out: Partial) -> None:
     import bench_attention
 
@@ -332,7 +344,7 @@ def main(argv=None) -> int:
     p.add_argument("--hi", type=int, default=1024, help="longest prompt and output (default 1024)")
     p.add_argument("--profile-rows", type=int, default=256)
     p.add_argument("--profile-steps", type=int, default=20)
-    p.add_argument("--stages", default="weights,cold,attention,warm", help="comma-separated, run in this order")
+    p.add_argument("--stages", default="weights,cold,probe,attention,warm", help="comma-separated, run in this order")
     p.add_argument("--with-hf", action="store_true", help="add hf_cb: transformers' continuous batching")
     p.add_argument("--stage", help=argparse.SUPPRESS)  # a child: run this stage only
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -447,6 +459,11 @@ def summary_table(report: dict) -> str:
                          f"weights {_f(s.get('weights_read_gbs'), '{:.2f}')} GB/s), first token {s['first_token_s']:.2f} s, "
                          f"{s['executables_loaded']} executables loaded, {s['executables_compiled']} compiled"
                          + (f"; the other buckets compiled {later:.1f} s after warm-up began" if later else ""))
+    probe = st.get("probe", {}).get("probe")
+    if probe:
+        import dispatch_probe
+
+        lines.append(dispatch_probe.table(probe))
     att = st.get("attention", {}).get("attention")
     if att:
         for g in att["goals"]:

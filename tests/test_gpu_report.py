@@ -78,3 +78,25 @@ def test_a_trace_is_read_back_per_kernel_class_with_the_idle_time(tmp_path):
     assert summary["busy_ms"] == 0.12 and abs(summary["busy_fraction"] - 120 / 160) < 1e-9
     assert abs(summary["idle_ms_per_step"] - 0.02) < 1e-9 and summary["largest_gaps_ms"] == [0.04]
     assert summary["host_ms_per_step"] == {"PjRtStreamExecutorLoadedExecutable::Execute": 0.05}
+
+
+def test_the_dispatch_probe_times_each_way_of_queueing_a_decode_step(tmp_path):
+    import dispatch_probe
+    import numpy as np
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dispatch_probe.TINY))
+    llm = dispatch_probe.make_llm(str(config), rows=8, ctx=40, dtype="float32")
+    runner = llm.engine.runner
+    step = dispatch_probe.decode_step(runner, 8, 40)
+    meta = step.attention
+    assert (meta.seq_lens[:8] == 41).all() and (meta.slot_mapping[8:] == -1).all()
+    # each row writes position 40 into its own third block (16-token blocks), which its table holds
+    assert (meta.slot_mapping[:8] // 16 == meta.block_tables[:8, 2]).all() and len(set(meta.slot_mapping[:8])) == 8
+    report = dispatch_probe.probe(runner, 8, 40, steps=3)
+    variants = report["variants"]
+    for name in ("engine", "forward", "write", "fused"):
+        assert variants[name]["wall_ms_per_step"] > 0 and variants[name]["host_ms_per_step"] > 0, name
+    assert variants["cache_bytes"] == sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(runner.kv_cache))
+    assert np.asarray(runner.kv_cache).any()  # the writes landed
+    assert "| fused |" in dispatch_probe.table(report)
