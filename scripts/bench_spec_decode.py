@@ -12,8 +12,9 @@ Workloads whose answers repeat their prompts, greedy:
 
 The off side and one `ngram` side per `--ks` value run in one process, alternating (the order reversed every
 repeat), each watched for machine load (scripts/machine_load.py). `--batch 1` is where speculation pays;
-`--batch 64` checks that it costs little where it is turned off (disable_by_batch_size). Greedy outputs of all
-sides are checked to be identical.
+`--batch 64` checks that it costs little where it is turned off (disable_by_batch_size); `--disable-by-batch-size N`
+above the batch forces it on there, to see what it would cost. Greedy outputs of all sides are checked to be
+identical.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--words", type=int, default=40, help="random words per prompt, or the copy workload's prompt tokens (default: 40)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request (default: 64)")
     p.add_argument("--ks", default="4", help="num_speculative_tokens, one ngram side each, comma-separated (default: 4)")
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculation off at this many running sequences (default: the engine's); set above --batch to "
+                        "force it on, with max_num_seqs raised so every guess fits a step's sampled rows")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating (default: 2)")
     p.add_argument("--settle-s", type=float, default=0.0, help="wait up to this long for the load to drop before each run")
     p.add_argument("--json", default=None, help="write the report here")
@@ -132,6 +136,11 @@ def main(argv=None) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     model, texts = args.model, None
     common = dict(max_num_seqs=max(args.batch, 8), log_level="WARNING")
+    forced = {}
+    if args.disable_by_batch_size is not None:
+        forced = {"disable_by_batch_size": args.disable_by_batch_size}
+        common["max_num_seqs"] = max(args.batch * (max(ks) + 1), 8)  # a step samples every guess of every row
+        common["max_num_batched_tokens"] = max(256, common["max_num_seqs"])
     if args.workload == "copy":
         import atexit
         import shutil
@@ -143,7 +152,8 @@ def main(argv=None) -> int:
         atexit.register(shutil.rmtree, model, ignore_errors=True)  # 650 MB of float32 weights
         blocks_per_seq = -(-(args.words + args.output_len + max(ks) + 1) // 16)
         common |= {"max_model_len": 1024, "num_kv_blocks": args.batch * blocks_per_seq + 16}
-    specs = {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1} for k in ks}
+    specs = {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1, **forced}
+             for k in ks}  # fmt: skip
     engines = {"off": LLM(model, **common)} | {side: LLM(model, speculative_config=spec, **common) for side, spec in specs.items()}
     texts = texts or prompts(args, engines["off"].engine.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.workload == "copy")
