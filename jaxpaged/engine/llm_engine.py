@@ -113,7 +113,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             KVCacheManager(pool, config.block_size, freeing_window(self.loaded.config.sliding_windows)),
             config.max_num_seqs, config.max_num_batched_tokens,
-            self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config.rope),
+            self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config),
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora = None  # with enable_lora: the adapters in host memory and the device's slots

@@ -88,7 +88,7 @@ class InputBatchBuilder:
         self._prompt_logprobs = np.zeros(slots, bool)
         # with enable_lora: each slot's adapter slot (fixed until its sequence finishes)
         self._row_lora = np.full(slots, -1, np.int32) if runner.config.enable_lora else None
-        self.rope = LengthDependentRope.of(runner.model_config.rope)  # set: each step carries rows' RoPE lengths
+        self.rope = LengthDependentRope.of(runner.model_config)  # set: each step carries rows' RoPE lengths
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
