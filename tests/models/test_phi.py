@@ -192,3 +192,27 @@ def test_engine_prefix_cache_keeps_the_regimes_apart(phi3):
         before = stats.prefix_cache_hits
         assert _engine_greedy(llm, [prompt], [3]) == reference([prompt], [3])
         assert stats.prefix_cache_hits - before == hits, len(prompt)
+
+
+def test_engine_speculation_stops_at_the_switch(phi3):
+    """ngram proposals for repetitive prompts under the switch: a short-regime sequence verifies no position past it
+    (it is recomputed there), so greedy tokens stay transformers' while proposals are accepted on both sides."""
+    folder, reference = phi3
+    prompts = [p * 3 for p in random_prompts(VOCAB, [3, 4, 5, 6, 7], seed=11)]
+    max_tokens = [30] * len(prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = _llm(folder, max_num_seqs=8, speculative_config=spec)
+    scheduler, verified = llm.engine.scheduler, []  # (short regime?, the sequence's length at its last verified row)
+    schedule = scheduler.schedule
+
+    def spy():
+        output = schedule()
+        verified.extend((not item.request.rope_key, item.start + 1 + len(item.draft_token_ids))
+                        for item in output.scheduled if item.draft_token_ids)  # fmt: skip
+        return output
+
+    scheduler.schedule = spy
+    assert _engine_greedy(llm, prompts, max_tokens) == reference(prompts, max_tokens)
+    assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0 and scheduler.num_rope_recomputes == len(prompts)
+    assert max(n for short, n in verified if short) == ORIGINAL  # up to the switch, never past it
+    assert any(not short for short, _ in verified)  # and in the long regime after the recompute
