@@ -216,6 +216,20 @@ def _qwen2moe(meta: Metadata, kwargs: dict) -> dict:
                      "use_sliding_window": False}  # fmt: skip
 
 
+def _qwen2(meta: Metadata, kwargs: dict) -> dict:
+    """Qwen2's q/k/v biases are its HF class's own (no config field); llama.cpp's qwen2 has no sliding window."""
+    return _without_false_biases(kwargs) | {"use_sliding_window": False}
+
+
+def _qwen3moe(meta: Metadata, kwargs: dict) -> dict:
+    """Every layer sparse, no shared expert. llama.cpp's qwen3moe graph always renormalizes the top-k weights (it
+    passes norm_w = true, whatever the source config's norm_topk_prob), and sizes an expert n_ff / top-k when the
+    file omits expert_feed_forward_length."""
+    kwargs = _without_false_biases(kwargs)
+    kwargs.setdefault("moe_intermediate_size", kwargs["intermediate_size"] // kwargs["num_experts_per_tok"])
+    return kwargs | {"norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1, "use_sliding_window": False}
+
+
 GEMMA2_KEYS = (
     ("attention.sliding_window", "sliding_window", int, None),
     ("attn_logit_softcapping", "attn_logit_softcapping", float, 50.0),
@@ -239,6 +253,12 @@ QWEN2MOE_KEYS = (
     ("expert_weights_norm", "norm_topk_prob", bool, False),  # llama.cpp's qwen2moe: top-k weights not renormalized
 )
 
+QWEN3MOE_KEYS = (
+    ("expert_count", "num_experts", int, REQUIRED),
+    ("expert_used_count", "num_experts_per_tok", int, REQUIRED),
+    ("expert_feed_forward_length", "moe_intermediate_size", int, SKIP),
+)
+
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("llama", "LlamaForCausalLM", derive=_llama, tensors=LLAMA_QK),
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", (), _gemma, GEMMA_NORMS, "GemmaTokenizer"),
@@ -246,4 +266,8 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", GEMMA3_KEYS, _gemma, GEMMA_NORMS, "GemmaTokenizer"),
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", PHI3_KEYS, _phi3, PHI3_FUSED, "LlamaTokenizer"),
     "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2MOE_KEYS, _qwen2moe, QWEN2MOE_EXPERTS),
+    # dense Qwen2 and Qwen3 (q/k norms): HF's own tensors, q/k rows unpermuted (the converter permutes llama's only)
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", derive=_qwen2),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", derive=_qwen2),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", QWEN3MOE_KEYS, _qwen3moe, QWEN2MOE_EXPERTS),
 }

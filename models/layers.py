@@ -204,12 +204,16 @@ def rope_attention_factor(rope: RopeConfig) -> float:
     return mscale(factor)
 
 
-def token_seq_lens(attn_metadata: AttentionMetadata, num_tokens: int) -> jax.Array:
-    """[T] the length of each row's sequence after this step, i.e. its largest position in the step + 1: the
-    seq_len transformers' dynamic/longrope update reads in the forward of that one request."""
+def token_rope_lens(attn_metadata: AttentionMetadata, positions: jax.Array) -> jax.Array:
+    """[T] the sequence length each token's dynamic/longrope frequencies are decided from: max(its position + 1, its
+    row's rope_lens), the scheduler's per-sequence rule (jaxpaged/core/rope_regime.py); without rope_lens, its row's
+    length after the step (its largest position + 1), as transformers' forward of that one row would."""
     qsl = attn_metadata.query_start_loc
-    slot = jnp.searchsorted(qsl, jnp.arange(num_tokens, dtype=qsl.dtype), side="right") - 1
-    return attn_metadata.seq_lens[jnp.clip(slot, 0, attn_metadata.seq_lens.shape[0] - 1)]
+    slot = jnp.searchsorted(qsl, jnp.arange(positions.shape[0], dtype=qsl.dtype), side="right") - 1
+    slot = jnp.clip(slot, 0, attn_metadata.seq_lens.shape[0] - 1)
+    if attn_metadata.rope_lens is None:
+        return attn_metadata.seq_lens[slot]
+    return jnp.maximum(attn_metadata.rope_lens[slot], positions.astype(jnp.int32) + 1)
 
 
 def length_scaled_inv_freq(rope: RopeConfig, rotary_dim: int, seq_lens: jax.Array) -> jax.Array:
@@ -247,14 +251,9 @@ def rope_table(
     interleaved: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(cos, sin) as transformers' rotary embedding gives them for any supported rope_type: its frequencies (per
-    token for dynamic/longrope, from each row's own sequence length in attn_metadata), times its attention factor.
-
-    Where it can differ from transformers: transformers decides dynamic/longrope once per forward, from the whole
-    prompt; a prompt prefilled in chunks (or recomputed after preemption, or split across pipeline microbatches)
-    decides per chunk, so a prompt crossing the switch length gets the short/unscaled frequencies in its early chunks.
-    """
+    token for dynamic/longrope, from token_rope_lens), times its attention factor."""
     if rope.rope_type in LENGTH_DEPENDENT_ROPE_TYPES and attn_metadata is not None:
-        inv_freq = length_scaled_inv_freq(rope, rotary_dim, token_seq_lens(attn_metadata, positions.shape[0]))
+        inv_freq = length_scaled_inv_freq(rope, rotary_dim, token_rope_lens(attn_metadata, positions))
     else:
         inv_freq = rope_inv_freq(rope, rotary_dim)
     cos, sin = rotary_table(positions, inv_freq, interleaved=interleaved)

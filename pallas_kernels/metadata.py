@@ -30,6 +30,9 @@ class AttentionMetadata:
     seq_lens: jax.Array
     # [S + 1] start of each sequence's tokens in the flattened rows; q_len = diff; padded slots add 0.
     query_start_loc: jax.Array
+    # [S] length-dependent RoPE only (longrope, dynamic): each token's frequencies are decided from max(its position
+    # + 1, its sequence's entry) (jaxpaged/core/rope_regime.py); None: from its sequence's seq_len.
+    rope_lens: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

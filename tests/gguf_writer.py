@@ -195,12 +195,19 @@ def write_phi3_gguf(hf_model, path: Path, vocab: str = "llama", quant=None) -> P
     return _finish(writer, path)
 
 
-def write_qwen2moe_gguf(hf_model, path: Path, quant=None) -> Path:
-    """Qwen2MoeModel's file: every layer's experts stacked into ffn_{gate,up,down}_exps ([E, out, in] in numpy's
-    order), the shared expert as ffn_*_shexp, its sigmoid gate as the [hidden] vector ffn_gate_inp_shexp; the
-    expert sizes and counts in {arch}.expert_* keys."""
+QWEN_ARCHITECTURES = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+                      "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}  # fmt: skip
+
+
+def write_qwen_gguf(hf_model, path: Path, quant=None) -> Path:
+    """Qwen2Model's file and its subclasses' (qwen2, qwen3, qwen2moe, qwen3moe, by the config's model_type): HF's
+    tensors unpermuted, q/k norms as attn_{q,k}_norm, an explicit head_dim as key/value_length; MoE layers' experts
+    stacked into ffn_{gate,up,down}_exps ([E, out, in] in numpy's order), the router as ffn_gate_inp, Qwen2-MoE's
+    shared expert as ffn_*_shexp with its sigmoid gate as the [hidden] vector ffn_gate_inp_shexp; the expert sizes
+    and counts in {arch}.expert_* keys."""
     cfg = hf_model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2moe")
+    arch = QWEN_ARCHITECTURES[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -209,10 +216,15 @@ def write_qwen2moe_gguf(hf_model, path: Path, quant=None) -> Path:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_expert_count(cfg.num_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "head_dim", None):  # the converter writes a config's head_dim when it has one
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     _byte_level_vocab(writer, cfg.vocab_size, pre="qwen2")
     tensors = {}
     for name, array in _state(hf_model).items():
@@ -226,5 +238,5 @@ def write_qwen2moe_gguf(hf_model, path: Path, quant=None) -> Path:
             tensors[name] = array.reshape(-1)
         else:
             tensors[name] = array
-    _write_tensors(writer, gguf.MODEL_ARCH.QWEN2MOE, tensors, cfg.num_hidden_layers, quant)
+    _write_tensors(writer, arch, tensors, cfg.num_hidden_layers, quant)
     return _finish(writer, path)

@@ -52,6 +52,8 @@ class Request:
     num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
     grammar: object | None = None  # structured outputs: the engine's GrammarState, advanced by each sampled token
     slot: int = -1  # while running: its row in the scheduler's and the input batch's per-sequence arrays
+    # length-dependent RoPE: the regime its KV is computed in (core/rope_regime.py), a root of its block hashes
+    rope_key: bytes = b""
 
     @property
     def is_beam(self) -> bool:
@@ -96,11 +98,17 @@ class Request:
         pending = len(self.prompt_token_ids) + num_outputs - self.num_computed_tokens
         return pending if self.hold_at is None else min(pending, self.hold_at - self.num_computed_tokens)
 
+    def set_rope_key(self, key: bytes) -> None:
+        """Its KV is (re)computed from scratch in this RoPE regime: the block hashes, rooted in it, start again."""
+        if key != self.rope_key:
+            self.rope_key, self._block_hashes = key, []
+
     def block_hashes(self, block_size: int, count: int) -> list[bytes]:
         """Chained hashes of the first `count` full blocks of this sequence's tokens (append-only, so cached)."""
         while len(self._block_hashes) < count:
             i = len(self._block_hashes)
-            parent = self._block_hashes[-1] if i else self.parent.cache_salt  # an adapter's prefixes are its own
+            # the root: an adapter's prefixes are its own, and a length-dependent RoPE regime's
+            parent = self._block_hashes[-1] if i else (self.parent.cache_salt or b"") + self.rope_key or None
             self._block_hashes.append(hash_block(parent, self.tokens_at(i * block_size, block_size)))
         return self._block_hashes[:count]
 

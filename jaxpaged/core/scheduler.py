@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
+from jaxpaged.core.rope_regime import LengthDependentRope
 
 
 @dataclasses.dataclass(slots=True)  # a step makes one per row
@@ -113,9 +114,10 @@ def check_stop(req: Request, token: int, stop_string: str | None, eos_token_ids:
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, eos_token_ids: Sequence[int] = (),
-        max_model_len: int | None = None,
+        max_model_len: int | None = None, rope: LengthDependentRope | None = None,
     ):  # fmt: skip
         self.kv = kv
+        self.rope = rope  # a length-dependent RoPE: each KV's regime, and longrope's recompute past its switch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = list(eos_token_ids)
@@ -123,6 +125,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_rope_recomputes = 0  # sequences recomputed at longrope's switch (not preemptions)
         self._sampled_rows: dict[Request, int] = {}  # the last step's sampling sequences -> their rows
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
         # speculative decoding: proposals for decoding sequences, set before schedule() (jaxpaged/spec_decode/)
@@ -239,12 +242,16 @@ class Scheduler:
         prev_rows, sampled_rows = self._sampled_rows, {}
         add_slot, add_start, add_count = rows.slots.append, rows.starts.append, rows.counts.append  # (rows.add, inlined)
         add_prev, add_out, add_append = rows.prevs.append, rows.outs.append, rows.appends.append
+        recompute_past = self.rope.recompute_past if self.rope is not None else 0
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             # req.num_schedulable_tokens, inlined: this loop runs for every running sequence every step
             num_outputs, start = len(req.output_token_ids), req.num_computed_tokens
+            if recompute_past and start and not req.rope_key and len(req.prompt_token_ids) + num_outputs > recompute_past:
+                self._recompute(running.pop(i))  # its short-regime KV: admitted again below, in the long regime
+                continue
             n = 0 if num_outputs >= req.max_tokens else len(req.prompt_token_ids) + num_outputs - start
             if req.hold_at is not None:
                 n = min(n, req.hold_at - start)
@@ -295,6 +302,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
             fresh = req.num_computed_tokens == 0 and not kv.block_table(req.seq_id)
+            if fresh and self.rope is not None:  # the regime its KV will be computed in, before the prefix lookup
+                req.set_rope_key(self.rope.key(req.num_tokens, len(req.prompt_token_ids)))
             # prompt logprobs need every prompt position computed, so such a request skips the cache
             hit = kv.take_cached_prefix(req) if fresh and not req.wants_prompt_logprobs else 0
             if fresh:
@@ -427,6 +436,7 @@ class Scheduler:
         """The child starts where the parent is, sharing its blocks (n > 1 samples, beams); queue it with add_forked."""
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.rope_key = parent.rope_key
         child._block_hashes = list(parent._block_hashes)
 
     def kv_stats(self) -> dict[str, Any]:
@@ -479,6 +489,17 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    def _recompute(self, req: Request) -> None:
+        """Free a running sequence's KV and queue it first to be computed again from its tokens (a preemption that
+        no shortage caused: longrope's switch, where transformers recomputes too)."""
+        self._drop_slot(req)
+        self.kv.free(req.seq_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1  # (so its readmission keeps num_cached_tokens of its first)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_rope_recomputes += 1
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a sequence out of scheduling and return its blocks at once."""

@@ -29,6 +29,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_manager import KVCacheManager, freeing_window, max_blocks_held
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
+from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.output_processor import OutputProcessor
@@ -112,7 +113,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             KVCacheManager(pool, config.block_size, freeing_window(self.loaded.config.sliding_windows)),
             config.max_num_seqs, config.max_num_batched_tokens,
-            self.eos_token_ids, self.max_model_len,
+            self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config),
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora = None  # with enable_lora: the adapters in host memory and the device's slots
@@ -139,7 +140,7 @@ class LLMEngine:
         if config.speculative_config is not None:
             from jaxpaged.spec_decode.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(config.speculative_config, self.max_model_len)
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, rope=self.scheduler.rope)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
 
     def _eos_ids(self) -> list[int]:

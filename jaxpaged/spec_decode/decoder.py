@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxpaged.core.request import PLACEHOLDER, Request
+from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.proposer import NgramProposer, Proposer
@@ -33,9 +34,12 @@ def can_speculate(req: Request) -> bool:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None,
+                 rope: LengthDependentRope | None = None):  # fmt: skip
         self.config = config
         self.max_model_len = max_model_len
+        # longrope: a sequence in the short regime verifies no position past the switch, where it is recomputed
+        self.rope_switch = rope.recompute_past if rope is not None else 0
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_spec_steps = 0  # steps that verified some proposal
         self.num_drafts = 0  # sequences' proposals verified (one per sequence per step)
@@ -60,6 +64,8 @@ class SpecDecoder:
         for req in scheduler.running:
             if can_speculate(req):  # no proposal past max_tokens, nor a position past max_model_len
                 room = min(k, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+                if self.rope_switch and not req.rope_key:
+                    room = min(room, self.rope_switch - req.num_tokens)
                 if room > 0:
                     reqs.append(req)
                     ks.append(room)

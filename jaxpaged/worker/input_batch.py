@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import SchedulerOutput, StepColumns
 from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.sampling_params import SamplingParams
@@ -87,6 +88,7 @@ class InputBatchBuilder:
         self._prompt_logprobs = np.zeros(slots, bool)
         # with enable_lora: each slot's adapter slot (fixed until its sequence finishes)
         self._row_lora = np.full(slots, -1, np.int32) if runner.config.enable_lora else None
+        self.rope = LengthDependentRope.of(runner.model_config)  # set: each step carries rows' RoPE lengths
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
@@ -96,6 +98,7 @@ class InputBatchBuilder:
             block_tables=np.zeros((s, self.runner.table_width), np.int32),
             seq_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
+            rope_lens=None if self.rope is None else np.zeros(s, np.int32),
         )
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
@@ -176,7 +179,11 @@ class InputBatchBuilder:
         sampling = None
         if with_sampling:
             sampling = self._plain_sampling(cols, s) if self._is_plain(cols) else self.sampling(output, t)
-        attn_metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc)
+        rope_lens = None
+        if self.rope is not None:
+            rope_lens = np.zeros(s, np.int32)
+            rope_lens[:m] = self.rope.row_lengths(self._prompt_lens[slots], cols.num_outputs)
+        attn_metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc, rope_lens)
         lora_slots = None
         if self._row_lora is not None:
             lora_slots = np.full(t, -1, np.int32)

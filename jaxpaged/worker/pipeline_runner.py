@@ -77,7 +77,11 @@ def split_step(step: StepInputs, chunks: int, rows: int, seqs: int) -> list[Micr
         query_start_loc = np.zeros(seqs + 1, np.int32)
         query_start_loc[1 : k + 1] = np.cumsum(hi[live] - lo[live])
         query_start_loc[k + 1 :] = query_start_loc[k]
-        attention = AttentionMetadata(slots[c0:c1], tables, seq_lens, query_start_loc)
+        rope_lens = None
+        if md.rope_lens is not None:
+            rope_lens = np.zeros(seqs, np.int32)
+            rope_lens[:k] = md.rope_lens[live]
+        attention = AttentionMetadata(slots[c0:c1], tables, seq_lens, query_start_loc, rope_lens)
         out.append(MicroBatch(ids[c0:c1], positions[c0:c1], attention, prev_rows[c0:c1]))
     return out
 

@@ -201,3 +201,36 @@ def test_bulk_update_equals_the_row_wise_update(overlap):
     assert bulk[2] > 0 and max(bulk[1]) > 0  # preemptions, and blocks registered
     statuses = {status for _, status, _ in bulk[0]}
     assert statuses == {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH}
+
+
+def test_longrope_recomputes_a_short_sequence_past_the_switch_with_its_own_hashes():
+    """Phi-3's rule (core/rope_regime.py): a sequence computed in the short regime is recomputed, in the same step,
+    from scratch when its length passes the switch; not counted as a preemption; its block hashes rooted anew, so
+    blocks it registered short are never its (or a long sequence's) prefix hits; a prompt past the switch starts long."""
+    from jaxpaged.core.block_pool import BlockPool
+    from jaxpaged.core.kv_cache_manager import KVCacheManager
+    from jaxpaged.core.rope_regime import LengthDependentRope
+
+    kv = KVCacheManager(BlockPool(64, enable_caching=True), BLOCK)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, rope=LengthDependentRope("longrope", 10, True))
+    short, long = _request("short", 8, 6), _request("long", 12, 2)
+    sched.add(short)
+    sched.add(long)
+    out = sched.schedule()
+    assert (short.rope_key, long.rope_key) == (b"", b"rope:long")
+    short_hashes = list(short.block_hashes(BLOCK, 2))
+    _run_step(sched, out)  # the prompt: 9 tokens
+    _run_step(sched, sched.schedule())  # 10
+    _run_step(sched, sched.schedule())  # 11, its 10 computed in the short regime (each step's length was <= 10)
+    assert short.num_computed_tokens == 10 and short.rope_key == b""
+    out = sched.schedule()  # 11 > 10: the whole sequence again, after the long-regime blocks of the same tokens
+    # (its first 8 are long's first 8, computed long), not after its own short ones (still cached)
+    assert [(s.request.seq_id, s.start, s.num_tokens) for s in out.scheduled if s.request is short] == [("short", 8, 3)]
+    assert short.rope_key == b"rope:long" and sched.num_rope_recomputes == 1 and sched.num_preemptions == 0
+    assert short.block_hashes(BLOCK, 2) == long.block_hashes(BLOCK, 2) != short_hashes
+    assert kv.prefix_cache_hits == 8
+    _run_step(sched, out)
+    for _ in range(10):
+        if sched.has_unfinished():
+            _run_step(sched, sched.schedule())
+    assert len(short.output_token_ids) == 6 and sched.num_rope_recomputes == 1  # once

@@ -1,12 +1,14 @@
-"""GGUF files of Phi-3 and Qwen2-MoE as llama.cpp's convert_hf_to_gguf.py writes them (tests/gguf_writer.py), loaded
-by jaxpaged and checked against the transformers model they were written from, in float32: the config rebuilt from
-the metadata, logits within 1e-4, greedy tokens identical; a Q8_0 file kept quantized. (Gemma's files:
+"""GGUF files of Phi-3, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE as llama.cpp's convert_hf_to_gguf.py writes them
+(tests/gguf_writer.py), loaded by jaxpaged and checked against the transformers model they were written from, in
+float32: the config rebuilt from the metadata, logits within 1e-4, greedy tokens identical; a Q8_0 file kept quantized. (Gemma's files:
 tests/models/test_gemma.py; Llama's: test_loading.py and test_weight_quantization.py.)
 
 Phi-3's features bite here: LongRoPE with prompts on both sides of original_max_position_embeddings (24), partial
 rotary 0.75, a window of 12 under 40-token prompts, fused qkv and gate/up rows; Qwen2-MoE's: 6 experts of 24
 features (not the hidden size, so a transposed expert cannot pass), top-2 not renormalized, the shared expert and
-its sigmoid gate stored as a vector, q/k/v biases.
+its sigmoid gate stored as a vector, q/k/v biases; Qwen3-MoE's: top-2 renormalized (llama.cpp always does),
+q/k norms, head_dim 32 (not hidden / heads), no shared expert; dense Qwen3 (q/k norms, head_dim 32, tied) and
+Qwen2 (q/k/v biases, MQA, tied).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import transformers
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.quantization import GroupLinear
 
-from tests.gguf_writer import sentencepiece_vocab, write_phi3_gguf, write_qwen2moe_gguf
+from tests.gguf_writer import sentencepiece_vocab, write_phi3_gguf, write_qwen_gguf
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts
 from tests.static_batch import StaticBatchRunner
 
@@ -56,7 +58,24 @@ CASES = {
                                     shared_expert_intermediate_size=64, num_experts=6, num_experts_per_tok=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                     norm_topk_prob=False, tie_word_embeddings=False),
-        write_qwen2moe_gguf, {}, [1, 33], 24,
+        write_qwen_gguf, {}, [1, 33], 24,
+    ),
+    "qwen3moe-head-dim-32": (
+        transformers.Qwen3MoeConfig(**BASE, intermediate_size=96, moe_intermediate_size=24, num_experts=6,
+                                    num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                                    tie_word_embeddings=False),
+        write_qwen_gguf, {}, [1, 33], 24,
+    ),
+    "qwen3-head-dim-32-tied": (
+        transformers.Qwen3Config(**BASE, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=32, max_position_embeddings=512, tie_word_embeddings=True),
+        write_qwen_gguf, {}, [1, 33], 24,
+    ),
+    "qwen2-bias-tied": (
+        transformers.Qwen2Config(**BASE, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
+                                 max_position_embeddings=512, tie_word_embeddings=True),
+        write_qwen_gguf, {}, [1, 33], 24,
     ),
 }  # fmt: skip
 
@@ -117,7 +136,7 @@ def test_phi3_sentencepiece_vocabulary_equals_transformers_own(written):
     assert tokenizer.decode(tokenizer.encode("ab cd", add_special_tokens=False)) == "ab cd"
 
 
-@pytest.mark.parametrize("case", ["phi3-mini-longrope-sentencepiece", "qwen2moe-shared-expert"])
+@pytest.mark.parametrize("case", ["phi3-mini-longrope-sentencepiece", "qwen2moe-shared-expert", "qwen3moe-head-dim-32"])
 def test_q8_0_file_stays_quantized_but_fused_and_expert_tensors(case, written, tmp_path):
     """quantization="gguf": Q8_0 matrices stay 8-bit on the device, except Phi-3's fused qkv and gate/up rows (split
     at load) and stacked experts, which load as floats; the logits those give are the dequantized file's."""
@@ -132,14 +151,16 @@ def test_q8_0_file_stays_quantized_but_fused_and_expert_tensors(case, written, t
         assert layer.self_attn.q_proj.kernel[...].dtype == layer.mlp.up_proj.kernel[...].dtype == jnp.float32
         assert layer.mlp.down_proj.method == GroupLinear(8, 32)
     else:
-        assert layer.self_attn.q_proj.method == layer.mlp.shared_expert.up_proj.method == GroupLinear(8, 32)
+        assert layer.self_attn.q_proj.method == GroupLinear(8, 32)
+        if case.startswith("qwen2moe"):
+            assert layer.mlp.shared_expert.up_proj.method == GroupLinear(8, 32)
         assert layer.mlp.experts.gate_proj.kernel[...].dtype == jnp.float32
     prompts = random_prompts(VOCAB, lengths, seed=3)
     for got, want in zip(StaticBatchRunner(kept).prompt_logits(prompts), StaticBatchRunner(floats).prompt_logits(prompts)):
         np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("arch,message", [("llama", "with experts \\(Mixtral\\)"), ("qwen3moe", "architecture 'qwen3moe'")])
+@pytest.mark.parametrize("arch,message", [("llama", "with experts \\(Mixtral\\)"), ("olmoe", "architecture 'olmoe'")])
 def test_files_jaxpaged_does_not_read_are_refused_by_name(arch, message, tmp_path):
     import gguf
     from jaxpaged.models import gguf_io

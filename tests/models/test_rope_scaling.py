@@ -1,7 +1,8 @@
 """RoPE scalings (yarn, dynamic NTK, longrope) against transformers' own rotary embedding and end to end in Llama.
 
-transformers decides dynamic/longrope once per forward from max(position_ids) + 1; jaxpaged decides per token from
-its row's sequence length, so each row of a mixed step must equal transformers' forward of that one request.
+transformers decides dynamic/longrope once per forward from max(position_ids) + 1; jaxpaged decides per token (from
+its row's sequence length here, and through the engine by core/rope_regime.py's rule), so each row of a mixed step
+must equal transformers' forward of that one request.
 """
 
 from __future__ import annotations
@@ -150,3 +151,32 @@ def test_llama_greedy_matches_transformers_across_the_switch(pair):
     for prompt, got in zip(prompts, ours):
         _reset(hf)
         assert got == hf_greedy(hf, prompt, 24)
+
+
+# -- through the engine: chunked prefill and preemption ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+def test_llama_engine_matches_transformers_under_chunks_and_preemption(name, tmp_path):
+    """transformers' Llama keeps its cache: a prompt's keys use the prompt's length, each later token its own
+    (core/rope_regime.py). The engine gives each key that length however the prompt is split: 16-token chunks
+    under a 32-token switch, and recomputes after preemption from a 12-block pool; prompts on both sides of the
+    switch, some crossing it while decoding."""
+    from jaxpaged import LLM, SamplingParams
+
+    hf = random_hf_model(_config(name, head_dim=16, hidden_size=64))
+    folder = save_hf_model(hf, tmp_path / name)
+    rng = np.random.default_rng(2)
+    prompts = random_prompts(hf.config.vocab_size, [3, 20, 28, ORIGINAL, 40, 55], seed=4)
+    max_tokens = rng.integers(10, 20, size=len(prompts)).tolist()
+    expected = []
+    for prompt, m in zip(prompts, max_tokens):
+        _reset(hf)
+        expected.append(hf_greedy(hf, prompt, m))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    llm = LLM(str(folder), dtype="float32", block_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+              num_kv_blocks=12, log_level="WARNING")  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and llm.engine.scheduler.num_rope_recomputes == 0
