@@ -14,7 +14,8 @@ Workloads whose answers repeat their prompts, greedy:
 `--sides` picks the speculating sides, each run once per `--ks` value: `ngram`; `draft-self`, the target drafting
 for itself (the upper bound of a draft model: every guess holds, and each costs a full target step); `draft-random`,
 a random-weight Llama with the target's vocabulary (2 layers, hidden 64: the floor, almost no guess holds, so it
-shows what drafting costs); `draft:PATH`, any draft model.
+shows what drafting and verifying cost); `draft-copy` (copy workload only), the forced-copy model cut to 2 layers
+(a draft 15x cheaper that agrees on every token: the best case of a real draft); `draft:PATH`, any draft model.
 
 The off side and the speculating sides run in one process, alternating (the order reversed every
 repeat), each watched for machine load (scripts/machine_load.py). `--batch 1` is where speculation pays;
@@ -53,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request (default: 64)")
     p.add_argument("--ks", default="4", help="num_speculative_tokens, one side each per --sides entry, comma-separated (default: 4)")
     p.add_argument("--sides", default="ngram", help="speculating sides, comma-separated: ngram, draft-self, draft-random, "
-                   "draft:PATH (default: ngram)")
+                   "draft-copy, draft:PATH (default: ngram)")
     p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating (default: 2)")
     p.add_argument("--max-model-len", type=int, default=1024, help="the engines' max_model_len, which sizes a draft's KV pool (default: 1024)")
     p.add_argument("--settle-s", type=float, default=0.0, help="wait up to this long for the load to drop before each run")
@@ -81,14 +82,15 @@ def copy_prompts(cycles: list[list[int]], count: int, seed: int = 0) -> list[lis
     return [cycles[p // length][p % length :] + cycles[p // length][: p % length] for p in picks]
 
 
-def write_copy_model(folder: Path, cycles: list[list[int]], max_position_embeddings: int = 2048) -> Path:
-    """The forced-copy Llama (module docstring) with the byte tokenizer of tests/cycle_model.py."""
+def write_copy_model(folder: Path, cycles: list[list[int]], max_position_embeddings: int = 2048, layers: int | None = None) -> Path:
+    """The forced-copy Llama (module docstring) with the byte tokenizer of tests/cycle_model.py; `layers` cuts its
+    depth (the same greedy tokens: every layer's output is zero)."""
     from safetensors.numpy import save_file
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.cycle_model import EOS_ID, _tokenizer
 
-    shape = SMOLLM2_135M_SHAPE
+    shape = SMOLLM2_135M_SHAPE | ({"num_hidden_layers": layers} if layers else {})
     d, vocab, inter, layers = shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     hd = d // shape["num_attention_heads"]
     rng = np.random.default_rng(1)
@@ -135,8 +137,9 @@ def write_random_draft(folder: Path, vocab_size: int, max_position_embeddings: i
     return path
 
 
-def spec_configs(sides: list[str], ks: list[int], target: str | None, vocab_size: int, max_len: int, scratch: Path) -> dict:
-    """side name -> speculative_config, one per side and k."""
+def spec_configs(sides: list[str], ks: list[int], target: str | None, vocab_size: int, max_len: int, scratch: Path,
+                 cycles: list[list[int]] | None = None) -> dict:  # fmt: skip
+    """side name -> speculative_config, one per side and k (cycles: the copy workload's, for draft-copy)."""
     from jaxpaged.models.builtin import builtin_gguf_path
 
     out = {}
@@ -147,10 +150,14 @@ def spec_configs(sides: list[str], ks: list[int], target: str | None, vocab_size
             model = target or builtin_gguf_path()
         elif side == "draft-random":
             model = str(write_random_draft(scratch / "random_draft", vocab_size, max(max_len, 2048)))
+        elif side == "draft-copy":
+            if cycles is None:
+                raise ValueError("draft-copy drafts for the copy workload only")
+            model = str(write_copy_model(scratch / "copy_draft", cycles, layers=2))
         elif side.startswith("draft:"):
             model = side[len("draft:") :]
         else:
-            raise ValueError(f"unknown side {side!r}: ngram, draft-self, draft-random or draft:PATH")
+            raise ValueError(f"unknown side {side!r}: ngram, draft-self, draft-random, draft-copy or draft:PATH")
         for k in ks:
             if model is None:
                 out[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     import tempfile
 
     ks = [int(k) for k in args.ks.split(",")]
-    model, texts = args.model, None
+    model, texts, cycles = args.model, None, None
     common = dict(max_num_seqs=max(args.batch, 8), max_model_len=args.max_model_len, log_level="WARNING")
     scratch = Path(tempfile.mkdtemp(prefix="bench_spec_decode_"))
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
@@ -194,7 +201,7 @@ def main(argv=None) -> int:
         common |= {"num_kv_blocks": args.batch * blocks_per_seq + 16}
     engines = {"off": LLM(model, **common)}
     target = engines["off"].engine
-    specs = spec_configs(args.sides.split(","), ks, model, target.loaded.config.vocab_size, target.max_model_len, scratch)
+    specs = spec_configs(args.sides.split(","), ks, model, target.loaded.config.vocab_size, target.max_model_len, scratch, cycles)
     engines |= {side: LLM(model, speculative_config=spec, **common) for side, spec in specs.items()}
     texts = texts or prompts(args, engines["off"].engine.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.workload == "copy")
