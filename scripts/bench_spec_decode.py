@@ -15,7 +15,8 @@ Workloads whose answers repeat their prompts, greedy:
 for itself (the upper bound of a draft model: every guess holds, and each costs a full target step); `draft-random`,
 a random-weight Llama with the target's vocabulary (2 layers, hidden 64: the floor, almost no guess holds, so it
 shows what drafting and verifying cost); `draft-copy` (copy workload only), the forced-copy model cut to 2 layers
-(a draft 15x cheaper that agrees on every token: the best case of a real draft); `draft:PATH`, any draft model.
+(a draft that agrees on every token at about a quarter of the target's
+multiply-adds per token, most of them its lm_head over 49,152 tokens: the best case of a real draft); `draft:PATH`, any draft model.
 
 The off side and the speculating sides run in one process, alternating (the order reversed every
 repeat), each watched for machine load (scripts/machine_load.py). `--batch 1` is where speculation pays;
