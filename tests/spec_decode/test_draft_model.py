@@ -44,6 +44,15 @@ def small_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def windowed_dir(tmp_path_factory):
+    """A random Mistral with a 12-token window on every layer: the draft's blocks behind it go back as it advances."""
+    import transformers
+
+    cfg = transformers.MistralConfig(**{**tiny_llama_config().to_dict(), "sliding_window": 12, "max_position_embeddings": 256})
+    return str(save_hf_model(random_hf_model(cfg, seed=4), tmp_path_factory.mktemp("windowed-draft")))
+
+
+@pytest.fixture(scope="module")
 def base(model_dir):
     return LLM(model_dir, **ENGINE)
 
@@ -65,13 +74,15 @@ def test_draft_state_knows_the_guesses_that_came_true():
     assert _DraftSeq().known([1, 2]) == 0
 
 
-def test_guesses_are_the_drafts_own_greedy_tokens_after_rejections_and_long_prompts(model_dir, small_dir):
+@pytest.mark.parametrize("draft", ["small_dir", "windowed_dir"])
+def test_guesses_are_the_drafts_own_greedy_tokens_after_rejections_and_long_prompts(model_dir, draft, request):
     """The proposer against the draft model run as an ordinary engine: its guesses for a sequence are the draft's
     greedy continuation of it, whatever the sequence's earlier guesses turned into (kept, rejected and corrected,
-    all kept plus a bonus token), and for prompts longer than a step's budget."""
-    spec = LLM(model_dir, speculative_config=_draft(small_dir, k=4), **ENGINE)
+    all kept plus a bonus token), and for prompts longer than a step's budget; a windowed draft too."""
+    draft = request.getfixturevalue(draft)
+    spec = LLM(model_dir, speculative_config=_draft(draft, k=4), **ENGINE)
     proposer = spec.engine.spec.proposer
-    alone = LLM(small_dir, **ENGINE)
+    alone = LLM(draft, **ENGINE)
 
     def greedy(tokens, k):
         params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
@@ -86,6 +97,8 @@ def test_guesses_are_the_drafts_own_greedy_tokens_after_rejections_and_long_prom
     b2 = b + greedy(b, 3) + [9]  # all kept, then the bonus token
     assert proposer.propose([c, a2, b2], [2, 4, 1], ["c", "a", "b"]) == [greedy(c, 2), greedy(a2, 4), greedy(b2, 1)]
     assert proposer.seqs["a"].known(a2 + greedy(a2, 4)) == len(a2) + 3  # every guess fed but the last
+    if proposer.kv.sliding_window is not None:  # b's blocks wholly behind the window went back
+        assert proposer.kv.num_released("b") > 0
     proposer.release(["a", "b", "c"])
     assert spec.get_stats()["spec_decode_draft_blocks_used"] == 0 and not proposer.seqs
 
