@@ -470,7 +470,8 @@ class LLMEngine:
     def _update(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """update: stop strings from the detokenizer, then the scheduler takes the tokens (and checks every
         stop), the beams advance, and the output processor builds the outputs. A step that verified proposals
-        is taken one emitted position at a time (SpecDecoder.take)."""
+        is taken one emitted position at a time (SpecDecoder.take). Then a proposer with per-sequence state (a draft
+        model's KV blocks) lets go of the sequences that stopped running in it (finished or preempted)."""
         if self.spec is None:
             return self._update_once(scheduler_output, result)
         if self.spec.verifies(scheduler_output):
