@@ -137,9 +137,18 @@ def test_greedy_identical_under_preemption_with_a_smaller_draft(model_dir, small
     expected = _tokens(base, prompts, params)
     tight = LLM(model_dir, speculative_config=_draft(small_dir, k=2),
                 **{**ENGINE, "num_kv_blocks": 20, "max_num_batched_tokens": 16, "max_num_seqs": 8})  # fmt: skip
+    engine, proposer = tight.engine, tight.engine.spec.proposer
+    preempted = set()  # sequences whose draft blocks went back while they waited to run again
+    release = proposer.release
+    proposer.release = lambda ids: preempted.update(set(ids) & {r.seq_id for r in engine.scheduler.waiting}) or release(ids)
     assert _tokens(tight, prompts, params) == expected
     stats = tight.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
+    # short prompts and long answers: the pool runs dry while sequences decode, so the preempted ones had drafts
+    short = [p[:8] for p in prompts[:6]]
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    assert _tokens(tight, short, [long] * 6) == _tokens(base, short, [long] * 6)
+    assert preempted, "no preempted sequence held draft blocks"
     _assert_clean(tight)
 
 
