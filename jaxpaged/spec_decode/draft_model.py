@@ -104,6 +104,7 @@ class DraftModelProposer:
         self.kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), config.block_size, window)
         self.seqs: dict[str, _DraftSeq] = {}
         self._greedy = {}  # rows S -> all-greedy sampling metadata (padding rows are greedy)
+        self._fetched: dict[int, np.ndarray] = {}  # within a call: a draft step's sampled tokens, read back once
         logger.info("draft model %s: %s", spec.model, self.runner.memory_plan())
 
     @classmethod
@@ -145,7 +146,6 @@ class DraftModelProposer:
         self.kv.take_changed()
         if not live:
             return out
-        self._fetched: dict[int, np.ndarray] = {}  # a step's sampled tokens, read back once
         first = self._catch_up(tokens, seq_ids, live, known)  # i -> (step, row) that sampled guess 1
         steps = [first]  # per guess j: i -> (step, row) that sampled it
         for j in range(1, max(ks[i] for i in live)):
