@@ -167,6 +167,10 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config needs pipeline_parallel_size 1")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model" and (
+            self.tensor_parallel_size > 1 or distributed.is_multiprocess()
+        ):  # its runner would split (and replay to followers) as the target's does: not built or tested yet
+            raise ValueError("speculative_config.method 'draft_model' needs tensor_parallel_size 1 and one process")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
         if self.batch_invariant and self.pipeline_parallel_size > 1:  # a micro-batch boundary moves with the batch

@@ -1,4 +1,5 @@
-"""Speculative decoding's gain: output tokens/s with `ngram` speculation against the same engine without it.
+"""Speculative decoding's gain: output tokens/s with `ngram` or `draft_model` speculation against the same engine
+without it.
 
 Workloads whose answers repeat their prompts, greedy:
 
@@ -10,7 +11,14 @@ Workloads whose answers repeat their prompts, greedy:
 - `--workload repeat`: "Repeat this text exactly: <random words>" to the built-in SmolLM2-135M-Instruct (or
   --model), which copies the words only partly.
 
-The off side and one `ngram` side per `--ks` value run in one process, alternating (the order reversed every
+`--sides` picks the speculating sides, each run once per `--ks` value: `ngram`; `draft-self`, the target drafting
+for itself (the upper bound of a draft model: every guess holds, and each costs a full target step); `draft-random`,
+a random-weight Llama with the target's vocabulary (2 layers, hidden 64: the floor, almost no guess holds, so it
+shows what drafting and verifying cost); `draft-copy` (copy workload only), the forced-copy model cut to 2 layers
+(a draft that agrees on every token at about a quarter of the target's
+multiply-adds per token, most of them its lm_head over 49,152 tokens: the best case of a real draft); `draft:PATH`, any draft model.
+
+The off side and the speculating sides run in one process, alternating (the order reversed every
 repeat), each watched for machine load (scripts/machine_load.py). `--batch 1` is where speculation pays;
 `--batch 64` checks that it costs little where it is turned off (disable_by_batch_size); `--disable-by-batch-size N`
 above the batch forces it on there, to see what it would cost. Greedy outputs of all sides are checked to be
@@ -46,11 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=4, help="requests per run (default: 4)")
     p.add_argument("--words", type=int, default=40, help="random words per prompt, or the copy workload's prompt tokens (default: 40)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request (default: 64)")
-    p.add_argument("--ks", default="4", help="num_speculative_tokens, one ngram side each, comma-separated (default: 4)")
+    p.add_argument("--ks", default="4", help="num_speculative_tokens, one side each per --sides entry, comma-separated (default: 4)")
+    p.add_argument("--sides", default="ngram", help="speculating sides, comma-separated: ngram, draft-self, draft-random, "
+                   "draft-copy, draft:PATH (default: ngram)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculation off at this many running sequences (default: the engine's); set above --batch to "
                         "force it on, with max_num_seqs raised so every guess fits a step's sampled rows")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating (default: 2)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="the engines' max_model_len, which sizes a draft's KV pool (default: 1024)")
     p.add_argument("--settle-s", type=float, default=0.0, help="wait up to this long for the load to drop before each run")
     p.add_argument("--json", default=None, help="write the report here")
     return p.parse_args(argv)
@@ -76,14 +87,15 @@ def copy_prompts(cycles: list[list[int]], count: int, seed: int = 0) -> list[lis
     return [cycles[p // length][p % length :] + cycles[p // length][: p % length] for p in picks]
 
 
-def write_copy_model(folder: Path, cycles: list[list[int]], max_position_embeddings: int = 2048) -> Path:
-    """The forced-copy Llama (module docstring) with the byte tokenizer of tests/cycle_model.py."""
+def write_copy_model(folder: Path, cycles: list[list[int]], max_position_embeddings: int = 2048, layers: int | None = None) -> Path:
+    """The forced-copy Llama (module docstring) with the byte tokenizer of tests/cycle_model.py; `layers` cuts its
+    depth (the same greedy tokens: every layer's output is zero)."""
     from safetensors.numpy import save_file
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.cycle_model import EOS_ID, _tokenizer
 
-    shape = SMOLLM2_135M_SHAPE
+    shape = SMOLLM2_135M_SHAPE | ({"num_hidden_layers": layers} if layers else {})
     d, vocab, inter, layers = shape["hidden_size"], shape["vocab_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     hd = d // shape["num_attention_heads"]
     rng = np.random.default_rng(1)
@@ -115,6 +127,50 @@ def write_copy_model(folder: Path, cycles: list[list[int]], max_position_embeddi
     return folder
 
 
+RANDOM_DRAFT_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                      "num_key_value_heads": 1}  # fmt: skip
+
+
+def write_random_draft(folder: Path, vocab_size: int, max_position_embeddings: int) -> Path:
+    """A bare config.json (jaxpaged loads it with random weights): a small Llama with the target's vocabulary."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **RANDOM_DRAFT_SHAPE, "vocab_size": vocab_size,
+              "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}  # fmt: skip
+    path = folder / "config.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def spec_configs(sides: list[str], ks: list[int], target: str | None, vocab_size: int, max_len: int, scratch: Path,
+                 cycles: list[list[int]] | None = None) -> dict:  # fmt: skip
+    """side name -> speculative_config, one per side and k (cycles: the copy workload's, for draft-copy)."""
+    from jaxpaged.models.builtin import builtin_gguf_path
+
+    out = {}
+    for side in sides:
+        if side == "ngram":
+            model = None
+        elif side == "draft-self":
+            model = target or builtin_gguf_path()
+        elif side == "draft-random":
+            model = str(write_random_draft(scratch / "random_draft", vocab_size, max(max_len, 2048)))
+        elif side == "draft-copy":
+            if cycles is None:
+                raise ValueError("draft-copy drafts for the copy workload only")
+            model = str(write_copy_model(scratch / "copy_draft", cycles, layers=2))
+        elif side.startswith("draft:"):
+            model = side[len("draft:") :]
+        else:
+            raise ValueError(f"unknown side {side!r}: ngram, draft-self, draft-random, draft-copy or draft:PATH")
+        for k in ks:
+            if model is None:
+                out[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+            else:
+                out[f"{side} k={k}"] = {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+    return out
+
+
 def prompts(args, tokenizer) -> list[str]:
     rng = np.random.default_rng(0)
     out = []
@@ -133,28 +189,31 @@ def main(argv=None) -> int:
 
     from jaxpaged import LLM, SamplingParams
 
+    import atexit
+    import shutil
+    import tempfile
+
     ks = [int(k) for k in args.ks.split(",")]
-    model, texts = args.model, None
-    common = dict(max_num_seqs=max(args.batch, 8), log_level="WARNING")
+    model, texts, cycles = args.model, None, None
+    common = dict(max_num_seqs=max(args.batch, 8), max_model_len=args.max_model_len, log_level="WARNING")
     forced = {}
     if args.disable_by_batch_size is not None:
         forced = {"disable_by_batch_size": args.disable_by_batch_size}
         common["max_num_seqs"] = max(args.batch * (max(ks) + 1), 8)  # a step samples every guess of every row
         common["max_num_batched_tokens"] = max(256, common["max_num_seqs"])
+    scratch = Path(tempfile.mkdtemp(prefix="bench_spec_decode_"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     if args.workload == "copy":
-        import atexit
-        import shutil
-        import tempfile
-
         cycles = copy_cycles(256, args.words)
         texts = [{"prompt_token_ids": ids} for ids in copy_prompts(cycles, args.num_requests)]
-        model = str(write_copy_model(Path(tempfile.mkdtemp(prefix="copy_model_")), cycles))
-        atexit.register(shutil.rmtree, model, ignore_errors=True)  # 650 MB of float32 weights
+        model = str(write_copy_model(scratch / "copy_model", cycles))  # 650 MB of float32 weights, removed at exit
         blocks_per_seq = -(-(args.words + args.output_len + max(ks) + 1) // 16)
-        common |= {"max_model_len": 1024, "num_kv_blocks": args.batch * blocks_per_seq + 16}
-    specs = {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1, **forced}
-             for k in ks}  # fmt: skip
-    engines = {"off": LLM(model, **common)} | {side: LLM(model, speculative_config=spec, **common) for side, spec in specs.items()}
+        common |= {"num_kv_blocks": args.batch * blocks_per_seq + 16}
+    engines = {"off": LLM(model, **common)}
+    target = engines["off"].engine
+    specs = spec_configs(args.sides.split(","), ks, model, target.loaded.config.vocab_size, target.max_model_len, scratch, cycles)
+    specs = {side: {**spec, **forced} for side, spec in specs.items()}
+    engines |= {side: LLM(model, speculative_config=spec, **common) for side, spec in specs.items()}
     texts = texts or prompts(args, engines["off"].engine.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.workload == "copy")
 
@@ -203,7 +262,8 @@ def main(argv=None) -> int:
         "workload": {"kind": args.workload, "batch": args.batch, "num_requests": args.num_requests, "words": args.words,
                      "model": ("random-weight forced-copy Llama, SmolLM2-135M's shape, float32" if args.workload == "copy"
                                else args.model or "built-in SmolLM2-135M-Instruct"),
-                     "output_len": args.output_len, "greedy": True, "speculative_configs": specs},
+                     "output_len": args.output_len, "greedy": True, "speculative_configs": specs,
+                     **({"draft_random_shape": RANDOM_DRAFT_SHAPE} if "draft-random" in args.sides.split(",") else {})},
         "runs": runs, "sides": per_side, "speedup": speedup,
         "compiles_after_warmup": {side: llm.get_stats()["num_compiles_after_warmup"] for side, llm in engines.items()},
         "spec_stats": {side: {k: v for k, v in engines[side].get_stats().items() if k.startswith("spec_decode")} for side in specs},

@@ -104,6 +104,14 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         self.eos_token_ids = self._eos_ids()
         executables = cache_root(config.cache_dir) / "executables"
+        draft = None  # speculative_config's draft_model: placed before the target's KV pool, which is sized from what is left
+        spec_config = config.speculative_config
+        if spec_config is not None and spec_config.method == "draft_model":
+            from jaxpaged.spec_decode.draft_model import DraftModelProposer
+
+            with _loading_place(config):
+                draft = DraftModelProposer.load(config, spec_config, self.loaded, self.max_model_len, platform, devices=devices,
+                                                executable_dir=executables)  # fmt: skip
         runner = PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner
         self.runner = runner(
             self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
@@ -130,6 +138,8 @@ class LLMEngine:
         # a follower of a process group compiles as the leader's warm-up steps reach it (follow())
         self.is_follower = distributed.is_multiprocess() and not distributed.is_leader()
         self.warmup_seconds = 0.0 if self.is_follower else self.runner.warmup()
+        if draft is not None:
+            self.warmup_seconds += draft.warmup()
         self.startup_seconds = {
             "load": load_seconds, "weights": self.loaded.weights_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds,
         }  # "weights" is the part of "load" spent reading the weights onto the device
@@ -140,7 +150,7 @@ class LLMEngine:
         if config.speculative_config is not None:
             from jaxpaged.spec_decode.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, rope=self.scheduler.rope)
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, draft, rope=self.scheduler.rope)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
 
     def _eos_ids(self) -> list[int]:
@@ -379,6 +389,8 @@ class LLMEngine:
         for seq in parent.sequences:
             if not seq.finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        if self.spec is not None:
+            self.spec.release_stopped(self.scheduler)
         if parent.lora_request is not None:
             self._lora_waiting = collections.deque(w for w in self._lora_waiting if w[0] is not parent)
             if self._lora_held.pop(parent.request_id, None) is not None:
@@ -461,11 +473,17 @@ class LLMEngine:
     def _update(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """update: stop strings from the detokenizer, then the scheduler takes the tokens (and checks every
         stop), the beams advance, and the output processor builds the outputs. A step that verified proposals
-        is taken one emitted position at a time (SpecDecoder.take)."""
-        if self.spec is not None and self.spec.verifies(scheduler_output):
-            return self.spec.take(scheduler_output, result.tokens, lambda out, tokens: self._update_once(
+        is taken one emitted position at a time (SpecDecoder.take). Then a proposer with per-sequence state (a draft
+        model's KV blocks) lets go of the sequences that stopped running in it (finished or preempted)."""
+        if self.spec is None:
+            return self._update_once(scheduler_output, result)
+        if self.spec.verifies(scheduler_output):
+            outputs = self.spec.take(scheduler_output, result.tokens, lambda out, tokens: self._update_once(
                 out, result if out is scheduler_output else dataclasses.replace(result, tokens=tokens, prompt=None)))
-        return self._update_once(scheduler_output, result)
+        else:
+            outputs = self._update_once(scheduler_output, result)
+        self.spec.release_stopped(self.scheduler)
+        return outputs
 
     def _update_once(self, scheduler_output: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         stop_strings = self.output_processor.detokenize(scheduler_output, result)

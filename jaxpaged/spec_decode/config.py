@@ -54,8 +54,7 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")  # fmt: skip
-        if self.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not implemented yet (docs/speculative_decoding.md); "
-                             "use 'ngram'")  # fmt: skip
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError("speculative_config.model is required for method 'draft_model' (the draft's folder or id)")
         if self.model is not None and self.method == "ngram":
             raise ValueError("speculative_config.model is for method 'draft_model'; ngram needs no model")

@@ -71,8 +71,19 @@ class SpecDecoder:
                     ks.append(room)
         if not reqs:
             return
-        proposals = self.proposer.propose([req.prompt_token_ids + req.output_token_ids for req in reqs], ks)
+        proposals = self.proposer.propose([req.prompt_token_ids + req.output_token_ids for req in reqs], ks,
+                                          [req.seq_id for req in reqs])
         scheduler.draft_tokens = {req: p for req, p in zip(reqs, proposals) if p}
+
+    def release_stopped(self, scheduler: Scheduler) -> None:
+        """The proposer lets go of sequences no longer running (finished, aborted or preempted): a draft model's
+        KV blocks go back at once. Called after every update and abort."""
+        held = self.proposer.held
+        if held:
+            running = {req.seq_id for req in scheduler.running}
+            gone = [seq_id for seq_id in held if seq_id not in running]
+            if gone:
+                self.proposer.release(gone)
 
     @staticmethod
     def verifies(output: SchedulerOutput) -> bool:
@@ -129,4 +140,5 @@ class SpecDecoder:
             "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / drafts,  # tokens per verifying row
             "spec_decode_proposals_per_step": self.num_drafts / max(self.num_spec_steps, 1),
             "spec_decode_accepted_per_position": self.accepted_at.tolist(),
+            **(self.proposer.stats() if hasattr(self.proposer, "stats") else {}),
         }

@@ -1,12 +1,14 @@
 """Proposers: each guesses up to k next tokens per sequence from what the host knows; the target verifies them.
 
-A proposer sees the sequences' known tokens (prompt + outputs) and a per-sequence k, and returns a list of
-proposed ids per sequence (possibly empty). EAGLE/MTP heads or a draft model would implement the same call.
+A proposer sees the sequences' known tokens (prompt + outputs), a per-sequence k and the sequences' ids, and returns
+a list of proposed ids per sequence (possibly empty). One that keeps state per sequence (draft_model.py: KV blocks)
+lists the ids it holds in `held`, and the engine `release`s those that stop running. EAGLE/MTP heads would
+implement the same calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -16,7 +18,11 @@ PAD = -1  # left padding of the batched token array; never a token id, so never 
 
 
 class Proposer(Protocol):
-    def propose(self, tokens: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]: ...
+    held: Iterable[str]  # ids of the sequences it keeps state for
+
+    def propose(self, tokens: Sequence[Sequence[int]], ks: Sequence[int], seq_ids: Sequence[str]) -> list[list[int]]: ...
+
+    def release(self, seq_ids: Iterable[str]) -> None: ...
 
 
 class NgramProposer:
@@ -24,10 +30,15 @@ class NgramProposer:
     prompt_lookup_min) that occurred earlier in the sequence, and propose the k tokens that followed its most
     recent earlier occurrence. The whole batch is one padded array and each n one vectorized comparison."""
 
+    held = ()  # stateless: it searches each sequence's tokens afresh
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, tokens: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]:
+    def release(self, seq_ids: Iterable[str]) -> None:
+        pass
+
+    def propose(self, tokens: Sequence[Sequence[int]], ks: Sequence[int], seq_ids: Sequence[str] = ()) -> list[list[int]]:
         b = len(tokens)
         if b == 0:
             return []
