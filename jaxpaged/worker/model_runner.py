@@ -603,11 +603,20 @@ class ModelRunner:
                 self._compiled.update(pending.result())
                 compiled = self._compiled[(name, bucket)]
             else:
+                self._quiesce()
                 lazily = contextlib.nullcontext() if self.config.precompile else compile_monitor.expected()
                 with lazily:
                     compiled = self._compiled[(name, bucket)] = self.executables.compile(name, jitted, args)
             self.compile_seconds += time.perf_counter() - t0
         return compiled
+
+    def _quiesce(self) -> None:
+        """Wait for the steps in flight before compiling here: storing an executable (serializing it) while another
+        runs crashed XLA:CPU now and then (a segfault in serialize_executable, always during warm-up)."""
+        if self.executables.directory is None:
+            return
+        last = self._dispatched.get(self._num_dispatched - 1)
+        jax.block_until_ready([self.kv_cache, *(() if last is None else (last.sampled, last.logits, last.out))])
 
     # -- LoRA --------------------------------------------------------------------------------
 
@@ -662,8 +671,8 @@ class ModelRunner:
                 self.prefetch(t)
             self.ready_buckets = [self.buckets[-1]]
             self._compiled.update(self._pending.pop(self.buckets[-1]).result())
-        elif self.single_device and workers > 1:
-            self._background = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxpaged-compile")
+        elif self.single_device:  # every bucket compiled (and stored) before any runs: see _quiesce
+            self._background = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="jaxpaged-compile")
             for t in self.buckets:
                 self.prefetch(t)
             for t in tqdm(list(self._pending), desc="Compiling step buckets", unit="bucket", leave=False):
