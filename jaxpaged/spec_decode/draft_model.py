@@ -225,5 +225,7 @@ class DraftModelProposer:
             cursor = end
         if s not in self._greedy:
             self._greedy[s] = self.runner.input_batch.blank(t).sampling
-        attention = AttentionMetadata(slots, tables, seq_lens, query_start_loc)
+        # a draft with length-dependent RoPE (core/rope_regime.py) gets each row's length, as the runner's steps do
+        rope_lens = None if self.runner.input_batch.rope is None else seq_lens.copy()
+        attention = AttentionMetadata(slots, tables, seq_lens, query_start_loc, rope_lens)
         return StepInputs(ids, positions, attention, logit_rows, self._greedy[s], prev_rows=prev_rows)

@@ -53,6 +53,13 @@ def windowed_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def dynamic_dir(tmp_path_factory):
+    """A random Llama with dynamic NTK RoPE: its steps carry each row's RoPE length (core/rope_regime.py)."""
+    cfg = tiny_llama_config(max_position_embeddings=256, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    return str(save_hf_model(random_hf_model(cfg, seed=6), tmp_path_factory.mktemp("dynamic-draft")))
+
+
+@pytest.fixture(scope="module")
 def base(model_dir):
     return LLM(model_dir, **ENGINE)
 
@@ -74,11 +81,12 @@ def test_draft_state_knows_the_guesses_that_came_true():
     assert _DraftSeq().known([1, 2]) == 0
 
 
-@pytest.mark.parametrize("draft", ["small_dir", "windowed_dir"])
+@pytest.mark.parametrize("draft", ["small_dir", "windowed_dir", "dynamic_dir"])
 def test_guesses_are_the_drafts_own_greedy_tokens_after_rejections_and_long_prompts(model_dir, draft, request):
     """The proposer against the draft model run as an ordinary engine: its guesses for a sequence are the draft's
     greedy continuation of it, whatever the sequence's earlier guesses turned into (kept, rejected and corrected,
-    all kept plus a bonus token), and for prompts longer than a step's budget; a windowed draft too."""
+    all kept plus a bonus token), and for prompts longer than a step's budget; a windowed draft and one with
+    length-dependent RoPE too."""
     draft = request.getfixturevalue(draft)
     spec = LLM(model_dir, speculative_config=_draft(draft, k=4), **ENGINE)
     proposer = spec.engine.spec.proposer
