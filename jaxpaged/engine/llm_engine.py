@@ -478,8 +478,8 @@ class LLMEngine:
         if self.spec is None:
             return self._update_once(scheduler_output, result)
         if self.spec.verifies(scheduler_output):
-            outputs = self.spec.take(scheduler_output, result.tokens, lambda out, tokens: self._update_once(
-                out, result if out is scheduler_output else dataclasses.replace(result, tokens=tokens, prompt=None)))
+            outputs = self.spec.take(scheduler_output, result.tokens, lambda out: self._update_once(
+                out, result if out is scheduler_output else dataclasses.replace(result, prompt=None)))
         else:
             outputs = self._update_once(scheduler_output, result)
         self.spec.release_stopped(self.scheduler)

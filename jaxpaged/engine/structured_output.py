@@ -83,6 +83,14 @@ class GrammarState:
         state.num_consumed = self.num_consumed
         return state
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar accepts from where it stands (speculative proposals are cut there)."""
+        return int(self.matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    def after(self, tokens: Sequence[int]) -> GrammarAfter:
+        """This grammar as it would stand after `tokens` (a verified proposal's prefix), for one bitmask row."""
+        return GrammarAfter(self, tuple(int(t) for t in tokens))
+
     def ends_after(self, token: int) -> bool:
         """Whether `token` would end the grammar (left where it is): a beam candidate that finishes."""
         if self.matcher.validate_tokens([int(token)]) != 1 or not self.matcher.consume_token(int(token)):
@@ -100,6 +108,32 @@ class GrammarState:
     def is_terminated(self) -> bool:
         """Nothing more can follow (the grammar ended, EOS consumed, or an error)."""
         return bool(self.matcher.is_stopped() or self.matcher.is_error())
+
+
+class GrammarAfter:
+    """A speculative row's grammar: the sequence's, advanced by the proposals before that row only while its mask is
+    filled (consume, fill, roll back), so the sequence's own matcher never moves ahead of its accepted tokens."""
+
+    __slots__ = ("state", "tokens")
+
+    def __init__(self, state: GrammarState, tokens: tuple[int, ...]):
+        self.state, self.tokens = state, tokens
+
+    @property
+    def num_consumed(self) -> int:
+        return self.state.num_consumed + len(self.tokens)
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        matcher, consumed = self.state.matcher, 0
+        try:
+            for token in self.tokens:
+                if not matcher.consume_token(token):
+                    raise RuntimeError(f"a proposal the grammar refuses reached verification: {self.tokens}")
+                consumed += 1
+            self.state.fill_bitmask(row)
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
 
 
 class StructuredOutputManager:

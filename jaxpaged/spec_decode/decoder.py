@@ -2,8 +2,10 @@
 step's results taken one token at a time, so stops, detokenizing and outputs behave exactly as without it.
 
 A step with proposals is never overlapped (async scheduling): proposing needs the sequences' tokens on the host,
-and the step's accepted count decides where the next one starts. Sequences with a grammar, logprobs, penalties,
-still short of min_tokens, or beams do not speculate (their sampling rows need per-position host state).
+and the step's accepted count decides where the next one starts. Each verifying row is sampled as if the proposals before
+it were already output: its penalties' history, min_tokens suppression and grammar mask include them, so logprobs,
+penalties, min_tokens and structured outputs give what they give without speculation; a grammar also cuts a
+proposal at its first token it refuses. Beams do not speculate (the host picks them from each step's candidates).
 """
 
 from __future__ import annotations
@@ -20,17 +22,13 @@ from jaxpaged.spec_decode.proposer import NgramProposer, Proposer
 
 
 def may_speculate(req: Request) -> bool:
-    """A sequence whose sampling rows need nothing but its params and seed (no grammar, logprobs or penalties)."""
-    params = req.params
-    return req.grammar is None and params.logprobs is None and not params.has_penalties and not req.is_beam
+    """Any sequence but a beam."""
+    return not req.is_beam
 
 
 def can_speculate(req: Request) -> bool:
-    """Such a sequence decoding now, its tokens all on the host and past min_tokens (whose suppression is per row)."""
-    return (
-        req.num_in_flight == 0 and req.num_computed_tokens == req.num_tokens - 1 and req.hold_at is None
-        and len(req.output_token_ids) >= req.params.min_tokens and may_speculate(req)
-    )  # fmt: skip
+    """Such a sequence decoding now, its tokens all on the host."""
+    return req.num_in_flight == 0 and req.num_computed_tokens == req.num_tokens - 1 and req.hold_at is None and not req.is_beam
 
 
 class SpecDecoder:
@@ -73,6 +71,9 @@ class SpecDecoder:
             return
         proposals = self.proposer.propose([req.prompt_token_ids + req.output_token_ids for req in reqs], ks,
                                           [req.seq_id for req in reqs])
+        for i, (req, proposal) in enumerate(zip(reqs, proposals)):
+            if proposal and req.grammar is not None:  # verify only what the grammar allows
+                proposals[i] = proposal[: req.grammar.valid_prefix(proposal)]
         scheduler.draft_tokens = {req: p for req, p in zip(reqs, proposals) if p}
 
     def release_stopped(self, scheduler: Scheduler) -> None:
@@ -89,10 +90,11 @@ class SpecDecoder:
     def verifies(output: SchedulerOutput) -> bool:
         return any(item.draft_token_ids for item in output.scheduled)
 
-    def take(self, output: SchedulerOutput, tokens: np.ndarray, update: Callable[[SchedulerOutput, np.ndarray], list]) -> list:
+    def take(self, output: SchedulerOutput, tokens: np.ndarray, update: Callable[[SchedulerOutput], list]) -> list:
         """A verifying step's results: each sequence keeps its accepted proposals and the token after them, its
         rejected positions rolled back (their KV slots are rewritten later, never read or registered), then the
-        step is taken as one ordinary update per emitted position. Returns the outputs (the last per request)."""
+        step is taken as one ordinary update per emitted position, the sequence's row moved to that position's (its
+        token, logprobs). Returns the outputs (the last per request)."""
         tokens = np.asarray(tokens)
         emitted: list[tuple[ScheduledSequence, list[int]]] = []
         self.num_spec_steps += 1
@@ -110,22 +112,21 @@ class SpecDecoder:
             self.num_draft_tokens += k
             self.num_accepted_tokens += accepted
             self.accepted_at[:accepted] += 1
-        outputs = list(update(output, tokens))
+        outputs = list(update(output))
         for j in range(1, 1 + max((len(ids) for _, ids in emitted), default=1)):
-            step, next_tokens = [], tokens.copy()
+            step = []
             for item, ids in emitted:
                 req = item.request
                 if len(ids) <= j or req.finished:
                     continue
                 sub = ScheduledSequence(req, req.num_computed_tokens, 0)
-                sub.samples, sub.row = True, item.row
+                sub.samples, sub.row = True, item.row + j
                 req.output_token_ids.append(PLACEHOLDER)
                 req.num_in_flight += 1
-                next_tokens[item.row] = ids[j]
                 step.append(sub)
             if not step:
                 break
-            outputs.extend(update(SchedulerOutput(step, []), next_tokens))
+            outputs.extend(update(SchedulerOutput(step, [])))
         last = {out.request_id: out for out in outputs}
         return list(last.values())
 

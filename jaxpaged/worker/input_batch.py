@@ -235,10 +235,12 @@ class InputBatchBuilder:
             if len(outputs) != item.num_output_tokens:
                 outputs = _OutputsAtScheduling(outputs, item.num_output_tokens)
             grammar = req.grammar if item.samples else None  # a chunk that samples nothing needs no mask
-            if item.draft_token_ids:  # speculative decoding: row j verifies proposal j; the last is the bonus row
-                for j, draft in enumerate((*item.draft_token_ids, -1)):
-                    rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids,
-                                            None, draft, j))  # fmt: skip
+            if item.draft_token_ids:  # speculative decoding: row j verifies proposal j (the last is the bonus row),
+                drafts = item.draft_token_ids  # sampled as if proposals 0..j-1 were output (history, grammar, min_tokens)
+                known = list(outputs)
+                for j, draft in enumerate((*drafts, -1)):
+                    rows.append(SamplingRow(req.params, req.prompt_token_ids, known + list(drafts[:j]), req.seed,
+                                            self.eos_token_ids, grammar.after(drafts[:j]) if grammar else None, draft))  # fmt: skip
                 continue
             rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar))
         return build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)

@@ -258,8 +258,8 @@ class SamplingRow(NamedTuple):
     seed: int  # the request's seed, or one the engine drew for it; any non-negative int
     eos_token_ids: Sequence[int] = ()
     grammar: object | None = None  # structured outputs: a GrammarState (engine/structured_output.py), up to date
-    draft: int = -1  # speculative decoding: the proposed token this row verifies
-    step_offset: int = 0  # speculative decoding: this row samples output index len(output_ids) + step_offset
+    draft: int = -1  # speculative decoding: the proposed token this row verifies (output_ids then end with the
+    # proposals before it, as if already output)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -311,7 +311,7 @@ def build_sampling_metadata(
     """
     n = len(rows)
     prompt_lens = np.fromiter((len(r.prompt_ids) for r in rows), np.int32, n)
-    step_index = np.fromiter((len(r.output_ids) + r.step_offset for r in rows), np.int32, n)
+    step_index = np.fromiter((len(r.output_ids) for r in rows), np.int32, n)
     draft_ids = np.fromiter((r.draft for r in rows), np.int32, n)
     metadata = columns_metadata([r.params for r in rows], prompt_lens, step_index, [r.seed for r in rows], num_rows,
                                 history_width, max_suppress, mask_words, draft_ids)  # fmt: skip

@@ -144,7 +144,7 @@ def test_greedy_identical_under_preemption_with_a_smaller_draft(model_dir, small
     prompts, params = _workload(10, seed=3)
     expected = _tokens(base, prompts, params)
     tight = LLM(model_dir, speculative_config=_draft(small_dir, k=2),
-                **{**ENGINE, "num_kv_blocks": 20, "max_num_batched_tokens": 16, "max_num_seqs": 8})  # fmt: skip
+                **{**ENGINE, "num_kv_blocks": 16, "max_num_batched_tokens": 16, "max_num_seqs": 8})  # fmt: skip
     engine, proposer = tight.engine, tight.engine.spec.proposer
     preempted = set()  # sequences whose draft blocks went back while they waited to run again
     release = proposer.release

@@ -66,7 +66,7 @@ def _workload(count: int, seed: int):
     for i, m in enumerate(rng.integers(6, 30, size=count).tolist()):
         kw = dict(temperature=0.0, max_tokens=int(m), ignore_eos=True)
         if i % 5 == 1:
-            kw["logprobs"] = 2  # does not speculate
+            kw["logprobs"] = 2
         if i % 5 == 3:
             kw["n"] = 2
         params.append(SamplingParams(**kw))
@@ -124,6 +124,78 @@ def test_greedy_identical_under_preemption_and_chunked_prefill(model_dir, engine
     stats = tight.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
     _assert_clean(tight)
+
+
+def test_penalties_min_tokens_and_logprobs_speculate_with_output_unchanged(engines):
+    """Each verifying row samples as if the proposals before it were output: its penalties count them, min_tokens
+    still suppresses a stop id a proposal brings too early, and its logprobs are that position's."""
+    base, spec = engines
+    prompts, _ = _workload(3, seed=5)
+    free = _tokens(base, prompts[:1], [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)])[0][0]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=1.0),
+    ] + [  # the stop id comes at output m + 1 (and maybe earlier): suppressed until m; some step verifies across m
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[free[m + 1]], min_tokens=m,
+                       logprobs=0) for m in (6, 7, 8, 9)
+    ]  # fmt: skip
+    drafts = accepted = 0
+    for p in params:
+        stats = spec.get_stats()
+        for prompt in prompts:
+            a = base.generate([{"prompt_token_ids": prompt}], [p], use_tqdm=False)[0].outputs[0]
+            b = spec.generate([{"prompt_token_ids": prompt}], [p], use_tqdm=False)[0].outputs[0]
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), p
+            assert len(b.token_ids) >= p.min_tokens
+            if p.logprobs is not None:
+                assert [sorted(d) for d in a.logprobs] == [sorted(d) for d in b.logprobs]
+                np.testing.assert_allclose([d[t].logprob for d in b.logprobs for t in sorted(d)],
+                                           [d[t].logprob for d in a.logprobs for t in sorted(d)], rtol=1e-5, atol=1e-5)  # fmt: skip
+        after = spec.get_stats()
+        assert after["spec_decode_num_draft_tokens"] > stats["spec_decode_num_draft_tokens"], p  # it speculated
+        drafts += after["spec_decode_num_draft_tokens"] - stats["spec_decode_num_draft_tokens"]
+        accepted += after["spec_decode_num_accepted_tokens"] - stats["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafts
+    _assert_clean(spec)
+
+
+def test_each_verifying_row_samples_as_if_the_proposals_before_it_were_output(engines):
+    """The definition behind the test above, checked on every verifying step's sampling rows: row j of a sequence
+    verifying k proposals samples output index n + j, its penalties' history holds the proposals before it, and
+    min_tokens suppresses its stop ids exactly while n + j < min_tokens."""
+    _, spec = engines
+    builder = spec.engine.runner.input_batch
+    build, checked = builder.build, []
+
+    def checking_build(output, with_sampling=True):
+        step = build(output, with_sampling)
+        for item in output.scheduled if with_sampling else ():
+            drafts, req = list(item.draft_token_ids), item.request
+            if not drafts:
+                continue
+            prompt, p = list(req.prompt_token_ids), req.params
+            known = list(req.output_token_ids[: item.num_output_tokens])
+            for j, draft in enumerate([*drafts, -1]):
+                row, outputs = item.row + j, known + drafts[:j]
+                assert step.sampling.step_index[row] == len(outputs)
+                assert step.sampling.draft_ids[row] == draft
+                history = step.sampling.history[row].tolist()
+                assert history[: len(prompt) + len(outputs) + 1] == prompt + outputs + [-1]
+                suppressed = set(step.sampling.suppress_ids[row].tolist()) - {-1}
+                assert suppressed == (set(p.stop_token_ids) if len(outputs) < p.min_tokens else set()), (j, outputs)
+            checked.append(len(drafts))
+        return step
+
+    prompts, _ = _workload(4, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.05,
+                             stop_token_ids=[0], min_tokens=m) for m in (9, 10, 11, 12)]  # fmt: skip
+    builder.build = checking_build
+    try:
+        spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        builder.build = build
+    assert len(checked) > 5 and max(checked) > 1
+    _assert_clean(spec)
 
 
 def test_stops_and_max_tokens_as_without_speculation(engines):
