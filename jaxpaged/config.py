@@ -52,6 +52,9 @@ class EngineConfig:
                                     choices=ATTENTION_BACKEND_CHOICES)  # fmt: skip
     matmul_backend: str = option("auto", "matmul implementation (default: auto: native, with weights packed at load, for float32 on one "
                                  "CPU device with AVX-512; else XLA's dot)", choices=MATMUL_BACKEND_CHOICES)  # fmt: skip
+    disable_hybrid_kv_cache_manager: bool = option(False, "models mixing windowed and global layers (Gemma 2/3, some "
+        "Qwen2): keep every block for every layer, the window a mask, instead of KV cache groups whose windowed layers give "
+        "back what their window left (vLLM's flag)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before (default: on)")
     batch_invariant: bool = option(False, "a request's tokens and logprobs never depend on the rest of the batch (one step shape; slower)")
     async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")

@@ -433,7 +433,7 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata):
         """-> (hidden [T, D], updated kv_cache): forward and write in one call."""
         hidden, new_kv = self.forward(input_ids, positions, kv_cache, attn_metadata)
-        return hidden, write_kv(kv_cache, new_kv, attn_metadata.slot_mapping)
+        return hidden, write_kv(kv_cache, new_kv, attn_metadata.slot_mapping, attn_metadata.layer_groups)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is not None:

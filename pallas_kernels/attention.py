@@ -20,9 +20,15 @@ from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
 TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 
 
-def write_kv(kv_cache, new_kv: jax.Array, slot_mapping: jax.Array):
+def write_kv(kv_cache, new_kv: jax.Array, slot_mapping: jax.Array, layer_groups: tuple[tuple[int, int], ...] | None = None):
     """Scatter new_kv [T, L, 2, H_kv, D] into each token's slot; rows with slot -1 are dropped. A QuantizedKV
-    gets each token's 8-bit values and its scale per layer, K/V and head."""
+    gets each token's 8-bit values and its scale per layer, K/V and head. With KV cache groups (layer_groups: each
+    layer's (group, index)), slot_mapping is [G, T] and each group's layers go through its own slots."""
+    if layer_groups is not None:
+        for group in range(slot_mapping.shape[0]):
+            layers = sorted((index, layer) for layer, (g, index) in enumerate(layer_groups) if g == group)
+            kv_cache = write_kv(kv_cache, new_kv[:, [layer for _, layer in layers]], slot_mapping[group])
+        return kv_cache
     num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[4]
     block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)  # out of range -> dropped
     offset = slot_mapping % block_size
@@ -51,6 +57,7 @@ def stack_new_kv(per_layer: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
 def paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None, *,
                     backend: AttentionBackend) -> jax.Array:  # fmt: skip
     """`backend`'s attention (AttentionBackend's contract), per device under shard_map when traced under a TP mesh."""
+    layer, attn_metadata = attn_metadata.for_layer(layer)  # KV cache groups: the layer's group and index
     slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     attend = functools.partial(_attend, layer=layer, spec=spec, backend=backend, use_alibi=alibi_slopes is not None)
     n = tp_size()

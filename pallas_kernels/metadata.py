@@ -6,7 +6,10 @@ seq_len 0), and each slot has a row in the block table (padded to a bucketed wid
 
 KV layout (fixed here; the Pallas kernel reads the same array):
     kv_cache[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
-index 0 of axis 1 holds K, index 1 holds V. A block id names the same slot in every layer.
+index 0 of axis 1 holds K, index 1 holds V. A block id names the same slot in every layer. With KV cache groups
+(hybrid models: some layers windowed, some global; jaxpaged/core/kv_cache_coordinator.py) axis 0 is a layer's index
+within its group instead, each group has its own block tables and slots ([G, S, W] and [G, T]), and a block id
+names the same slot in the layers of the one group that holds it.
 Within a layer a block is one contiguous [num_kv_heads, block_size, head_dim] run (so gathering
 a sequence's blocks copies whole rows, twice as fast on XLA:CPU as head-major tiles), and a
 (block, head) pair is a contiguous block_size x head_dim tile for kernels.
@@ -33,6 +36,16 @@ class AttentionMetadata:
     # [S] length-dependent RoPE only (longrope, dynamic): each token's frequencies are decided from max(its position
     # + 1, its sequence's entry) (jaxpaged/core/rope_regime.py); None: from its sequence's seq_len.
     rope_lens: jax.Array | None = None
+    # KV cache groups only: each layer's (group, index within the group); static, so part of the compiled step
+    layer_groups: tuple[tuple[int, int], ...] | None = dataclasses.field(default=None, metadata={"static": True})
+
+    def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
+        """(the cache index of `layer`, the metadata its attention reads): with groups, its group's tables and slots."""
+        if self.layer_groups is None:
+            return layer, self
+        group, index = self.layer_groups[layer]
+        return index, dataclasses.replace(self, slot_mapping=self.slot_mapping[group],
+                                          block_tables=self.block_tables[group], layer_groups=None)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

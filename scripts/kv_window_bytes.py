@@ -3,10 +3,10 @@ longer see (issue 34 item 7), counted by running the engine's Scheduler and KVCa
 
 Two model shapes, built from transformers configs as the loader reads them (models/config.py's per-layer windows):
 Mistral-7B-shaped (every layer windowed, 4,096: the engine frees today) and Gemma-3-shaped (5 local layers of
-window 1,024 per global layer, emulated with a Qwen2 config's `layer_types`). A hybrid model's one pool cannot free a
-block for its local layers only, so the engine keeps every block for it; the "per group" column runs the
+window 1,024 per global layer, emulated with a Qwen2 config's `layer_types`). The "per group" column runs the
 KVCacheCoordinator over the model's layer groups (local: windowed, global: not), the KV cache groups of
-docs/design.md's stage 2, whose device side is not built yet.
+docs/design.md's stage 2, which the engine uses for hybrid models (its "engine" column then equals "per group"; with
+--disable-hybrid-kv-cache-manager it keeps every block, as "no freeing").
 
     python scripts/kv_window_bytes.py                        # prints a table
     python scripts/kv_window_bytes.py --json docs/data/kv_window_bytes_8k.json
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformers
 
 from jaxpaged.core.block_pool import BlockPool
-from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator, layer_groups
+from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator, kv_groups, layer_groups
 from jaxpaged.core.kv_cache_manager import KVCacheManager, freeing_window
 from jaxpaged.core.request import ParentRequest, Request
 from jaxpaged.core.scheduler import Scheduler
@@ -61,7 +61,8 @@ def blocks_held_at(kv, context: int, prompt: int, step_tokens: int):
     return kv
 
 
-def measure(name: str, context: int, block_size: int, prompt: int, step_tokens: int, dtype_bytes: int) -> dict:
+def measure(name: str, context: int, block_size: int, prompt: int, step_tokens: int, dtype_bytes: int,
+            hybrid: bool = True) -> dict:  # fmt: skip
     cfg = model_config_from_hf(SHAPES[name](), "measure")
     windows = cfg.sliding_windows or (None,) * cfg.num_layers
     per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes  # K and V of one token in one layer
@@ -83,14 +84,16 @@ def measure(name: str, context: int, block_size: int, prompt: int, step_tokens: 
     group_blocks = [len(g.held_blocks("r")) for g in coordinator.groups]
     per_group_bytes = sum(len(layers) * n for (_, layers), n in zip(groups, group_blocks)) * block_size * per_layer_token
     per_group = {str(w): n for (w, _), n in zip(groups, group_blocks)}  # equal windows' groups hold equally many
+    engine_groups = hybrid and kv_groups(cfg.sliding_windows, cfg.num_layers) is not None
+    engine_bytes = per_group_bytes if engine_groups else cfg.num_layers * engine * block_size * per_layer_token
     return {
         "model": name, "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "layers_by_window": {str(w): n for w, n in layers_by_window.items()},
         "bytes_per_token_per_layer": per_layer_token, "num_groups": len(groups), "layers_per_group": len(groups[0][1]),
         "blocks_held_without_freeing": full, "engine_freeing_window": engine_window, "blocks_held_engine": engine,
-        "blocks_held_per_group": per_group,
+        "blocks_held_per_group": per_group, "engine_uses_groups": engine_groups,
         "kv_bytes_per_token_without_freeing": cfg.num_layers * full * block_size * per_layer_token / context,
-        "kv_bytes_per_token_engine": cfg.num_layers * engine * block_size * per_layer_token / context,
+        "kv_bytes_per_token_engine": engine_bytes / context,
         "kv_bytes_per_token_per_group": per_group_bytes / context,
     }  # fmt: skip
 
@@ -102,10 +105,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="a prefill chunk's tokens")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes of one K or V element (2: bfloat16)")
+    parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="the engine as with that flag: a hybrid model keeps every block")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    rows = [measure(name, args.context, args.block_size, args.prompt, args.max_num_batched_tokens, args.dtype_bytes)
-            for name in SHAPES]  # fmt: skip
+    rows = [measure(name, args.context, args.block_size, args.prompt, args.max_num_batched_tokens, args.dtype_bytes,
+                    not args.disable_hybrid_kv_cache_manager) for name in SHAPES]  # fmt: skip
     print(f"KV bytes per token held at {args.context} tokens (block {args.block_size}, {args.dtype_bytes}-byte K/V)")
     print(f"{'model':42} {'no freeing':>12} {'engine':>12} {'per group':>12}")
     for r in rows:

@@ -5,17 +5,18 @@ Layers are split into groups of equally many layers of one attention type (layer
 KVCacheManager, so its own block table per sequence, and all of them draw on one BlockPool, so blocks a local group
 releases serve the global group's growth. A block id then means one layer of each group (docs/design.md, "Stage 2").
 The coordinator answers the scheduler with the KVCacheManager's methods; a block table is a tuple, one per group.
-What is not built yet is the device side: per-group tables and slots in the attention metadata, and the cache laid
-out by index within group; scripts/kv_window_bytes.py runs the coordinator to count what groups would hold.
+KVGroups is what the device side needs: the cache laid out by index within group, and each layer's group, whose
+tables and slots its attention and KV write use (pallas_kernels/metadata.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from jaxpaged.core.block_pool import BlockPool
-from jaxpaged.core.kv_cache_manager import HashedSequence, KVCacheManager
+from jaxpaged.core.kv_cache_manager import HashedSequence, KVCacheManager, max_blocks_held
 
 
 def layer_groups(sliding_windows: Sequence[int | None], num_layers: int) -> list[tuple[int | None, tuple[int, ...]]]:
@@ -28,6 +29,38 @@ def layer_groups(sliding_windows: Sequence[int | None], num_layers: int) -> list
         by_type.setdefault(window, []).append(layer)
     size = math.gcd(*(len(layers) for layers in by_type.values()))
     return [(w, tuple(layers[i : i + size])) for w, layers in by_type.items() for i in range(0, len(layers), size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGroups:
+    """A hybrid model's KV cache groups, as the runner lays out its cache."""
+
+    windows: tuple[int | None, ...]  # per group (None: global)
+    layers: tuple[tuple[int, ...], ...]  # per group, g layers each
+
+    @property
+    def size(self) -> int:
+        """Layers per group: the cache's first axis."""
+        return len(self.layers[0])
+
+    @property
+    def layer_groups(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's (group, index within it), in layer order: AttentionMetadata.layer_groups."""
+        where = {layer: (g, i) for g, layers in enumerate(self.layers) for i, layer in enumerate(layers)}
+        return tuple(where[layer] for layer in range(len(where)))
+
+    def blocks_held(self, num_tokens: int, block_size: int, step_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens holds at once, over all groups (a local group: its window's)."""
+        return sum(max_blocks_held(num_tokens, block_size, w, step_tokens) for w in self.windows)
+
+
+def kv_groups(sliding_windows: Sequence[int | None], num_layers: int) -> KVGroups | None:
+    """The groups of a hybrid model (windowed and global layers, or several windows); None when one window (or
+    none) covers every layer, which one table per sequence serves (stage 1)."""
+    if len(set(sliding_windows or [None])) < 2:
+        return None
+    groups = layer_groups(sliding_windows, num_layers)
+    return KVGroups(tuple(w for w, _ in groups), tuple(layers for _, layers in groups))
 
 
 class KVCacheCoordinator:

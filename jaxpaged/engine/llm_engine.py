@@ -27,6 +27,7 @@ import numpy as np
 from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator
 from jaxpaged.core.kv_cache_manager import KVCacheManager, freeing_window, max_blocks_held
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.rope_regime import LengthDependentRope
@@ -118,8 +119,10 @@ class LLMEngine:
             devices=devices,
         )
         pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
+        groups = self.runner.kv_groups
         self.scheduler = Scheduler(
-            KVCacheManager(pool, config.block_size, freeing_window(self.loaded.config.sliding_windows)),
+            KVCacheManager(pool, config.block_size, freeing_window(self.loaded.config.sliding_windows)) if groups is None
+            else KVCacheCoordinator(pool, config.block_size, groups.windows),
             config.max_num_seqs, config.max_num_batched_tokens,
             self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config),
         )  # fmt: skip
@@ -208,8 +211,10 @@ class LLMEngine:
 
     def _blocks_held(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of num_tokens holds at once (with a freeing window, about the window's)."""
-        kv = self.scheduler.kv
-        return max_blocks_held(num_tokens, kv.block_size, kv.sliding_window, self.config.max_num_batched_tokens)
+        kv, step = self.scheduler.kv, self.config.max_num_batched_tokens
+        if self.runner.kv_groups is not None:
+            return self.runner.kv_groups.blocks_held(num_tokens, kv.block_size, step)
+        return max_blocks_held(num_tokens, kv.block_size, kv.sliding_window, step)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> str:  # fmt: skip

@@ -95,8 +95,8 @@ class DraftModelProposer:
         num_blocks = draft_pool_blocks(config, spec, max_model_len)
         draft_config = dataclasses.replace(
             config, model=spec.model, revision=None, quantization=None, quantize_activations=False,
-            num_kv_blocks=num_blocks, enable_lora=False, speculative_config=None,
-        )  # fmt: skip
+            num_kv_blocks=num_blocks, enable_lora=False, speculative_config=None, disable_hybrid_kv_cache_manager=True,
+        )  # fmt: skip  # one table per sequence (self.kv): a hybrid draft keeps every block, its window a mask
         self.runner = ModelRunner(loaded, draft_config, max_model_len, executable_dir=executable_dir, devices=devices)
         self.block_size = config.block_size
         self.max_step_tokens = config.max_num_batched_tokens

@@ -76,7 +76,10 @@ class InputBatchBuilder:
         self.max_suppress = max_suppress  # ids min_tokens may forbid per row
         self.mask_words = bitmask_words(runner.model_config.vocab_size)  # structured outputs' packed bitmask
         slots = runner.config.max_num_seqs
-        self._table_rows = np.zeros((slots, runner.table_width), np.int32)
+        groups = runner.kv_groups  # KV cache groups: a table per group and slot, and each group's own slots
+        self.layer_groups = None if groups is None else groups.layer_groups
+        self.num_groups = 1 if groups is None else len(groups.layers)
+        self._table_rows = np.zeros((self.num_groups, slots, runner.table_width), np.int32)
         # per slot, set when a sequence takes it: sampling constants (sampler._constants), seed, prompt length and
         # whether its sampling is plain (no penalties, no grammar: built as columns), prompt logprobs, adapter slot
         self._constants = np.zeros((slots, 8), np.float64)
@@ -93,12 +96,14 @@ class InputBatchBuilder:
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
         t, s = self.runner.bucket_for(num_tokens)
+        grouped = () if self.layer_groups is None else (self.num_groups,)
         attn_metadata = AttentionMetadata(
-            slot_mapping=np.full(t, -1, np.int32),
-            block_tables=np.zeros((s, self.runner.table_width), np.int32),
+            slot_mapping=np.full((*grouped, t), -1, np.int32),
+            block_tables=np.zeros((*grouped, s, self.runner.table_width), np.int32),
             seq_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
             rope_lens=None if self.rope is None else np.zeros(s, np.int32),
+            layer_groups=self.layer_groups,
         )
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
@@ -116,10 +121,12 @@ class InputBatchBuilder:
             self._prompt_logprobs[slot] = req.wants_prompt_logprobs
             if self._row_lora is not None:
                 self._row_lora[slot] = req.parent.lora_slot
-        for slot, table in cols.tables:
-            row = self._table_rows[slot]
-            row[: len(table)] = table
-            row[len(table) :] = 0
+        grouped = self.layer_groups is not None
+        for slot, table in cols.tables:  # with groups, a tuple of one table per group (or () for none)
+            for g, group_table in enumerate((table or ((),) * self.num_groups) if grouped else (table,)):
+                row = self._table_rows[g, slot]
+                row[: len(group_table)] = group_table
+                row[len(group_table) :] = 0
 
     def build(self, output: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
         t, s = self.runner.step_bucket(output.num_tokens)
@@ -141,14 +148,16 @@ class InputBatchBuilder:
             else:
                 ids[first : first + item.num_tokens] = item.request.tokens_at(item.start, item.num_tokens)
 
-        tables = np.zeros((s, self.runner.table_width), np.int32)
-        tables[:m] = self._table_rows[slots]
+        tables = np.zeros((self.num_groups, s, self.runner.table_width), np.int32)
+        tables[:, :m] = self._table_rows[:, slots]
         row_of = np.repeat(np.arange(m), counts)
         pos = np.arange(total, dtype=np.int32) + (starts - (ends - counts))[row_of]
         positions = np.zeros(t, np.int32)
         positions[:total] = pos
-        slot_mapping = np.full(t, -1, np.int32)
-        slot_mapping[:total] = tables[row_of, pos // self.block_size] * self.block_size + pos % self.block_size
+        slot_mapping = np.full((self.num_groups, t), -1, np.int32)
+        slot_mapping[:, :total] = tables[:, row_of, pos // self.block_size] * self.block_size + pos % self.block_size
+        if self.layer_groups is None:
+            tables, slot_mapping = tables[0], slot_mapping[0]
         seq_lens = np.zeros(s, np.int32)
         seq_lens[:m] = starts + counts
         query_start_loc = np.full(s + 1, total, np.int32)
@@ -183,7 +192,7 @@ class InputBatchBuilder:
         if self.rope is not None:
             rope_lens = np.zeros(s, np.int32)
             rope_lens[:m] = self.rope.row_lengths(self._prompt_lens[slots], cols.num_outputs)
-        attn_metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc, rope_lens)
+        attn_metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc, rope_lens, self.layer_groups)
         lora_slots = None
         if self._row_lora is not None:
             lora_slots = np.full(t, -1, np.int32)

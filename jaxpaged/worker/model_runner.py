@@ -13,6 +13,7 @@ import atexit
 import bisect
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
+from jaxpaged.core.kv_cache_coordinator import KVGroups, kv_groups
 from jaxpaged.core.kv_cache_manager import freeing_window, max_blocks_held
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models import lora
@@ -73,8 +75,10 @@ def _abstract(leaf):
     return leaf
 
 
-def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, device) -> tuple:
-    """An empty KV array on `device` (or split over `mesh` by KV head), and its donated write and block copy."""
+def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, device, layer_groups=None) -> tuple:
+    """An empty KV array on `device` (or split over `mesh` by KV head), and its donated write and block copy (with
+    KV cache groups, each layer's (group, index) in layer_groups)."""
+    write_fn = write_kv if layer_groups is None else functools.partial(write_kv, layer_groups=layer_groups)
 
     def empty():
         if kv_cache_dtype == "auto":
@@ -86,11 +90,11 @@ def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, de
     if mesh is None:
         with jax.default_device(device):
             cache = empty()
-        return cache, jax.jit(write_kv, donate_argnums=(0,)), jax.jit(copy_blocks, donate_argnums=(0,))
+        return cache, jax.jit(write_fn, donate_argnums=(0,)), jax.jit(copy_blocks, donate_argnums=(0,))
     from jaxpaged.models.sharding import kv_cache_sharding
 
     split = kv_cache_sharding(mesh, kv_cache_dtype)
-    write = jax.jit(write_kv, donate_argnums=(0,), out_shardings=split)
+    write = jax.jit(write_fn, donate_argnums=(0,), out_shardings=split)
     return jax.jit(empty, out_shardings=split)(), write, jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=split)
 
 
@@ -183,6 +187,8 @@ class ModelRunner:
         if config.enable_lora:
             lora.check_architecture(loaded.config)
             lora.attach(loaded.model, self.lora_targets)
+        # hybrid models (windowed and global layers): KV cache groups, so local layers free what their window left
+        self.kv_groups = self._kv_groups(config, loaded.config)
         self._place(loaded)
         self.lora_weights = self._lora_slots(loaded.config) if config.enable_lora else None
         # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
@@ -226,11 +232,12 @@ class ModelRunner:
             self.state, self.model_config = shard_params(self.state, self.model_config, self.mesh)
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config
-        shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+        shape = kv_cache_shape(self.kv_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         self.kv_cache_dtype = self.config.kv_cache_dtype
         t0 = time.perf_counter()
         self.kv_cache, self._write, self._copy = kv_pool(
-            shape, self.kv_cache_dtype, self.platform.kv_storage_dtype(self.dtype), self.mesh, self.device
+            shape, self.kv_cache_dtype, self.platform.kv_storage_dtype(self.dtype), self.mesh, self.device,
+            None if self.kv_groups is None else self.kv_groups.layer_groups,
         )
         if self.mesh is None:
             self.state = jax.device_put(self.state, self.device)
@@ -256,12 +263,24 @@ class ModelRunner:
 
     # -- sizing -------------------------------------------------------------------------------
 
+    @staticmethod
+    def _kv_groups(config: EngineConfig, model_config) -> KVGroups | None:
+        if config.disable_hybrid_kv_cache_manager:
+            return None
+        return kv_groups(model_config.sliding_windows, model_config.num_layers)
+
+    @property
+    def kv_layers(self) -> int:
+        """The cache's first axis: every layer, or with KV cache groups the layers of one group."""
+        return self.model_config.num_layers if self.kv_groups is None else self.kv_groups.size
+
     @property
     def block_bytes(self) -> int:
-        """One block's bytes over every layer, K and V and KV head (an 8-bit cache's scales included)."""
+        """One block's bytes over the layers it serves (every layer, or one group's), K and V and KV head (an 8-bit
+        cache's scales included)."""
         cfg = self.model_config
         per_token_head = kv_bytes_per_token_head(cfg.head_dim, self.config.kv_cache_dtype, self.dtype)
-        return cfg.num_layers * 2 * cfg.num_kv_heads * self.block_size * per_token_head
+        return self.kv_layers * 2 * cfg.num_kv_heads * self.block_size * per_token_head
 
     def memory_plan(self) -> str:
         """What start-up put on the device: weights (and how they are stored), the KV pool and the tokens it holds."""
@@ -274,6 +293,12 @@ class ModelRunner:
         held = "" if window is None else (
             f"; sliding window {window}: blocks behind it go back to the pool, so a {self.history_width}-token sequence "
             f"holds at most {self.seq_blocks} blocks ({self.num_blocks // self.seq_blocks} such sequences at once)")
+        if self.kv_groups is not None:
+            groups = self.kv_groups
+            held = (f"; KV cache groups: {len(groups.layers)} of {groups.size} layers (windows {list(groups.windows)}), "
+                    f"a block serving one group; windowed groups give back what their window left, so a "
+                    f"{self.history_width}-token sequence holds at most {self.seq_blocks} blocks over all groups "
+                    f"({self.num_blocks // self.seq_blocks} such sequences at once)")  # fmt: skip
         return (f"weights {weights:.1f} MB ({jnp.dtype(self.dtype).name}, quantization: {scheme}); KV cache {self.num_blocks} blocks "
                 f"of {self.block_size} tokens in {kv} ({self.num_blocks * self.block_bytes / 1e6:.1f} MB, {per_token:.1f} kB a token), "
                 f"up to {tokens} tokens held at once{held}")  # fmt: skip
@@ -282,8 +307,10 @@ class ModelRunner:
     def seq_blocks(self) -> int:
         """The most blocks one max_model_len sequence holds at once: its table's width, or with a freeing sliding
         window about the window's (jaxpaged/core/kv_cache_manager.py)."""
-        window = freeing_window(self.model_config.sliding_windows)
-        return max_blocks_held(self.history_width, self.block_size, window, self.config.max_num_batched_tokens)
+        step = self.config.max_num_batched_tokens
+        if self.kv_groups is not None:
+            return self.kv_groups.blocks_held(self.history_width, self.block_size, step)
+        return max_blocks_held(self.history_width, self.block_size, freeing_window(self.model_config.sliding_windows), step)
 
     def check_memory(self, weight_bytes: int) -> None:
         """Before the KV pool is allocated: the weights and one max_model_len sequence's KV must fit this engine's

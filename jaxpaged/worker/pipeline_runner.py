@@ -89,6 +89,12 @@ def split_step(step: StepInputs, chunks: int, rows: int, seqs: int) -> list[Micr
 class PipelineRunner(ModelRunner):
     """ModelRunner over P stages; the engine, scheduler and sampler see no difference."""
 
+    @staticmethod
+    def _kv_groups(config, model_config) -> None:
+        """No KV cache groups: a stage's cache holds its own layers (a hybrid model keeps every block, its window a
+        mask)."""
+        return None
+
     # -- placement ----------------------------------------------------------------------------
 
     def _place(self, loaded: LoadedModel) -> None:

@@ -230,9 +230,10 @@ def _run(llm: LLM, prompts, max_tokens) -> list[list[int]]:
 
 
 def test_gemma3_engine_with_chunked_prefill_and_preemption_matches_transformers(checkpoints):
+    """KV cache groups (2 local layers, 1 global): a block serves one layer, so 18 blocks are 6 of every layer."""
     hf, folder = checkpoints("gemma3-text-untied-local-rope")
     prompts, max_tokens, expected = _workload(hf, 12, seed=21)
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8, num_kv_blocks=12,
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8, num_kv_blocks=18,
               log_level="WARNING")  # fmt: skip
     chunks = []
     original = llm.engine.scheduler.schedule

@@ -65,6 +65,12 @@ def _families():
         ),
         # ALiBi: each device's heads keep their own slopes
         "bloom-alibi": transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=0),
+        # windowed and global layers: KV cache groups, each group's tables under shard_map
+        "qwen2-hybrid-window": transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, sliding_window=8, use_sliding_window=True,
+            max_window_layers=0, layer_types=["sliding_attention", "full_attention"] * 2, bos_token_id=0, eos_token_id=1,
+        ),
     }  # fmt: skip
 
 
@@ -76,7 +82,7 @@ def _prepare(name, tmp_path_factory):
     return reference_family(_PREPARED, name, _families()[name], tmp_path_factory, PROMPT_LENGTHS, MAX_TOKENS, VOCAB)
 
 
-@pytest.fixture(scope="module", params=["llama-gqa2", "falcon-mqa", "bloom-alibi"])
+@pytest.fixture(scope="module", params=["llama-gqa2", "falcon-mqa", "bloom-alibi", "qwen2-hybrid-window"])
 def family(request, tmp_path_factory):
     return _prepare(request.param, tmp_path_factory)
 
@@ -90,6 +96,7 @@ def test_tp2_and_tp4_equal_tp1_token_for_token(family):
         assert _greedy(llm, prompts) == expected, f"tensor_parallel_size={n} differs"
         assert llm.get_stats()["num_compiles_after_warmup"] == 0
         _assert_split_1_over_n(llm.engine.runner, n)
+        assert (llm.engine.runner.kv_groups is not None) == ("hybrid" in str(folder))
 
 
 def _assert_split_1_over_n(runner, n):
