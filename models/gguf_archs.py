@@ -9,6 +9,7 @@ llama.cpp's; a TensorRule only covers a tensor the converter reshaped, reordered
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -150,6 +151,39 @@ QWEN2MOE_EXPERTS = (
 
 
 # -- the config fields no single key states -------------------------------------------------------------------------
+
+
+def rope_scaling(meta: Metadata, context_length: int) -> dict | None:
+    """The HF rope_scaling llama.cpp runs a file's `rope.scaling.*` keys as (its loader's defaults included); None for
+    none. Phi-3's LongRoPE factors are tensors: _phi3 reads them."""
+    kind = meta.get("rope.scaling.type", "linear")  # llama.cpp's default type: a bare factor scales linearly
+    factor = float(meta.get("rope.scaling.factor", meta.get("rope.scale_linear", 0.0)) or 1.0)  # (the key's old name)
+    if kind == "longrope":
+        return {"rope_type": "longrope"}
+    if kind not in ("none", "linear", "yarn"):
+        raise ValueError(f"GGUF file {meta.path} has the RoPE scaling type {kind!r}, which jaxpaged does not read")
+    if kind == "none" or factor == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    return _yarn(meta, factor, context_length)
+
+
+def _yarn(meta: Metadata, factor: float, context_length: int) -> dict:
+    """The betas where the converter wrote them (HF's; llama.cpp reads them for a few architectures only, else
+    uses HF's defaults 32 and 1). The cos/sin scale is llama.cpp's, which differs from HF's: YaRN's mscale of the
+    file's factor (some transformers 4.x releases took max_position_embeddings / original instead) times
+    `rope.scaling.attn_factor`; llama.cpp overwrites the `yarn_attn_factor` key (HF's attention_factor) with that
+    mscale, so it is not read."""
+    original = int(meta.get("rope.scaling.original_context_length", context_length))  # llama.cpp's n_ctx_orig_yarn
+    scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if (value := meta.get(f"rope.scaling.{key}")) is not None:
+            scaling[field] = float(value)
+    if (attn_factor := meta.get("rope.scaling.attn_factor")) is not None:
+        mscale = 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
+        scaling["attention_factor"] = mscale * float(attn_factor)
+    return scaling
 
 
 def _llama(meta: Metadata, kwargs: dict) -> dict:

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 
 import numpy as np
-from jaxpaged.models.gguf_archs import ARCHITECTURES, COMMON_KEYS, Metadata
+from jaxpaged.models.gguf_archs import ARCHITECTURES, COMMON_KEYS, Metadata, rope_scaling
 from jaxpaged.utils.extras import require
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,8 @@ def gguf_hf_config(reader, path: str):
         attention_bias=meta.has("blk.0.attn_q.bias"),
         mlp_bias=meta.has("blk.0.ffn_up.bias"),
     )
-    scaling = meta.get("rope.scaling.type")
-    if scaling and scaling != "none":
-        kwargs["rope_scaling"] = {"rope_type": scaling, "factor": float(meta.get("rope.scaling.factor", 1.0))}
+    if (scaling := rope_scaling(meta, kwargs["max_position_embeddings"])) is not None:
+        kwargs["rope_scaling"] = scaling
     kwargs |= meta.read_keys(spec.keys)
     if spec.derive is not None:
         kwargs = spec.derive(meta, kwargs)

@@ -63,6 +63,7 @@ def write_llama_gguf(hf_model, path: Path, chat_template: str | None = None, qua
     rope = getattr(cfg, "rope_parameters", None) or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     writer.add_vocab_size(cfg.vocab_size)
+    _rope_scaling(writer, cfg)
 
     spelling = _bytes_to_unicode()
     tokens = [spelling[b] for b in range(cfg.vocab_size - 2)] + ["<|start|>", "<|end|>"]
@@ -131,6 +132,26 @@ def _sentencepiece_vocab(writer, vocab_size: int) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_add_bos_token(False)
+
+
+def _rope_scaling(writer, cfg) -> None:
+    """The rope.scaling.* keys TextModel.set_gguf_parameters writes for a linear or YaRN config (HF's
+    attention_factor as yarn_attn_factor, betas only where the config states them)."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    kind = rope.get("rope_type")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
 def _write_tensors(writer, arch, tensors: dict[str, np.ndarray], layers: int, quant=None) -> None:
@@ -216,6 +237,7 @@ def write_qwen_gguf(hf_model, path: Path, quant=None) -> Path:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _rope_scaling(writer, cfg)
     if getattr(cfg, "head_dim", None):  # the converter writes a config's head_dim when it has one
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)

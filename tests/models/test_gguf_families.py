@@ -8,7 +8,9 @@ rotary 0.75, a window of 12 under 40-token prompts, fused qkv and gate/up rows; 
 features (not the hidden size, so a transposed expert cannot pass), top-2 not renormalized, the shared expert and
 its sigmoid gate stored as a vector, q/k/v biases; Qwen3-MoE's: top-2 renormalized (llama.cpp always does),
 q/k norms, head_dim 32 (not hidden / heads), no shared expert; dense Qwen3 (q/k norms, head_dim 32, tied) and
-Qwen2 (q/k/v biases, MQA, tied).
+Qwen2 (q/k/v biases, MQA, tied). RoPE scaling keys (rope.scaling.*): a Qwen2 with YaRN and its betas, a Llama with
+YaRN, a Qwen3 with linear scaling, prompts and greedy tokens past YARN_ORIGINAL; where llama.cpp reads the keys
+otherwise than transformers would, metadata-only files.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import transformers
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.quantization import GroupLinear
 
-from tests.gguf_writer import sentencepiece_vocab, write_phi3_gguf, write_qwen_gguf
+from tests.gguf_writer import sentencepiece_vocab, write_llama_gguf, write_phi3_gguf, write_qwen_gguf
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts
 from tests.static_batch import StaticBatchRunner
 
@@ -28,6 +30,7 @@ pytest.importorskip("gguf")
 
 VOCAB = 256
 ORIGINAL = 24  # Phi-3's original_max_position_embeddings: LongRoPE's short factors below, long ones from there
+YARN_ORIGINAL = 32  # the YaRN cases' original_max_position_embeddings
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=0)
 
 
@@ -35,6 +38,11 @@ def _longrope(rotary_dim: int, **extra) -> dict:
     half = rotary_dim // 2
     return dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(half)],
                 long_factor=[1.0 + 1.5 * i for i in range(half)], **extra)  # fmt: skip
+
+
+def _yarn(**betas) -> dict:  # past YARN_ORIGINAL every prompt below runs scaled
+    return dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=YARN_ORIGINAL,
+                **betas)
 
 
 # name -> (transformers config, writer, its keyword arguments, prompts, greedy tokens); greedy stays on one side of
@@ -71,6 +79,23 @@ CASES = {
         transformers.Qwen3Config(**BASE, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                  head_dim=32, max_position_embeddings=512, tie_word_embeddings=True),
         write_qwen_gguf, {}, [1, 33], 24,
+    ),
+    "qwen2-yarn-betas": (
+        transformers.Qwen2Config(**BASE, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128, tie_word_embeddings=True,
+                                 rope_parameters=_yarn(beta_fast=4.0, beta_slow=0.5)),
+        write_qwen_gguf, {}, [9, 40], 24,
+    ),
+    "qwen3-linear": (
+        transformers.Qwen3Config(**BASE, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, max_position_embeddings=128, tie_word_embeddings=True,
+                                 rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+        write_qwen_gguf, {}, [9, 40], 24,
+    ),
+    "llama-yarn": (
+        transformers.LlamaConfig(**BASE, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=128, rope_parameters=_yarn()),
+        write_llama_gguf, {}, [9, 40], 24,
     ),
     "qwen2-bias-tied": (
         transformers.Qwen2Config(**BASE, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
@@ -113,7 +138,8 @@ def test_gguf_matches_transformers(case, written):
             want = getattr(config, field)
             assert getattr(loaded.hf_config, field) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), field
     want, got = dict(config.rope_parameters), dict(loaded.hf_config.rope_parameters)
-    for key in ("rope_type", "rope_theta", "partial_rotary_factor", "long_factor", "short_factor"):
+    for key in ("rope_type", "rope_theta", "partial_rotary_factor", "long_factor", "short_factor", "factor",
+                "beta_fast", "beta_slow", "original_max_position_embeddings"):
         assert np.allclose(got.get(key, 1.0), want.get(key, 1.0)) if key != "rope_type" else got[key] == want[key], key
 
     prompts = random_prompts(VOCAB, lengths, seed=7)
@@ -160,21 +186,59 @@ def test_q8_0_file_stays_quantized_but_fused_and_expert_tensors(case, written, t
         np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("arch,message", [("llama", "with experts \\(Mixtral\\)"), ("olmoe", "architecture 'olmoe'")])
-def test_files_jaxpaged_does_not_read_are_refused_by_name(arch, message, tmp_path):
+def _bare_gguf(path, arch: str, keys: dict):
+    """Metadata (and one embedding tensor) only: the dimensions and `keys`, {key after "{arch}.": value}, typed as
+    the converter writes them (str, uint32, float32)."""
     import gguf
-    from jaxpaged.models import gguf_io
 
-    path = tmp_path / f"{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
-    for add, value in (("block_count", 2), ("embedding_length", 64), ("feed_forward_length", 96), ("head_count", 4),
-                       ("expert_count", 8)):  # fmt: skip
-        getattr(writer, f"add_{add}")(value)
+    add = {str: writer.add_string, int: writer.add_uint32, float: writer.add_float32}
+    for key, value in {"block_count": 2, "context_length": 128, "embedding_length": 64, "feed_forward_length": 96,
+                       "attention.head_count": 4, **keys}.items():  # fmt: skip
+        add[type(value)](f"{arch}.{key}", value)
     writer.add_token_list(["a", "b"])
     writer.add_tensor("token_embd.weight", np.zeros((2, 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("arch,message", [("llama", "with experts \\(Mixtral\\)"), ("olmoe", "architecture 'olmoe'")])
+def test_files_jaxpaged_does_not_read_are_refused_by_name(arch, message, tmp_path):
+    from jaxpaged.models import gguf_io
+
+    path = _bare_gguf(tmp_path / f"{arch}.gguf", arch, {"expert_count": 8})
     with pytest.raises(ValueError, match=message):
-        gguf_io.gguf_hf_config(gguf_io.open_gguf(str(path)), str(path))
+        gguf_io.gguf_hf_config(gguf_io.open_gguf(path), path)
+
+
+# where llama.cpp's reading is not transformers': YaRN's cos/sin scale is its mscale of the factor times
+# rope.scaling.attn_factor (the yarn_attn_factor key, HF's attention_factor, is overwritten there), its original
+# context the file's context_length (128) where unstated; a bare factor, or the old rope.scale_linear, is linear
+YARN = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}
+MSCALE = 1 + 0.1 * np.log(4.0)
+LLAMA_CPP_READINGS = {
+    "yarn-attn-factor-key-unread": (
+        {**YARN, "rope.scaling.original_context_length": 32, "rope.scaling.yarn_attn_factor": 0.5},
+        ("yarn", 4.0, 32), MSCALE,
+    ),
+    "yarn-times-attn-factor": ({**YARN, "rope.scaling.attn_factor": 0.5}, ("yarn", 4.0, 128), 0.5 * MSCALE),
+    "bare-factor": ({"rope.scaling.factor": 2.0}, ("linear", 2.0, 8192), 1.0),
+    "old-scale-linear-key": ({"rope.scale_linear": 2.0}, ("linear", 2.0, 8192), 1.0),
+    "none": ({**YARN, "rope.scaling.type": "none"}, ("default", 1.0, 8192), 1.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CPP_READINGS))
+def test_rope_scaling_keys_read_as_llama_cpp_does(case, tmp_path):
+    from jaxpaged.models import gguf_io
+    from jaxpaged.models.config import rope_from_hf
+    from jaxpaged.models.layers import rope_attention_factor
+
+    keys, (kind, factor, original), attention = LLAMA_CPP_READINGS[case]
+    path = _bare_gguf(tmp_path / "qwen2.gguf", "qwen2", keys)
+    rope = rope_from_hf(gguf_io.gguf_hf_config(gguf_io.open_gguf(path), path))
+    assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == (kind, factor, original)
+    assert rope_attention_factor(rope) == pytest.approx(attention, rel=1e-6)
