@@ -2,12 +2,13 @@
 
 Router: logits = x @ gate (float32), softmax, top-k, optionally renormalized (Mixtral always; the others per
 `norm_topk_prob`). Experts: E gated MLPs stacked into [E, in, out] kernels. The grouped matmul runs in the jitted
-step with fixed shapes: the T*k (token, expert) assignments are sorted by expert and each expert's run is padded to
-a whole number of m-row tiles; a while loop over the tiles in use (a traced trip count) multiplies each tile's rows
-by its one expert's weights, read by a dynamic index. The tile count is bounded statically (T*k + E*(m-1) rows), so
-nothing is dropped and no shape depends on the routing; unused tiles cost nothing and hold zero rows, and the
-bucket's padding rows (past the step's real token count) go to no expert. jax.lax.ragged_dot would do the same sums,
-but off TPU it expands to a dense product against every expert (E times the work).
+step with fixed shapes: the T*k (token, expert) assignments are sorted by expert, so each expert's rows are one
+run; a while loop over the experts in use (a traced trip count) slices that expert's kernels once and multiplies
+its run in m-row tiles, the rest in at most one tile of each of m, m/2, .., m/8 rows, so an expert's rows are padded
+by under m/8 (prefill steps, at about m rows an expert, padded half their rows to whole m-row tiles before).
+Nothing is dropped and no shape depends on the routing; the bucket's padding rows (past the step's real token
+count) go to no expert. jax.lax.ragged_dot would do the same sums, but off TPU it expands to a dense product
+against every expert (E times the work).
 
 Under a "model" mesh of N devices the experts split over it (expert parallelism) when N divides E, else each
 expert's intermediate features split (tensor parallelism). Tokens are replicated there, so each device computes
@@ -140,19 +141,56 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
 
 
 def tile_rows(assignments: int, num_experts: int) -> int:
-    """Rows per tile: about assignments / experts (a power of two, 1 to 128), so tiles stay few and little padded."""
+    """Rows per full tile: about assignments / experts (a power of two, 1 to 128), so tiles stay few."""
     per_expert = -(-assignments // num_experts)
     return min(128, 1 << max(0, per_expert - 1).bit_length())
 
 
-def _expert_matmul(x: jax.Array, weights: tuple[jax.Array, ...], expert: jax.Array) -> jax.Array:
-    """x [m, in] times one expert's kernel [in, out] (times its scale when quantized) -> [m, out] f32. Only that
-    expert's kernel is read (a dynamic index), never a copy per tile."""
-    kernel = jax.lax.dynamic_index_in_dim(weights[0], expert, keepdims=False)
+def tail_sizes(m: int) -> tuple[int, ...]:
+    """The tile sizes an expert's rows past its full m-row tiles run in (m, m/2, .. down to m/8): its last tile is
+    then padded by less than m/8 rows, not up to m (half the rows at about m rows an expert, as prefill steps have)."""
+    return tuple(m >> i for i in range(min(3, m.bit_length() - 1) + 1))
+
+
+def _expert_matmul(x: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
+    """x [m, in] times one expert's kernel [in, out] (times its scale [out] when quantized) -> [m, out] f32."""
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.dot(x, kernel.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
-    if len(weights) > 1:
-        y = y * jax.lax.dynamic_index_in_dim(weights[1], expert, keepdims=False).astype(jnp.float32)[None, :]
+    y = jnp.dot(x, weights[0].astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    return y * weights[1].astype(jnp.float32)[None, :] if len(weights) > 1 else y
+
+
+def _one_expert(arrays: tuple[tuple[jax.Array, ...], ...], expert: jax.Array) -> tuple[tuple[jax.Array, ...], ...]:
+    """Expert `expert`'s (kernel, scale) of gate, up and down, sliced once for all its tiles."""
+    return tuple(tuple(jax.lax.dynamic_index_in_dim(w, expert, keepdims=False) for w in ws) for ws in arrays)
+
+
+def _expert_rows(xs, y, start, count, kernels, m: int, act: str):
+    """y's rows start .. start + count (expert-sorted, all one expert's) <- that expert's MLP of xs's: full m-row
+    tiles in a loop, then at most one tile of each tail size (the last one masked past count)."""
+    fn = activation(act)
+    gate, up, down = kernels
+
+    def mlp(x):
+        h = fn(_expert_matmul(x, gate)).astype(x.dtype) * _expert_matmul(x, up).astype(x.dtype)
+        return _expert_matmul(h, down).astype(x.dtype)
+
+    def full(i, y):
+        at = start + i * m
+        return jax.lax.dynamic_update_slice_in_dim(y, mlp(jax.lax.dynamic_slice_in_dim(xs, at, m)), at, 0)
+
+    done = count // m * m
+    y = jax.lax.fori_loop(0, count // m, full, y)
+    sizes = tail_sizes(m)
+    left = -(-(count - done) // sizes[-1]) * sizes[-1]  # the rest, rounded up to the smallest size: its bits
+    for size in sizes:  # pick the tail tiles, each at the sum of the larger bits
+
+        def tail(y, at=start + done + (left & ~(2 * size - 1)), size=size):
+            rows = at + jnp.arange(size)[:, None]
+            old = jax.lax.dynamic_slice_in_dim(y, at, size)
+            new = jnp.where(rows < start + count, mlp(jax.lax.dynamic_slice_in_dim(xs, at, size)), old)
+            return jax.lax.dynamic_update_slice_in_dim(y, new, at, 0)
+
+        y = jax.lax.cond(left & size != 0, tail, lambda y: y, y)
     return y
 
 
@@ -160,44 +198,34 @@ def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: st
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts held here (ids first_expert.. + E_local);
     assignments to other experts add nothing. gate/up/down: (kernel [E_local, in, out], optional scale [E_local, out]).
     num_valid (traced scalar, optional): rows from it on are the bucket's padding; they are routed nowhere (their
-    output is zero) so they create no tiles. Only the tiles in use run (a while loop with a traced trip count), so
-    the cost follows the experts actually used, not the static tile bound."""
+    output is zero). The assignments sorted by expert lie in one run per expert; a while loop over the experts in
+    use slices each one's kernels once and runs its rows (_expert_rows), so the cost follows the rows routed here,
+    not a static bound, and a tile never copies a kernel."""
     t, d = x.shape
     k = ids.shape[1]
     a = t * k
     e = gate[0].shape[0]
     m = tile_rows(a, e)
-    num_tiles = -(-(a + min(e, a) * (m - 1)) // m)
-    rows = num_tiles * m
     expert = ids.reshape(a) - first_expert
     held = (expert >= 0) & (expert < e)
     if num_valid is not None:
         held = held & (jnp.arange(a, dtype=jnp.int32) // k < num_valid)
-    expert = jnp.where(held, expert, e)  # e: held elsewhere (or padding), sorted last, never placed
+    expert = jnp.where(held, expert, e)  # e: held elsewhere (or padding), sorted last, never run
     order = jnp.argsort(expert, stable=True)
-    sorted_expert = expert[order]
     counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
-    tiles = (counts + m - 1) // m
-    tile_end = jnp.cumsum(tiles)
-    row_start = jnp.append((tile_end - tiles) * m, rows)  # expert e's first row; the sentinel's lands out of range
-    count_start = jnp.append(jnp.cumsum(counts) - counts, a)
-    rank = jnp.arange(a, dtype=jnp.int32) - count_start[sorted_expert]
-    dest = jnp.where(sorted_expert < e, row_start[sorted_expert] + rank, rows)
-    row_assignment = jnp.full((rows,), a, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
-    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"), e - 1).astype(jnp.int32)
-    xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_assignment // k].reshape(num_tiles, m, d)
-    fn = activation(act)
+    starts = jnp.cumsum(counts) - counts
+    used = jnp.nonzero(counts, size=e, fill_value=0)[0].astype(jnp.int32)
+    # m rows past the end: a tile that overruns its expert's run (masked, or the next expert's) stays in range
+    xs = jnp.concatenate([x[order // k], jnp.zeros((m, d), x.dtype)])
+    arrays = (gate, up, down)
 
-    def tile(i, y):
-        ex, xi = tile_expert[i], jax.lax.dynamic_index_in_dim(xs, i, keepdims=False)
-        h = fn(_expert_matmul(xi, gate, ex)).astype(x.dtype) * _expert_matmul(xi, up, ex).astype(x.dtype)
-        return jax.lax.dynamic_update_index_in_dim(y, _expert_matmul(h, down, ex).astype(x.dtype), i, 0)
+    def run_expert(j, y):
+        ex = used[j]
+        return _expert_rows(xs, y, starts[ex], counts[ex], _one_expert(arrays, ex), m, act)
 
-    # unused tiles keep their zeros: nothing reads their weights; a traced bound makes this a while loop
-    y = jax.lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((num_tiles, m, d), x.dtype)).reshape(rows, d)
-    # back to (token, slot) order: each assignment's row (the zero row past the end when held elsewhere)
-    assignment_row = jnp.full((a,), rows, jnp.int32).at[order].set(dest.astype(jnp.int32))
-    y = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[assignment_row].reshape(t, k, d)
+    # rows of assignments held elsewhere (sorted last) are never written: they stay zero
+    y = jax.lax.fori_loop(0, jnp.sum(counts > 0), run_expert, jnp.zeros_like(xs))[:a]
+    y = jnp.zeros((a, d), y.dtype).at[order].set(y).reshape(t, k, d)  # back to (token, slot) order
     return jnp.sum(y * weights.astype(x.dtype)[:, :, None], axis=1)
 
 

@@ -8,7 +8,12 @@ greedy tokens each (EOS ignored). The sides alternate, their order flipped every
 both share the machine's noise; each run records the load around it (scripts/machine_load.py). Reported per side
 and batch size: the median output tokens/s and engine step time, and MoE / dense.
 
+--prefill measures prompts instead: by default 8 requests of 512 tokens, max_tokens=1, prefix caching off, timed as
+prompt tokens/s; --max-num-batched-tokens sets the step's token budget (the engine's default: 256 on CPU), which
+decides how full the MoE's expert tiles get.
+
     python scripts/bench_moe.py --json docs/data/moe_vs_dense_cpu_2026-11-26.json
+    python scripts/bench_moe.py --prefill --max-num-batched-tokens 2048 --json docs/data/moe_prefill_cpu.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import machine_load  # noqa: E402 - the sibling script's module (this folder is 
 
 log = logging.getLogger("bench")
 SIDES = ("moe", "dense")
+DECODE_DEFAULTS = {"batch_sizes": "1,16", "prompt_len": 32, "output_tokens": 256}
+PREFILL_DEFAULTS = {"batch_sizes": "8", "prompt_len": 512, "output_tokens": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,14 +50,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size; the dense MLP is "
                    "top-k x this wide (default: 512)")  # fmt: skip
     p.add_argument("--vocab", type=int, default=8192, help="(default: 8192)")
-    p.add_argument("--batch-sizes", default="1,16", help="concurrent requests per run, comma-separated (default: 1,16)")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default: 32)")
-    p.add_argument("--output-tokens", type=int, default=256, help="greedy tokens per request (default: 256)")
+    p.add_argument("--prefill", action="store_true", help="time prompt tokens/s of long prompts and max_tokens=1 "
+                   "(prefix caching off) instead of decoding; changes the three defaults below")  # fmt: skip
+    p.add_argument("--batch-sizes", default=None, help="concurrent requests per run, comma-separated (default: 1,16; "
+                   "8 with --prefill)")  # fmt: skip
+    p.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default: 32; 512 with --prefill)")
+    p.add_argument("--output-tokens", type=int, default=None, help="greedy tokens per request (default: 256; 1 with --prefill)")  # fmt: skip
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="EngineConfig.max_num_batched_tokens of both "
+                   "sides (default: the engine's)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="times each (side, batch size) runs, sides alternating (default: 3)")
     p.add_argument("--matmul-backend", default="auto", help="EngineConfig.matmul_backend of both sides (default: auto)")
     p.add_argument("--settle-s", type=float, default=30.0, help="wait up to this long for the load to drop before each run")
     p.add_argument("--json", default=None, help="write the configs, every run and the summary here")
     args = p.parse_args(argv)
+    defaults = PREFILL_DEFAULTS if args.prefill else DECODE_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if args.top_k > args.experts or min(args.batch_sizes, default=0) < 1:
         p.error("--top-k must be at most --experts, and every batch size at least 1")
@@ -108,8 +124,11 @@ def write_configs(args, folder: Path) -> dict[str, Path]:
 def make_llm(path: Path, args):
     from jaxpaged import LLM
 
+    extra = {"enable_prefix_caching": False} if args.prefill else {}  # every round's prompts are the same
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     return LLM(str(path), dtype="float32", max_num_seqs=max(args.batch_sizes), matmul_backend=args.matmul_backend,
-               max_model_len=args.prompt_len + args.output_tokens + 16, log_level="WARNING")  # fmt: skip
+               max_model_len=args.prompt_len + args.output_tokens + 16, log_level="WARNING", **extra)  # fmt: skip
 
 
 def prompts(args, batch: int) -> list[list[int]]:
@@ -120,7 +139,8 @@ def prompts(args, batch: int) -> list[list[int]]:
 
 
 def run_once(llm, args, batch: int, max_tokens: int) -> dict:
-    """One batch through the engine, step by step: output tokens, steps and seconds."""
+    """One batch through the engine, step by step: prompt and output tokens, steps and seconds; tok_s counts the
+    prompt tokens with --prefill, the output tokens otherwise."""
     from jaxpaged import SamplingParams
 
     engine = llm.engine
@@ -132,7 +152,9 @@ def run_once(llm, args, batch: int, max_tokens: int) -> dict:
         tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
         steps += 1
     seconds = time.perf_counter() - t0
-    return {"output_tokens": tokens, "steps": steps, "seconds": seconds, "tok_s": tokens / seconds, "step_ms": 1e3 * seconds / steps}
+    counted = batch * args.prompt_len if args.prefill else tokens
+    return {"prompt_tokens": batch * args.prompt_len, "output_tokens": tokens, "steps": steps, "seconds": seconds,
+            "tok_s": counted / seconds, "step_ms": 1e3 * seconds / steps}  # fmt: skip
 
 
 def summary(runs: list[dict], batch_sizes: list[int]) -> list[dict]:
@@ -149,10 +171,11 @@ def summary(runs: list[dict], batch_sizes: list[int]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'batch':>5}{'MoE tok/s':>11}{'dense tok/s':>13}{'MoE/dense':>11}{'MoE step ms':>13}{'dense step ms':>15}"]
+def table(rows: list[dict], unit: str = "tok/s") -> str:
+    w = len(unit) + 7
+    lines = [f"{'batch':>5}{'MoE ' + unit:>{w}}{'dense ' + unit:>{w}}{'MoE/dense':>11}{'MoE step ms':>13}{'dense step ms':>15}"]
     for r in rows:
-        lines.append(f"{r['batch']:>5}{r['moe']['tok_s']:>11.1f}{r['dense']['tok_s']:>13.1f}{r['moe_over_dense_tok_s']:>11.2f}"
+        lines.append(f"{r['batch']:>5}{r['moe']['tok_s']:>{w}.1f}{r['dense']['tok_s']:>{w}.1f}{r['moe_over_dense_tok_s']:>11.2f}"
                      f"{r['moe']['step_ms']:>13.1f}{r['dense']['step_ms']:>15.1f}")  # fmt: skip
     return "\n".join(lines)
 
@@ -189,7 +212,7 @@ def main(argv=None) -> int:
     rows = summary(runs, args.batch_sizes)
     print(f"active parameters: MoE {counts['moe']['active'] / 1e6:.2f}M ({counts['moe']['router'] / 1e6:.3f}M of them "
           f"the router) of {counts['moe']['total'] / 1e6:.2f}M, dense {counts['dense']['active'] / 1e6:.2f}M")  # fmt: skip
-    print(table(rows))
+    print(table(rows, "prompt tok/s" if args.prefill else "tok/s"))
     for line in machine_load.busy_lines({f"{r['side']} batch {r['batch']} round {r['round']}": r["load"] for r in runs}):
         print(line)
     if any(compiles.values()):

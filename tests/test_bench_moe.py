@@ -43,3 +43,33 @@ def test_help_and_bad_arguments(capsys):
     assert exit_.value.code == 0 and "--output-tokens" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_moe.parse_args(["--experts", "2", "--top-k", "3"])
+
+
+def test_prefill_mode_defaults_and_counts_prompt_tokens():
+    """--prefill swaps the workload's defaults (explicit values still win) and times prompt tokens, not outputs."""
+    import types
+
+    decode, prefill = bench_moe.parse_args([]), bench_moe.parse_args(["--prefill", "--max-num-batched-tokens", "2048"])
+    assert (decode.batch_sizes, decode.prompt_len, decode.output_tokens) == ([1, 16], 32, 256)
+    assert (prefill.batch_sizes, prefill.prompt_len, prefill.output_tokens, prefill.max_num_batched_tokens) == ([8], 512, 1, 2048)
+    assert bench_moe.parse_args(["--prefill", "--prompt-len", "64"]).prompt_len == 64
+
+    class Engine:  # finishes every request in one step with one token
+        def __init__(self):
+            self.pending = 0
+
+        def add_request(self, request_id, prompt, params):
+            self.pending += 1
+
+        def has_unfinished_requests(self):
+            return self.pending > 0
+
+        def step(self):
+            done, self.pending = self.pending, 0
+            return [types.SimpleNamespace(finished=True, outputs=[types.SimpleNamespace(token_ids=[7])])] * done
+
+    llm = types.SimpleNamespace(engine=Engine())
+    args = bench_moe.parse_args(["--prefill", "--prompt-len", "16", "--vocab", "64"])
+    run = bench_moe.run_once(llm, args, 3, 1)
+    assert (run["prompt_tokens"], run["output_tokens"], run["steps"]) == (48, 3, 1)
+    assert run["tok_s"] == pytest.approx(48 / run["seconds"])

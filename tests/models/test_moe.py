@@ -93,7 +93,8 @@ def test_logits_and_greedy_match_transformers(family):
 
 @pytest.mark.parametrize(
     "tokens,experts,top_k,first,held,valid",
-    [(1, 8, 2, 0, 8, None), (37, 8, 2, 0, 8, None), (64, 4, 3, 0, 4, None), (37, 8, 2, 4, 4, None), (37, 8, 2, 0, 8, 5)],
+    [(1, 8, 2, 0, 8, None), (37, 8, 2, 0, 8, None), (64, 4, 3, 0, 4, None), (37, 8, 2, 4, 4, None), (37, 8, 2, 0, 8, 5),
+     (300, 4, 2, 0, 4, None)],  # the last: full 128-row tiles and every tail size
 )
 def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, first, held, valid):
     """Every (token, expert) pair computed once, whatever the routing; experts not held here add nothing; rows past
