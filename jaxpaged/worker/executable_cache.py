@@ -98,9 +98,11 @@ class ExecutableCache:
             self.directory = Path(directory) / version
         self.num_loaded = 0
         self.num_compiled = 0
+        self._unstored: list[tuple[Path, str, Any]] = []  # compiled off the main thread: stored by store_pending()
 
-    def compile(self, name: str, jitted, args: tuple) -> jax.stages.Compiled:
-        """`jitted` compiled for `args`: from the folder when an entry matches, else compiled and stored."""
+    def compile(self, name: str, jitted, args: tuple, store_now: bool = True) -> jax.stages.Compiled:
+        """`jitted` compiled for `args`: from the folder when an entry matches, else compiled and stored (at once,
+        or with store_now False by a later store_pending())."""
         path = None
         if self.directory is not None:
             where = self._where()  # the device it is compiled for
@@ -119,10 +121,24 @@ class ExecutableCache:
         self.num_compiled += 1
         logger.debug("compiled %s in %.2fs", name, time.perf_counter() - t0)
         if path is not None and program not in _programs_seen and not from_xla_cache:
-            self._store(path, program, compiled)
+            if store_now:
+                self._store(path, program, compiled)
+            else:
+                self._unstored.append((path, program, compiled))
         _programs_seen.add(program)
         _in_process.setdefault((program, self._where()), compiled)
         return compiled
+
+    @property
+    def has_unstored(self) -> bool:
+        return bool(self._unstored)
+
+    def store_pending(self) -> None:
+        """Store what compile(store_now=False) left: on the main thread, with nothing running. Serializing on a
+        compile thread crashed XLA:CPU now and then (a segfault in serialize_executable during warm-up, even with
+        no step running), so background compiles leave it to the runner's quiet moments."""
+        while self._unstored:
+            self._store(*self._unstored.pop(0))
 
     def _where(self) -> str:
         return "" if self.device is None or self.device.id == 0 else f"device{self.device.id}"

@@ -395,6 +395,7 @@ class ModelRunner:
             if future.done():
                 self._compiled.update(self._pending.pop(t).result())
                 bisect.insort(self.ready_buckets, t)
+                self._store_executables()
         if len(self.ready_buckets) == len(self.buckets):
             self.background_compile_seconds = time.perf_counter() - self._warmup_started
             logger.info("every step bucket compiled, %.1fs after warm-up began", self.background_compile_seconds)
@@ -600,11 +601,12 @@ class ModelRunner:
 
         def compile_all():
             with compile_monitor.expected():
-                forward = self.executables.compile("forward", self._forward, args)
-                write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]))
+                forward = self.executables.compile("forward", self._forward, args, store_now=False)
+                write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]), store_now=False)
                 ready = {("forward", t): forward, ("write", t): write}
                 if with_sampler:
-                    ready["sample", rows] = self.executables.compile("sample", self._sample, (forward.out_info[0], *sampling, args[3]))
+                    ready["sample", rows] = self.executables.compile(
+                        "sample", self._sample, (forward.out_info[0], *sampling, args[3]), store_now=False)
             return ready
 
         if self._background is None:
@@ -629,6 +631,7 @@ class ModelRunner:
             if pending is not None:  # prefetched: wait for the background compile
                 self._compiled.update(pending.result())
                 compiled = self._compiled[(name, bucket)]
+                self._store_executables()
             else:
                 self._quiesce()
                 lazily = contextlib.nullcontext() if self.config.precompile else compile_monitor.expected()
@@ -636,6 +639,12 @@ class ModelRunner:
                     compiled = self._compiled[(name, bucket)] = self.executables.compile(name, jitted, args)
             self.compile_seconds += time.perf_counter() - t0
         return compiled
+
+    def _store_executables(self) -> None:
+        """Store the background compiles' executables, here on the main thread once the steps in flight are done."""
+        if self.executables.has_unstored:
+            self._quiesce()
+            self.executables.store_pending()
 
     def _quiesce(self) -> None:
         """Wait for the steps in flight before compiling here: storing an executable (serializing it) while another
@@ -708,6 +717,7 @@ class ModelRunner:
             self.execute(self.input_batch.blank(t))
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
         jax.block_until_ready(self.kv_cache)
+        self._store_executables()
         elapsed = time.perf_counter() - t0
         cache = self.executables
         logger.info(

@@ -143,22 +143,31 @@ def test_a_bucket_compiled_in_the_background_is_picked_up(model_dir, tmp_path):
 
 def test_warmup_on_many_cores_compiles_the_buckets_side_by_side_once_each(model_dir, tmp_path, monkeypatch):
     """With 4+ cores warm-up compiles on a thread pool: the same executables as one at a time (each sampler once),
-    nothing after warm-up, the same tokens."""
+    stored from the main thread, nothing after warm-up, the same tokens."""
     serial = _engine(model_dir, tmp_path / "a")  # 2 cores in CI: one at a time
     threads = []
     monkeypatch.setattr("jaxpaged.worker.model_runner.os.cpu_count", lambda: 8)
     real_compile = serial.runner.executables.compile.__func__
 
-    def compile_on(self, name, jitted, args):
+    def compile_on(self, name, jitted, args, **kw):
         threads.append(__import__("threading").current_thread().name)
-        return real_compile(self, name, jitted, args)
+        return real_compile(self, name, jitted, args, **kw)
 
     monkeypatch.setattr(type(serial.runner.executables), "compile", compile_on)
+    real_store, stored = serial.runner.executables._store.__func__, []
+
+    def store_on(self, *args):
+        stored.append(__import__("threading").current_thread().name)
+        return real_store(self, *args)
+
+    monkeypatch.setattr(type(serial.runner.executables), "_store", store_on)
+    monkeypatch.setattr("jaxpaged.worker.executable_cache._programs_seen", set())  # as in a new process: all stored
     side_by_side = _engine(model_dir, tmp_path / "b")
     assert side_by_side.runner.executables.num_compiled == serial.runner.executables.num_compiled
     assert sorted(side_by_side.runner._compiled) == sorted(serial.runner._compiled)
     assert sum(name.startswith("jaxpaged-compile") for name in threads) == len(threads) - 1  # all but the block copy
     assert len(set(threads)) > 2  # several compile threads
+    assert stored and set(stored) == {"MainThread"}  # serialized after warm-up's steps, never on a compile thread
     got = _greedy(side_by_side, PROMPTS)
     assert side_by_side.get_stats()["num_compiles_after_warmup"] == 0
     assert got == _greedy(serial, PROMPTS)
@@ -176,12 +185,12 @@ def test_background_compile_serves_at_once_and_no_step_waits_for_a_compile(model
     release, forwards = threading.Event(), []
     real_compile = ExecutableCache.compile
 
-    def held_compile(self, name, jitted, args):
+    def held_compile(self, name, jitted, args, **kw):
         if threading.current_thread().name.startswith("jaxpaged-compile") and name == "forward":
             forwards.append(name)
             if len(forwards) > 1:  # one compile thread: the first is the largest bucket's, which warm-up waits for
                 assert release.wait(timeout=300), "a held compile was never released"
-        return real_compile(self, name, jitted, args)
+        return real_compile(self, name, jitted, args, **kw)
 
     monkeypatch.setattr(ExecutableCache, "compile", held_compile)
     monkeypatch.setattr("jaxpaged.worker.model_runner.os.cpu_count", lambda: 2)  # one compile thread
