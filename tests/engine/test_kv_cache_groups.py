@@ -14,6 +14,7 @@ import transformers
 
 from jaxpaged import LLM, BeamSearchParams, SamplingParams
 from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator
+from tests.engine.test_sliding_window_engine import _assert_clean, _greedy, _run
 from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model
 
 VOCAB = 256
@@ -61,22 +62,6 @@ def workload(case):
     lengths, max_tokens = [5, 23, 40, 13], [40, 30, 36, 44]
     prompts = random_prompts(VOCAB, lengths, seed=3)
     return prompts, max_tokens, [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
-
-
-def _greedy(m: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-
-
-def _run(llm: LLM, prompts, params) -> list[list[list[int]]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
-def _assert_clean(llm: LLM) -> None:
-    stats = llm.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert stats["num_compiles_after_warmup"] == 0
 
 
 def test_the_cache_is_laid_out_by_group(case, engines):

@@ -9,6 +9,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
 from tests.engine.test_structured_outputs import CONSTRAINTS, _check
+from tests.spec_decode.test_spec_decode import _assert_clean
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 ENGINE = dict(dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, block_size=8, max_model_len=512,
@@ -22,13 +23,6 @@ def engines(cycle_model_dir):
 
 def _params(constraint: dict, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=200, structured_outputs=StructuredOutputsParams(**constraint), **kw)
-
-
-def _assert_clean(llm: LLM) -> None:
-    stats = llm.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert stats["num_compiles_after_warmup"] == 0
 
 
 @pytest.mark.parametrize("kind", [*CONSTRAINTS, "json_object"])
