@@ -17,6 +17,7 @@ import pickle
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,11 @@ STALE_AFTER_S = 14 * 24 * 3600  # a version folder unused this long is removed
 # new process ("Function wrapped_convert not found"). So is one that JAX's persistent compilation cache
 # returned (JAX 0.10). Only a program's first real compile here is stored.
 _programs_seen: set[str] = set()
-# (program, device) -> the executable this process already holds for it: a stored entry for a program this process
-# compiled or loaded before is taken from here, not deserialized a second time (XLA:CPU's JIT would then hold two
-# copies of one program's code; a CI run crashed in deserialize_executable that way)
-_in_process: dict[tuple[str, str], jax.stages.Compiled] = {}
+# (program, device) -> the executable this process still holds for it (some runner uses it): a stored entry for such
+# a program is taken from here, not deserialized a second time (XLA:CPU's JIT would then hold two copies of one
+# program's code; a CI run crashed in deserialize_executable that way). Weak: an executable no runner holds is freed,
+# not kept for the life of the process (a test process creates hundreds of engines).
+_in_process: weakref.WeakValueDictionary[tuple[str, str], jax.stages.Compiled] = weakref.WeakValueDictionary()
 
 
 @functools.cache

@@ -75,6 +75,18 @@ def _abstract(leaf):
     return leaf
 
 
+class _Inline:
+    """An executor whose submit() runs the call at once on the calling thread: warm-up's compiles with one worker."""
+
+    def submit(self, fn) -> Future:
+        future = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future, as a pool would
+            future.set_exception(exc)
+        return future
+
+
 def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, device, layer_groups=None) -> tuple:
     """An empty KV array on `device` (or split over `mesh` by KV head), and its donated write and block copy (with
     KV cache groups, each layer's (group, index) in layer_groups)."""
@@ -708,11 +720,19 @@ class ModelRunner:
             self.ready_buckets = [self.buckets[-1]]
             self._compiled.update(self._pending.pop(self.buckets[-1]).result())
         elif self.single_device:  # every bucket compiled (and stored) before any runs: see _quiesce
-            self._background = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="jaxpaged-compile")
-            for t in self.buckets:
-                self.prefetch(t)
-            for t in tqdm(list(self._pending), desc="Compiling step buckets", unit="bucket", leave=False):
+            # one worker: on this thread (XLA:CPU crashed now and then compiling or serializing on a compile thread
+            # in long test processes, never here); more: side by side on a pool
+            pool = workers > 1
+            self._background = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxpaged-compile") if pool else _Inline()
+            if pool:
+                for t in self.buckets:
+                    self.prefetch(t)
+            for t in tqdm(list(self._pending) if pool else self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
+                if not pool:
+                    self.prefetch(t)
                 self._compiled.update(self._pending.pop(t).result())
+            if not pool:
+                self._background = None
         for t in self.ready_buckets:
             self.execute(self.input_batch.blank(t))
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
