@@ -28,7 +28,7 @@ def may_speculate(req: Request) -> bool:
 
 def can_speculate(req: Request) -> bool:
     """Such a sequence decoding now, its tokens all on the host."""
-    return req.num_in_flight == 0 and req.num_computed_tokens == req.num_tokens - 1 and req.hold_at is None and not req.is_beam
+    return req.num_in_flight == 0 and req.num_computed_tokens == req.num_tokens - 1 and req.hold_at is None and may_speculate(req)
 
 
 class SpecDecoder:

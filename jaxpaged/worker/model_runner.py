@@ -75,18 +75,6 @@ def _abstract(leaf):
     return leaf
 
 
-class _Inline:
-    """An executor whose submit() runs the call at once on the calling thread: warm-up's compiles with one worker."""
-
-    def submit(self, fn) -> Future:
-        future = Future()
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future, as a pool would
-            future.set_exception(exc)
-        return future
-
-
 def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, device, layer_groups=None) -> tuple:
     """An empty KV array on `device` (or split over `mesh` by KV head), and its donated write and block copy (with
     KV cache groups, each layer's (group, index) in layer_groups)."""
@@ -603,6 +591,13 @@ class ModelRunner:
         t, _ = self.bucket_for(num_tokens)
         if not self.single_device or ("forward", t) in self._compiled or t in self._pending:
             return
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-compile")
+        self._pending[t] = self._background.submit(self._bucket_compiler(t))
+
+    def _bucket_compiler(self, t: int):
+        """A call that compiles (or loads) bucket t's forward, KV write and, unless another has it, its sampler, leaving
+        them unstored (store_pending, on the main thread): -> {(name, bucket): executable}."""
         step = self.input_batch.blank(t)
         args = jax.tree_util.tree_map(_abstract, self._forward_args(step, None))
         sampling = jax.tree_util.tree_map(_abstract, self._sampling_args(step.sampling))
@@ -621,9 +616,7 @@ class ModelRunner:
                         "sample", self._sample, (forward.out_info[0], *sampling, args[3]), store_now=False)
             return ready
 
-        if self._background is None:
-            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-compile")
-        self._pending[t] = self._background.submit(compile_all)
+        return compile_all
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         return self.dispatch(step, copies).fetch()
@@ -722,17 +715,13 @@ class ModelRunner:
         elif self.single_device:  # every bucket compiled (and stored) before any runs: see _quiesce
             # one worker: on this thread (XLA:CPU crashed now and then compiling or serializing on a compile thread
             # in long test processes, never here); more: side by side on a pool
-            pool = workers > 1
-            self._background = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxpaged-compile") if pool else _Inline()
-            if pool:
+            if workers > 1:
+                self._background = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxpaged-compile")
                 for t in self.buckets:
                     self.prefetch(t)
-            for t in tqdm(list(self._pending) if pool else self.buckets, desc="Compiling step buckets", unit="bucket", leave=False):
-                if not pool:
-                    self.prefetch(t)
-                self._compiled.update(self._pending.pop(t).result())
-            if not pool:
-                self._background = None
+            for t in tqdm(list(self._pending) if workers > 1 else self.buckets, desc="Compiling step buckets",
+                          unit="bucket", leave=False):  # fmt: skip
+                self._compiled.update(self._pending.pop(t).result() if workers > 1 else self._bucket_compiler(t)())
         for t in self.ready_buckets:
             self.execute(self.input_batch.blank(t))
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
