@@ -13,7 +13,7 @@ import sys
 
 def main(spec_path: str, process_id: int) -> int:
     spec = json.loads(open(spec_path).read())
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['local_devices']}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={spec['local_devices']}"
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.distributed import ProcessGroupError
 

@@ -47,7 +47,6 @@ def _start_group(tmp_path: Path, model: str, prompts, *, forever: bool = False, 
             "tensor_parallel_size": 2 * processes}  # fmt: skip
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)
     spec_file = str(tmp_path / "spec.json")
     procs = [_spawn(["-m", "tests.distributed_worker", spec_file, str(i)], env) for i in range(processes)]
     return procs, out
@@ -225,7 +224,7 @@ def test_the_server_across_two_processes_answers_and_reports_a_dead_follower(tmp
     common = ["--model", str(folder), "--tensor-parallel-size", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "8",
               "--block-size", "8", "--num-kv-blocks", "64", "--dtype", "float32", "--coordinator-address", coordinator,
               "--num-processes", "2", "--distributed-timeout-s", "120"]  # fmt: skip
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     follower = _spawn(["-m", "jaxpaged.serve", *common, "--process-id", "1"], env)
     server = None
