@@ -55,10 +55,11 @@ class Request:
     # length-dependent RoPE: the regime its KV is computed in (core/rope_regime.py), a root of its block hashes
     rope_key: bytes = b""
 
-    @property
-    def is_beam(self) -> bool:
-        """A running beam: asks for its next position's top candidates and is never sampled from."""
-        return self.parent.params.use_beam_search
+    # a running beam: asks for its next position's top candidates and is never sampled from (read per row per step)
+    is_beam: bool = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.is_beam = self.parent.params.use_beam_search
 
     @property
     def wants_prompt_logprobs(self) -> bool:
