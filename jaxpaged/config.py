@@ -55,6 +55,11 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = option(False, "models mixing windowed and global layers (Gemma 2/3, some "
         "Qwen2): keep every block for every layer, the window a mask, instead of KV cache groups whose windowed layers give "
         "back what their window left (vLLM's flag)")
+    fused_kv_write: bool = option(False, "one executable a step: the forward writes the step's K/V into the donated cache "
+                                  "itself, instead of a forward and then a write donating the cache the forward read (on "
+                                  "a GPU that second call's donation may hold the host until the forward is done; on "
+                                  "XLA:CPU the fused step copies the cache, so it is slower there); not with "
+                                  "pipeline_parallel_size > 1 (default: off)")  # fmt: skip
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before (default: on)")
     batch_invariant: bool = option(False, "a request's tokens and logprobs never depend on the rest of the batch (one step shape; slower)")
     async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
@@ -161,9 +166,12 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
         if self.matmul_backend not in MATMUL_BACKEND_CHOICES:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKEND_CHOICES} (got {self.matmul_backend!r})")
-        for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile", "quantize_activations"):
+        for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile", "quantize_activations",
+                     "fused_kv_write"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
+        if self.fused_kv_write and self.pipeline_parallel_size > 1:
+            raise ValueError("fused_kv_write needs pipeline_parallel_size 1 (each stage writes its own layers' K/V)")
         self._check_lora()
         from jaxpaged.spec_decode.config import SpeculativeConfig
 

@@ -88,7 +88,7 @@ def stage_weights(args, out: Partial) -> None:
 
 
 def _engine_kwargs(args) -> dict:
-    return {"dtype": args.dtype, "max_model_len": args.hi * 2 + 16, "log_level": "INFO"}
+    return {"dtype": args.dtype, "max_model_len": args.hi * 2 + 16, "log_level": "INFO", **json.loads(args.engine_args)}
 
 
 def _startup(args, out: Partial, key: str, t_process: float):
@@ -346,6 +346,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--stages", default="weights,cold,probe,attention,warm", help="comma-separated, run in this order")
     p.add_argument("--with-hf", action="store_true", help="add hf_cb: transformers' continuous batching")
+    p.add_argument("--engine-args", default="{}", metavar="JSON", help="more LLM arguments for every jaxpaged stage, e.g. "
+                   "'{\"fused_kv_write\": true}' (default: the engine's defaults)")
     p.add_argument("--stage", help=argparse.SUPPRESS)  # a child: run this stage only
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
         p.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
     report = {"budget_s": args.budget_s, "env": environment(), "stages": {}, "dropped": [],
               "workload": {"num_requests": args.num_requests, "lo": args.lo, "hi": args.hi, "config": args.config,
-                           "dtype": args.dtype}}  # fmt: skip
+                           "dtype": args.dtype, "engine_args": json.loads(args.engine_args)}}  # fmt: skip
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"gpu_report_{'tiny' if args.tiny else 'run'}_{report['env']['date']}"
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--stage", stage, "--result", str(result), "--model-dir", str(model_dir),
                "--work", str(work), "--config", args.config, "--dtype", args.dtype, "--num-requests", str(args.num_requests),
                "--lo", str(args.lo), "--hi", str(args.hi), "--profile-rows", str(args.profile_rows),
-               "--profile-steps", str(args.profile_steps)]  # fmt: skip
+               "--profile-steps", str(args.profile_steps), "--engine-args", args.engine_args]  # fmt: skip
         print(f"== {stage} (at most {min(most, left):.0f} s)", flush=True)
         t0 = time.monotonic()
         load_before = os.getloadavg()

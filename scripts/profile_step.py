@@ -75,6 +75,7 @@ def device_calls(engine, timer: PhaseTimer):
     CPU time too)."""
     runner = engine.runner
     undo = [timer.wrap(runner, "_run_forward", "forward"), timer.wrap(runner, "_run_write", "kv_write"),
+            timer.wrap(runner, "_run_fused", "forward_and_kv_write"),  # fused_kv_write's one call
             timer.wrap(runner, "_sample_now", "sample"),
             timer.wrap(runner, "copy", "block_copies"), timer.wrap(runner.input_batch, "sampling", "sampling_rows")]
     try:

@@ -253,6 +253,13 @@ class ModelRunner:
                 self._forward_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh), replicated)
             )
             self._sample = jax.jit(self._sample_impl, out_shardings=(replicated, replicated))
+        # fused_kv_write: the forward and the write as one executable, the cache donated to it (out: as it was placed)
+        self._fused = None
+        if self.config.fused_kv_write:
+            shardings = {} if self.mesh is None else {"out_shardings": (
+                replicated, replicated, jax.tree_util.tree_map(lambda x: x.sharding, self.kv_cache))}
+            self._fused = jax.jit(self._fused_impl, donate_argnums=(1,), **shardings)
+        self._step_name = "forward" if self._fused is None else "step"  # the executable that marks a bucket compiled
         jax.block_until_ready(self.kv_cache)
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
 
@@ -355,6 +362,11 @@ class ModelRunner:
         with self._lora_active(lora_weights, lora_slots):
             hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
         return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
+
+    def _fused_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None):
+        """-> (logits, prompt logprobs, the cache with the step's K/V written): _forward_impl and the write in one."""
+        logits, prompt, new_kv, slot_mapping = self._forward_impl(state, kv_cache, step, prev_sampled, lora_weights)
+        return logits, prompt, self._write(kv_cache, new_kv, slot_mapping)
 
     def _sample_impl(self, logits, packed: Packed, history, bitmask, no_sampled):
         # no_sampled ([max_num_seqs] zeros) is an argument, not a constant, so its width is part of the signature
@@ -526,7 +538,7 @@ class ModelRunner:
         if copies:
             self.copy(copies)
         t = step.input_ids.shape[0]
-        if not self.config.precompile and ("forward", t) not in self._compiled and t != self.buckets[0]:
+        if not self.config.precompile and (self._step_name, t) not in self._compiled and t != self.buckets[0]:
             self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
         logits, prompt = self._forward_and_write(step, prev)
         want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
@@ -540,8 +552,15 @@ class ModelRunner:
         args = self._forward_args(step, prev)
         t = step.input_ids.shape[0]
         with self._on_mesh():
+            if self._fused is not None:
+                return self._run_fused(t, args)
             logits, prompt, new_kv, slots = self._run_forward(t, args)
             self._run_write(t, new_kv, slots)
+        return logits, prompt
+
+    def _run_fused(self, bucket: int, args: tuple) -> tuple:
+        """fused_kv_write: the forward and the KV write in one call, which donates the cache (args[1])."""
+        logits, prompt, self.kv_cache = self._executable("step", self._fused, bucket, args)(*args)
         return logits, prompt
 
     def _run_forward(self, bucket: int, args: tuple) -> tuple:
@@ -589,7 +608,7 @@ class ModelRunner:
         """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
         One device only; the compile is one that precompile-off or warm-up asked for."""
         t, _ = self.bucket_for(num_tokens)
-        if not self.single_device or ("forward", t) in self._compiled or t in self._pending:
+        if not self.single_device or (self._step_name, t) in self._compiled or t in self._pending:
             return
         if self._background is None:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-compile")
@@ -608,15 +627,32 @@ class ModelRunner:
 
         def compile_all():
             with compile_monitor.expected():
-                forward = self.executables.compile("forward", self._forward, args, store_now=False)
-                write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]), store_now=False)
-                ready = {("forward", t): forward, ("write", t): write}
+                if self._fused is not None:
+                    forward = self.executables.compile("step", self._fused, args, store_now=False)
+                    ready = {("step", t): forward}
+                    self._check_fused_in_place(forward, t)
+                else:
+                    forward = self.executables.compile("forward", self._forward, args, store_now=False)
+                    write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]), store_now=False)
+                    ready = {("forward", t): forward, ("write", t): write}
                 if with_sampler:
                     ready["sample", rows] = self.executables.compile(
                         "sample", self._sample, (forward.out_info[0], *sampling, args[3]), store_now=False)
             return ready
 
         return compile_all
+
+    def _check_fused_in_place(self, executable, bucket: int) -> None:
+        """fused_kv_write pays only where XLA writes the donated cache in place: say so where it copies it instead
+        (XLA:CPU does, its temporaries as large as the cache)."""
+        try:
+            temp = executable.memory_analysis().temp_size_in_bytes
+        except Exception:  # noqa: BLE001 (a backend without memory analysis)
+            return
+        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv_cache))
+        if temp >= cache // 2:
+            logger.warning("fused_kv_write: the %d-token step copies the KV cache (%.1f MB of temporaries for a %.1f MB "
+                           "cache), so it is slower than a separate write here", bucket, temp / 1e6, cache / 1e6)
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         return self.dispatch(step, copies).fetch()
@@ -632,7 +668,7 @@ class ModelRunner:
         compiled = self._compiled.get((name, bucket))
         if compiled is None:
             t0 = time.perf_counter()
-            pending = self._pending.pop(bucket, None) if name in ("forward", "write") else None
+            pending = self._pending.pop(bucket, None) if name in ("forward", "write", "step") else None
             if pending is not None:  # prefetched: wait for the background compile
                 self._compiled.update(pending.result())
                 compiled = self._compiled[(name, bucket)]

@@ -131,6 +131,16 @@ def test_pallas_kernel_under_shard_map(tmp_path_factory):
 
 
 @needs_devices
+def test_fused_kv_write_keeps_the_cache_split(tmp_path_factory):
+    """fused_kv_write at TP=2: the step's executable returns the donated cache split by KV head as it came in."""
+    folder, prompts, expected = _prepare("llama-gqa2", tmp_path_factory)
+    llm = _llm(folder, 2, fused_kv_write=True)
+    assert _greedy(llm, prompts) == expected
+    assert ("step", 16) in llm.engine.runner._compiled and llm.get_stats()["num_compiles_after_warmup"] == 0
+    _assert_split_1_over_n(llm.engine.runner, 2)
+
+
+@needs_devices
 def test_head_count_that_does_not_divide_is_a_clear_error(tmp_path):
     from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 
