@@ -259,9 +259,13 @@ class ModelRunner:
             shardings = {} if self.mesh is None else {"out_shardings": (
                 replicated, replicated, jax.tree_util.tree_map(lambda x: x.sharding, self.kv_cache))}
             self._fused = jax.jit(self._fused_impl, donate_argnums=(1,), **shardings)
-        self._step_name = "forward" if self._fused is None else "step"  # the executable that marks a bucket compiled
         jax.block_until_ready(self.kv_cache)
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
+
+    @property
+    def _step_name(self) -> str:
+        """The executable whose presence marks a bucket compiled: the forward, or fused_kv_write's step."""
+        return "forward" if self._fused is None else "step"
 
     @property
     def single_device(self) -> bool:
@@ -649,7 +653,7 @@ class ModelRunner:
             temp = executable.memory_analysis().temp_size_in_bytes
         except Exception:  # noqa: BLE001 (a backend without memory analysis)
             return
-        cache = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv_cache))
+        cache = self.block_bytes * self.num_blocks  # (not the array itself: a step running beside may have donated it)
         if temp >= cache // 2:
             logger.warning("fused_kv_write: the %d-token step copies the KV cache (%.1f MB of temporaries for a %.1f MB "
                            "cache), so it is slower than a separate write here", bucket, temp / 1e6, cache / 1e6)
