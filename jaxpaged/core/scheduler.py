@@ -54,6 +54,7 @@ class StepColumns:
     prev_rows: np.ndarray  # -1: its inputs are on the host
     num_outputs: np.ndarray  # output tokens it had at scheduling (the index of the token it samples, if it does)
     appends: np.ndarray  # bool: samples a token the scheduler appends (not a beam's)
+    samples: np.ndarray  # bool: reaches the end of its sequence's tokens (ScheduledSequence.samples)
     admitted: list[Request]  # sequences that took their slot in this step: the per-slot state to set
     tables: list[tuple[int, list[int]]]  # (slot, block table) of the slots whose table changed or is new
     slot_epoch: int  # the scheduler's count of slots given up, at scheduling: unchanged, every row still holds its slot
@@ -61,30 +62,78 @@ class StepColumns:
 
 
 class _Rows:
-    """The step's columns as schedule() collects them, a row at a time."""
+    """The step's columns and its requests in row order, as schedule() collects them, a row at a time."""
 
-    __slots__ = ("slots", "starts", "counts", "prevs", "outs", "appends")
+    __slots__ = ("reqs", "slots", "starts", "counts", "prevs", "outs", "appends", "samples")
 
     def __init__(self):
-        self.slots, self.starts, self.counts, self.prevs, self.outs, self.appends = [], [], [], [], [], []
+        self.reqs, self.slots, self.starts, self.counts, self.prevs, self.outs = [], [], [], [], [], []
+        self.appends, self.samples = [], []
 
-    def add(self, slot: int, start: int, count: int, prev: int, num_outputs: int, append: bool) -> None:
-        self.slots.append(slot)
+    def add(self, req: Request, start: int, count: int, prev: int, num_outputs: int, append: bool, samples: bool) -> None:
+        self.reqs.append(req)
+        self.slots.append(req.slot)
         self.starts.append(start)
         self.counts.append(count)
         self.prevs.append(prev)
         self.outs.append(num_outputs)
         self.appends.append(append)
+        self.samples.append(samples)
+
+
+class ScheduledRows(Sequence):
+    """A step's scheduled sequences, in row order. The running decode rows come first and are kept as the step's
+    columns alone: their ScheduledSequence is made when a consumer asks for that row (most steps ask for a few, the
+    rows that end or fill a block), since making 1,024 of them cost ~0.4 ms a step (issue 33). The other rows
+    (prompts, chunks, proposals) are items from the start."""
+
+    __slots__ = ("requests", "num_decode", "tail", "columns", "_made")
+
+    def __init__(self, decode_requests: list[Request], tail: list[ScheduledSequence]):
+        self.requests = decode_requests  # every row's request once schedule() is done (the decode rows' until then)
+        self.num_decode = len(decode_requests)
+        self.tail = tail
+        self.columns: StepColumns | None = None
+        self._made: list[ScheduledSequence | None] = [None] * self.num_decode
+
+    def __len__(self) -> int:
+        return self.num_decode + len(self.tail)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[j] for j in range(*index.indices(len(self)))]
+        k = self.num_decode
+        if index < 0:
+            index += len(self)
+        if index >= k or index < 0:
+            return self.tail[index - k]
+        item = self._made[index]
+        if item is None:
+            c = self.columns
+            item = self._made[index] = ScheduledSequence(
+                self.requests[index], int(c.starts[index]), 1, bool(c.samples[index]), index, index,
+                int(c.num_outputs[index]), int(c.prev_rows[index]),
+            )  # fmt: skip
+        return item
+
+    def __iter__(self):
+        for j in range(self.num_decode):
+            yield self[j]
+        yield from self.tail
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
+    scheduled: Sequence[ScheduledSequence]  # Scheduler.schedule's: ScheduledRows
     preempted: list[Request]
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst): copy before the step
-    sampled_rows: dict[Request, int] = dataclasses.field(default_factory=dict)  # sequences given a token -> row
     columns: StepColumns | None = None  # set by Scheduler.schedule (an output built otherwise takes the row-wise paths)
     needs_host_tokens: bool = False  # a sampling row's sampler reads its tokens on the host (a grammar, penalties)
+
+    @property
+    def sampled_rows(self) -> dict[Request, int]:
+        """Sequences given a token in this step -> its row in the step's sampled tokens."""
+        return {item.request: item.row for item in self.scheduled if item.samples and not item.request.is_beam}
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +175,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_rope_recomputes = 0  # sequences recomputed at longrope's switch (not preemptions)
-        self._sampled_rows: dict[Request, int] = {}  # the last step's sampling sequences -> their rows
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
         # speculative decoding: proposals for decoding sequences, set before schedule() (jaxpaged/spec_decode/)
         self.draft_tokens: dict[Request, list[int]] = {}
@@ -183,9 +231,9 @@ class Scheduler:
         drafts = bool(self.draft_tokens)
         self.draft_tokens = {}
         # the rows _schedule did not advance itself (all but running decode rows): admissions, chunks, proposals
-        cursor = row = len(rows.slots)
-        prev_rows, sampled_rows = self._sampled_rows, output.sampled_rows
-        for item in output.scheduled[row:]:
+        scheduled = output.scheduled
+        cursor = row = scheduled.num_decode
+        for item in scheduled.tail:
             req = item.request
             n = item.num_tokens
             item.row, item.first_token_row = row, cursor
@@ -194,18 +242,18 @@ class Scheduler:
             outputs = req.output_token_ids
             k = item.num_output_tokens = len(outputs)
             if req.num_in_flight and item.samples:  # its last input is the previous step's output
-                item.prev_row = prev_rows[req]
+                item.prev_row = req.sampled_row
             req.num_computed_tokens += n
             append = item.samples and not req.is_beam
             if append:
                 outputs.append(PLACEHOLDER)
                 req.num_in_flight += 1
-                sampled_rows[req] = item.row
-            rows.add(req.slot, item.start, n, item.prev_row, k, append)
-        self._sampled_rows = sampled_rows
+                req.sampled_row = item.row
+            rows.add(req, item.start, n, item.prev_row, k, append, item.samples)
         if output.scheduled:  # an empty step runs nothing: the slots taken, tables changed and copies wait for the next
             output.block_copies = self.kv.take_copies()
-            output.columns = self._columns(rows, drafts)
+            output.columns = scheduled.columns = self._columns(rows, drafts)
+            scheduled.requests = rows.reqs
             output.needs_host_tokens = bool(self._host_sampled[output.columns.slots[output.columns.appends]].any())
         return output
 
@@ -224,39 +272,32 @@ class Scheduler:
         i32 = np.int32
         return StepColumns(
             np.array(rows.slots, np.intp), np.array(rows.starts, i32), np.array(rows.counts, i32), np.array(rows.prevs, i32),
-            np.array(rows.outs, i32), np.array(rows.appends, bool), admitted, list(tables.items()), self._slot_epoch, drafts,
+            np.array(rows.outs, i32), np.array(rows.appends, bool), np.array(rows.samples, bool), admitted,
+            list(tables.items()), self._slot_epoch, drafts,
         )  # fmt: skip
 
     def _schedule(self, rows: _Rows) -> SchedulerOutput:
-        """Who runs, in row order. Running decode rows are advanced and added to `rows` here, in the one pass over
-        the running sequences (without proposals); schedule() does the rest."""
-        budget = self.max_num_batched_tokens
+        """Who runs, in row order: running sequences first (their decode rows advanced by _advance_running, which
+        hands over to the loop below where proposals, a RoPE switch or a shortage of blocks need more), then
+        admissions."""
         # Single-token (decode) rows first: the attention reads a mixed step's cached context in two row groups
         # split at the sequence slots, and prefill rows then skip decode rows' contexts. (With proposals, rows keep
         # their order until _fit_draft_rows has cut them, then sort.)
-        single: list[ScheduledSequence] = []
+        single: list[ScheduledSequence] = []  # single-token rows other than the decode rows _advance_running took
         multi: list[ScheduledSequence] = []
         preempted: list[Request] = []
         kv, running, draft_tokens = self.kv, self.running, self.draft_tokens
+        i, budget = (0, self.max_num_batched_tokens) if draft_tokens else self._advance_running(rows, multi)
         writable = getattr(kv, "writable", None)  # seq_id -> tokens it can write without allocate_slots (no window)
-        prev_rows, sampled_rows = self._sampled_rows, {}
-        add_slot, add_start, add_count = rows.slots.append, rows.starts.append, rows.counts.append  # (rows.add, inlined)
-        add_prev, add_out, add_append = rows.prevs.append, rows.outs.append, rows.appends.append
         recompute_past = self.rope.recompute_past if self.rope is not None else 0
-
-        i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            # req.num_schedulable_tokens, inlined: this loop runs for every running sequence every step
-            num_outputs, start = len(req.output_token_ids), req.num_computed_tokens
+            n = req.num_schedulable_tokens
+            start, num_outputs = req.num_computed_tokens, len(req.output_token_ids)
             if recompute_past and start and not req.rope_key and len(req.prompt_token_ids) + num_outputs > recompute_past:
                 self._recompute(running.pop(i))  # its short-regime KV: admitted again below, in the long regime
                 continue
-            n = 0 if num_outputs >= req.max_tokens else len(req.prompt_token_ids) + num_outputs - start
-            if req.hold_at is not None:
-                n = min(n, req.hold_at - start)
-            if n > budget:
-                n = budget
+            n = min(n, budget)
             if n <= 0:  # held for a fork that happens after this step's results
                 i += 1
                 continue
@@ -266,7 +307,7 @@ class Scheduler:
                 verifying = bool(drafts) and n == 1 and budget > len(drafts)  # a decode row verifying proposals: 1 + k tokens
                 if verifying:
                     n += len(drafts)
-            fits = writable is not None and start + n <= writable.get(req.seq_id, 0)  # the usual decode step
+            fits = writable is not None and start + n <= writable.get(req.seq_id, 0)
             while not fits and not kv.allocate_slots(req.seq_id, start, n):
                 if self._release_idle_holder(exclude=req):
                     i = running.index(req)
@@ -277,25 +318,10 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                samples = start + n == len(req.prompt_token_ids) + num_outputs
-                if n == 1 and not draft_tokens:  # a decode row: advanced here, schedule() passes over it
-                    # (schedule()'s per-row steps, inlined: as a shared method, a call per row cost 0.1-0.3 ms a step
-                    # at 1,024 rows in a scheduler-only loop)
-                    row = len(single)
-                    prev = prev_rows[req] if req.num_in_flight and samples else -1
-                    single.append(ScheduledSequence(req, start, 1, samples, row, row, num_outputs, prev))
-                    req.num_computed_tokens = start + 1
-                    append = samples and not req.is_beam
-                    if append:
-                        req.output_token_ids.append(PLACEHOLDER)
-                        req.num_in_flight += 1
-                        sampled_rows[req] = row
-                    add_slot(req.slot), add_start(start), add_count(1), add_prev(prev), add_out(num_outputs), add_append(append)
-                else:
-                    item = ScheduledSequence(req, start, n, samples)
-                    if verifying:
-                        item.samples, item.draft_token_ids = True, tuple(drafts)
-                    (single if n == 1 or draft_tokens else multi).append(item)
+                item = ScheduledSequence(req, start, n, start + n == len(req.prompt_token_ids) + num_outputs)
+                if verifying:
+                    item.samples, item.draft_token_ids = True, tuple(drafts)
+                (single if n == 1 or draft_tokens else multi).append(item)
                 budget -= n
                 i += 1
 
@@ -329,11 +355,62 @@ class Scheduler:
                 start = req.num_computed_tokens
                 (single if n == 1 or draft_tokens else multi).append(ScheduledSequence(req, start, n, start + n == req.num_tokens))
                 budget -= n
-        scheduled = single + multi
+        tail = single + multi
         if draft_tokens:
-            self._fit_draft_rows(scheduled)
-            scheduled.sort(key=lambda item: item.num_tokens > 1)  # (in admission order until here)
-        return SchedulerOutput(scheduled, preempted, sampled_rows=sampled_rows)
+            self._fit_draft_rows(tail)
+            tail.sort(key=lambda item: item.num_tokens > 1)  # (in admission order until here)
+        return SchedulerOutput(ScheduledRows(rows.reqs, tail), preempted)  # (schedule() adds the tail's requests to rows)
+
+    def _advance_running(self, rows: _Rows, multi: list[ScheduledSequence]) -> tuple[int, int]:
+        """The running sequences in order, each given what it can compute within the budget, until one needs blocks
+        the pool cannot give, proposals are in play or longrope must recompute one: -> (how many were passed, the
+        budget left). A decode row is advanced here and kept as columns only (ScheduledRows); a chunk is an item.
+        Everything else is _schedule's general loop, which starts where this one stopped. This loop runs for every
+        running sequence every step, so its per-row work is inlined and kept to the minimum (issue 33: at 1,024 rows
+        a call or an object per row costs ~0.1-0.4 ms a step)."""
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+        writable = getattr(kv, "writable", None)  # seq_id -> tokens it can write without allocate_slots (no window)
+        wget = writable.get if writable is not None else (lambda seq_id, default: -1)
+        allocate = kv.allocate_slots
+        recompute_past = self.rope.recompute_past if self.rope is not None else 0
+        decode = rows.reqs
+        add_req, add_slot, add_start, add_count = decode.append, rows.slots.append, rows.starts.append, rows.counts.append
+        add_prev, add_out, add_append, add_samples = rows.prevs.append, rows.outs.append, rows.appends.append, rows.samples.append
+        i = 0
+        for req in self.running:
+            if budget <= 0:
+                break
+            outputs = req.output_token_ids
+            num_outputs, start, num_prompt = len(outputs), req.num_computed_tokens, len(req.prompt_token_ids)
+            if recompute_past and start and not req.rope_key and num_prompt + num_outputs > recompute_past:
+                break
+            n = 0 if num_outputs >= req.max_tokens else num_prompt + num_outputs - start  # num_schedulable_tokens
+            if req.hold_at is not None:
+                n = min(n, req.hold_at - start)
+            if n > budget:
+                n = budget
+            if n <= 0:  # its last token is in flight, or held for a fork that happens after this step's results
+                i += 1
+                continue
+            if start + n > wget(req.seq_id, 0) and not allocate(req.seq_id, start, n):
+                break
+            samples = start + n == num_prompt + num_outputs
+            if n == 1:
+                prev = req.sampled_row if req.num_in_flight and samples else -1
+                req.num_computed_tokens = start + 1
+                append = samples and not req.is_beam
+                if append:
+                    req.sampled_row = len(decode)
+                    outputs.append(PLACEHOLDER)
+                    req.num_in_flight += 1
+                add_req(req), add_slot(req.slot), add_start(start), add_count(1), add_prev(prev), add_out(num_outputs)
+                add_append(append), add_samples(samples)
+            else:
+                multi.append(ScheduledSequence(req, start, n, samples))
+            budget -= n
+            i += 1
+        return i, budget
 
     def _fit_draft_rows(self, scheduled: list[ScheduledSequence]) -> None:
         """A step samples at most max_num_seqs rows: proposals beyond that are dropped (their slots stay allocated
@@ -376,8 +453,8 @@ class Scheduler:
         for j in np.flatnonzero(by_row).tolist():
             self._take_row(scheduled[j], token_list[j], None)
         take = np.flatnonzero(appends & ~by_row)
-        for item, k, token in zip([scheduled[j] for j in take.tolist()], cols.num_outputs[take].tolist(), tokens[take].tolist()):
-            req = item.request
+        requests = scheduled.requests
+        for req, k, token in zip([requests[j] for j in take.tolist()], cols.num_outputs[take].tolist(), tokens[take].tolist()):
             req.output_token_ids[k] = token
             req.num_in_flight -= 1
         return scheduled
