@@ -140,6 +140,20 @@ class KVCacheManager:
             self.writable[seq_id] = len(table) * bs
         return True
 
+    def append_blocks(self, seq_ids: list[str]) -> bool:
+        """allocate_slots for sequences whose blocks are full and theirs alone (`writable` reached), each writing one
+        token more: a fresh block each, in one pool call. False (nothing taken) if the pool has too few."""
+        blocks = self.pool.allocate(len(seq_ids))
+        if blocks is None:
+            return False
+        tables, writable, bs = self._tables, self.writable, self.block_size
+        for seq_id, block in zip(seq_ids, blocks):
+            table = tables[seq_id]
+            table.append(block)
+            writable[seq_id] = len(table) * bs
+        self._changed.update(seq_ids)
+        return True
+
     def release_behind_window(self, seq_id: str, num_computed: int) -> None:
         """What allocate_slots releases first, alone: so a coordinator can count the blocks every group still needs."""
         if self.sliding_window is not None and seq_id in self._tables:
@@ -242,6 +256,28 @@ class KVCacheManager:
         if self.pool.enable_caching:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit
+
+    def register_known_blocks(self, seqs: list[HashedSequence], num_known: list[int]) -> None:
+        """register_full_blocks(seq, known) for sequences that have computed at least `known` tokens each (the
+        scheduler's lanes, where a block fills once per block_size steps), in one loop."""
+        if not self.pool.enable_caching:
+            for seq in seqs:
+                self._register_due[seq.seq_id] = NEVER
+            return
+        bs, due, tables, registered, released = self.block_size, self._register_due, self._tables, self._num_registered, self._released
+        register, salt = self.pool.register, self._salt
+        for seq, known in zip(seqs, num_known):
+            seq_id = seq.seq_id
+            if known < due.get(seq_id, bs):
+                continue
+            table = tables.get(seq_id, [])
+            done = max(registered.get(seq_id, 0), released.get(seq_id, 0))
+            full = min(known // bs, len(table))
+            due[seq_id] = (max(full, done) + 1) * bs
+            if full > done:
+                for block, block_hash in zip(table[done:full], seq.block_hashes(bs, full)[done:]):
+                    register(block, salt + block_hash)
+                registered[seq_id] = full
 
     def register_full_blocks(self, seq: HashedSequence, num_known: int | None = None) -> None:
         """Blocks whose tokens are all computed (and, of those, the first `num_known`: a token still on the

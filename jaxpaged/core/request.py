@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
 from jaxpaged.core.kv_cache_manager import hash_block
 from jaxpaged.sampling_params import SamplingParams
 
@@ -56,8 +58,14 @@ class Request:
     # length-dependent RoPE: the regime its KV is computed in (core/rope_regime.py), a root of its block hashes
     rope_key: bytes = b""
 
+    # its outputs are read only when it ends (FINAL_ONLY, no logprobs): it may decode in the scheduler's DecodeLanes
+    quiet: bool = False
+
     # a running beam: asks for its next position's top candidates and is never sampled from (read per row per step)
     is_beam: bool = dataclasses.field(init=False, repr=False)
+    # set while the scheduler's DecodeLanes hold this sequence's counters and newest tokens (decode_lanes.py): the
+    # four fields below read them back first (a class attribute until then)
+    _lanes = None
 
     def __post_init__(self):
         self.is_beam = self.parent.params.use_beam_search
@@ -83,10 +91,7 @@ class Request:
 
     def tokens_at(self, start: int, count: int) -> list[int]:
         """(prompt + outputs)[start:start + count], without building the whole list (decode asks for one)."""
-        prompt_len = len(self.prompt_token_ids)
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len : start - prompt_len + count]
-        return self.prompt_token_ids[start : start + count] + self.output_token_ids[: max(0, start + count - prompt_len)]
+        return _tokens_at(self.prompt_token_ids, self.output_token_ids, start, count)
 
     @property
     def num_pending_tokens(self) -> int:
@@ -106,17 +111,84 @@ class Request:
             self.rope_key, self._block_hashes = key, []
 
     def block_hashes(self, block_size: int, count: int) -> list[bytes]:
-        """Chained hashes of the first `count` full blocks of this sequence's tokens (append-only, so cached)."""
+        """Chained hashes of the first `count` full blocks of this sequence's tokens (append-only, so cached). Only
+        known tokens are ever hashed: in the lanes, those are in the list once flushed, and it stays there."""
+        lanes = self._lanes
+        if lanes is not None and len(self._output_token_ids) < count * block_size - len(self.prompt_token_ids):
+            lanes.flush(np.array([self.slot]))
         while len(self._block_hashes) < count:
             i = len(self._block_hashes)
             # the root: an adapter's prefixes are its own, and a length-dependent RoPE regime's
             parent = self._block_hashes[-1] if i else (self.parent.cache_salt or b"") + self.rope_key or None
-            self._block_hashes.append(hash_block(parent, self.tokens_at(i * block_size, block_size)))
+            tokens = _tokens_at(self.prompt_token_ids, self._output_token_ids, i * block_size, block_size)
+            self._block_hashes.append(hash_block(parent, tokens))
         return self._block_hashes[:count]
 
     @property
     def finished(self) -> bool:
         return self.status in _FINISHED  # read several times per row per step
+
+
+def _tokens_at(prompt: list[int], outputs: list[int], start: int, count: int) -> list[int]:
+    prompt_len = len(prompt)
+    if start >= prompt_len:
+        return outputs[start - prompt_len : start - prompt_len + count]
+    return prompt[start : start + count] + outputs[: max(0, start + count - prompt_len)]
+
+
+# Four fields the scheduler's DecodeLanes may hold in its arrays while the sequence decodes: a count is read from
+# there; the list, or a write, takes the sequence out of the lanes first, so whoever uses a Request sees it up to
+# date. (Set after the dataclass is made, whose __init__ assigns through them; written out, since a generic
+# getattr(self, name) doubles a read's cost.)
+def _get_outputs(self):
+    if self._lanes is not None:
+        self._lanes.release(self)
+    return self._output_token_ids
+
+
+def _set_outputs(self, value):
+    if self._lanes is not None:
+        self._lanes.release(self)
+    self._output_token_ids = value
+
+
+def _get_computed(self):
+    lanes = self._lanes
+    return self._num_computed_tokens if lanes is None else int(lanes.computed[self.slot])
+
+
+def _set_computed(self, value):
+    if self._lanes is not None:
+        self._lanes.release(self)
+    self._num_computed_tokens = value
+
+
+def _get_in_flight(self):
+    lanes = self._lanes
+    return self._num_in_flight if lanes is None else int(lanes.in_flight[self.slot])
+
+
+def _set_in_flight(self, value):
+    if self._lanes is not None:
+        self._lanes.release(self)
+    self._num_in_flight = value
+
+
+def _get_sampled_row(self):
+    lanes = self._lanes
+    return self._sampled_row if lanes is None else int(lanes.sampled_row[self.slot])
+
+
+def _set_sampled_row(self, value):
+    if self._lanes is not None:
+        self._lanes.release(self)
+    self._sampled_row = value
+
+
+Request.output_token_ids = property(_get_outputs, _set_outputs, doc="Its sampled tokens, a PLACEHOLDER for each still on the device.")
+Request.num_computed_tokens = property(_get_computed, _set_computed, doc="Its tokens whose K/V are in the cache.")
+Request.num_in_flight = property(_get_in_flight, _set_in_flight, doc="Its trailing output tokens still on the device.")
+Request.sampled_row = property(_get_sampled_row, _set_sampled_row, doc="Its row in the step its in-flight token comes from.")
 
 
 @dataclasses.dataclass(eq=False)

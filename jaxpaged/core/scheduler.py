@@ -17,12 +17,14 @@ samples), `update()` takes a step's sampled tokens, registers full blocks and ch
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from jaxpaged.core.decode_lanes import DecodeLanes
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxpaged.core.rope_regime import LengthDependentRope
@@ -55,20 +57,24 @@ class StepColumns:
     num_outputs: np.ndarray  # output tokens it had at scheduling (the index of the token it samples, if it does)
     appends: np.ndarray  # bool: samples a token the scheduler appends (not a beam's)
     samples: np.ndarray  # bool: reaches the end of its sequence's tokens (ScheduledSequence.samples)
+    host_tokens: np.ndarray  # a decode row's input token where the scheduler holds it in bulk (DecodeLanes), else -1
     admitted: list[Request]  # sequences that took their slot in this step: the per-slot state to set
     tables: list[tuple[int, list[int]]]  # (slot, block table) of the slots whose table changed or is new
-    slot_epoch: int  # the scheduler's count of slots given up, at scheduling: unchanged, every row still holds its slot
+    gens: np.ndarray  # each row's slot's generation at scheduling: the slot changed hands since where it moved on
     drafts: bool  # some row verifies proposals (its sampled rows are not one per scheduled row)
 
 
 class _Rows:
     """The step's columns and its requests in row order, as schedule() collects them, a row at a time."""
 
-    __slots__ = ("reqs", "slots", "starts", "counts", "prevs", "outs", "appends", "samples")
+    __slots__ = ("reqs", "slots", "starts", "counts", "prevs", "outs", "appends", "samples", "lanes")
 
     def __init__(self):
         self.reqs, self.slots, self.starts, self.counts, self.prevs, self.outs = [], [], [], [], [], []
         self.appends, self.samples = [], []
+        # the first rows, from DecodeLanes (their requests lead `reqs`): (slots, starts, output counts, prev rows,
+        # input tokens known on the host or -1), as arrays
+        self.lanes: tuple[np.ndarray, ...] | None = None
 
     def add(self, req: Request, start: int, count: int, prev: int, num_outputs: int, append: bool, samples: bool) -> None:
         self.reqs.append(req)
@@ -122,6 +128,19 @@ class ScheduledRows(Sequence):
         yield from self.tail
 
 
+class _Skipping:
+    """A step's rows less those dropped by update (their sequences ended before it): what the output processor reads."""
+
+    __slots__ = ("rows", "dropped")
+
+    def __init__(self, rows: Sequence[ScheduledSequence], dropped: list[int]):
+        self.rows, self.dropped = rows, set(dropped)
+
+    def __iter__(self):
+        dropped = self.dropped
+        return (self.rows[j] for j in range(len(self.rows)) if j not in dropped)
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: Sequence[ScheduledSequence]  # Scheduler.schedule's: ScheduledRows
@@ -163,7 +182,7 @@ def check_stop(req: Request, token: int, stop_string: str | None, eos_token_ids:
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, eos_token_ids: Sequence[int] = (),
-        max_model_len: int | None = None, rope: LengthDependentRope | None = None,
+        max_model_len: int | None = None, rope: LengthDependentRope | None = None, decode_lanes: bool = True,
     ):  # fmt: skip
         self.kv = kv
         self.rope = rope  # a length-dependent RoPE: each KV's regime, and longrope's recompute past its switch
@@ -183,7 +202,7 @@ class Scheduler:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._by_seq: dict[str, Request] = {}  # seq_id -> the running sequence (holding a slot)
         self._admitted: list[Request] = []  # took a slot since the last step was formed
-        self._slot_epoch = 0  # moves whenever a slot is given up: a step's slots still name its rows while it stands
+        self._slot_gen = np.zeros(max_num_seqs, np.int64)  # moves whenever its slot is given up
         self._stop_at = np.zeros(max_num_seqs, np.int64)  # output count at which the sequence ends by length
         self._min_tokens = np.zeros(max_num_seqs, np.int64)
         self._eos_stops = np.zeros(max_num_seqs, bool)  # EOS may end it (not ignore_eos)
@@ -191,6 +210,13 @@ class Scheduler:
         self._host_sampled = np.zeros(max_num_seqs, bool)  # its sampler reads its tokens on the host
         self._eos_ids = np.array(self.eos_token_ids, np.int64)
         self.finished_items: list[ScheduledSequence] = []  # the rows of the last update whose sequences ended in it
+        # decoding sequences advanced in bulk (decode_lanes.py): with a KV cache manager that says how far each
+        # sequence can write (no window, no groups), without longrope's recompute (and the engine turns them off for
+        # speculative decoding, whose proposals need each sequence's tokens every step)
+        plain_kv = getattr(kv, "writable", None) is not None and getattr(kv, "sliding_window", None) is None
+        use_lanes = decode_lanes and plain_kv and not (rope is not None and rope.recompute_past)
+        self.lanes = DecodeLanes(max_num_seqs, kv.block_size + 4) if use_lanes else None
+        self._lane_ok = np.zeros(max_num_seqs, bool)  # may decode in the lanes: quiet, plain sampling, no beam
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -209,13 +235,16 @@ class Scheduler:
         self._eos_stops[slot] = not params.ignore_eos
         self._bulk[slot] = not (req.is_beam or req.grammar is not None or params.stop_token_ids)
         self._host_sampled[slot] = req.sampler_reads_tokens
+        self._lane_ok[slot] = req.quiet and self._bulk[slot] and not self._host_sampled[slot]
 
     def _drop_slot(self, req: Request) -> None:
         if req.slot >= 0:
+            if req._lanes is not None:
+                req._lanes.release(req)
             self._free_slots.append(req.slot)
             del self._by_seq[req.seq_id]
+            self._slot_gen[req.slot] += 1
             req.slot = -1
-            self._slot_epoch += 1
 
     def schedule(self) -> SchedulerOutput:
         """The next step: who runs how many tokens, their block tables and the copies to make first.
@@ -270,10 +299,20 @@ class Scheduler:
         for req in admitted:
             tables[req.slot] = kv.block_table(req.seq_id)
         i32 = np.int32
+        slots, starts, counts = np.array(rows.slots, np.intp), np.array(rows.starts, i32), np.array(rows.counts, i32)
+        prevs, outs = np.array(rows.prevs, i32), np.array(rows.outs, i32)
+        appends, samples = np.array(rows.appends, bool), np.array(rows.samples, bool)
+        host_tokens = np.full(len(slots), -1, i32)
+        if rows.lanes is not None:  # the lanes' rows lead
+            lane_slots, lane_starts, lane_outs, lane_prevs, lane_tokens = rows.lanes
+            ones = np.ones(len(lane_slots), bool)
+            slots, starts = np.concatenate([lane_slots, slots]), np.concatenate([lane_starts.astype(i32), starts])
+            counts, prevs = np.concatenate([ones.astype(i32), counts]), np.concatenate([lane_prevs.astype(i32), prevs])
+            outs, appends = np.concatenate([lane_outs.astype(i32), outs]), np.concatenate([ones, appends])
+            samples, host_tokens = np.concatenate([ones, samples]), np.concatenate([lane_tokens.astype(i32), host_tokens])
         return StepColumns(
-            np.array(rows.slots, np.intp), np.array(rows.starts, i32), np.array(rows.counts, i32), np.array(rows.prevs, i32),
-            np.array(rows.outs, i32), np.array(rows.appends, bool), np.array(rows.samples, bool), admitted,
-            list(tables.items()), self._slot_epoch, drafts,
+            slots, starts, counts, prevs, outs, appends, samples, host_tokens, admitted, list(tables.items()),
+            self._slot_gen[slots], drafts,
         )  # fmt: skip
 
     def _schedule(self, rows: _Rows) -> SchedulerOutput:
@@ -287,7 +326,11 @@ class Scheduler:
         multi: list[ScheduledSequence] = []
         preempted: list[Request] = []
         kv, running, draft_tokens = self.kv, self.running, self.draft_tokens
-        i, budget = (0, self.max_num_batched_tokens) if draft_tokens else self._advance_running(rows, multi)
+        budget = self.max_num_batched_tokens
+        in_lanes = not draft_tokens and self.lanes is not None and self.lanes.count and self._lane_rows(rows)
+        if in_lanes:
+            budget -= len(rows.reqs)
+        i, budget = (0, budget) if draft_tokens else self._advance_running(rows, multi, budget, bool(in_lanes))
         writable = getattr(kv, "writable", None)  # seq_id -> tokens it can write without allocate_slots (no window)
         recompute_past = self.rope.recompute_past if self.rope is not None else 0
         while i < len(running) and budget > 0:
@@ -361,14 +404,41 @@ class Scheduler:
             tail.sort(key=lambda item: item.num_tokens > 1)  # (in admission order until here)
         return SchedulerOutput(ScheduledRows(rows.reqs, tail), preempted)  # (schedule() adds the tail's requests to rows)
 
-    def _advance_running(self, rows: _Rows, multi: list[ScheduledSequence]) -> tuple[int, int]:
+    def _lane_rows(self, rows: _Rows) -> bool:
+        """The lanes' decode rows, advanced in numpy, as the step's first rows; False (nothing done) where the step
+        could then run short of blocks for the other running sequences (the general loop would preempt one, maybe
+        one given a row here), or of tokens: the loops below take the lanes' members then, as Requests."""
+        lanes, kv = self.lanes, self.kv
+        slots = np.flatnonzero(lanes.member)
+        num_outputs = lanes.num_outputs[slots]
+        n = np.where(num_outputs >= lanes.max_tokens[slots], 0, lanes.num_prompt[slots] + num_outputs - lanes.computed[slots])
+        odd = (n > 1) | (num_outputs - lanes.listed[slots] >= lanes.width)  # (neither happens: the loops take them)
+        if odd.any():
+            lanes.release_slots(slots[odd])
+        slots = slots[(n == 1) & ~odd]
+        budget = self.max_num_batched_tokens - len(slots)
+        if not len(slots) or budget < 0:
+            return False
+        grow = slots[lanes.computed[slots] >= lanes.capacity[slots]]  # its next token starts a block
+        others = len(self.running) - lanes.count  # each may need a block more than its tokens fill, and copy one
+        if len(grow) + (2 * (-(-budget // kv.block_size) + others) if others else 0) > kv.pool.num_free:
+            return False
+        if len(grow):  # (each has written its blocks full, and they are its alone: `writable` is set only then)
+            if not kv.append_blocks([lanes.requests[slot].seq_id for slot in grow.tolist()]):
+                raise RuntimeError("the KV pool could not give the blocks it was counted to have")
+            lanes.capacity[grow] += kv.block_size
+        starts, num_outputs, prev = lanes.advance(slots)
+        rows.lanes = (slots, starts, num_outputs, prev, np.where(prev < 0, lanes.last_token[slots], -1))
+        rows.reqs.extend(operator.itemgetter(*slots.tolist())(lanes.requests) if len(slots) > 1 else [lanes.requests[slots[0]]])
+        return True
+
+    def _advance_running(self, rows: _Rows, multi: list[ScheduledSequence], budget: int, skip_lanes: bool) -> tuple[int, int]:
         """The running sequences in order, each given what it can compute within the budget, until one needs blocks
         the pool cannot give, proposals are in play or longrope must recompute one: -> (how many were passed, the
         budget left). A decode row is advanced here and kept as columns only (ScheduledRows); a chunk is an item.
         Everything else is _schedule's general loop, which starts where this one stopped. This loop runs for every
         running sequence every step, so its per-row work is inlined and kept to the minimum (issue 33: at 1,024 rows
-        a call or an object per row costs ~0.1-0.4 ms a step)."""
-        budget = self.max_num_batched_tokens
+        a call or an object per row costs ~0.1-0.4 ms a step). skip_lanes: the lanes' members have their rows."""
         kv = self.kv
         writable = getattr(kv, "writable", None)  # seq_id -> tokens it can write without allocate_slots (no window)
         wget = writable.get if writable is not None else (lambda seq_id, default: -1)
@@ -381,8 +451,14 @@ class Scheduler:
         for req in self.running:
             if budget <= 0:
                 break
-            outputs = req.output_token_ids
-            num_outputs, start, num_prompt = len(outputs), req.num_computed_tokens, len(req.prompt_token_ids)
+            if req._lanes is not None:
+                if skip_lanes:
+                    i += 1
+                    continue
+                req._lanes.release(req)
+            # (its fields read and written directly: it is not in the lanes)
+            outputs = req._output_token_ids
+            num_outputs, start, num_prompt = len(outputs), req._num_computed_tokens, len(req.prompt_token_ids)
             if recompute_past and start and not req.rope_key and num_prompt + num_outputs > recompute_past:
                 break
             n = 0 if num_outputs >= req.max_tokens else num_prompt + num_outputs - start  # num_schedulable_tokens
@@ -397,13 +473,13 @@ class Scheduler:
                 break
             samples = start + n == num_prompt + num_outputs
             if n == 1:
-                prev = req.sampled_row if req.num_in_flight and samples else -1
-                req.num_computed_tokens = start + 1
+                prev = req._sampled_row if req._num_in_flight and samples else -1
+                req._num_computed_tokens = start + 1
                 append = samples and not req.is_beam
                 if append:
-                    req.sampled_row = len(decode)
+                    req._sampled_row = len(decode)
                     outputs.append(PLACEHOLDER)
-                    req.num_in_flight += 1
+                    req._num_in_flight += 1
                 add_req(req), add_slot(req.slot), add_start(start), add_count(1), add_prev(prev), add_out(num_outputs)
                 add_append(append), add_samples(samples)
             else:
@@ -425,21 +501,22 @@ class Scheduler:
                 item.num_tokens -= cut
                 excess -= cut
 
-    def update(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> list[ScheduledSequence]:
+    def update(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> Sequence[ScheduledSequence]:
         """Take a step's results: fill in each sampling sequence's oldest in-flight token, register the blocks
         now full and finish the sequences that stop. Returns the scheduled sequences that were still live; the
         rows among them whose sequences ended are in `finished_items`."""
         self.num_computed_tokens_total += output.num_tokens
         self.finished_items = []
         cols = output.columns
-        if cols is None or stop_strings or cols.drafts or cols.slot_epoch != self._slot_epoch:
+        if cols is None or cols.drafts:
             return self._update_rows(output, sampled_tokens, stop_strings)
-        # Every row is still running and holds its slot, its sampled row is its index, and no stop string hit: the
-        # rows that may end (length, EOS), may have filled a block or need more (beams, grammars, stop ids) go through
-        # the row-wise path, the others only take their token.
+        # A row's sampled row is its index. The rows that may end (length, EOS, a stop string), may have filled a
+        # block, need more (beams, grammars, stop ids) or whose slot changed hands since (preempted, finished) go
+        # through the row-wise path; the others only take their token, in the lanes' arrays or their request's list.
         scheduled = output.scheduled
         tokens = np.asarray(sampled_tokens)[: len(scheduled)]
         slots, appends, n_out = cols.slots, cols.appends, cols.num_outputs + 1
+        stale = self._slot_gen[slots] != cols.gens
         may_end = n_out >= self._stop_at[slots]
         if len(self.eos_token_ids):
             eos = tokens == self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else np.isin(tokens, self._eos_ids)
@@ -448,16 +525,57 @@ class Scheduler:
         # a block is registered once its tokens are computed and known: a decode row's known count reaches
         # start + 1 in this update (the tokens before its own sampled one)
         filled = (cols.counts > 1) | ((cols.starts + 1) % self.kv.block_size == 0)
-        by_row = may_end | filled | ~self._bulk[slots]
-        token_list = tokens.tolist()
-        for j in np.flatnonzero(by_row).tolist():
-            self._take_row(scheduled[j], token_list[j], None)
-        take = np.flatnonzero(appends & ~by_row)
+        by_row = may_end | ~self._bulk[slots] | stale
         requests = scheduled.requests
+        if stop_strings:
+            hit = set(map(id, stop_strings))
+            by_row |= np.fromiter((id(req) in hit for req in requests), bool, len(requests))
+        lanes = self.lanes
+        lane_filled = None  # the lanes' decode rows that filled a block: registered from the lanes, in them
+        if lanes is not None and lanes.count:
+            lane_filled = filled & ~by_row & lanes.member[slots] & (cols.counts == 1)
+            filled &= ~lane_filled
+            lanes.release_slots(slots[(by_row | filled) & ~stale & lanes.member[slots]])  # out of the lanes at once
+        by_row |= filled
+        token_list = tokens.tolist()
+        dropped = []
+        for j in np.flatnonzero(by_row).tolist():
+            item = scheduled[j]
+            req = item.request
+            if req.finished:  # ended by an earlier step, or aborted, while this one ran: its row is dropped
+                dropped.append(j)
+                continue
+            self._take_row(item, token_list[j], stop_strings.get(req) if stop_strings else None)
+        take = appends & ~by_row
+        if lanes is not None and lanes.count:
+            members = take & lanes.member[slots]
+            if members.any():
+                lanes.take(slots[members], cols.num_outputs[members], tokens[members])
+                take &= ~members
+        take = np.flatnonzero(take)
         for req, k, token in zip([requests[j] for j in take.tolist()], cols.num_outputs[take].tolist(), tokens[take].tolist()):
-            req.output_token_ids[k] = token
-            req.num_in_flight -= 1
-        return scheduled
+            req._output_token_ids[k] = token  # (not in the lanes)
+            req._num_in_flight -= 1
+        if lane_filled is not None and lane_filled.any():
+            rows = np.flatnonzero(lane_filled)
+            lanes.flush(slots[rows])  # (their lists then hold the known tokens, and block_hashes reads them there)
+            # each has computed and knows its tokens up to the one it sampled
+            self.kv.register_known_blocks([requests[j] for j in rows.tolist()], (cols.starts[rows] + 1).tolist())
+        if lanes is not None:
+            self._enter_lanes(requests, np.flatnonzero(appends & ~stale & self._lane_ok[slots] & ~lanes.member[slots]))
+        return scheduled if not dropped else _Skipping(scheduled, dropped)
+
+    def _enter_lanes(self, requests: list[Request], rows: np.ndarray) -> None:
+        """The rows' sequences that now decode plainly join the lanes: one token to compute next, nothing held."""
+        writable, joining = self.kv.writable, []
+        for j in rows.tolist():
+            req = requests[j]
+            if req.finished or req.hold_at is not None or req._lanes is not None:
+                continue
+            if req._num_computed_tokens == len(req.prompt_token_ids) + len(req._output_token_ids) - 1:
+                joining.append(req)
+        if joining:
+            self.lanes.enter(joining, [writable.get(req.seq_id, 0) for req in joining])
 
     def _update_rows(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> list[ScheduledSequence]:
         live = []
@@ -511,6 +629,8 @@ class Scheduler:
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child starts where the parent is, sharing its blocks (n > 1 samples, beams); queue it with add_forked."""
+        if parent._lanes is not None:  # (its blocks stop being its alone: the lanes' capacity would be wrong)
+            parent._lanes.release(parent)
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.rope_key = parent.rope_key

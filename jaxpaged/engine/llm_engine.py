@@ -125,6 +125,7 @@ class LLMEngine:
             else KVCacheCoordinator(pool, config.block_size, groups.windows),
             config.max_num_seqs, config.max_num_batched_tokens,
             self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config),
+            decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lora = None  # with enable_lora: the adapters in host memory and the device's slots

@@ -64,6 +64,7 @@ class OutputProcessor:
             final_only=final_only, deferred_text=final_only and not params.stop,
             quiet=final_only and params.logprobs is None and prompt_logprobs is None,
         )  # fmt: skip
+        seq.quiet = state.quiet  # the scheduler may then keep its newest tokens in arrays until it ends
         self._count(state, 1)
 
     def _count(self, state: SequenceOutputState, sign: int) -> None:

@@ -57,6 +57,25 @@ class _OutputsAtScheduling(Sequence):
         return np.asarray(self.ids[: self.n], dtype=dtype)
 
 
+class _Unread(Sequence):
+    """The output ids of a sequence in the scheduler's DecodeLanes, as a sampler without penalties or a grammar reads
+    them: their count alone (reading the request's list would take it out of the lanes)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        return [-1] * self.n if isinstance(index, slice) else -1
+
+    def __array__(self, dtype=None, copy=None):
+        return np.full(self.n, -1, dtype=dtype)
+
+
 _FINISHED_ROW = SamplingParams(temperature=0.0, max_tokens=1)  # a row whose result will be dropped
 
 
@@ -139,6 +158,10 @@ class InputBatchBuilder:
 
         ids = np.zeros(t, np.int32)
         fed = (prev >= 0) & (counts == 1)  # the previous step's output, still on the device (prev_rows)
+        known = cols.host_tokens >= 0  # a decode row's input the scheduler holds in bulk (its DecodeLanes)
+        if known.any():
+            ids[(ends - counts)[known]] = cols.host_tokens[known]
+            fed = fed | known
         for j in np.flatnonzero(~fed).tolist():  # the rows whose tokens are on the host
             item = scheduled[j]
             first = int(ends[j]) - item.num_tokens
@@ -241,9 +264,12 @@ class InputBatchBuilder:
             if req.finished:
                 rows.extend([SamplingRow(_FINISHED_ROW, (), (), 0)] * (1 + len(item.draft_token_ids)))
                 continue
-            outputs = req.output_token_ids
-            if len(outputs) != item.num_output_tokens:
-                outputs = _OutputsAtScheduling(outputs, item.num_output_tokens)
+            if req._lanes is not None:  # (plain sampling: its tokens are not read)
+                outputs = _Unread(item.num_output_tokens)
+            else:
+                outputs = req.output_token_ids
+                if len(outputs) != item.num_output_tokens:
+                    outputs = _OutputsAtScheduling(outputs, item.num_output_tokens)
             grammar = req.grammar if item.samples else None  # a chunk that samples nothing needs no mask
             if item.draft_token_ids:  # speculative decoding: row j verifies proposal j (the last is the bonus row),
                 drafts = item.draft_token_ids  # sampled as if proposals 0..j-1 were output (history, grammar, min_tokens)
