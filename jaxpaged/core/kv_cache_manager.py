@@ -90,6 +90,7 @@ class KVCacheManager:
         # seq_ids whose table changed since take_changed(): the runner keeps each table on the host between steps
         # and copies it again only then
         self._changed: set[str] = set()
+        self._appended: list[tuple[str, int, int]] = []  # append_blocks' (seq_id, index, block) since take_appended()
         # seq_id -> the tokens [0, n) it can write without allocating or copying (it alone holds its blocks from its
         # first unwritten one on), kept without a window: the scheduler's decode rows pass allocate_slots with a
         # lookup while their tokens fit (with a window, blocks are released on the way, so every step asks)
@@ -147,12 +148,19 @@ class KVCacheManager:
         if blocks is None:
             return False
         tables, writable, bs = self._tables, self.writable, self.block_size
+        appended = self._appended
         for seq_id, block in zip(seq_ids, blocks):
             table = tables[seq_id]
+            appended.append((seq_id, len(table), block))
             table.append(block)
             writable[seq_id] = len(table) * bs
-        self._changed.update(seq_ids)
         return True
+
+    def take_appended(self) -> list[tuple[str, int, int]]:
+        """What append_blocks added since the last call, (seq_id, index, block): a table entry each for the runner
+        to write, in place of copying those tables again (take_changed leaves them out)."""
+        appended, self._appended = self._appended, []
+        return appended
 
     def release_behind_window(self, seq_id: str, num_computed: int) -> None:
         """What allocate_slots releases first, alone: so a coordinator can count the blocks every group still needs."""

@@ -60,6 +60,7 @@ class StepColumns:
     host_tokens: np.ndarray  # a decode row's input token where the scheduler holds it in bulk (DecodeLanes), else -1
     admitted: list[Request]  # sequences that took their slot in this step: the per-slot state to set
     tables: list[tuple[int, list[int]]]  # (slot, block table) of the slots whose table changed or is new
+    appended: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (slot, index, block): entries added, written before `tables`
     gens: np.ndarray  # each row's slot's generation at scheduling: the slot changed hands since where it moved on
     drafts: bool  # some row verifies proposals (its sampled rows are not one per scheduled row)
 
@@ -294,6 +295,12 @@ class Scheduler:
             req = self._by_seq.get(seq_id)
             if req is not None:
                 tables[req.slot] = kv.block_table(seq_id)
+        appended = None
+        if self.lanes is not None:  # the lanes' new blocks (KVCacheManager.append_blocks), one entry each
+            entries = [(req.slot, index, block) for seq_id, index, block in kv.take_appended()
+                       if (req := self._by_seq.get(seq_id)) is not None]  # fmt: skip
+            if entries:
+                appended = tuple(np.array(column, np.intp) for column in zip(*entries))
         admitted = [req for req in self._admitted if req.slot >= 0]  # not given up again within the step
         self._admitted = []
         for req in admitted:
@@ -311,7 +318,7 @@ class Scheduler:
             outs, appends = np.concatenate([lane_outs.astype(i32), outs]), np.concatenate([ones, appends])
             samples, host_tokens = np.concatenate([ones, samples]), np.concatenate([lane_tokens.astype(i32), host_tokens])
         return StepColumns(
-            slots, starts, counts, prevs, outs, appends, samples, host_tokens, admitted, list(tables.items()),
+            slots, starts, counts, prevs, outs, appends, samples, host_tokens, admitted, list(tables.items()), appended,
             self._slot_gen[slots], drafts,
         )  # fmt: skip
 

@@ -141,6 +141,9 @@ class InputBatchBuilder:
             if self._row_lora is not None:
                 self._row_lora[slot] = req.parent.lora_slot
         grouped = self.layer_groups is not None
+        if cols.appended is not None:  # single entries first: a table copied whole below is the newer
+            slots, index, blocks = cols.appended
+            self._table_rows[0, slots, index] = blocks
         for slot, table in cols.tables:  # with groups, a tuple of one table per group (or () for none)
             for g, group_table in enumerate((table or ((),) * self.num_groups) if grouped else (table,)):
                 row = self._table_rows[g, slot]

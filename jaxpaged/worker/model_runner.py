@@ -44,13 +44,15 @@ from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
 from jaxpaged.worker.packing import Packed
 from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
+from jaxpaged.worker.sampler import _blank as _blank_array
 
 logger = logging.getLogger("jaxpaged.runner")
-# The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its two large arrays, sent apart.
-# Its structure is fixed once here (a dataclasses.replace per step cost ~25 us).
-_KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in ("history", "bitmask"))
+# The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its three large arrays, sent apart
+# (ModelRunner._sampling_args). Its structure is fixed once here (a dataclasses.replace per step cost ~25 us).
+_LARGE_FIELDS = ("history", "bitmask", "suppress_ids")
+_KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in _LARGE_FIELDS)
 _KNOBS_TREEDEF = jax.tree_util.tree_structure(
-    SamplingMetadata(**dict.fromkeys(_KNOB_FIELDS, 0), history=None, bitmask=None))
+    SamplingMetadata(**dict.fromkeys(_KNOB_FIELDS, 0), **dict.fromkeys(_LARGE_FIELDS)))
 KV_STORAGE = {"int8": jnp.int8, "fp8": jnp.uint8}  # an 8-bit cache's element type, per kv_cache_dtype
 
 
@@ -372,10 +374,10 @@ class ModelRunner:
         logits, prompt, new_kv, slot_mapping = self._forward_impl(state, kv_cache, step, prev_sampled, lora_weights)
         return logits, prompt, self._write(kv_cache, new_kv, slot_mapping)
 
-    def _sample_impl(self, logits, packed: Packed, history, bitmask, no_sampled):
+    def _sample_impl(self, logits, packed: Packed, history, bitmask, suppress_ids, no_sampled):
         # no_sampled ([max_num_seqs] zeros) is an argument, not a constant, so its width is part of the signature
         # the executable cache keys on.
-        sampling_metadata = dataclasses.replace(packed.unpack(), history=history, bitmask=bitmask)
+        sampling_metadata = dataclasses.replace(packed.unpack(), history=history, bitmask=bitmask, suppress_ids=suppress_ids)
         out = sample(logits, sampling_metadata)
         sampled = jnp.zeros_like(no_sampled).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
         return out, sampled
@@ -588,12 +590,15 @@ class ModelRunner:
         dispatched.logits, dispatched.want_top = None, bool(sampling.want_logprobs)
 
     def _sampling_args(self, sampling: SamplingMetadata) -> tuple:
-        """(the per-row knobs packed in one buffer, the history, the grammar bitmask): the last two are large and
-        mostly blank, so a blank one is a device array kept from an earlier step instead."""
+        """(the per-row knobs packed in one buffer, the history, the grammar bitmask, the ids min_tokens forbids): the
+        last three are large and mostly blank (at 1,024 rows the blank suppress ids alone were 256 KB, packed and sent
+        every step), so a blank one is a device array kept from an earlier step instead."""
         knobs = Packed.of_leaves([getattr(sampling, name) for name in _KNOB_FIELDS], _KNOBS_TREEDEF)
+        suppress = sampling.suppress_ids
         return (
             knobs, self._blank("history", sampling.history, bool(sampling.any_penalty)),
             self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),
+            self._blank("suppress", suppress, suppress is not _blank_array(suppress.shape) and bool((suppress >= 0).any())),
         )  # fmt: skip
 
     def _forward_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:

@@ -191,6 +191,10 @@ def test_bulk_update_equals_the_row_wise_update(overlap, quiet):
         while sched.has_unfinished() or in_flight is not None:
             out = sched.schedule() if sched.has_unfinished() else None
             if out is not None and out.scheduled:  # the tables the columns carry, replayed, are the manager's
+                if out.columns.appended is not None:  # (the lanes' new blocks: an entry each, before whole tables)
+                    for slot, index, block in zip(*(column.tolist() for column in out.columns.appended)):
+                        assert len(slot_tables[slot]) == index
+                        slot_tables[slot].append(block)
                 slot_tables.update((slot, list(table)) for slot, table in out.columns.tables)
                 for item in out.scheduled:
                     assert slot_tables[item.request.slot] == sched.kv.block_table(item.request.seq_id)
