@@ -135,8 +135,10 @@ def profile(llm: LLM, batch: int, prompt_len: int, steps: int, async_scheduling:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind)
     for i in range(batch):
         engine.add_request(f"p{i}", {"prompt_token_ids": rng.integers(0, vocab, prompt_len).tolist()}, params)
-    while any(len(r.output_token_ids) < 2 for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill, until every row decodes
+    # prefill, until every row decodes (its count read, not its output list: reading the list would take the
+    # sequence out of the scheduler's DecodeLanes each step)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) + 2 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
     for _ in range(3):
         engine.step()
     if len(engine.scheduler.running) != batch:

@@ -151,6 +151,8 @@ class KVCacheManager:
         appended = self._appended
         for seq_id, block in zip(seq_ids, blocks):
             table = tables[seq_id]
+            if writable.get(seq_id) != len(table) * bs:  # (its last block partly written, or shared: a caller's bug)
+                raise RuntimeError(f"append_blocks: {seq_id}'s blocks are not full and its own")
             appended.append((seq_id, len(table), block))
             table.append(block)
             writable[seq_id] = len(table) * bs

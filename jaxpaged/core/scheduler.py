@@ -579,10 +579,11 @@ class Scheduler:
             req = requests[j]
             if req.finished or req.hold_at is not None or req._lanes is not None:
                 continue
-            if req._num_computed_tokens == len(req.prompt_token_ids) + len(req._output_token_ids) - 1:
+            # (decoding: one token to compute; and how far it can write is known, its last block its own)
+            if req._num_computed_tokens == len(req.prompt_token_ids) + len(req._output_token_ids) - 1 and req.seq_id in writable:
                 joining.append(req)
         if joining:
-            self.lanes.enter(joining, [writable.get(req.seq_id, 0) for req in joining])
+            self.lanes.enter(joining, [writable[req.seq_id] for req in joining])
 
     def _update_rows(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> list[ScheduledSequence]:
         live = []
