@@ -134,3 +134,33 @@ def test_lanes_are_off_for_windows_and_on_request():
     kv = KVCacheManager(BlockPool(10), BLOCK, sliding_window=8)
     assert Scheduler(kv, 4, 64).lanes is None
     assert Scheduler(KVCacheManager(BlockPool(10), BLOCK), 4, 64, decode_lanes=False).lanes is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborts_mid_flight_leave_the_same_outputs_and_every_block(overlap):
+    """Sequences aborted while in the lanes (with a step in flight under async scheduling) end with the tokens taken
+    so far, as without the lanes; the rows of theirs still in flight are dropped; every block comes back."""
+
+    def run(lanes: bool):
+        sched = _scheduler(8, blocks=300, lanes=lanes)
+        reqs = _requests(12, max_tokens=40)
+        for req in reqs:
+            sched.add(req)
+        in_flight, step = None, 0
+        while sched.has_unfinished() or in_flight is not None:
+            step += 1
+            out = sched.schedule() if sched.has_unfinished() else None
+            for victim in (reqs[step % 12],) if step % 7 == 0 else ():
+                if not victim.finished:
+                    sched.finish(victim, RequestStatus.FINISHED_ABORTED)
+            done = in_flight if overlap else out
+            if done is not None and done.scheduled:
+                live = sched.update(done, [_token(item) for item in done.scheduled], {})
+                assert all(not item.request.finished or item in sched.finished_items for item in live)
+            in_flight = out if overlap else None
+        assert sched.kv.pool.num_free == sched.kv.pool.num_blocks and (sched.lanes is None or sched.lanes.count == 0)
+        return [(r.output_token_ids[: r.num_sampled_tokens], r.status) for r in reqs]
+
+    with_lanes, without = run(True), run(False)
+    assert with_lanes == without
+    assert sum(status == RequestStatus.FINISHED_ABORTED for _, status in with_lanes) >= 3
