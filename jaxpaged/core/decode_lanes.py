@@ -7,8 +7,8 @@ in-flight count, last sampled row and newest output tokens live here, indexed by
 scheduler advances and fills whole lanes at once. Everything else reads the Request as before: its four lane-backed
 fields (request.py) read the counts from here, and its output list or any write calls `release` first, which writes
 the arrays back into the object and takes it out. A sequence leaves whenever a row of it needs per-row work (it may
-stop, it is preempted or finishes) and comes back once it decodes plainly again; a block it fills is registered
-from its list, flushed of its known tokens, without leaving.
+stop, it is preempted or finishes) and comes back once it decodes plainly again; a block it fills is hashed and
+registered from here without leaving, and its known tokens move to its list once in `width` steps.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jaxpaged.core.request import PLACEHOLDER, Request
 
 class DecodeLanes:
     def __init__(self, num_slots: int, width: int):
-        self.width = width  # output tokens a lane holds beyond its request's list: a step's, until a block fills
+        self.width = width  # output tokens a lane holds beyond its request's list, until flushed into it
         self.member = np.zeros(num_slots, bool)
         self.requests: list[Request | None] = [None] * num_slots
         i64 = np.int64
@@ -83,8 +83,18 @@ class DecodeLanes:
                 req._output_token_ids.extend(tokens[:n])
             req._num_computed_tokens, req._num_in_flight, req._sampled_row = c, f, r
 
+    def tokens_at(self, req: Request, start: int, count: int) -> list[int]:
+        """(prompt + outputs)[start:start + count] of a member, all known: from its list and the lane."""
+        prompt, listed = req.prompt_token_ids, req._output_token_ids
+        lo, hi = start - len(prompt), start + count - len(prompt)  # as output indices
+        tokens = prompt[start : start + count] if lo < 0 else []
+        tokens += listed[max(lo, 0) : hi]
+        if hi > len(listed):
+            tokens += self.pending[req.slot, max(lo, len(listed)) - len(listed) : hi - len(listed)].tolist()
+        return tokens
+
     def flush(self, slots: np.ndarray) -> None:
-        """Their known tokens into their lists (the in-flight ones, always the newest, stay here): for hashing blocks."""
+        """Their known tokens into their lists (the in-flight ones, always the newest, stay here): room in the lane."""
         known = self.num_outputs[slots] - self.in_flight[slots] - self.listed[slots]
         moving = known > 0
         if not moving.any():

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import numpy as np
-
 from jaxpaged.core.kv_cache_manager import hash_block
 from jaxpaged.sampling_params import SamplingParams
 
@@ -112,15 +110,16 @@ class Request:
 
     def block_hashes(self, block_size: int, count: int) -> list[bytes]:
         """Chained hashes of the first `count` full blocks of this sequence's tokens (append-only, so cached). Only
-        known tokens are ever hashed: in the lanes, those are in the list once flushed, and it stays there."""
+        known tokens are ever hashed (in the lanes, read there: it stays in them)."""
         lanes = self._lanes
-        if lanes is not None and len(self._output_token_ids) < count * block_size - len(self.prompt_token_ids):
-            lanes.flush(np.array([self.slot]))
         while len(self._block_hashes) < count:
             i = len(self._block_hashes)
             # the root: an adapter's prefixes are its own, and a length-dependent RoPE regime's
             parent = self._block_hashes[-1] if i else (self.parent.cache_salt or b"") + self.rope_key or None
-            tokens = _tokens_at(self.prompt_token_ids, self._output_token_ids, i * block_size, block_size)
+            if lanes is None:
+                tokens = _tokens_at(self.prompt_token_ids, self._output_token_ids, i * block_size, block_size)
+            else:
+                tokens = lanes.tokens_at(self, i * block_size, block_size)
             self._block_hashes.append(hash_block(parent, tokens))
         return self._block_hashes[:count]
 

@@ -216,7 +216,7 @@ class Scheduler:
         # speculative decoding, whose proposals need each sequence's tokens every step)
         plain_kv = getattr(kv, "writable", None) is not None and getattr(kv, "sliding_window", None) is None
         use_lanes = decode_lanes and plain_kv and not (rope is not None and rope.recompute_past)
-        self.lanes = DecodeLanes(max_num_seqs, kv.block_size + 4) if use_lanes else None
+        self.lanes = DecodeLanes(max_num_seqs, 8 * kv.block_size + 4) if use_lanes else None
         self._lane_ok = np.zeros(max_num_seqs, bool)  # may decode in the lanes: quiet, plain sampling, no beam
 
     def add(self, request: Request) -> None:
@@ -412,14 +412,18 @@ class Scheduler:
         return SchedulerOutput(ScheduledRows(rows.reqs, tail), preempted)  # (schedule() adds the tail's requests to rows)
 
     def _lane_rows(self, rows: _Rows) -> bool:
-        """The lanes' decode rows, advanced in numpy, as the step's first rows; False (nothing done) where the step
-        could then run short of blocks for the other running sequences (the general loop would preempt one, maybe
-        one given a row here), or of tokens: the loops below take the lanes' members then, as Requests."""
+        """The lanes' decode rows, advanced in numpy, as the step's first rows (decode rows first, then the others in
+        running order with the budget left); False (nothing done) where the step would then run short of blocks for
+        the other running sequences (the general loop would preempt one, maybe one given a row here), or of tokens:
+        the loops below take the lanes' members then, as Requests, in running order."""
         lanes, kv = self.lanes, self.kv
         slots = np.flatnonzero(lanes.member)
         num_outputs = lanes.num_outputs[slots]
         n = np.where(num_outputs >= lanes.max_tokens[slots], 0, lanes.num_prompt[slots] + num_outputs - lanes.computed[slots])
-        odd = (n > 1) | (num_outputs - lanes.listed[slots] >= lanes.width)  # (neither happens: the loops take them)
+        full = num_outputs - lanes.listed[slots] >= lanes.width - 1  # (once in width - 1 steps: into its list)
+        if full.any():
+            lanes.flush(slots[full])
+        odd = n > 1  # (never: the loops take it)
         if odd.any():
             lanes.release_slots(slots[odd])
         slots = slots[(n == 1) & ~odd]
@@ -427,8 +431,18 @@ class Scheduler:
         if not len(slots) or budget < 0:
             return False
         grow = slots[lanes.computed[slots] >= lanes.capacity[slots]]  # its next token starts a block
-        others = len(self.running) - lanes.count  # each may need a block more than its tokens fill, and copy one
-        if len(grow) + (2 * (-(-budget // kv.block_size) + others) if others else 0) > kv.pool.num_free:
+        need = len(grow)
+        if len(self.running) > lanes.count:  # the others' blocks, as the loop below will ask for them, in order
+            for req in self.running:
+                if req._lanes is not None:
+                    continue
+                n = min(req.num_schedulable_tokens, budget)
+                if n > 0:
+                    need += kv.blocks_needed(req.seq_id, req.num_computed_tokens, n)
+                    budget -= n
+                    if budget <= 0:
+                        break
+        if need > kv.pool.num_free:
             return False
         if len(grow):  # (each has written its blocks full, and they are its alone: `writable` is set only then)
             if not kv.append_blocks([lanes.requests[slot].seq_id for slot in grow.tolist()]):
@@ -565,8 +579,7 @@ class Scheduler:
             req._num_in_flight -= 1
         if lane_filled is not None and lane_filled.any():
             rows = np.flatnonzero(lane_filled)
-            lanes.flush(slots[rows])  # (their lists then hold the known tokens, and block_hashes reads them there)
-            # each has computed and knows its tokens up to the one it sampled
+            # each has computed and knows its tokens up to the one it sampled (block_hashes reads them in the lanes)
             self.kv.register_known_blocks([requests[j] for j in rows.tolist()], (cols.starts[rows] + 1).tolist())
         if lanes is not None:
             self._enter_lanes(requests, np.flatnonzero(appends & ~stale & self._lane_ok[slots] & ~lanes.member[slots]))

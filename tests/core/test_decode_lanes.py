@@ -164,3 +164,55 @@ def test_aborts_mid_flight_leave_the_same_outputs_and_every_block(overlap):
     with_lanes, without = run(True), run(False)
     assert with_lanes == without
     assert sum(status == RequestStatus.FINISHED_ABORTED for _, status in with_lanes) >= 3
+
+
+def test_the_lanes_run_beside_a_chunked_prefill_with_blocks_to_spare():
+    """A long prompt prefilled in chunks beside four lane members, in a pool that ends the prefill with 1 block
+    free: the lanes keep their rows first (decode rows first, the chunk gets the budget left) in every step, since
+    the pool can cover what the chunk asks for (counted exactly, not by a worst case)."""
+    sched = _scheduler(5, blocks=45, step_tokens=16)
+    decoding = _requests(4, max_tokens=200)
+    for req in decoding:
+        sched.add(req)
+    step = None
+    for _ in range(4):
+        step = _step(sched, step)
+    assert sched.lanes.count == 4
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(20, 120))
+    long = Request("99", ParentRequest("99", None, prompt, params), 0, prompt, params, 4, seed=0)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < len(prompt) and not sched.num_preemptions:
+        out = sched.schedule()
+        chunks.append((sched.lanes.count, [item.num_tokens for item in out.scheduled]))  # (a fallback releases them)
+        sched.update(step, [_token(item) for item in step.scheduled], {})
+        step = out
+    assert not sched.num_preemptions and long.num_computed_tokens == len(prompt) and len(chunks) >= 8
+    assert all(count == 4 and rows[:4] == [1, 1, 1, 1] and rows[4] <= 12 for count, rows in chunks)
+    assert sched.kv.pool.num_free <= 2  # (the pool was nearly full at the end)
+
+
+
+def test_long_decodes_move_their_tokens_into_their_lists_on_the_way(monkeypatch):
+    """A lane holds 8 blocks' worth of tokens beyond its list: sequences decoding 100 tokens in blocks of 4 move
+    them into their lists (flush) several times, and end with the tokens and cached blocks of a run without lanes."""
+    from jaxpaged.core.decode_lanes import DecodeLanes
+
+    flushed = []
+    flush = DecodeLanes.flush
+    monkeypatch.setattr(DecodeLanes, "flush", lambda self, slots: (flushed.append(len(slots)), flush(self, slots)))
+
+    def run(lanes: bool):
+        sched = _scheduler(3, blocks=200, lanes=lanes)
+        reqs = _requests(3, max_tokens=100)
+        for req in reqs:
+            sched.add(req)
+        step = _step(sched, None)
+        while step is not None:
+            step = _step(sched, step)
+        return [(r.output_token_ids, r.status) for r in reqs], sched.kv.pool.num_cached
+
+    with_lanes = run(True)
+    assert sum(flushed) >= 6
+    assert with_lanes == run(False)
