@@ -270,29 +270,16 @@ class KVCacheManager:
     def register_known_blocks(self, seqs: list[HashedSequence], num_known: list[int]) -> None:
         """register_full_blocks(seq, known) for sequences that have computed at least `known` tokens each (the
         scheduler's lanes, where a block fills once per block_size steps), in one loop."""
-        if not self.pool.enable_caching:
-            for seq in seqs:
-                self._register_due[seq.seq_id] = NEVER
-            return
-        bs, due, tables, registered, released = self.block_size, self._register_due, self._tables, self._num_registered, self._released
-        register, salt = self.pool.register, self._salt
         for seq, known in zip(seqs, num_known):
-            seq_id = seq.seq_id
-            if known < due.get(seq_id, bs):
-                continue
-            table = tables.get(seq_id, [])
-            done = max(registered.get(seq_id, 0), released.get(seq_id, 0))
-            full = min(known // bs, len(table))
-            due[seq_id] = (max(full, done) + 1) * bs
-            if full > done:
-                for block, block_hash in zip(table[done:full], seq.block_hashes(bs, full)[done:]):
-                    register(block, salt + block_hash)
-                registered[seq_id] = full
+            self._register_upto(seq, known)
 
     def register_full_blocks(self, seq: HashedSequence, num_known: int | None = None) -> None:
         """Blocks whose tokens are all computed (and, of those, the first `num_known`: a token still on the
         device has no value to hash yet) become findable by later requests."""
-        computed = seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known)
+        self._register_upto(seq, seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known))
+
+    def _register_upto(self, seq: HashedSequence, computed: int) -> None:
+        """The full blocks among seq's first `computed` tokens, all computed and known, made findable."""
         if computed < self._register_due.get(seq.seq_id, self.block_size):  # no block filled since the last call
             return
         if not self.pool.enable_caching:

@@ -112,7 +112,9 @@ class ScheduledRows(Sequence):
         k = self.num_decode
         if index < 0:
             index += len(self)
-        if index >= k or index < 0:
+            if index < 0:
+                raise IndexError("scheduled row index out of range")
+        if index >= k:
             return self.tail[index - k]
         item = self._made[index]
         if item is None:
@@ -334,10 +336,13 @@ class Scheduler:
         preempted: list[Request] = []
         kv, running, draft_tokens = self.kv, self.running, self.draft_tokens
         budget = self.max_num_batched_tokens
-        in_lanes = not draft_tokens and self.lanes is not None and self.lanes.count and self._lane_rows(rows)
-        if in_lanes:
-            budget -= len(rows.reqs)
-        i, budget = (0, budget) if draft_tokens else self._advance_running(rows, multi, budget, bool(in_lanes))
+        lanes = self.lanes
+        if not draft_tokens and lanes is not None and lanes.count:
+            if self._lane_rows(rows):
+                budget -= len(rows.reqs)
+            else:  # the loops take everyone as Requests, in running order: out of the lanes at once
+                lanes.release_slots(np.flatnonzero(lanes.member))
+        i, budget = (0, budget) if draft_tokens else self._advance_running(rows, multi, budget)
         writable = getattr(kv, "writable", None)  # seq_id -> tokens it can write without allocate_slots (no window)
         recompute_past = self.rope.recompute_past if self.rope is not None else 0
         while i < len(running) and budget > 0:
@@ -453,13 +458,13 @@ class Scheduler:
         rows.reqs.extend(operator.itemgetter(*slots.tolist())(lanes.requests) if len(slots) > 1 else [lanes.requests[slots[0]]])
         return True
 
-    def _advance_running(self, rows: _Rows, multi: list[ScheduledSequence], budget: int, skip_lanes: bool) -> tuple[int, int]:
+    def _advance_running(self, rows: _Rows, multi: list[ScheduledSequence], budget: int) -> tuple[int, int]:
         """The running sequences in order, each given what it can compute within the budget, until one needs blocks
         the pool cannot give, proposals are in play or longrope must recompute one: -> (how many were passed, the
         budget left). A decode row is advanced here and kept as columns only (ScheduledRows); a chunk is an item.
         Everything else is _schedule's general loop, which starts where this one stopped. This loop runs for every
         running sequence every step, so its per-row work is inlined and kept to the minimum (issue 33: at 1,024 rows
-        a call or an object per row costs ~0.1-0.4 ms a step). skip_lanes: the lanes' members have their rows."""
+        a call or an object per row costs ~0.1-0.4 ms a step). The lanes' members have their rows already."""
         kv = self.kv
         writable = getattr(kv, "writable", None)  # seq_id -> tokens it can write without allocate_slots (no window)
         wget = writable.get if writable is not None else (lambda seq_id, default: -1)
@@ -473,10 +478,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if req._lanes is not None:
-                if skip_lanes:
-                    i += 1
-                    continue
-                req._lanes.release(req)
+                i += 1
+                continue
             # (its fields read and written directly: it is not in the lanes)
             outputs = req._output_token_ids
             num_outputs, start, num_prompt = len(outputs), req._num_computed_tokens, len(req.prompt_token_ids)
@@ -593,7 +596,7 @@ class Scheduler:
             if req.finished or req.hold_at is not None or req._lanes is not None:
                 continue
             # (decoding: one token to compute; and how far it can write is known, its last block its own)
-            if req._num_computed_tokens == len(req.prompt_token_ids) + len(req._output_token_ids) - 1 and req.seq_id in writable:
+            if req.num_pending_tokens == 1 and req.seq_id in writable:
                 joining.append(req)
         if joining:
             self.lanes.enter(joining, [writable[req.seq_id] for req in joining])

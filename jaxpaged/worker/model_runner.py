@@ -43,8 +43,7 @@ from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
 from jaxpaged.worker.packing import Packed
-from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample
-from jaxpaged.worker.sampler import _blank as _blank_array
+from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample, _blank as _blank_array
 
 logger = logging.getLogger("jaxpaged.runner")
 # The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its three large arrays, sent apart
