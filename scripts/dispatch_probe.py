@@ -5,7 +5,9 @@ back to back in four ways, timing the host's calls and the whole run.
 - `forward`: the forward alone, the cache not donated;
 - `write`: the donated write alone;
 - `fused`: one executable that attends, writes and returns the cache, donated (its temporaries are recorded: on
-  XLA:CPU it holds a full copy of the cache).
+  XLA:CPU it holds a full copy of the cache);
+- `fused_barrier`: the same with the write tied to the logits by an optimization barrier, so it must follow every
+  layer's read of the cache (whether XLA then writes in place: its temporaries).
 
 A variant whose host time per step is near its wall time per step waits on the device inside a call; one whose host
 time is small keeps the device fed. On the H200 the engine's dispatch took about the forward's device time.
@@ -80,11 +82,19 @@ def probe(runner, rows: int, ctx: int, steps: int) -> dict:
     sync = lambda: jax.block_until_ready(runner.kv_cache)  # noqa: E731
     results = {}
 
+    split = {"forward": [], "write": []}
+
     def engine_step():
+        t0 = time.perf_counter()
         out = forward(state, runner.kv_cache, packed, prev)
+        t1 = time.perf_counter()
         runner.kv_cache = write(runner.kv_cache, out[2], out[3])
+        split["forward"].append(t1 - t0)
+        split["write"].append(time.perf_counter() - t1)
 
     results["engine"] = _timed(engine_step, steps, sync)
+    # which of the two calls holds the host (the first two are untimed warm-ups)
+    results["engine"].update({f"{k}_call_host_ms": 1e3 * statistics.mean(v[2:]) for k, v in split.items()})
     last = []
     results["forward"] = _timed(lambda: last.append(forward(state, runner.kv_cache, packed, prev)[0]), steps,
                                 lambda: jax.block_until_ready(last[-1]))  # fmt: skip
@@ -98,20 +108,25 @@ def probe(runner, rows: int, ctx: int, steps: int) -> dict:
         logits, prompt, kv, slot_mapping = runner._forward_impl(state, kv_cache, packed, prev)
         return logits, write_kv(kv_cache, kv, slot_mapping)
 
+    def fused_barrier_impl(state, kv_cache, packed, prev):
+        # the write made to depend on the logits, so on every layer's read of the cache: nothing left for XLA to order
+        logits, prompt, kv, slot_mapping = runner._forward_impl(state, kv_cache, packed, prev)
+        logits, kv = jax.lax.optimization_barrier((logits, kv))
+        return logits, write_kv(kv_cache, kv, slot_mapping)
+
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
                                       if isinstance(x, jax.Array) else x, (state, runner.kv_cache, packed, prev))  # fmt: skip
-    t0 = time.perf_counter()
-    fused = jax.jit(fused_impl, donate_argnums=(1,)).lower(*abstract).compile()
-    memory = fused.memory_analysis()
-    cache_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv_cache))
-    results["fused_compile_s"] = time.perf_counter() - t0
-    results["fused_temp_bytes"] = getattr(memory, "temp_size_in_bytes", None)
-    results["cache_bytes"] = cache_bytes
+    results["cache_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv_cache))
+    for name, impl in (("fused", fused_impl), ("fused_barrier", fused_barrier_impl)):
+        t0 = time.perf_counter()
+        fused = jax.jit(impl, donate_argnums=(1,)).lower(*abstract).compile()
+        results[f"{name}_compile_s"] = time.perf_counter() - t0
+        results[f"{name}_temp_bytes"] = getattr(fused.memory_analysis(), "temp_size_in_bytes", None)
 
-    def fused_step():
-        runner.kv_cache = fused(state, runner.kv_cache, packed, prev)[1]
+        def fused_step(fused=fused):
+            runner.kv_cache = fused(state, runner.kv_cache, packed, prev)[1]
 
-    results["fused"] = _timed(fused_step, steps, sync)
+        results[name] = _timed(fused_step, steps, sync)
     return {"rows": rows, "ctx": ctx, "steps": steps, "bucket": t, "backend": jax.default_backend(),
             "device": jax.devices()[0].device_kind, "variants": results}  # fmt: skip
 
@@ -128,13 +143,17 @@ def table(report: dict) -> str:
     lines = [f"dispatch probe: {report['rows']} decode rows at context {report['ctx']}, {report['steps']} steps, "
              f"{report['device']} ({report['backend']})", "| variant | host ms/step | wall ms/step | host / wall |",
              "| --- | --- | --- | --- |"]  # fmt: skip
-    for name in ("engine", "forward", "write", "fused"):
+    for name in ("engine", "forward", "write", "fused", "fused_barrier"):
         v = report["variants"].get(name)
         if v:
             lines.append(f"| {name} | {v['host_ms_per_step']:.3f} | {v['wall_ms_per_step']:.3f} | {v['host_share_of_wall']:.0%} |")
     v = report["variants"]
-    if v.get("fused_temp_bytes") is not None:
-        lines.append(f"fused temporaries {v['fused_temp_bytes'] / 1e6:.1f} MB against a {v['cache_bytes'] / 1e6:.1f} MB cache")
+    if "forward_call_host_ms" in v.get("engine", {}):
+        lines.append(f"engine's calls, host ms: forward {v['engine']['forward_call_host_ms']:.3f}, "
+                     f"write {v['engine']['write_call_host_ms']:.3f}")
+    for name in ("fused", "fused_barrier"):
+        if v.get(f"{name}_temp_bytes") is not None:
+            lines.append(f"{name} temporaries {v[f'{name}_temp_bytes'] / 1e6:.1f} MB against a {v['cache_bytes'] / 1e6:.1f} MB cache")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ shape written once by transformers' save_pretrained, so every engine reads the s
 Stages run as child processes (each with the device to itself), in order of value: weights, cold (start-up with an
 empty executable cache, first token, the workload, the profile), probe (scripts/dispatch_probe.py: the decode step
 dispatched as the engine does, forward alone, write alone, and fused; which call makes the host wait), attention
-(bench_attention.py's goal cases),
+(bench_attention.py's goal cases), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off),
 warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
 --with-hf). A stage that would not fit in what is left of the budget is dropped and named; a child writes its
 results as it goes, and the report is rewritten after every stage, so a run cut short keeps what it measured.
@@ -41,9 +41,11 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "probe": (40, 150), "attention": (30, 120), "warm": (30, 90),
-          "hf_cb": (120, 300)}  # fmt: skip
+STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "attention": (30, 120),
+          "warm": (30, 90), "hf_cb": (120, 300)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
+# stage -> its child's environment from the parent's
+STAGE_ENV = {"gemm_cublas": lambda env: {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_gpu_enable_triton_gemm=false".strip()}}
 
 
 def workload(vocab: int, num_requests: int, lo: int, hi: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -136,6 +138,13 @@ def stage_cold(args, out: Partial) -> None:
     flops = matmul_rate(args.dtype, n=1024 if cpu else 8192)
     out["rates"] = {"copy_gbs": bandwidth / 1e9, "matmul_tflops": flops / 1e12}
     add_roofline(llm, args, out, requests, bandwidth, flops)
+
+
+def stage_cold_fused(args, out: Partial) -> None:
+    """cold again with fused_kv_write: the forward and the KV write as one executable (its own "step" executables,
+    compiled here: the stored ones are the separate forward's and write's)."""
+    args.engine_args = json.dumps({**json.loads(args.engine_args), "fused_kv_write": True})
+    stage_cold(args, out)
 
 
 def stage_warm(args, out: Partial) -> None:
@@ -255,6 +264,84 @@ def stage_probe(args, out: Partial) -> None:
     out["probe"] = dispatch_probe.probe(llm.engine.runner, args.profile_rows, ctx, max(args.profile_steps, 5))
 
 
+def decode_gemms(config: dict) -> dict:
+    """The matmuls of one decode layer and the head, (K, N) each: what reads the weights at 256 rows."""
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd = config.get("head_dim") or d // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    return {"q": (d, q), "k": (d, kv), "qkv_fused": (d, q + 2 * kv), "o": (q, d), "gate": (d, f),
+            "gate_up_fused": (d, 2 * f), "down": (f, d), "lm_head": (d, v)}  # fmt: skip
+
+
+def stage_gemm(args, out: Partial) -> None:
+    """Each decode matmul at --profile-rows rows in bf16 (x @ W, W [K, N] as the engine keeps it, and W [N, K] as
+    torch keeps it): the weight bytes read per second against a plain copy's, JAX's GEMM then torch's (cuBLAS).
+    Weights rotate over copies larger than the L2, so each call reads from memory."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench_attention import copy_bandwidth
+
+    config = json.loads(Path(args.config).read_text())
+    m, dtype = args.profile_rows, jnp.bfloat16
+    copy = copy_bandwidth(args.dtype, nbytes=(64 << 20) if jax.default_backend() == "cpu" else (2 << 30))
+    rows = {}
+    x = jax.random.normal(jax.random.key(0), (m, config["hidden_size"]), jnp.float32).astype(dtype)
+    for name, (k, n) in decode_gemms(config).items():
+        copies = max(2, -(-(256 << 20) // (k * n * 2))) if jax.default_backend() != "cpu" else 2
+        ws = [jax.random.normal(jax.random.key(i), (k, n), jnp.float32).astype(dtype) for i in range(copies)]
+        xk = jax.random.normal(jax.random.key(7), (m, k), jnp.float32).astype(dtype)
+        row = {"k": k, "n": n, "weight_bytes": k * n * 2}
+        for layout, fn, weights in (
+            ("kn", jax.jit(lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(dtype)), ws),
+            ("nk", jax.jit(lambda a, w: jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())),
+                                                            preferred_element_type=jnp.float32).astype(dtype)),
+             [w.T.copy() for w in ws]),
+        ):  # fmt: skip
+            for w in weights:
+                fn(xk, w).block_until_ready()
+            t0 = time.perf_counter()
+            reps = 20
+            for i in range(reps * len(weights)):
+                y = fn(xk, weights[i % len(weights)])
+            y.block_until_ready()
+            seconds = (time.perf_counter() - t0) / (reps * len(weights))
+            row[f"jax_{layout}_us"] = 1e6 * seconds
+            row[f"jax_{layout}_of_copy"] = k * n * 2 / seconds / copy
+        del ws, weights
+        rows[name] = row
+        out["gemm"] = {"rows": m, "copy_gbs": copy / 1e9, "shapes": rows, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    del x
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    for name, (k, n) in decode_gemms(config).items():
+        copies = max(2, -(-(256 << 20) // (k * n * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        xk = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for w in ws:
+            torch.nn.functional.linear(xk, w)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 20
+        start.record()
+        for i in range(reps * copies):
+            torch.nn.functional.linear(xk, ws[i % copies])
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / (reps * copies)
+        rows[name]["torch_us"] = 1e6 * seconds
+        rows[name]["torch_of_copy"] = k * n * 2 / seconds / copy
+        del ws
+        out["gemm"] = {**out.data["gemm"], "shapes": rows, "torch": torch.__version__}
+
+
+stage_gemm_cublas = stage_gemm  # the same, run with XLA's Triton GEMMs off (cuBLAS for every dot): see main()
+
+
 def stage_attention(args, out: Partial) -> None:
     import bench_attention
 
@@ -344,7 +431,7 @@ def main(argv=None) -> int:
     p.add_argument("--hi", type=int, default=1024, help="longest prompt and output (default 1024)")
     p.add_argument("--profile-rows", type=int, default=256)
     p.add_argument("--profile-steps", type=int, default=20)
-    p.add_argument("--stages", default="weights,cold,probe,attention,warm", help="comma-separated, run in this order")
+    p.add_argument("--stages", default="weights,cold,probe,gemm,attention,warm", help="comma-separated, run in this order")
     p.add_argument("--with-hf", action="store_true", help="add hf_cb: transformers' continuous batching")
     p.add_argument("--engine-args", default="{}", metavar="JSON", help="more LLM arguments for every jaxpaged stage, e.g. "
                    "'{\"fused_kv_write\": true}' (default: the engine's defaults)")
@@ -397,7 +484,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         load_before = os.getloadavg()
         try:
-            rc = subprocess.run(cmd, env=env, timeout=min(most, left)).returncode
+            rc = subprocess.run(cmd, env=STAGE_ENV.get(stage, lambda e: e)(env), timeout=min(most, left)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         data = json.loads(result.read_text()) if result.exists() else {}
@@ -419,6 +506,37 @@ def _f(value, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _workload_lines(stage: dict, hf: dict | None, prefix: str) -> list[str]:
+    """A cold stage's ceilings, workload against the floor and transformers, and traced decode step."""
+    if not stage.get("workload") and not stage.get("rates"):
+        return []
+    lines = []
+    rates = stage.get("rates", {})
+    lines.append(prefix + f"copy {_f(rates.get('copy_gbs'))} GB/s, matmul {_f(rates.get('matmul_tflops'))} TFLOP/s")
+    w = stage.get("workload")
+    if w:
+        floor = (f"{100 * w['of_roofline']:.1f}% of the floor ({w['roofline_tok_s']:.0f} tok/s)" if "of_roofline" in w
+                 else "floor not measured")  # fmt: skip
+        lines.append(prefix + f"workload: {w['requests']} requests, {w['output_tokens']} output tokens in {w['seconds']:.1f} s = "
+                     f"**{w['tok_s']:.0f} tok/s**, {floor}; {w['steps']} steps, {w['ms_per_step']:.2f} ms a step; "
+                     f"compiles after warm-up {w['compiles_after_warmup']}")
+        lines.append(prefix + "host ms a step (wall): " + ", ".join(f"{k} {v:.2f}" for k, v in w["host_ms_per_step"].items()))
+        lines.append(prefix + "device calls, host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in w["calls_ms_per_step"].items()))
+    if hf and w:
+        lines.append(prefix + f"transformers continuous batching: {hf['tok_s']:.0f} tok/s; jaxpaged is {w['tok_s'] / hf['tok_s']:.1f}x")
+    prof = stage.get("decode_profile")
+    if prof:
+        lines.append(prefix + f"decode at {prof['rows']} rows: {prof['ms_per_step']:.2f} ms a step, host CPU "
+                     f"{prof['host_cpu_ms_total']:.2f} ms (" + ", ".join(f"{k} {v:.2f}" for k, v in prof['host_cpu_ms_per_step'].items()) + ")")
+        trace = prof.get("trace")
+        if trace:
+            lines.append(prefix + "device per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in trace["per_step_ms"].items())
+                         + f"; busy {100 * trace['busy_fraction']:.1f}% of the span, idle gaps {trace['idle_ms_per_step']:.3f} ms a step")
+        elif prof.get("trace_error"):
+            lines.append(prefix + f"trace: {prof['trace_error']}")
+    return lines
+
+
 def summary_table(report: dict) -> str:
     """The short table the run prints last: what each goal of issue 33 asks, and what was measured."""
     st = report["stages"]
@@ -427,30 +545,8 @@ def summary_table(report: dict) -> str:
     device = cold.get("device", {})
     lines = [f"# gpu_report: {device.get('kind', '?')}, {env.get('date')}, jax {env.get('jax')}, "
              f"transformers {env.get('transformers')}, torch {env.get('torch')}", ""]  # fmt: skip
-    rates = cold.get("rates", {})
-    lines.append(f"copy {_f(rates.get('copy_gbs'))} GB/s, matmul {_f(rates.get('matmul_tflops'))} TFLOP/s")
-    w = cold.get("workload")
-    if w:
-        floor = (f"{100 * w['of_roofline']:.1f}% of the floor ({w['roofline_tok_s']:.0f} tok/s)" if "of_roofline" in w
-                 else "floor not measured")  # fmt: skip
-        lines.append(f"workload: {w['requests']} requests, {w['output_tokens']} output tokens in {w['seconds']:.1f} s = "
-                     f"**{w['tok_s']:.0f} tok/s**, {floor}; {w['steps']} steps, {w['ms_per_step']:.2f} ms a step; "
-                     f"compiles after warm-up {w['compiles_after_warmup']}")
-        lines.append("host ms a step (wall): " + ", ".join(f"{k} {v:.2f}" for k, v in w["host_ms_per_step"].items()))
-        lines.append("device calls, host ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in w["calls_ms_per_step"].items()))
-    hf = st.get("hf_cb", {}).get("hf_cb")
-    if hf and w:
-        lines.append(f"transformers continuous batching: {hf['tok_s']:.0f} tok/s; jaxpaged is {w['tok_s'] / hf['tok_s']:.1f}x")
-    prof = cold.get("decode_profile")
-    if prof:
-        lines.append(f"decode at {prof['rows']} rows: {prof['ms_per_step']:.2f} ms a step, host CPU "
-                     f"{prof['host_cpu_ms_total']:.2f} ms (" + ", ".join(f"{k} {v:.2f}" for k, v in prof['host_cpu_ms_per_step'].items()) + ")")
-        trace = prof.get("trace")
-        if trace:
-            lines.append("device per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in trace["per_step_ms"].items())
-                         + f"; busy {100 * trace['busy_fraction']:.1f}% of the span, idle gaps {trace['idle_ms_per_step']:.3f} ms a step")
-        elif prof.get("trace_error"):
-            lines.append(f"trace: {prof['trace_error']}")
+    for name in ("cold", "cold_fused"):
+        lines += _workload_lines(st.get(name, {}), st.get("hf_cb", {}).get("hf_cb"), "" if name == "cold" else "fused_kv_write: ")
     for key, label in (("cold_start", "cold start"), ("warm_start", "warm start")):
         s = cold.get(key) or warm.get(key)
         if s:
@@ -466,6 +562,14 @@ def summary_table(report: dict) -> str:
         import dispatch_probe
 
         lines.append(dispatch_probe.table(probe))
+    for name in ("gemm", "gemm_cublas"):
+        gemm = st.get(name, {}).get("gemm")
+        if not gemm:
+            continue
+        lines.append(f"{name}: decode matmuls at {gemm['rows']} rows, weight bytes per second over the copy's "
+                     f"({gemm['copy_gbs']:.0f} GB/s), jax [K,N] / jax [N,K] / torch: " + ", ".join(
+                     f"{k} {_f(r.get('jax_kn_of_copy'), '{:.0%}')}/{_f(r.get('jax_nk_of_copy'), '{:.0%}')}/"
+                     f"{_f(r.get('torch_of_copy'), '{:.0%}')}" for k, r in gemm["shapes"].items()))
     att = st.get("attention", {}).get("attention")
     if att:
         for g in att["goals"]:
