@@ -37,6 +37,8 @@ SUPPORTED = (
 )
 CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column 8c + AWQ_ORDER[i] sits in nibble i
+ACTIVATIONS = ("static input activation quantization: activations stay in the model dtype, or quantize_activations "
+               "quantizes them per token")  # fmt: skip
 
 Read = Callable[[str], tuple[np.ndarray, str]]  # a tensor's array and the file it came from
 
@@ -65,7 +67,7 @@ class CheckpointFormat:
 
     name = ""
     parts: tuple[str, ...] = ()  # suffixes of a quantized Linear's tensors; parts[0] marks one
-    dropped: tuple[str, ...] = ()  # suffixes read nowhere (activation scales)
+    dropped: dict[str, str] = {}  # suffix -> why tensors ending so are read nowhere (activation scales)
 
     def _prefix(self, name: str, names: set[str]) -> str | None:
         for suffix in self.parts:
@@ -78,14 +80,18 @@ class CheckpointFormat:
     def _is_quantized(self, prefix: str, names: set[str]) -> bool:
         return prefix + self.parts[0] in names
 
-    def tensors(self, names: Iterable[str], read: Read) -> Iterator[tuple[str, Any, str]]:
+    def tensors(self, names: Iterable[str], read: Read, skip: Callable[[str, str], None]) -> Iterator[tuple[str, Any, str]]:
+        """skip(name, why): told of each tensor dropped unread (models/accounting.py logs them)."""
         names = list(names)
         present, done = set(names), set()
         for name in names:
             prefix = self._prefix(name, present)
             if prefix is None:
-                if not name.endswith(self.dropped):
+                suffix = next((s for s in self.dropped if name.endswith(s)), None)
+                if suffix is None:
                     yield (name, *read(name))
+                else:
+                    skip(name, self.dropped[suffix])
                 continue
             if prefix in done:
                 continue
@@ -160,8 +166,11 @@ def _ct_weights_ok(args: dict, fmt: str, group: str, source: str) -> None:
 class CompressedTensors(CheckpointFormat):
     name = "compressed-tensors"
     parts = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx", ".weight")
-    dropped = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point", ".k_scale", ".v_scale",
-               ".q_scale", ".input_global_scale")  # fmt: skip
+    dropped = {
+        **dict.fromkeys((".input_scale", ".input_zero_point", ".input_global_scale"), ACTIVATIONS),
+        **dict.fromkeys((".output_scale", ".output_zero_point"), "output activation quantization: not applied"),
+        **dict.fromkeys((".k_scale", ".v_scale", ".q_scale"), "attention (KV cache) scales: kv_cache_dtype chooses the cache"),
+    }  # fmt: skip
 
     def __init__(self, qcfg: dict, source: str):
         top = qcfg.get("format") or "dense"

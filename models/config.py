@@ -160,8 +160,16 @@ def text_config(hf_config: Any) -> Any:
     return text() if text is not None else hf_config
 
 
+def head_tied(hf_config: Any) -> bool:
+    """transformers 5's rule (PreTrainedModel.get_expanded_tied_weights_keys): the head is tied when the config of
+    the class holding it says `tie_word_embeddings`, default False. That is the top-level config: a multimodal
+    wrapper's (Gemma3ForConditionalGeneration), whose text_config's flag transformers never reads for the head."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
 def model_config_from_hf(hf_config: Any, architecture: str, **overrides) -> ModelConfig:
     """The fields Llama-style configs name the same way; ports override what their config spells differently."""
+    tied = head_tied(hf_config)  # the top-level config's flag: pass the config the port was given
     hf_config = text_config(hf_config)
     num_heads = int(hf_config.num_attention_heads)
     hidden = int(hf_config.hidden_size)
@@ -178,7 +186,7 @@ def model_config_from_hf(hf_config: Any, architecture: str, **overrides) -> Mode
         max_position_embeddings=context_length(int(_get(hf_config, "max_position_embeddings", 2048)), rope),
         rms_norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
         rope=rope,
-        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        tie_word_embeddings=tied,
         attention_bias=bool(_get(hf_config, "attention_bias", False)),
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),
         hidden_act=str(_get(hf_config, "hidden_act", "silu")),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, alibi_slopes, module_list
+from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -50,6 +51,7 @@ class FalconDecoderLayer(nnx.Module):
 
 
 class FalconForCausalLM(CausalLM):
+    SKIPPED_TENSORS = (ROTARY_CACHE,)
     BASE_PREFIX = "transformer."
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):

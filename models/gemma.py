@@ -28,6 +28,7 @@ from jaxpaged.models.config import ModelConfig, RopeConfig, model_config_from_hf
 from jaxpaged.models.layers import (
     REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list, rope_table,
 )  # fmt: skip
+from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.models.llama import attention_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
@@ -79,6 +80,7 @@ class GemmaDecoderLayer(nnx.Module):
 
 
 class GemmaForCausalLM(CausalLM):
+    SKIPPED_TENSORS = (ROTARY_CACHE,)
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
@@ -122,10 +124,7 @@ class GemmaForCausalLM(CausalLM):
                 "supported; jaxpaged serves causal language models"
             )
         if architecture == "GemmaForCausalLM":  # transformers reads hidden_act here, hidden_activation from Gemma 2 on
-            return model_config_from_hf(
-                hf_config, architecture, hidden_act=str(text.hidden_act), mlp_bias=False,
-                tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", True)),
-            )  # fmt: skip
+            return model_config_from_hf(hf_config, architecture, hidden_act=str(text.hidden_act), mlp_bias=False)
         gemma3 = architecture in GEMMA3_ARCHITECTURES
         image_text = architecture == "Gemma3ForConditionalGeneration"  # transformers applies no final cap there
         rope, local_rope = _gemma3_ropes(text) if gemma3 else (rope_from_hf(text), None)
@@ -140,7 +139,7 @@ class GemmaForCausalLM(CausalLM):
         }
         return model_config_from_hf(
             hf_config, architecture, hidden_act=str(text.hidden_activation), mlp_bias=False, rope=rope, qk_norm=gemma3,
-            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", True)), options=options,
+            options=options,
         )  # fmt: skip
 
     @staticmethod
@@ -171,9 +170,10 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
         (r"^model\.language_model\.", "model."),
         (r"^language_model\.lm_head\.", "lm_head."),
     )  # fmt: skip
-    IGNORED_PREFIXES = (
-        "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-    )  # fmt: skip
+    SKIPPED_TENSORS = (
+        ROTARY_CACHE,
+        (r"^(model\.)?(vision_tower|multi_modal_projector)\.", "the vision tower and projector: not ported, prompts are text"),
+    )
 
 
 def _float_or_none(value) -> float | None:

@@ -96,6 +96,7 @@ class GGUFArchitecture:
     derive: Callable[[Metadata, dict], dict] | None = None  # the fields no single key states
     tensors: tuple[TensorRule, ...] = ()
     sentencepiece_tokenizer: str | None = None  # transformers class a 'llama' (SentencePiece) vocabulary becomes
+    config_tensors: tuple[str, ...] = ()  # tensors `derive` reads into the config (no parameter reads them)
 
     def rule(self, hf_name: str) -> TensorRule | None:
         return next((r for r in self.tensors if r.matches(hf_name)), None)
@@ -298,7 +299,8 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "gemma": GGUFArchitecture("gemma", "GemmaForCausalLM", (), _gemma, GEMMA_NORMS, "GemmaTokenizer"),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", GEMMA2_KEYS, _gemma, GEMMA_NORMS, "GemmaTokenizer"),
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", GEMMA3_KEYS, _gemma, GEMMA_NORMS, "GemmaTokenizer"),
-    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", PHI3_KEYS, _phi3, PHI3_FUSED, "LlamaTokenizer"),
+    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", PHI3_KEYS, _phi3, PHI3_FUSED, "LlamaTokenizer",
+                             ("rope_factors_long.weight", "rope_factors_short.weight")),
     "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", QWEN2MOE_KEYS, _qwen2moe, QWEN2MOE_EXPERTS),
     # dense Qwen2 and Qwen3 (q/k norms): HF's own tensors, q/k rows unpermuted (the converter permutes llama's only)
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", derive=_qwen2),

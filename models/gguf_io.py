@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator
 
 import numpy as np
+from jaxpaged.models.accounting import shown
 from jaxpaged.models.gguf_archs import ARCHITECTURES, COMMON_KEYS, Metadata, rope_scaling
 from jaxpaged.utils.extras import require
 
@@ -238,23 +239,47 @@ def group_quantized(tensor, path: str):
     return GroupQuantized(pack_int4(codes, axis=1), d, _f16(blocks[..., 2:4]), 4, 32, "Q4_1")
 
 
-def gguf_tensors(reader, path: str, hf_names: list[str], hf_config, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray, str]]:
-    """HF-named tensors, one at a time: float32, or with keep_quantized, GroupQuantized where group_quantized
-    reads the type; what the converter did to a tensor undone per models/gguf_archs.py."""
+def _tensor_plan(reader, path: str, hf_names: list[str], hf_config) -> dict[str, str | None]:
+    """HF name -> the GGUF tensor it is read from; ValueError naming every GGUF tensor nothing reads (bar those the
+    architecture reads into the config) and every HF tensor the file lacks, before any is read."""
     gguf = _gguf(path)
-    from gguf.quants import dequantize
-
     arch = gguf_architecture(reader, path)
     spec = ARCHITECTURES[arch]
     arch_id = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     name_map = gguf.get_tensor_name_map(arch_id, hf_config.num_hidden_layers)
-    by_gguf_name = {t.name: t for t in reader.tensors}
+    plan = {}
     for hf_name in hf_names:
         rule = spec.rule(hf_name)
-        gguf_name = name_map.get_name(rule.gguf_side_name(hf_name) if rule else hf_name, try_suffixes=(".weight", ".bias"))
-        tensor = by_gguf_name.get(gguf_name)
-        if tensor is None:
-            continue  # reported as missing by the loader
+        plan[hf_name] = name_map.get_name(rule.gguf_side_name(hf_name) if rule else hf_name, try_suffixes=(".weight", ".bias"))
+    stored = [t.name for t in reader.tensors]
+    unknown = sorted(set(stored) - set(plan.values()) - set(spec.config_tensors))
+    missing = [f"{hf_name} ({gguf_name or 'no GGUF name'})" for hf_name, gguf_name in plan.items() if gguf_name not in stored]
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} tensor(s) that no parameter of the model reads: {shown(unknown)}")
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the model needs are missing: {shown(missing)}")
+    if problems:
+        raise ValueError(f"GGUF file {path} does not fit the {arch} architecture: {'; '.join(problems)}")
+    return plan
+
+
+def gguf_tensors(reader, path: str, hf_names: list[str], hf_config, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray, str]]:
+    """HF-named tensors, one at a time: float32, or with keep_quantized, GroupQuantized where group_quantized
+    reads the type; what the converter did to a tensor undone per models/gguf_archs.py. Every tensor of the file is
+    checked to be read first (_tensor_plan)."""
+    plan = _tensor_plan(reader, path, hf_names, hf_config)
+    return _read_tensors(reader, path, plan, hf_config, keep_quantized)
+
+
+def _read_tensors(reader, path: str, plan: dict[str, str], hf_config, keep_quantized: bool) -> Iterator[tuple[str, np.ndarray, str]]:
+    from gguf.quants import dequantize
+
+    spec = ARCHITECTURES[gguf_architecture(reader, path)]
+    by_gguf_name = {t.name: t for t in reader.tensors}
+    for hf_name, gguf_name in plan.items():
+        rule = spec.rule(hf_name)
+        tensor = by_gguf_name[gguf_name]
         undo = rule.undo if rule and rule.undo else (lambda x, _: x)
         keep = keep_quantized and len(tensor.shape) == 2 and (rule is None or rule.keep_quantized)
         kept = group_quantized(tensor, path) if keep else None

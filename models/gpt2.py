@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.accounting import CAUSAL_MASK
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -32,6 +33,7 @@ class GPT2Block(nnx.Module):
 
 
 class GPT2LMHeadModel(CausalLM):
+    SKIPPED_TENSORS = (CAUSAL_MASK,)
     BASE_PREFIX = "transformer."  # the hub's gpt2 checkpoints omit it
     CONV1D = True  # GPT-2's weights are Conv1D, [in, out]: no transpose
 
@@ -59,7 +61,6 @@ class GPT2LMHeadModel(CausalLM):
             head_dim=hidden // heads,
             hidden_act=str(hf_config.activation_function),
             position_embedding="learned", attention_bias=True, mlp_bias=True,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
             options={
                 "scale_attn_weights": bool(getattr(hf_config, "scale_attn_weights", True)),
                 "scale_attn_by_inverse_layer_idx": bool(getattr(hf_config, "scale_attn_by_inverse_layer_idx", False)),

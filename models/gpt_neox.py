@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.accounting import CAUSAL_MASK, ROTARY_CACHE
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -28,6 +29,7 @@ class GPTNeoXLayer(nnx.Module):
 
 
 class GPTNeoXForCausalLM(CausalLM):
+    SKIPPED_TENSORS = (ROTARY_CACHE, CAUSAL_MASK)
     CHECKPOINT_RENAMES = ((r"^lm_head\.", "embed_out."),)  # the hub's name; transformers 5 says lm_head
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):

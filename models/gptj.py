@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
+from jaxpaged.models.accounting import CAUSAL_MASK
 from jaxpaged.models.weights import WeightSpec, linear_specs, norm_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -24,6 +25,7 @@ class GPTJBlock(nnx.Module):
 
 
 class GPTJForCausalLM(CausalLM):
+    SKIPPED_TENSORS = (CAUSAL_MASK,)
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)

@@ -395,6 +395,8 @@ class CausalLM(nnx.Module):
     """
 
     shared = Fusible()
+    # (pattern, reason): checkpoint tensors the port knowingly does not load, logged once (models/accounting.py)
+    SKIPPED_TENSORS: tuple[tuple[str, str], ...] = ()
 
     def init_head(self, cfg: ModelConfig, features: int, dtype) -> None:
         tied, bias = cfg.tie_word_embeddings, cfg.lm_head_bias

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
+from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -46,6 +47,7 @@ class LlamaDecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    SKIPPED_TENSORS = (ROTARY_CACHE,)
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)

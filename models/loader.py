@@ -21,9 +21,12 @@ from flax import nnx
 from jaxpaged import platforms
 from jaxpaged.config import QUANTIZATION_CHOICES
 from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, safetensors_io
+from jaxpaged.models.accounting import TensorLedger
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.registry import resolve_architecture
+from jaxpaged.models.tying import COPY
+from jaxpaged.models.tying import decide as tied_head
 from jaxpaged.models.weights import load_tensors_into, param_bytes, random_tensors
 from jaxpaged.pallas_kernels import AttentionBackend
 from jaxpaged.platforms import Platform
@@ -52,6 +55,7 @@ class LoadedModel:
     dtype: str
     quantization: str | None = None  # the scheme the weights were loaded with (a GGUF's platform default resolved)
     weights_seconds: float = 0.0  # of the load, reading the weights onto the device (the rest: config, imports, tokenizer)
+    skipped_tensors: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # reason -> checkpoint names
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -71,13 +75,15 @@ def _port_config(hf_config):
     return cls, cls.config_from_hf(hf_config, arch)
 
 
-def _abstract_model(hf_config, dtype_name: str, choose_attention: Callable[[int], AttentionBackend]):
-    cls, cfg = _port_config(hf_config)
-    dtype = DTYPES[dtype_name]
+def _build(cls, cfg: ModelConfig, dtype_name: str, choose_attention: Callable[[int], AttentionBackend]):
     attention = choose_attention(cfg.head_dim)
     logger.info("attention backend: %s", attention.name)
-    model = cls(cfg, dtype=dtype, attention=attention)  # parameters are shapes until loaded
-    return cfg, model, cls.weight_specs(cfg)
+    return cls(cfg, dtype=DTYPES[dtype_name], attention=attention)  # parameters are shapes until loaded
+
+
+def _abstract_model(hf_config, dtype_name: str, choose_attention: Callable[[int], AttentionBackend]):
+    cls, cfg = _port_config(hf_config)
+    return cfg, _build(cls, cfg, dtype_name, choose_attention), cls.weight_specs(cfg)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -105,13 +111,12 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weights found in {folder}")
 
 
-def _safetensors_tensors(files: list[Path], fmt: checkpoint_quant.CheckpointFormat | None = None) -> tuple[Iterator, int]:
+def _safetensors_tensors(where: dict, fmt: checkpoint_quant.CheckpointFormat | None, ledger: TensorLedger) -> Iterator:
     """(name, array, file) triples, each array a read-only view of the file's memory map (models/safetensors_io.py);
-    `fmt` (a pre-quantized checkpoint) groups each quantized Linear's tensors."""
-    where = safetensors_io.open_files(files)
+    `fmt` (a pre-quantized checkpoint) groups each quantized Linear's tensors, telling `ledger` what it drops."""
     if fmt is not None:
-        return fmt.tensors(where, lambda name: (where[name].tensor(name), str(where[name].path))), len(where)
-    return safetensors_io.tensors_in_order(where), len(where)
+        return fmt.tensors(where, lambda name: (where[name].tensor(name), str(where[name].path)), ledger.skip)
+    return safetensors_io.tensors_in_order(where)
 
 
 def _load_tokenizer(folder: Path):
@@ -157,11 +162,17 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     if fmt is not None and quantization in ("int8", "fp8"):
         logger.info("%s is already %s-quantized: loading it as stored, not as %s", folder.name, fmt.name, quantization)
         quantization = None
-    cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
-    files = _safetensors_files(folder)
-    tensors, total = _safetensors_tensors(files, fmt)
-    weights_s = load_tensors_into(model, specs, _progress(tensors, total, "Loading weights"), DTYPES[dtype_name], quantization)
-    return model, cfg, hf_config, _load_tokenizer(folder), weights_s
+    cls, cfg = _port_config(hf_config)
+    where = safetensors_io.open_files(_safetensors_files(folder))
+    tying = tied_head(cls, cfg, list(where), lambda name: where[name].tensor(name))
+    cfg = tying.config
+    model = _build(cls, cfg, dtype_name, choose_attention)
+    ledger = TensorLedger(cls.SKIPPED_TENSORS)
+    if tying.head_is_copy:
+        ledger.explain(tying.head, COPY)
+    tensors = _progress(_safetensors_tensors(where, fmt, ledger), len(where), "Loading weights")
+    weights_s = load_tensors_into(model, tying.specs(cls.weight_specs(cfg)), tensors, DTYPES[dtype_name], quantization, ledger)
+    return model, cfg, hf_config, _load_tokenizer(folder), weights_s, ledger.closed
 
 
 def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool, quantization: str | None):
@@ -175,7 +186,7 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
         cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
         tensors = gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config, keep_quantized=True)
         weights_s = load_tensors_into(model, specs, _progress(tensors, len(specs), "Loading GGUF"), DTYPES[dtype_name], quantization)
-        return model, cfg, hf_config, tokenizer, weights_s
+        return model, cfg, hf_config, tokenizer, weights_s, {}
     t0 = time.perf_counter()
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
@@ -195,7 +206,7 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
     if use_cache:
         convert_cache.save_entry(entry, converted, hf_config, tokenizer)
         logger.info("cached the converted parameters in %s", entry)
-    return model, cfg, hf_config, tokenizer, weights_s
+    return model, cfg, hf_config, tokenizer, weights_s, {}
 
 
 def _config_json(config_file: Path):
@@ -214,7 +225,7 @@ def _load_random(config_file: Path, dtype_name: str, choose_attention, quantizat
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
     weights_s = load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization)
     folder = config_file.parent
-    return model, cfg, hf_config, _load_tokenizer(folder), weights_s
+    return model, cfg, hf_config, _load_tokenizer(folder), weights_s, {}
 
 
 def model_config(config_file: str | Path) -> ModelConfig:
@@ -280,10 +291,10 @@ def load_model(
         result = _load_random(path, dtype_name, choose_attention, quantization)
     else:
         raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
-    module, cfg, hf_config, tokenizer, weights_s = result
+    module, cfg, hf_config, tokenizer, weights_s, skipped = result
     size = param_bytes(nnx.state(module, nnx.Param))
     logger.info(
         "loaded %s (%s, %.1f MB of %s weights%s) in %.1fs", path.name, cfg.architecture, size / 1e6, dtype_name,
         f", quantization {quantization}" if quantization not in (None, "none") else "", time.perf_counter() - t0,
     )
-    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s)
+    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s, skipped)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxpaged.models.accounting import shown
 from jaxpaged.models.config import ModelConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -33,9 +34,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 _TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_PREFIX = "base_model.model."  # PEFT's tensor names: this, the base model's module name, .lora_A/B.weight
 # PEFT features that change the arithmetic beyond x @ A @ B * scaling: refused rather than silently ignored
 _UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
-                "alpha_pattern": "alpha_pattern", "fan_in_fan_out": "fan_in_fan_out"}  # fmt: skip
+                "alpha_pattern": "alpha_pattern", "fan_in_fan_out": "fan_in_fan_out",
+                "target_parameters": "target_parameters"}  # fmt: skip
 
 
 def check_architecture(cfg: ModelConfig) -> None:
@@ -129,6 +132,50 @@ def _read_tensors(folder: Path, path: str) -> dict[str, np.ndarray]:
         raise ValueError(f"lora_path {path!r}: adapter_model.safetensors cannot be read ({exc})") from None
 
 
+def _targeted(config: dict, module: str) -> bool:
+    """Whether PEFT puts a LoRA on the base model's `module` ("model.layers.0.self_attn.q_proj"), as its
+    check_target_module_exists decides from the adapter's config (so each one must have lora_A and lora_B)."""
+    exclude = config.get("exclude_modules")
+    if isinstance(exclude, str) and re.fullmatch(exclude, module):
+        return False
+    if isinstance(exclude, (list, tuple)) and (module in exclude or any(module.endswith(f".{e}") for e in exclude)):
+        return False
+    wanted = config.get("target_modules")
+    if isinstance(wanted, str):
+        return wanted.lower() == "all-linear" or re.fullmatch(wanted, module) is not None
+    if module in wanted:
+        return True
+    if not any(module.endswith(f".{t}") for t in wanted):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = config.get("layers_pattern") or [r"[^.]*"]
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    match = next((m for p in patterns if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module))), None)
+    return match is not None and int(match["idx"]) in ([layers] if isinstance(layers, int) else layers)
+
+
+def _check_tensor_names(config: dict, stored: list[str], cfg: ModelConfig, path: str) -> None:
+    """Every stored tensor is a LoRA of a supported projection, and every projection the config targets has both;
+    else one ValueError naming the tensors."""
+    if not isinstance(config.get("target_modules"), (str, list, tuple)):
+        raise ValueError(f"lora_path {path!r}: adapter_config.json names no target_modules")
+    modules = [f"model.layers.{i}.{_BLOCK[t]}.{t}" for i in range(cfg.num_layers) for t in LORA_TARGETS]
+    expected = [f"{_PREFIX}{m}.lora_{ab}.weight" for m in modules if _targeted(config, m) for ab in "AB"]
+    unknown = sorted(set(stored) - set(expected))
+    missing = sorted(set(expected) - set(stored))
+    problems = []
+    if unknown:
+        problems.append(f"adapter_model.safetensors holds {len(unknown)} tensor(s) that are not the lora_A / lora_B of a "
+                        f"q/k/v/o or gate/up/down projection its target_modules name in the {cfg.num_layers}-layer base: "
+                        f"{shown(unknown)}")  # fmt: skip
+    if missing:
+        problems.append(f"it lacks {len(missing)} tensor(s) its target_modules imply: {shown(missing)}")
+    if problems:
+        raise ValueError(f"lora_path {path!r}: {'; '.join(problems)}")
+
+
 def load_adapter(name: str, path: str, cfg: ModelConfig, targets: tuple[str, ...], max_rank: int) -> LoRAAdapter:
     """Read and check a PEFT LoRA adapter against the base model; a ValueError naming the problem otherwise."""
     check_architecture(cfg)
@@ -149,14 +196,11 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, targets: tuple[str, ...
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     shapes = target_shapes(cfg, LORA_TARGETS)
     pieces: dict[str, dict[str, np.ndarray]] = {}
-    for tensor_name, value in _read_tensors(folder, path).items():
+    tensors = _read_tensors(folder, path)
+    _check_tensor_names(config, list(tensors), cfg, path)
+    for tensor_name, value in tensors.items():
         m = _TENSOR.match(tensor_name)
-        if m is None or m.group(3) not in LORA_TARGETS or _BLOCK[m.group(3)] != m.group(2):
-            raise ValueError(f"lora_path {path!r}: unexpected tensor {tensor_name!r} (only q/k/v/o and gate/up/down "
-                             "projections' lora_A / lora_B are supported)")  # fmt: skip
         layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
-        if layer >= cfg.num_layers:
-            raise ValueError(f"lora_path {path!r}: tensor {tensor_name!r} is for layer {layer}; the base has {cfg.num_layers}")
         if module not in targets:
             raise ValueError(f"lora_path {path!r} adapts {module}, which is not in the engine's lora_target_modules "
                              f"({', '.join(targets)})")  # fmt: skip
@@ -166,8 +210,6 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, targets: tuple[str, ...
     weights = {}
     for key, ab in pieces.items():
         fan_in, fan_out = shapes[key]
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"lora_path {path!r}: {key} has lora_{''.join(ab)} but not both lora_A and lora_B")
         a, b = ab["A"], ab["B"]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise ValueError(f"lora_path {path!r}: {key}'s lora_A {a.shape} / lora_B {b.shape} do not fit the base model "

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
 from jaxpaged.models.moe import EXPERT_PROJECTIONS, MoeOptions, SparseMoeBlock, expert_kernel_name, moe_options_from_hf, regroup_expert_tensors
+from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.models.llama import attention_specs
 from jaxpaged.pallas_kernels import AttentionBackend
@@ -38,6 +39,7 @@ class MoeDecoderLayer(nnx.Module):
 
 
 class MoeForCausalLM(CausalLM):
+    SKIPPED_TENSORS = (ROTARY_CACHE,)
     attention_cls = Attention
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from jaxpaged.models.accounting import shown
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.layers import GatedMLP, Linear, _param, activation
 from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
@@ -323,5 +324,6 @@ def regroup_expert_tensors(tensors: Iterable[tuple[str, Any, str]], num_experts:
             continue
         yield name.replace(".block_sparse_moe.", ".mlp."), array, source
     if pending:
-        (layer, proj), got = next(iter(pending.items()))
-        raise ValueError(f"checkpoint has {len(got)} of {num_experts} experts for {layer}.{proj}")
+        missing = [f"{layer}.mlp.experts.{e}.{proj}.weight" for (layer, proj), got in pending.items()
+                   for e in range(num_experts) if e not in got]  # fmt: skip
+        raise ValueError(f"checkpoint lacks {len(missing)} expert tensor(s) of {num_experts}-expert layers: {shown(missing)}")

@@ -73,7 +73,6 @@ class OPTForCausalLM(CausalLM):
             hf_config, architecture, intermediate_size=int(hf_config.ffn_dim), num_kv_heads=heads,
             head_dim=hidden // heads, hidden_act=str(hf_config.activation_function), position_embedding="learned",
             attention_bias=bias, mlp_bias=bias, layer_norm_eps=1e-5,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
             options={
                 "word_embed_proj_dim": int(getattr(hf_config, "word_embed_proj_dim", None) or hidden),
                 "do_layer_norm_before": pre,

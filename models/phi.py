@@ -16,6 +16,7 @@ from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import REFERENCE_ATTENTION, MLP, Attention, CausalLM, Embedding, LayerNorm, module_list
 from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.weights import QKVSplit, WeightSpec, fused_qkv_specs, linear_specs, norm_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -82,6 +83,7 @@ class PhiDecoderLayer(nnx.Module):
 
 
 class PhiForCausalLM(CausalLM):
+    SKIPPED_TENSORS = (ROTARY_CACHE,)
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -19,13 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-logger = logging.getLogger(__name__)
-
-# Buffers some checkpoints carry that no port needs.
-IGNORED_SUFFIXES = (
-    "rotary_emb.inv_freq", "attn.masked_bias", "attn.bias", "attention.masked_bias", "attention.bias",
-)  # fmt: skip
+from jaxpaged.models.accounting import TensorLedger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +138,16 @@ def quantizable(model: nnx.Module, path: str) -> bool:
     return isinstance(module, Linear) and leaf == "kernel" and not path.startswith("lm_head") and not keep_float
 
 
-def checkpoint_name(model: nnx.Module, name: str, specs: dict[str, WeightSpec]) -> str:
+def checkpoint_name(port, name: str, specs: dict[str, WeightSpec]) -> str:
     """Map a checkpoint's spelling onto the spec's: a port's renames (Pythia's embed_out), then its base prefix.
+    port: the port's class or a model of it.
 
     Hub checkpoints of GPT-2 and BLOOM omit `transformer.`, some OPTs omit `model.`; transformers adds it back.
     """
-    for pattern, repl in getattr(type(model), "CHECKPOINT_RENAMES", ()):
+    port = port if isinstance(port, type) else type(port)
+    for pattern, repl in getattr(port, "CHECKPOINT_RENAMES", ()):
         name = re.sub(pattern, repl, name)
-    prefix = getattr(type(model), "BASE_PREFIX", "")
+    prefix = getattr(port, "BASE_PREFIX", "")
     if name not in specs and prefix and f"{prefix}{name}" in specs:
         return f"{prefix}{name}"
     return name
@@ -185,8 +180,11 @@ def load_tensors_into(
     tensors: Iterable[tuple[str, Any, str]],
     dtype,
     quantization: str | None = None,
+    ledger: TensorLedger | None = None,
 ) -> float:
-    """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor.
+    """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor, and on one
+    no parameter reads unless a rule of the port's SKIPPED_TENSORS (or the caller, in `ledger`) explains it
+    (models/accounting.py).
 
     An array may be a quantized weight (models/quantization.py: ChannelQuantized, GroupQuantized), installed as
     stored (quantization None or "gguf"); "int8"|"fp8" quantizes float Linear kernels on the host as they arrive, so
@@ -197,6 +195,8 @@ def load_tensors_into(
 
     t0 = time.perf_counter()
     filled: set[str] = set()
+    if ledger is None:
+        ledger = TensorLedger(getattr(type(model), "SKIPPED_TENSORS", ()))
     regroup = getattr(model, "regroup_tensors", None)  # a MoE port stacks per-expert tensors (models/moe.py)
     if regroup is not None:
         tensors = regroup(tensors)
@@ -204,8 +204,7 @@ def load_tensors_into(
         name = checkpoint_name(model, name, specs)
         spec = specs.get(name)
         if spec is None:
-            if not name.endswith(IGNORED_SUFFIXES) and not name.startswith(getattr(type(model), "IGNORED_PREFIXES", ())):
-                logger.warning("ignoring tensor %s from %s: the port has no place for it", name, source)
+            ledger.unused(name, source)
             continue
         if isinstance(array, (ChannelQuantized, GroupQuantized)):
             if quantization == "none":
@@ -243,10 +242,7 @@ def load_tensors_into(
             else:
                 _set(var, place(part, dtype))
         filled.add(name)
-    missing = sorted(set(specs) - filled)
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: {shown}")
+    ledger.close(set(specs) - filled, getattr(model.config, "architecture", type(model).__name__))
     jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(model)))
     return time.perf_counter() - t0
 
