@@ -62,11 +62,16 @@ class TensorLedger:
         self.named: dict[str, str] = {}  # name -> why, for tensors the loader knows it will not read
         self.skipped: dict[str, list[str]] = {}  # reason -> names
         self.unknown: list[str] = []
+        self.stand_ins: dict[str, list[str]] = {}  # a missing parameter's name -> the checkpoint tensors it lacks
         self.closed: dict[str, tuple[str, ...]] = {}  # what close() logged
 
     def explain(self, name: str, why: str) -> None:
         """`name`, should no parameter read it, is skipped for `why`."""
         self.named[name] = why
+
+    def missing_as(self, name: str, tensors: list[str]) -> None:
+        """Should `name` (a parameter's spec, e.g. stacked experts) be missing, name `tensors` instead."""
+        self.stand_ins[name] = tensors
 
     def skip(self, name: str, why: str) -> None:
         self.skipped.setdefault(why, []).append(name)
@@ -80,7 +85,7 @@ class TensorLedger:
 
     def close(self, missing: Iterable[str], model: str) -> dict[str, tuple[str, ...]]:
         """Raise naming the unknown and missing tensors; else log each skip reason once -> {reason: names}."""
-        missing = sorted(missing)
+        missing = sorted(tensor for name in missing for tensor in self.stand_ins.get(name, [name]))
         problems = []
         if self.unknown:
             problems.append(f"{len(self.unknown)} tensor(s) that no parameter of the model reads and no rule explains: "

@@ -1,7 +1,7 @@
 """Gemma, Gemma 2 and Gemma 3 (text), one port for the three, as transformers 5.24's modeling code computes them:
 
 - all: embeddings times sqrt(hidden_size) (rounded to the hidden dtype first), RMSNorm as x * (1 + w) in float32,
-  GeGLU (tanh GELU), tied LM head;
+  GeGLU (tanh GELU), an LM head tied unless the (top-level) config unties it;
 - Gemma 2 and 3: norms before and after both attention and MLP ("sandwich" norms), q.k scaled by
   query_pre_attn_scalar ** -0.5, sliding-window layers (`layer_types`) among global ones, final logit soft-cap;
   Gemma 2 also soft-caps attention scores (transformers' Gemma 3 attention never applies its config's
@@ -11,7 +11,8 @@
   global layers `rope_theta` with their scaling (linear, factor 8 on the larger models).
 
 `Gemma3ForConditionalGeneration` checkpoints load their language model only; the vision tower and projector are
-skipped (prompts are text).
+skipped (prompts are text), listed once at INFO (models/accounting.py). Its head is tied by the top-level
+`tie_word_embeddings`, as transformers reads it, not by its text_config's.
 """
 
 from __future__ import annotations

@@ -189,8 +189,8 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, targets: tuple[str, ...
     if not isinstance(alpha, (int, float)):
         raise ValueError(f"lora_path {path!r}: lora_alpha must be a number (got {alpha!r})")
     wanted = config.get("target_modules")
-    if isinstance(wanted, (list, tuple)):
-        unknown = [m for m in wanted if m not in LORA_TARGETS]
+    if isinstance(wanted, (list, tuple)):  # projection names, or module paths (PEFT writes "all-linear" so)
+        unknown = [m for m in wanted if m.rsplit(".", 1)[-1] not in LORA_TARGETS]
         if unknown:
             raise ValueError(f"lora_path {path!r}: target_modules {unknown} are not supported (only {', '.join(LORA_TARGETS)})")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

@@ -52,8 +52,8 @@ class MoeForCausalLM(CausalLM):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)
 
-    def regroup_tensors(self, tensors):
-        return regroup_expert_tensors(tensors, MoeOptions.of(self.config).num_experts)
+    def regroup_tensors(self, tensors, missing=None):
+        return regroup_expert_tensors(tensors, MoeOptions.of(self.config).num_experts, missing)
 
     @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:

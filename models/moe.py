@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -291,11 +291,15 @@ def expert_kernel_name(layer: str, projection: str) -> str:
     return f"{layer}.mlp.experts.{projection}.kernel"
 
 
-def regroup_expert_tensors(tensors: Iterable[tuple[str, Any, str]], num_experts: int) -> Iterator[tuple[str, Any, str]]:
+def regroup_expert_tensors(
+    tensors: Iterable[tuple[str, Any, str]], num_experts: int, missing: Callable[[str, list[str]], None] | None = None,
+) -> Iterator[tuple[str, Any, str]]:
     """(name, array, source) with every expert spelling stacked into expert_kernel_name's [E, in, out] tensors, and
     Mixtral's `block_sparse_moe.` read as `mlp.`; the rest passes through. A layer's experts are held on the host only
-    until its last one arrives."""
+    until its last one arrives. A stack some experts lack is not yielded: missing(its name, the lacking experts'
+    tensors) is told (the loader names them), or without `missing` it is a ValueError."""
     pending: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    spelled: dict[tuple[str, str], tuple[str, str]] = {}  # a stack's experts' names around the expert's number
     for name, array, source in tensors:
         per_expert, fused = _PER_EXPERT.match(name), _FUSED.match(name)
         if (per_expert or fused) and not isinstance(array, np.ndarray) and not hasattr(array, "__array__"):
@@ -313,17 +317,24 @@ def regroup_expert_tensors(tensors: Iterable[tuple[str, Any, str]], num_experts:
             proj = _MIXTRAL_NAMES.get(per_expert["proj"], per_expert["proj"])
             if proj not in EXPERT_PROJECTIONS:
                 raise ValueError(f"tensor {name} in {source}: unknown expert projection {per_expert['proj']!r}")
+            if int(per_expert["e"]) >= num_experts:  # an expert the config does not have: the loader names it
+                yield name, array, source
+                continue
             key = (per_expert["layer"], proj)
             experts = pending.setdefault(key, {})
+            spelled.setdefault(key, (name[: per_expert.start("e")], name[per_expert.end("e") :]))
             experts[int(per_expert["e"])] = np.asarray(array).T  # [in, out]
             if len(experts) == num_experts:
                 del pending[key]
-                if sorted(experts) != list(range(num_experts)):
-                    raise ValueError(f"experts of {key[0]}.{proj} in {source} are numbered {sorted(experts)}, expected 0..{num_experts - 1}")
                 yield expert_kernel_name(*key), np.stack([experts[i] for i in range(num_experts)]), source
             continue
         yield name.replace(".block_sparse_moe.", ".mlp."), array, source
-    if pending:
-        missing = [f"{layer}.mlp.experts.{e}.{proj}.weight" for (layer, proj), got in pending.items()
-                   for e in range(num_experts) if e not in got]  # fmt: skip
-        raise ValueError(f"checkpoint lacks {len(missing)} expert tensor(s) of {num_experts}-expert layers: {shown(missing)}")
+    lacking = {
+        expert_kernel_name(*key): [f"{spelled[key][0]}{e}{spelled[key][1]}" for e in range(num_experts) if e not in got]
+        for key, got in pending.items()
+    }
+    if lacking and missing is None:
+        names = [name for names in lacking.values() for name in names]
+        raise ValueError(f"checkpoint lacks {len(names)} expert tensor(s) of {num_experts}-expert layers: {shown(names)}")
+    for stack, names in lacking.items():
+        missing(stack, names)

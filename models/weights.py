@@ -199,7 +199,7 @@ def load_tensors_into(
         ledger = TensorLedger(getattr(type(model), "SKIPPED_TENSORS", ()))
     regroup = getattr(model, "regroup_tensors", None)  # a MoE port stacks per-expert tensors (models/moe.py)
     if regroup is not None:
-        tensors = regroup(tensors)
+        tensors = regroup(tensors, ledger.missing_as)
     for name, array, source in tensors:
         name = checkpoint_name(model, name, specs)
         spec = specs.get(name)

@@ -44,8 +44,10 @@ def _quantized(array: np.ndarray, kind: str | None):
     return data, qtype
 
 
-def write_llama_gguf(hf_model, path: Path, chat_template: str | None = None, quant: dict[str, str] | str | None = None) -> Path:
-    """quant: a GGML type name for every matrix ("Q4_0"), or {hf name substring: type}, the rest float32."""
+def write_llama_gguf(hf_model, path: Path, chat_template: str | None = None, quant: dict[str, str] | str | None = None,
+                     drop: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None) -> Path:
+    """quant: a GGML type name for every matrix ("Q4_0"), or {hf name substring: type}, the rest float32. drop: HF
+    names left out; extra: tensors added under their GGUF names (a broken file, for the loader's errors)."""
     cfg = hf_model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -78,7 +80,7 @@ def write_llama_gguf(hf_model, path: Path, chat_template: str | None = None, qua
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     for hf_name, tensor in hf_model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if (hf_name == "lm_head.weight" and cfg.tie_word_embeddings) or hf_name in drop:
             continue
         array = tensor.detach().float().numpy().copy()
         if ".self_attn.q_proj." in hf_name:
@@ -88,6 +90,8 @@ def write_llama_gguf(hf_model, path: Path, chat_template: str | None = None, qua
         kind = quant if not isinstance(quant, dict) else next((t for key, t in quant.items() if key in hf_name), None)
         data, raw_dtype = _quantized(array, kind)
         writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data, raw_dtype=raw_dtype)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

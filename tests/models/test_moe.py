@@ -4,6 +4,8 @@ and preemption, experts quantized per expert and channel. Expert parallelism: te
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,7 +174,17 @@ def test_missing_expert_is_a_clear_error(tmp_path):
     hf = _hf_model("olmoe-clip-qkv-bias")
     folder = save_hf_model(hf, tmp_path / "olmoe")
     _resave(folder, lambda t: {k: v for k, v in t.items() if "layers.1.mlp.experts.3.up_proj" not in k})
-    with pytest.raises(ValueError, match=r"lacks 1 expert tensor.*: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight$"):
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) the model needs are missing: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight$"):
+        load_model(str(folder), dtype="float32")
+
+
+def test_an_expert_the_config_lacks_is_named(tmp_path):
+    """A fifth expert for a 4-expert config is not stacked (or dropped): the loader names it."""
+    hf = _hf_model("olmoe-clip-qkv-bias")
+    folder = save_hf_model(hf, tmp_path / "olmoe")
+    extra = "model.layers.0.mlp.experts.4.up_proj.weight"
+    _resave(folder, lambda t: {**t, extra: t["model.layers.0.mlp.experts.3.up_proj.weight"]})
+    with pytest.raises(ValueError, match=rf"no rule explains: {re.escape(extra)} \(model\.safetensors\)$"):
         load_model(str(folder), dtype="float32")
 
 
