@@ -28,6 +28,11 @@ class Platform:
     background_compile: ClassVar[bool] = True  # EngineConfig.background_compile's default
     fp8_dot_operands: ClassVar[str] = "bfloat16"  # W8A8 fp8 dots: widened to bfloat16, or "float8" (fp8 units)
     gguf_quantization: ClassVar[str] = "gguf"  # a GGUF's weights stay quantized: memory is what runs out first
+    # whether a lax.cond on device data runs on the device; XLA:GPU copies the predicate to the host and waits for
+    # the stream, so there the step's executables hold no cond (worker/sampler_plans.py)
+    device_conditionals: ClassVar[bool] = True
+    # whether the KV pool, sized from free device memory, leaves room for the largest sampler's temporaries
+    reserve_step_workspace: ClassVar[bool] = False
 
     def prepare(self, config: EngineConfig) -> None:
         """Process-wide set-up when an engine starts here, before it loads anything."""
@@ -46,8 +51,10 @@ class Platform:
             raise ValueError(f"matmul_backend='native' is the packed float32 CPU matmul, and this is {self.name}")
         return "xla"
 
-    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
-        """How many KV blocks to allocate when config.num_kv_blocks does not say (block_bytes: all devices')."""
+    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int,
+                      reserved_bytes: int = 0) -> int:  # fmt: skip
+        """How many KV blocks to allocate when config.num_kv_blocks does not say (block_bytes: all devices';
+        reserved_bytes: what the step's executables need besides, on one device)."""
         raise NotImplementedError
 
     def device_memory(self, device) -> tuple[int | None, bool]:
@@ -85,11 +92,14 @@ class AcceleratorPlatform(Platform):
                 pass
         return ReferenceAttention(batch_invariant)
 
-    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
+    reserve_step_workspace = True
+
+    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int,
+                      reserved_bytes: int = 0) -> int:  # fmt: skip
         stats = jax.devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit")
         if not limit:
             raise ValueError("cannot read this device's memory size; pass num_kv_blocks explicitly")
         n = config.devices_per_replica  # a block's bytes and the weights are spread over the TP x PP devices
-        free = limit - stats.get("bytes_in_use", weight_bytes // n)
+        free = limit - stats.get("bytes_in_use", weight_bytes // n) - reserved_bytes
         return max(1, steady_block_count(int(config.kv_cache_memory_fraction * free) // (block_bytes // n)))

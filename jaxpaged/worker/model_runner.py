@@ -43,7 +43,9 @@ from jaxpaged.utils import compile_monitor
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
 from jaxpaged.worker.packing import Packed
-from jaxpaged.worker.sampler import NUM_TOP_LOGPROBS, SamplingMetadata, prompt_logprobs, sample, _blank as _blank_array
+from jaxpaged.worker.sampler import DYNAMIC, NUM_TOP_LOGPROBS, SamplerPlan, SamplingMetadata, prompt_logprobs, sample, _blank as _blank_array
+from jaxpaged.worker.sampler import build_sampling_metadata, bitmask_words
+from jaxpaged.worker.sampler_plans import SamplerPlans, sampler_name
 
 logger = logging.getLogger("jaxpaged.runner")
 # The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its three large arrays, sent apart
@@ -190,22 +192,26 @@ class ModelRunner:
             lora.attach(loaded.model, self.lora_targets)
         # hybrid models (windowed and global layers): KV cache groups, so local layers free what their window left
         self.kv_groups = self._kv_groups(config, loaded.config)
-        self._place(loaded)
-        self.lora_weights = self._lora_slots(loaded.config) if config.enable_lora else None
-        # Executables stored on disk are for one device; under TP the XLA cache alone spares compiles.
-        stored = executable_dir if self.single_device else None
-        self.executables = ExecutableCache(stored, salt=repr(self.graphdef), device=self.device)
+        self._executable_dir = executable_dir
         # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
+        # Where a lax.cond makes the host wait for the device (GPU), the step's executables hold none: prompt
+        # logprobs are their own executable, run when a row wants them, and the sampler is compiled per plan.
+        self._prompt_apart = not self.platform.device_conditionals
+        self._max_suppress = MAX_STOP_TOKEN_IDS + len(eos_token_ids)
         self._pending: dict[int, Future] = {}  # token bucket -> its executables compiling in the background
         # the buckets a step may use now: all of them, unless background_compile has some still compiling
         self.ready_buckets: list[int] = list(self.buckets)
         self.background_compile_seconds: float | None = None  # warm-up's start to the last background compile done
         self._background: ThreadPoolExecutor | None = None
-        self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
-        self.input_batch = InputBatchBuilder(self, eos_token_ids, MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self._blanks: dict[tuple, jax.Array] = {}  # (input, shape) -> a blank per-row input kept on the device
         self._blank_prompt_ids: dict[int, np.ndarray] = {}  # token bucket -> all -1
+        self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
+        self._num_dispatched = 0
+        self._place(loaded)
+        self.lora_weights = self._lora_slots(loaded.config) if config.enable_lora else None
+        self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
+        self.input_batch = InputBatchBuilder(self, eos_token_ids, self._max_suppress)
         # the "previous step's tokens" of a step that takes none; placed as the step places its own (replicated
         # under TP), so both kinds of step hit the one compiled executable
         self._no_sampled = self._put(np.zeros(config.max_num_seqs, np.int32))
@@ -216,8 +222,6 @@ class ModelRunner:
             atexit.register(self.close)
             distributed.watch(config.distributed_timeout_s, self._group_stalled)
         self._depth = 0  # device calls in progress: only the outermost is sent
-        self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
-        self._num_dispatched = 0
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -231,6 +235,22 @@ class ModelRunner:
             self.mesh = make_mesh(self.tp, self.devices)
             # KV heads may be widened to one per device, so the cache shape comes from the returned config.
             self.state, self.model_config = shard_params(self.state, self.model_config, self.mesh)
+        if self.mesh is None:
+            self.state = jax.device_put(self.state, self.device)
+            replicated, new_kv = None, None
+            self._forward = jax.jit(self._forward_impl)
+            self._prompt = jax.jit(self._prompt_impl)
+            self._samplers = self._sampler_plans({})
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from jaxpaged.models.sharding import new_kv_sharding
+
+            replicated, new_kv = NamedSharding(self.mesh, PartitionSpec()), new_kv_sharding(self.mesh)
+            # the second output: prompt logprobs, or the hidden states they are computed from apart
+            self._forward = jax.jit(self._forward_impl, out_shardings=(replicated, replicated, new_kv, replicated))
+            self._prompt = jax.jit(self._prompt_impl, out_shardings=replicated)
+            self._samplers = self._sampler_plans({"out_shardings": (replicated, replicated)})
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config
         shape = kv_cache_shape(self.kv_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
@@ -240,20 +260,6 @@ class ModelRunner:
             shape, self.kv_cache_dtype, self.platform.kv_storage_dtype(self.dtype), self.mesh, self.device,
             None if self.kv_groups is None else self.kv_groups.layer_groups,
         )
-        if self.mesh is None:
-            self.state = jax.device_put(self.state, self.device)
-            self._forward = jax.jit(self._forward_impl)
-            self._sample = jax.jit(self._sample_impl)
-        else:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            from jaxpaged.models.sharding import new_kv_sharding
-
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            self._forward = jax.jit(
-                self._forward_impl, out_shardings=(replicated, replicated, new_kv_sharding(self.mesh), replicated)
-            )
-            self._sample = jax.jit(self._sample_impl, out_shardings=(replicated, replicated))
         # fused_kv_write: the forward and the write as one executable, the cache donated to it (out: as it was placed)
         self._fused = None
         if self.config.fused_kv_write:
@@ -272,6 +278,20 @@ class ModelRunner:
     def single_device(self) -> bool:
         """Everything on one device: executables can be stored on disk and compiled in the background."""
         return self.mesh is None
+
+    @functools.cached_property
+    def executables(self) -> ExecutableCache:
+        """Executables stored on disk are for one device; under TP the XLA cache alone spares compiles. (Made on
+        first use: sizing the pool may compile the sampler before _place has finished.)"""
+        stored = self._executable_dir if self.single_device else None
+        return ExecutableCache(stored, salt=repr(self.graphdef), device=self.device)
+
+    def _sampler_plans(self, jit_kwargs: dict) -> SamplerPlans:
+        static = not self.platform.device_conditionals
+        # another plan compiles in the background on one device; a process group's members must run the same
+        # executables, so there (and under a mesh) a step that is not all-greedy runs FULL
+        background = self.single_device and not distributed.is_multiprocess()
+        return SamplerPlans(self, static=static, background=background, jit_kwargs=jit_kwargs)
 
     # -- sizing -------------------------------------------------------------------------------
 
@@ -352,8 +372,49 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         return self.platform.num_kv_blocks(
-            self.config, block_bytes=self.block_bytes, weight_bytes=weight_bytes, table_width=self.seq_blocks
+            self.config, block_bytes=self.block_bytes, weight_bytes=weight_bytes, table_width=self.seq_blocks,
+            reserved_bytes=self._workspace_bytes(),
         )
+
+    def _workspace_bytes(self) -> int:
+        """Device memory the largest sampler (and prompt-logprobs executable) takes beyond its inputs, read from the
+        compiled executables before the pool takes what is left: neither reads the pool, so they compile now and
+        warm-up keeps them. On an H100 the 256-row sampler's 5.9 GB did not fit in the 10% the pool left."""
+        if not self.platform.reserve_step_workspace or not self.single_device:
+            return 0
+        t = self.buckets[-1]
+        rows = self.bucket_for(t)[1]
+        state = jax.tree_util.tree_map(_abstract, self.state)
+        hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._sharding)
+        vocab = jax.eval_shape(lambda st, h: nnx.merge(self.graphdef, st).compute_logits(h), state, hidden).shape[-1]
+        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self._sharding)
+        sampling = build_sampling_metadata([], rows, self.history_width, self._max_suppress,
+                                           bitmask_words(self.model_config.vocab_size))  # fmt: skip
+        no_sampled = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._sharding)
+        args = (logits, *jax.tree_util.tree_map(_abstract, self._sampling_args(sampling)), no_sampled)
+        compiled = []
+        with compile_monitor.expected():  # kept for warm-up, which then compiles the rest
+            for plan in self._samplers.warm_plans:
+                name = sampler_name(plan)
+                compiled.append(self.executables.compile(name, self._samplers.jitted(plan), args))
+                self._compiled[name, rows] = compiled[-1]
+            if self._prompt_apart:
+                next_ids = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._sharding)
+                compiled.append(self.executables.compile("prompt", self._prompt, (state, hidden, next_ids)))
+                self._compiled["prompt", t] = compiled[-1]
+        need = 0
+        for executable in compiled:
+            try:
+                memory = executable.memory_analysis()
+                need = max(need, memory.temp_size_in_bytes + memory.output_size_in_bytes)
+            except Exception:  # noqa: BLE001 (a backend without memory analysis: the pool's margin must do)
+                return 0
+        logger.info("memory: %.2f GB kept for the step's largest sampler or prompt-logprobs workspace", need / 1e9)
+        return need
+
+    @property
+    def _sharding(self) -> jax.sharding.Sharding:
+        return jax.sharding.SingleDeviceSharding(self.device)
 
     # -- the jitted step ---------------------------------------------------------------------
 
@@ -366,18 +427,25 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         with self._lora_active(lora_weights, lora_slots):
             hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
+        if self._prompt_apart:  # the final hidden states in the prompt's place: _prompt_impl reads them if asked
+            return model.compute_logits(hidden[logit_rows]), hidden, new_kv, attn_metadata.slot_mapping
         return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
+
+    def _prompt_impl(self, state, hidden, prompt_next_ids):
+        """Prompt logprobs from a step's final hidden states, for a step where some row asked for them."""
+        model = nnx.merge(self.graphdef, state)
+        return prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids)
 
     def _fused_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None):
         """-> (logits, prompt logprobs, the cache with the step's K/V written): _forward_impl and the write in one."""
         logits, prompt, new_kv, slot_mapping = self._forward_impl(state, kv_cache, step, prev_sampled, lora_weights)
         return logits, prompt, self._write(kv_cache, new_kv, slot_mapping)
 
-    def _sample_impl(self, logits, packed: Packed, history, bitmask, suppress_ids, no_sampled):
+    def _sample_impl(self, logits, packed: Packed, history, bitmask, suppress_ids, no_sampled, plan: SamplerPlan = DYNAMIC):
         # no_sampled ([max_num_seqs] zeros) is an argument, not a constant, so its width is part of the signature
         # the executable cache keys on.
         sampling_metadata = dataclasses.replace(packed.unpack(), history=history, bitmask=bitmask, suppress_ids=suppress_ids)
-        out = sample(logits, sampling_metadata)
+        out = sample(logits, sampling_metadata, plan)
         sampled = jnp.zeros_like(no_sampled).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
         return out, sampled
 
@@ -399,11 +467,13 @@ class ModelRunner:
         return self.bucket_for(num_tokens)  # (its error)
 
     def finish_background_compiles(self) -> float | None:
-        """Wait for background_compile's buckets (benchmarks, tests): the seconds from warm-up to the last, or None."""
+        """Wait for background_compile's buckets and the sampler plans compiling (benchmarks, tests): the seconds from
+        warm-up to the last bucket, or None."""
         for future in list(self._pending.values()):
             future.result()
         if len(self.ready_buckets) < len(self.buckets):
             self._collect_background()
+        self._samplers.finish()
         return self.background_compile_seconds
 
     def _collect_background(self) -> None:
@@ -483,6 +553,7 @@ class ModelRunner:
         """The leader releases its followers (their follow() returns); background compiles not started are dropped."""
         if self._background is not None:
             self._background.shutdown(wait=False, cancel_futures=True)
+        self._samplers.close()
         if self.channel is not None and distributed.is_leader():
             channel, self.channel = self.channel, None
             try:
@@ -547,6 +618,10 @@ class ModelRunner:
             self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
         logits, prompt = self._forward_and_write(step, prev)
         want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
+        if want_prompt and self._prompt_apart:  # `prompt` holds the step's hidden states
+            args = (self.state, prompt, self._put(step.prompt_next_ids))
+            with self._on_mesh():
+                prompt = self._executable("prompt", self._prompt, t, args)(*args)
         dispatched = DispatchedStep(t, logits, prompt if want_prompt else None)
         if step.sampling is not None:
             self.sample(dispatched, step.sampling)
@@ -584,8 +659,9 @@ class ModelRunner:
     def _sample_now(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
         args = (dispatched.logits, *self._sampling_args(sampling), self._no_sampled)
         rows = dispatched.logits.shape[0]  # buckets with as many sampling rows share one sampler
+        plan = self._samplers.plan(sampling, suppress=not isinstance(args[4], jax.Array))  # not the kept blank
         with self._on_mesh():
-            dispatched.out, dispatched.sampled = self._executable("sample", self._sample, rows, args)(*args)
+            dispatched.out, dispatched.sampled = self._samplers.executable(rows, plan, args)(*args)
         dispatched.logits, dispatched.want_top = None, bool(sampling.want_logprobs)
 
     def _sampling_args(self, sampling: SamplingMetadata) -> tuple:
@@ -630,8 +706,10 @@ class ModelRunner:
         sampling = jax.tree_util.tree_map(_abstract, self._sampling_args(step.sampling))
 
         _, rows = self.bucket_for(t)
-        # one sampler per row count: unless compiled, or queued beside another bucket with as many sampling rows
-        with_sampler = ("sample", rows) not in self._compiled and all(self.bucket_for(p)[1] != rows for p in self._pending)
+        # one sampler per row count and warm plan: unless compiled, or queued beside another bucket with as many rows
+        plans = self._samplers.warm_plans
+        with_sampler = (sampler_name(plans[0]), rows) not in self._compiled and all(
+            self.bucket_for(p)[1] != rows for p in self._pending)  # fmt: skip
 
         def compile_all():
             with compile_monitor.expected():
@@ -643,9 +721,14 @@ class ModelRunner:
                     forward = self.executables.compile("forward", self._forward, args, store_now=False)
                     write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]), store_now=False)
                     ready = {("forward", t): forward, ("write", t): write}
-                if with_sampler:
-                    ready["sample", rows] = self.executables.compile(
-                        "sample", self._sample, (forward.out_info[0], *sampling, args[3]), store_now=False)
+                if self._prompt_apart and ("prompt", t) not in self._compiled:
+                    next_ids = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=forward.out_info[1].sharding)
+                    ready["prompt", t] = self.executables.compile("prompt", self._prompt, (args[0], forward.out_info[1], next_ids),
+                                                                  store_now=False)  # fmt: skip
+                for plan in plans if with_sampler else ():
+                    name = sampler_name(plan)
+                    ready[name, rows] = self.executables.compile(
+                        name, self._samplers.jitted(plan), (forward.out_info[0], *sampling, args[3]), store_now=False)
             return ready
 
         return compile_all
@@ -676,7 +759,7 @@ class ModelRunner:
         compiled = self._compiled.get((name, bucket))
         if compiled is None:
             t0 = time.perf_counter()
-            pending = self._pending.pop(bucket, None) if name in ("forward", "write", "step") else None
+            pending = self._pending.pop(bucket, None) if name in ("forward", "write", "step", "prompt") else None
             if pending is not None:  # prefetched: wait for the background compile
                 self._compiled.update(pending.result())
                 compiled = self._compiled[(name, bucket)]

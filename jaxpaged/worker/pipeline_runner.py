@@ -126,7 +126,7 @@ class PipelineRunner(ModelRunner):
             self._place_stage(s)
         last = self.places[-1] if self.meshes[-1] is not None else None
         self._head = jax.jit(self._head_impl, out_shardings=None if last is None else (last, last))
-        self._sample = jax.jit(self._sample_impl, out_shardings=None if last is None else (last, last))
+        self._samplers = self._sampler_plans({"out_shardings": None if last is None else (last, last)})
         self._first_no_sampled = jax.device_put(np.zeros(self.config.max_num_seqs, np.int32), self.places[0])
         jax.block_until_ready(self.kv_cache)
 

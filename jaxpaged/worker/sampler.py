@@ -3,7 +3,9 @@
 Every per-request knob arrives as an array (`SamplingMetadata`), so a batch mixing greedy,
 seeded, penalised and truncated requests runs one compiled program whatever the values; only
 the shapes (rows, history width, suppress width) pick a compile. Features no row uses are
-skipped with `lax.cond` on flags the host sets, so they cost nothing at run time.
+skipped: where a `lax.cond` runs on the device (CPU, TPU), by conds on flags the host sets (the DYNAMIC plan); where
+it makes the host wait for the device (XLA:GPU reads the predicate back), by a `SamplerPlan` the host picks for the
+step, each plan its own compiled sampler with no cond in it (docs/design.md, "No host waits inside a step").
 
 Randomness is per row: the Gumbel noise of a row comes from `fold_in(key(seed), step_index)`,
 so a seeded request draws the same tokens in any batch, at any row, and after a preemption
@@ -47,6 +49,52 @@ class SamplingMetadata:
     bitmask: jax.Array  # [S, ceil(V / 32)] i32 structured outputs: bit i of word w allows token 32 w + i; all ones when free
     any_constrained: jax.Array  # [] bool some row has a structured-outputs constraint (otherwise the mask is not read)
     draft_ids: jax.Array | None = None  # [S] i32 speculative decoding: the token each row verifies, -1 for none
+
+
+class SamplerPlan(NamedTuple):
+    """The sampler's stages a step runs: True runs a stage for every row (neutral for rows that do not use it), False
+    leaves it out, None leaves it to the device (a lax.cond on the flag the host set). Static: each plan compiles
+    its own sampler."""
+
+    constrained: bool | None = None  # a structured-outputs bitmask
+    suppress: bool | None = None  # ids min_tokens forbids
+    penalty: bool | None = None  # repetition, presence, frequency
+    random: bool | None = None  # some row samples (temperature > 0); else the greedy argmax alone
+    top: bool | None = None  # top-k / top-p / min-p
+    logprobs: bool | None = None
+    draft: bool | None = None  # some row verifies a speculative proposal
+
+    @property
+    def name(self) -> str:
+        """A short tag for the executable's name: one letter per stage, '.' when left out, '?' left to the device."""
+        return "".join("?" if v is None else (k[0] if v else ".") for k, v in zip(self._fields, self))
+
+
+DYNAMIC = SamplerPlan()  # every stage decided on the device: one sampler for every batch
+GREEDY = SamplerPlan(False, False, False, False, False, False, False)  # the argmax alone
+FULL = SamplerPlan(True, True, True, True, True, True, True)  # every stage run: right for any batch, the slowest
+
+
+def plan_for(metadata: SamplingMetadata, suppress: bool | None = None) -> SamplerPlan:
+    """The stages a step's (host-side, numpy) metadata needs, each one only if some row uses it (`suppress`: whether
+    some row has ids to suppress, when the caller has looked already)."""
+    random = bool((np.asarray(metadata.temperature) >= _GREEDY_EPS).any())
+    draft = metadata.draft_ids is not None and bool((np.asarray(metadata.draft_ids) >= 0).any())
+    if suppress is None:
+        suppress = bool((np.asarray(metadata.suppress_ids) >= 0).any())
+    return SamplerPlan(
+        constrained=bool(metadata.any_constrained), suppress=suppress,
+        penalty=bool(metadata.any_penalty), random=random, top=random and bool(metadata.any_top),
+        logprobs=bool(metadata.want_logprobs), draft=random and draft,
+    )  # fmt: skip
+
+
+def _stage(run: bool | None, predicate, stage, skip, *operands):
+    """`stage(*operands)` when the plan runs it, `skip(*operands)` when it leaves it out, a lax.cond on `predicate`
+    (a traced flag) when the plan leaves the choice to the device."""
+    if run is None:
+        return jax.lax.cond(predicate, stage, skip, *operands)
+    return (stage if run else skip)(*operands)
 
 
 @jax.tree_util.register_dataclass
@@ -198,53 +246,48 @@ def _no_logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
     return (jnp.zeros(tokens.shape, jnp.float32), *_no_top_logprobs(raw_logits))
 
 
-def sample(logits: jax.Array, attn_metadata: SamplingMetadata) -> SamplerOutput:
+def sample(logits: jax.Array, attn_metadata: SamplingMetadata, plan: SamplerPlan = DYNAMIC) -> SamplerOutput:
     """Next token of every row: grammar bitmask -> suppress -> repetition -> presence/frequency -> (greedy argmax)
     -> temperature -> top-k -> top-p -> min-p -> Gumbel-max. `logits` is [S, V] float32.
 
-    Each stage a batch does not use is skipped at run time (lax.cond), so an all-greedy batch
-    without penalties or logprobs costs one argmax over the vocabulary.
+    `plan` says which stages run (SamplerPlan); with DYNAMIC each stage a batch does not use is skipped at run time
+    (lax.cond), so an all-greedy batch without penalties or logprobs costs one argmax over the vocabulary. A stage
+    is neutral for the rows that do not use it, so any plan that runs at least the stages some row needs gives
+    the same tokens.
     """
+    md = attn_metadata
     raw = logits.astype(jnp.float32)
-    raw = jax.lax.cond(  # logprobs are of this distribution: the model's, renormalised over the allowed tokens
-        attn_metadata.any_constrained, lambda x: apply_bitmask(x, attn_metadata.bitmask), lambda x: x, raw
-    )
-    logits = raw
-    logits = jax.lax.cond(
-        jnp.any(attn_metadata.suppress_ids >= 0), lambda x: apply_suppression(x, attn_metadata.suppress_ids), lambda x: x, logits
-    )
-    logits = jax.lax.cond(attn_metadata.any_penalty, apply_penalties, lambda x, _: x, logits, attn_metadata)
+    keep = lambda x, *_: x  # noqa: E731
+    # logprobs are of this distribution: the model's, renormalised over the allowed tokens
+    raw = _stage(plan.constrained, md.any_constrained, lambda x: apply_bitmask(x, md.bitmask), keep, raw)
+    logits = _stage(plan.suppress, jnp.any(md.suppress_ids >= 0), lambda x: apply_suppression(x, md.suppress_ids), keep, raw)
+    logits = _stage(plan.penalty, md.any_penalty, apply_penalties, keep, logits, md)
     greedy_tokens = first_argmax(logits)
 
-    greedy = attn_metadata.temperature < _GREEDY_EPS
+    greedy = md.temperature < _GREEDY_EPS
 
     def processed(x: jax.Array) -> jax.Array:
-        x = x / jnp.where(greedy, 1.0, attn_metadata.temperature)[:, None]
-        return jax.lax.cond(
-            attn_metadata.any_top, lambda y: apply_top_k_top_p_min_p(y, attn_metadata.top_k, attn_metadata.top_p, attn_metadata.min_p), lambda y: y, x
-        )
+        x = x / jnp.where(greedy, 1.0, md.temperature)[:, None]
+        return _stage(plan.top, md.any_top, lambda y: apply_top_k_top_p_min_p(y, md.top_k, md.top_p, md.min_p), keep, x)
 
-    def random_tokens(x: jax.Array) -> jax.Array:
-        return _gumbel_argmax(processed(x), attn_metadata.seeds, attn_metadata.step_index)
+    def plain(x: jax.Array) -> jax.Array:
+        return _gumbel_argmax(processed(x), md.seeds, md.step_index)
 
-    if attn_metadata.draft_ids is not None:  # speculative decoding: rows with a proposal accept or reject it
+    random_tokens = plain
+    if md.draft_ids is not None:  # speculative decoding: rows with a proposal accept or reject it
         from jaxpaged.spec_decode.rejection_sampler import verify_proposals
 
-        plain = random_tokens
-
         def verify(x: jax.Array) -> jax.Array:
-            return verify_proposals(processed(x), attn_metadata.draft_ids, attn_metadata.seeds, attn_metadata.step_index)
+            return verify_proposals(processed(x), md.draft_ids, md.seeds, md.step_index)
 
-        def random_tokens(x: jax.Array) -> jax.Array:  # noqa: F811
-            return jax.lax.cond(jnp.any(attn_metadata.draft_ids >= 0), verify, plain, x)
+        def random_tokens(x: jax.Array) -> jax.Array:
+            return _stage(plan.draft, jnp.any(md.draft_ids >= 0), verify, plain, x)
 
     # An all-greedy batch (the common serving default) draws no noise at all.
-    sampled = jax.lax.cond(jnp.all(greedy), lambda x: greedy_tokens, random_tokens, logits)
+    sampled = _stage(plan.random, jnp.logical_not(jnp.all(greedy)), random_tokens, lambda x: greedy_tokens, logits)
     tokens = jnp.where(greedy, greedy_tokens, sampled)
 
-    logprobs, top_ids, top_logprobs = jax.lax.cond(
-        attn_metadata.want_logprobs, _logprob_outputs, _no_logprob_outputs, raw, tokens
-    )
+    logprobs, top_ids, top_logprobs = _stage(plan.logprobs, md.want_logprobs, _logprob_outputs, _no_logprob_outputs, raw, tokens)
     return SamplerOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
 

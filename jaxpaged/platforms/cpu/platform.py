@@ -97,7 +97,8 @@ class CpuPlatform(Platform):
     def device_memory(self, device) -> tuple[int | None, bool]:
         return available_host_memory(), True  # the host's, shared by CPU devices
 
-    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int) -> int:
+    def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int,
+                      reserved_bytes: int = 0) -> int:  # fmt: skip
         budget = KV_CACHE_BYTES
         if config.kv_cache_memory_fraction is not None:
             budget = int(config.kv_cache_memory_fraction * available_host_memory())
