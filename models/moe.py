@@ -230,6 +230,75 @@ def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: st
     return jnp.sum(y * weights.astype(x.dtype)[:, :, None], axis=1)
 
 
+def grouped_expert_mlp_static(x, ids, weights, gate, up, down, *, first_expert, act: str, num_valid=None) -> jax.Array:
+    """grouped_expert_mlp's sums with no traced trip count and no conditional: where XLA runs those by reading a
+    predicate back to the host (a GPU: a round trip per expert per layer), every expert's run is cut into m-row tiles
+    and a loop of a fixed count (ceil(T*k / m) + E, the most tiles any routing needs) runs one tile an iteration,
+    tiles past the last used one masked out."""
+    t, d = x.shape
+    k = ids.shape[1]
+    a = t * k
+    e = gate[0].shape[0]
+    m = tile_rows(a, e)
+    expert = ids.reshape(a) - first_expert
+    held = (expert >= 0) & (expert < e)
+    if num_valid is not None:
+        held = held & (jnp.arange(a, dtype=jnp.int32) // k < num_valid)
+    expert = jnp.where(held, expert, e)
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
+    starts = jnp.cumsum(counts) - counts
+    tiles = -(-counts // m)
+    tile_end = jnp.cumsum(tiles)  # tile i belongs to the first expert whose tile_end exceeds i (e: none)
+    num_tiles = -(-a // m) + e  # sum of ceil(count / m) over the experts is at most a / m + e
+    tile_expert = jnp.sum(tile_end[None, :] <= jnp.arange(num_tiles, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+    xs = jnp.concatenate([x[order // k], jnp.zeros((m, d), x.dtype)])  # m zero rows: an empty tile reads those
+    fn = activation(act)
+    arrays = (gate, up, down)
+
+    def run_tile(i, y):
+        ex = tile_expert[i]
+        live = ex < e
+        ex = jnp.minimum(ex, e - 1)
+        local = i - (tile_end[ex] - tiles[ex])  # the tile's index within its expert's run
+        at = jnp.where(live, starts[ex] + local * m, a)
+        end = jnp.where(live, starts[ex] + counts[ex], a)
+        g, u, dn = _one_expert(arrays, ex)
+        rows = jax.lax.dynamic_slice_in_dim(xs, at, m)
+        h = fn(_expert_matmul(rows, g)).astype(x.dtype) * _expert_matmul(rows, u).astype(x.dtype)
+        new = _expert_matmul(h, dn).astype(x.dtype)
+        old = jax.lax.dynamic_slice_in_dim(y, at, m)
+        keep = (at + jnp.arange(m))[:, None] < end
+        return jax.lax.dynamic_update_slice_in_dim(y, jnp.where(keep, new, old), at, 0)
+
+    y = jax.lax.fori_loop(0, num_tiles, run_tile, jnp.zeros_like(xs))[:a]
+    y = jnp.zeros((a, d), y.dtype).at[order].set(y).reshape(t, k, d)
+    return jnp.sum(y * weights.astype(x.dtype)[:, :, None], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLoop:
+    """How a MoE layer loops over its experts: over the experts in use, each run's tiles (grouped_expert_mlp); a
+    platform whose device cannot branch without the host swaps in StaticExpertTiles (prepare_model)."""
+
+    def __call__(self, *args, **kwargs) -> jax.Array:
+        return grouped_expert_mlp(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticExpertTiles(ExpertLoop):
+    def __call__(self, *args, **kwargs) -> jax.Array:
+        return grouped_expert_mlp_static(*args, **kwargs)
+
+
+def use_static_expert_tiles(model: nnx.Module) -> int:
+    """Every MoE layer of `model` loops over a fixed count of tiles (a GPU: no traced trip count); how many."""
+    blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.expert_loop = StaticExpertTiles()
+    return len(blocks)
+
+
 class SparseMoeBlock(nnx.Module):
     """Router `gate`, `experts`, and Qwen2-MoE's `shared_expert` with its sigmoid `shared_expert_gate`."""
 
@@ -246,6 +315,7 @@ class SparseMoeBlock(nnx.Module):
             self.shared_expert = self.shared_expert_gate = None
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
+        self.expert_loop = ExpertLoop()
 
     def __call__(self, x: jax.Array, num_valid=None) -> jax.Array:
         """num_valid: the step's real token count (rows past it are bucket padding and go to no expert)."""
@@ -259,8 +329,9 @@ class SparseMoeBlock(nnx.Module):
         ex = self.experts
         projections = tuple(getattr(ex, p).arrays() for p in EXPERT_PROJECTIONS)
         n = tp_size()
+        loop = self.expert_loop
         if n == 1:
-            return grouped_expert_mlp(x, ids, weights, *projections, first_expert=0, act=ex.act, num_valid=num_valid)
+            return loop(x, ids, weights, *projections, first_expert=0, act=ex.act, num_valid=num_valid)
         num_experts = projections[0][0].shape[0]
         ep = expert_parallel(num_experts, n)
         specs = tuple(
@@ -272,7 +343,7 @@ class SparseMoeBlock(nnx.Module):
 
         def local(x, ids, weights, valid, gate, up, down):
             first = jax.lax.axis_index(TP_AXIS) * gate[0].shape[0] if ep else 0
-            y = grouped_expert_mlp(x, ids, weights, gate, up, down, first_expert=first, act=ex.act, num_valid=valid)
+            y = loop(x, ids, weights, gate, up, down, first_expert=first, act=ex.act, num_valid=valid)
             return jax.lax.psum(y, TP_AXIS)
 
         mapped = jax.shard_map(local, in_specs=(P(), P(), P(), P(), *specs), out_specs=P(), check_vma=False)

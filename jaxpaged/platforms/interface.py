@@ -49,6 +49,10 @@ class Platform:
         """Lay the loaded weights out, in place, for this device's matmuls; the matmul path taken."""
         if matmul_backend == "native":
             raise ValueError(f"matmul_backend='native' is the packed float32 CPU matmul, and this is {self.name}")
+        if not self.device_conditionals:  # a MoE's loop over the experts in use would read its count back each layer
+            from jaxpaged.models.moe import use_static_expert_tiles
+
+            use_static_expert_tiles(model)
         return "xla"
 
     def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int,

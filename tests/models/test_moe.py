@@ -4,6 +4,7 @@ and preemption, experts quantized per expert and channel. Expert parallelism: te
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -93,15 +94,17 @@ def test_logits_and_greedy_match_transformers(family):
 # -- the grouped matmul ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["experts-in-use", "static-tiles"])
 @pytest.mark.parametrize(
     "tokens,experts,top_k,first,held,valid",
     [(1, 8, 2, 0, 8, None), (37, 8, 2, 0, 8, None), (64, 4, 3, 0, 4, None), (37, 8, 2, 4, 4, None), (37, 8, 2, 0, 8, 5),
      (300, 4, 2, 0, 4, None)],  # the last: full 128-row tiles and every tail size
 )
-def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, first, held, valid):
+def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, first, held, valid, static):
     """Every (token, expert) pair computed once, whatever the routing; experts not held here add nothing; rows past
-    num_valid (bucket padding) go to no expert: zero output, real rows unchanged."""
-    from jaxpaged.models.moe import grouped_expert_mlp, route
+    num_valid (bucket padding) go to no expert: zero output, real rows unchanged. The same for the GPU's loop of a
+    fixed count of tiles."""
+    from jaxpaged.models.moe import grouped_expert_mlp, grouped_expert_mlp_static, route
 
     rng = np.random.default_rng(tokens + experts)
     d, f = 16, 24
@@ -109,7 +112,7 @@ def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, fi
     gate, up = (rng.standard_normal((held, d, f), dtype=np.float32) * 0.3 for _ in range(2))
     down = rng.standard_normal((held, f, d), dtype=np.float32) * 0.3
     weights, ids = route(jnp.asarray(rng.standard_normal((tokens, experts), dtype=np.float32)), top_k, True)
-    mlp = jax.jit(grouped_expert_mlp, static_argnames=("first_expert", "act"))
+    mlp = jax.jit(grouped_expert_mlp_static if static else grouped_expert_mlp, static_argnames=("first_expert", "act"))
     num_valid = None if valid is None else jnp.int32(valid)
     got = mlp(jnp.asarray(x), ids, weights, (gate,), (up,), (down,), first_expert=first, act="silu", num_valid=num_valid)
     want, ids_np, weights_np = np.zeros_like(x), np.asarray(ids), np.asarray(weights)
@@ -121,6 +124,40 @@ def test_grouped_expert_mlp_equals_a_loop_over_tokens(tokens, experts, top_k, fi
                 h = g / (1 + np.exp(-g)) * (x[t] @ up[e])
                 want[t] += weights_np[t, slot] * (h @ down[e])
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_static_tiles_hold_no_traced_trip_count_or_conditional():
+    """All 48 assignments routed to one expert (the most tiles one expert can need) or spread: right either way, and
+    the program's only loops have a fixed count (scans) and it has no conditional, so a GPU never reads a count or a
+    predicate back."""
+    from jaxpaged.models.moe import grouped_expert_mlp, grouped_expert_mlp_static
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((24, 16), dtype=np.float32))
+    kernels = [(jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.3),) for s in ((8, 16, 24), (8, 16, 24), (8, 24, 16))]
+    weights = jnp.full((24, 2), 0.5, jnp.float32)
+    static = jax.jit(grouped_expert_mlp_static, static_argnames=("first_expert", "act"))
+    for ids in (jnp.full((24, 2), 5, jnp.int32), jnp.asarray(rng.integers(0, 8, (24, 2)), jnp.int32)):
+        want = grouped_expert_mlp(x, ids, weights, *kernels, first_expert=0, act="silu")
+        np.testing.assert_allclose(static(x, ids, weights, *kernels, first_expert=0, act="silu"), want, atol=1e-5, rtol=1e-5)
+    jaxpr = str(jax.make_jaxpr(functools.partial(grouped_expert_mlp_static, first_expert=0, act="silu"))(x, ids, weights, *kernels))
+    assert "scan[" in jaxpr and "while[" not in jaxpr and "cond[" not in jaxpr  # a scan: XLA's loop of a known count
+
+
+def test_a_gpu_platform_gives_moe_layers_the_static_tiles_and_transformers_tokens(saved, tmp_path):
+    from flax import nnx
+
+    from jaxpaged.models.moe import SparseMoeBlock, StaticExpertTiles
+    from jaxpaged.platforms.gpu import GpuPlatform
+
+    case, hf, folder = saved("qwen2moe-shared-dense-layer0")
+    loaded = load_model(str(folder), dtype="float32")
+    GpuPlatform().prepare_model(loaded.model, "auto", dtype="float32", tensor_parallel_size=1)
+    blocks = [m for _, m in nnx.iter_modules(loaded.model) if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(isinstance(b.expert_loop, StaticExpertTiles) for b in blocks)
+    prompts = random_prompts(VOCAB, [9, 33], seed=8)
+    greedy = StaticBatchRunner(loaded, block_size=8).generate(prompts, 12)
+    assert greedy == [hf_greedy(hf, p, 12) for p in prompts]
 
 
 # -- checkpoint spellings --------------------------------------------------------------------------
