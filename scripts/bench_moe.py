@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=None, help="greedy tokens per request (default: 256; 1 with --prefill)")  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="EngineConfig.max_num_batched_tokens of both "
                    "sides (default: the engine's)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", help="both sides' weights and compute (default: float32)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="each side's KV pool (both are held at once: on a "
+                   "GPU each would otherwise size its pool from the free memory; default: the engine's)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="times each (side, batch size) runs, sides alternating (default: 3)")
     p.add_argument("--matmul-backend", default="auto", help="EngineConfig.matmul_backend of both sides (default: auto)")
     p.add_argument("--settle-s", type=float, default=30.0, help="wait up to this long for the load to drop before each run")
@@ -127,7 +130,9 @@ def make_llm(path: Path, args):
     extra = {"enable_prefix_caching": False} if args.prefill else {}  # every round's prompts are the same
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
-    return LLM(str(path), dtype="float32", max_num_seqs=max(args.batch_sizes), matmul_backend=args.matmul_backend,
+    if args.num_kv_blocks:
+        extra["num_kv_blocks"] = args.num_kv_blocks
+    return LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.batch_sizes), matmul_backend=args.matmul_backend,
                max_model_len=args.prompt_len + args.output_tokens + 16, log_level="WARNING", **extra)  # fmt: skip
 
 

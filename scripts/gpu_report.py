@@ -14,7 +14,8 @@ shape written once by transformers' save_pretrained, so every engine reads the s
 Stages run as child processes (each with the device to itself), in order of value: weights, cold (start-up with an
 empty executable cache, first token, the workload, the profile), probe (scripts/dispatch_probe.py: the decode step
 dispatched as the engine does, forward alone, write alone, and fused; which call makes the host wait), attention
-(bench_attention.py's goal cases), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off),
+(bench_attention.py's goal cases), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off), moe
+(a MoE of Qwen3-30B-A3B's layer shape beside the dense model of its active parameters),
 warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
 --with-hf). A stage that would not fit in what is left of the budget is dropped and named; a child writes its
 results as it goes, and the report is rewritten after every stage, so a run cut short keeps what it measured.
@@ -41,7 +42,7 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "attention": (30, 120),
+STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "attention": (30, 120),
           "warm": (30, 90), "hf_cb": (120, 300)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
 # stage -> its child's environment from the parent's
@@ -353,6 +354,27 @@ def stage_gemm(args, out: Partial) -> None:
         out["gemm"] = {**out.data["gemm"], "shapes": rows, "torch": torch.__version__}
 
 
+def stage_moe(args, out: Partial) -> None:
+    """Issue 44 step 5: a MoE with Qwen3-30B-A3B's layer shape (hidden 2048, 32 heads over 4 KV heads of 128, 128
+    experts of 768, top 8, its 151,936-token vocabulary), 6 of its 48 layers, random bf16 weights, beside the dense
+    model of equal active parameters (scripts/bench_moe.py), batch 1 and 64."""
+    import bench_moe
+
+    tiny = args.tiny
+    argv = ["--dtype", "float32" if tiny else args.dtype, "--rounds", "1", "--settle-s", "0",
+            "--json", str(Path(args.work) / "moe.json")]  # fmt: skip
+    if not tiny:
+        argv += ["--hidden", "2048", "--layers", "6", "--heads", "32", "--kv-heads", "4", "--head-dim", "128",
+                 "--experts", "128", "--top-k", "8", "--expert-size", "768", "--vocab", "151936",
+                 "--batch-sizes", "1,64", "--prompt-len", "128", "--output-tokens", "128", "--num-kv-blocks", "8192"]  # fmt: skip
+    else:
+        argv += ["--hidden", "64", "--layers", "2", "--experts", "4", "--expert-size", "32", "--vocab", "512",
+                 "--batch-sizes", "2", "--prompt-len", "8", "--output-tokens", "8", "--num-kv-blocks", "256"]  # fmt: skip
+    bench_moe.main(argv)
+    report = json.loads((Path(args.work) / "moe.json").read_text())
+    out["moe"] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device")}
+
+
 stage_gemm_cublas = stage_gemm  # the same, run with XLA's Triton GEMMs off (cuBLAS for every dot): see main()
 
 
@@ -493,7 +515,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--stage", stage, "--result", str(result), "--model-dir", str(model_dir),
                "--work", str(work), "--config", args.config, "--dtype", args.dtype, "--num-requests", str(args.num_requests),
                "--lo", str(args.lo), "--hi", str(args.hi), "--profile-rows", str(args.profile_rows),
-               "--profile-steps", str(args.profile_steps), "--engine-args", args.engine_args]  # fmt: skip
+               "--profile-steps", str(args.profile_steps), "--engine-args", args.engine_args] + ["--tiny"] * args.tiny  # fmt: skip
         print(f"== {stage} (at most {min(most, left):.0f} s)", flush=True)
         t0 = time.monotonic()
         load_before = os.getloadavg()
@@ -586,6 +608,11 @@ def summary_table(report: dict) -> str:
                      f"({gemm['copy_gbs']:.0f} GB/s), jax [K,N] / jax [N,K] / torch: " + ", ".join(
                      f"{k} {_f(r.get('jax_kn_of_copy'), '{:.0%}')}/{_f(r.get('jax_nk_of_copy'), '{:.0%}')}/"
                      f"{_f(r.get('torch_of_copy'), '{:.0%}')}" for k, r in gemm["shapes"].items()))
+    moe = st.get("moe", {}).get("moe")
+    if moe:
+        for row in moe["summary"]:
+            lines.append(f"MoE at batch {row['batch']}: {row['moe']['tok_s']:.0f} tok/s against the dense model's "
+                         f"{row['dense']['tok_s']:.0f} (x{row['moe_over_dense_tok_s']:.2f}); step {row['moe']['step_ms']:.1f} ms")
     att = st.get("attention", {}).get("attention")
     if att:
         for g in att["goals"]:
