@@ -51,3 +51,25 @@ def test_the_step_exports_with_one_compiled_kernel_per_bucket(model_dir, platfor
         assert kernel_calls(module, targets), f"bucket {bucket}: no compiled kernel in the step"
         # one kernel, called by every layer: the layer index is an operand, not part of the kernel
         assert len(kernel_bodies(module, targets)) == 1, f"bucket {bucket}: a kernel per layer"
+
+
+def test_a_gpu_step_holds_no_conditional(model_dir):
+    """XLA:GPU runs a conditional by reading its predicate back to the host (docs/design.md, "No host waits inside
+    a step"): the forward, the prompt-logprobs step and the warm samplers the GPU platform configures, exported for
+    cuda, hold none."""
+    runner = _runner(model_dir, "gpu")
+    for bucket, module in _exported_steps(runner, "cuda"):
+        assert "stablehlo.case" not in module and "stablehlo.if" not in module, f"bucket {bucket}"
+    step = runner.input_batch.blank(runner.buckets[-1])
+    forward_args = jax.tree_util.tree_map(_abstract, runner._forward_args(step, None))
+    hidden = jax.eval_shape(runner._forward, *forward_args)[1]
+    prompt = (forward_args[0], hidden, jax.ShapeDtypeStruct(hidden.shape[:1], "int32"))
+    sampling = jax.tree_util.tree_map(_abstract, runner._sampling_args(step.sampling))
+    logits = jax.eval_shape(runner._forward, *forward_args)[0]
+    calls = [(runner._prompt, prompt)] + [
+        (runner._samplers.jitted(plan), (logits, *sampling, _abstract(runner._no_sampled))) for plan in runner._samplers.warm_plans
+    ]
+    for jitted, args in calls:
+        with lowering_for("cuda"):
+            module = export.export(jitted, platforms=["cuda"], **export_checks("cuda"))(*args).mlir_module()
+        assert "stablehlo.case" not in module and "stablehlo.if" not in module
