@@ -27,8 +27,8 @@ def shown(names: list[str]) -> str:
 
 
 def compact(names: Iterable[str]) -> str:
-    """Names with their numbered parts folded: `layers.{0-26}.mlp.fc1.weight` for 27 names (a summary of the
-    numbers each position takes, with the count of names before it)."""
+    """Names with their numbered parts folded, `layers.{0-26}.mlp.fc1.weight` for 27 names: names alike but for
+    their numbers become one, each number's place showing the values it takes among them."""
     groups: dict[str, list[tuple[int, ...]]] = {}
     for name in names:
         key = re.sub(r"(?<=\.)\d+(?=\.)", "#", name)

@@ -251,8 +251,8 @@ def _tensor_plan(reader, path: str, hf_names: list[str], hf_config) -> dict[str,
     for hf_name in hf_names:
         rule = spec.rule(hf_name)
         plan[hf_name] = name_map.get_name(rule.gguf_side_name(hf_name) if rule else hf_name, try_suffixes=(".weight", ".bias"))
-    stored = [t.name for t in reader.tensors]
-    unknown = sorted(set(stored) - set(plan.values()) - set(spec.config_tensors))
+    stored = {t.name for t in reader.tensors}
+    unknown = sorted(stored - set(plan.values()) - set(spec.config_tensors))
     missing = [f"{hf_name} ({gguf_name or 'no GGUF name'})" for hf_name, gguf_name in plan.items() if gguf_name not in stored]
     problems = []
     if unknown:
