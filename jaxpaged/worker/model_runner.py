@@ -833,12 +833,16 @@ class ModelRunner:
         # one; on 2 cores two threads measured no faster than one)
         workers = min(len(self.buckets), (os.cpu_count() or 2) // 2, 8)
         background = self.config.background_compile and self.single_device and self.channel is None and len(self.buckets) > 1
-        if background:  # the largest bucket first (it takes any step), then the decode sizes, largest first
+        if background:  # the largest bucket alone (it takes any step), then the decode sizes, largest first
             self._background = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="jaxpaged-compile")
-            for t in sorted(self.buckets, key=lambda b: (b != self.buckets[-1], b > self.config.max_num_seqs, -b)):
+            largest = self.buckets[-1]
+            self.prefetch(largest)
+            # the others start once it is in: compiled beside it, they held up serving (the H100's warm-up took 36 s
+            # to its first bucket with seven compiling alongside)
+            self._compiled.update(self._pending.pop(largest).result())
+            self.ready_buckets = [largest]
+            for t in sorted(self.buckets[:-1], key=lambda b: (b > self.config.max_num_seqs, -b)):
                 self.prefetch(t)
-            self.ready_buckets = [self.buckets[-1]]
-            self._compiled.update(self._pending.pop(self.buckets[-1]).result())
         elif self.single_device:  # every bucket compiled (and stored) before any runs: see _quiesce
             # one worker: on this thread (XLA:CPU crashed now and then compiling or serializing on a compile thread
             # in long test processes, never here); more: side by side on a pool
