@@ -88,6 +88,9 @@ class LLMEngine:
         compile_monitor.install()
         self.config = config
         _enable_compilation_cache(config)
+        t0 = time.perf_counter()
+        jax.devices()  # the backend's start (on a GPU, its libraries and context: seconds), timed apart from loading
+        backend_seconds = time.perf_counter() - t0
         platform = platforms.get(config.platform)
         platform.prepare(config)
         t0 = time.perf_counter()
@@ -145,7 +148,7 @@ class LLMEngine:
         if draft is not None:
             self.warmup_seconds += draft.warmup()
         self.startup_seconds = {
-            "load": load_seconds, "weights": self.loaded.weights_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds,
+            "backend": backend_seconds, "load": load_seconds, "weights": self.loaded.weights_seconds, **self.runner.startup_seconds, "warmup": self.warmup_seconds,
         }  # "weights" is the part of "load" spent reading the weights onto the device
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
