@@ -2,6 +2,7 @@
 back to back in four ways, timing the host's calls and the whole run.
 
 - `engine`: the forward, then the KV write that donates the cache the forward just read (what the engine does);
+- `engine_sampled`: the same, then the sampler the engine would pick for the step (a greedy decode);
 - `forward`: the forward alone, the cache not donated;
 - `write`: the donated write alone;
 - `fused`: one executable that attends, writes and returns the cache, donated (its temporaries are recorded: on
@@ -104,6 +105,25 @@ def probe(runner, rows: int, ctx: int, steps: int) -> dict:
 
     results["write"] = _timed(write_only, steps, sync)
 
+    # the whole dispatch as the engine queues a greedy decode step: forward, write, then the sampler on its logits
+    sampling_args = runner._sampling_args(step.sampling)
+    plan = runner._samplers.plan(step.sampling, suppress=False)
+    first = forward(state, runner.kv_cache, packed, prev)
+    sampler = runner._samplers.executable(first[0].shape[0], plan, (first[0], *sampling_args, runner._no_sampled))
+    calls = {"forward": [], "write": [], "sample": []}
+
+    def with_sampler():
+        t0 = time.perf_counter()
+        out = forward(state, runner.kv_cache, packed, prev)
+        t1 = time.perf_counter()
+        runner.kv_cache = write(runner.kv_cache, out[2], out[3])
+        t2 = time.perf_counter()
+        sampler(out[0], *sampling_args, runner._no_sampled)
+        calls["forward"].append(t1 - t0), calls["write"].append(t2 - t1), calls["sample"].append(time.perf_counter() - t2)
+
+    results["engine_sampled"] = _timed(with_sampler, steps, sync)
+    results["engine_sampled"].update({f"{k}_call_host_ms": 1e3 * statistics.mean(v[2:]) for k, v in calls.items()})
+
     def fused_impl(state, kv_cache, packed, prev):
         logits, prompt, kv, slot_mapping = runner._forward_impl(state, kv_cache, packed, prev)
         return logits, write_kv(kv_cache, kv, slot_mapping)
@@ -143,7 +163,7 @@ def table(report: dict) -> str:
     lines = [f"dispatch probe: {report['rows']} decode rows at context {report['ctx']}, {report['steps']} steps, "
              f"{report['device']} ({report['backend']})", "| variant | host ms/step | wall ms/step | host / wall |",
              "| --- | --- | --- | --- |"]  # fmt: skip
-    for name in ("engine", "forward", "write", "fused", "fused_barrier"):
+    for name in ("engine", "engine_sampled", "forward", "write", "fused", "fused_barrier"):
         v = report["variants"].get(name)
         if v:
             lines.append(f"| {name} | {v['host_ms_per_step']:.3f} | {v['wall_ms_per_step']:.3f} | {v['host_share_of_wall']:.0%} |")
@@ -151,6 +171,10 @@ def table(report: dict) -> str:
     if "forward_call_host_ms" in v.get("engine", {}):
         lines.append(f"engine's calls, host ms: forward {v['engine']['forward_call_host_ms']:.3f}, "
                      f"write {v['engine']['write_call_host_ms']:.3f}")
+    if "sample_call_host_ms" in v.get("engine_sampled", {}):
+        e = v["engine_sampled"]
+        lines.append(f"with the sampler, host ms: forward {e['forward_call_host_ms']:.3f}, write {e['write_call_host_ms']:.3f}, "
+                     f"sample {e['sample_call_host_ms']:.3f}")
     for name in ("fused", "fused_barrier"):
         if v.get(f"{name}_temp_bytes") is not None:
             lines.append(f"{name} temporaries {v[f'{name}_temp_bytes'] / 1e6:.1f} MB against a {v['cache_bytes'] / 1e6:.1f} MB cache")
