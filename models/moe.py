@@ -195,6 +195,20 @@ def _expert_rows(xs, y, start, count, kernels, m: int, act: str):
     return y
 
 
+def _sorted_by_expert(ids, e: int, first_expert, num_valid) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The T*k assignments' order sorted by expert (those held elsewhere, or padding past num_valid, last), and each
+    held expert's count and start in that order."""
+    a, k = ids.size, ids.shape[1]
+    expert = ids.reshape(a) - first_expert
+    held = (expert >= 0) & (expert < e)
+    if num_valid is not None:
+        held = held & (jnp.arange(a, dtype=jnp.int32) // k < num_valid)
+    expert = jnp.where(held, expert, e)  # e: held elsewhere (or padding), sorted last, never run
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
+    return order, counts, jnp.cumsum(counts) - counts
+
+
 def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: str, num_valid=None) -> jax.Array:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over the experts held here (ids first_expert.. + E_local);
     assignments to other experts add nothing. gate/up/down: (kernel [E_local, in, out], optional scale [E_local, out]).
@@ -203,18 +217,9 @@ def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: st
     use slices each one's kernels once and runs its rows (_expert_rows), so the cost follows the rows routed here,
     not a static bound, and a tile never copies a kernel."""
     t, d = x.shape
-    k = ids.shape[1]
-    a = t * k
-    e = gate[0].shape[0]
-    m = tile_rows(a, e)
-    expert = ids.reshape(a) - first_expert
-    held = (expert >= 0) & (expert < e)
-    if num_valid is not None:
-        held = held & (jnp.arange(a, dtype=jnp.int32) // k < num_valid)
-    expert = jnp.where(held, expert, e)  # e: held elsewhere (or padding), sorted last, never run
-    order = jnp.argsort(expert, stable=True)
-    counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
-    starts = jnp.cumsum(counts) - counts
+    k, e = ids.shape[1], gate[0].shape[0]
+    a, m = t * k, tile_rows(t * k, e)
+    order, counts, starts = _sorted_by_expert(ids, e, first_expert, num_valid)
     used = jnp.nonzero(counts, size=e, fill_value=0)[0].astype(jnp.int32)
     # m rows past the end: a tile that overruns its expert's run (masked, or the next expert's) stays in range
     xs = jnp.concatenate([x[order // k], jnp.zeros((m, d), x.dtype)])
@@ -236,18 +241,9 @@ def grouped_expert_mlp_static(x, ids, weights, gate, up, down, *, first_expert, 
     and a loop of a fixed count (ceil(T*k / m) + E, the most tiles any routing needs) runs one tile an iteration,
     tiles past the last used one masked out."""
     t, d = x.shape
-    k = ids.shape[1]
-    a = t * k
-    e = gate[0].shape[0]
-    m = tile_rows(a, e)
-    expert = ids.reshape(a) - first_expert
-    held = (expert >= 0) & (expert < e)
-    if num_valid is not None:
-        held = held & (jnp.arange(a, dtype=jnp.int32) // k < num_valid)
-    expert = jnp.where(held, expert, e)
-    order = jnp.argsort(expert, stable=True)
-    counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
-    starts = jnp.cumsum(counts) - counts
+    k, e = ids.shape[1], gate[0].shape[0]
+    a, m = t * k, tile_rows(t * k, e)
+    order, counts, starts = _sorted_by_expert(ids, e, first_expert, num_valid)
     tiles = -(-counts // m)
     tile_end = jnp.cumsum(tiles)  # tile i belongs to the first expert whose tile_end exceeds i (e: none)
     num_tiles = -(-a // m) + e  # sum of ceil(count / m) over the experts is at most a / m + e
