@@ -65,6 +65,9 @@ class ModelConfig:
     rotary_dim: int | None = None  # partial rotary: rotate only the first rotary_dim of head_dim
     rope_interleaved: bool = False  # GPT-J: rotate (even, odd) pairs rather than the two halves
     lm_head_bias: bool = False
+    # hybrid models (models/hybrid.py): the layers that keep K/V, their attention layers (the others keep a state per
+    # sequence, or nothing); None: every layer
+    kv_layers: tuple[int, ...] | None = None
     options: tuple[tuple[str, Any], ...] = ()  # family-specific knobs, see option()
 
     def option(self, name: str, default=None):
@@ -72,6 +75,11 @@ class ModelConfig:
 
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the paged cache holds: every layer, or a hybrid model's attention layers."""
+        return self.num_layers if self.kv_layers is None else len(self.kv_layers)
 
     @property
     def out_bias(self) -> bool:

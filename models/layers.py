@@ -304,6 +304,7 @@ ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
     "bloom_gelu": bloom_gelu,
     "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Nemotron-H's MLP
 }
 
 

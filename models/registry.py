@@ -11,9 +11,11 @@ from jaxpaged.models.gptj import GPTJForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.mixtral import MoeForCausalLM
 from jaxpaged.models.mpt import MptForCausalLM
+from jaxpaged.models.nemotron_h import NemotronHForCausalLM
 from jaxpaged.models.olmoe import OlmoeForCausalLM
 from jaxpaged.models.opt import OPTForCausalLM
 from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
+from jaxpaged.models.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -38,6 +40,13 @@ MODEL_REGISTRY = {
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model only
+    # hybrids: linear layers keep a state per sequence beside the paged KV (models/hybrid.py)
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Gated DeltaNet + gated attention, MoE with a shared expert
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,  # the same layers, dense MLP, q/k/v and z apart
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,  # + MoE with a shared expert
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # its language model only
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "NemotronHForCausalLM": NemotronHForCausalLM,  # Mamba-2, attention and MLP blocks
 }
 
 # Families vLLM serves whose transformers code lives on the hub (trust_remote_code); jaxpaged never runs it.
@@ -96,4 +105,10 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "nemotron_h": "NemotronHForCausalLM",
 }

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged.pallas_kernels.backends import AttentionBackend
 from jaxpaged.pallas_kernels.kv_quant import QuantizedKV, quantize_kv
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
+from jaxpaged.pallas_kernels.state_cache import HybridCache, write_states
 
 TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 
@@ -23,7 +24,10 @@ TP_AXIS = "model"  # the mesh axis tensor parallelism splits heads over
 def write_kv(kv_cache, new_kv: jax.Array, slot_mapping: jax.Array, layer_groups: tuple[tuple[int, int], ...] | None = None):
     """Scatter new_kv [T, L, 2, H_kv, D] into each token's slot; rows with slot -1 are dropped. A QuantizedKV
     gets each token's 8-bit values and its scale per layer, K/V and head. With KV cache groups (layer_groups: each
-    layer's (group, index)), slot_mapping is [G, T] and each group's layers go through its own slots."""
+    layer's (group, index)), slot_mapping is [G, T] and each group's layers go through its own slots. A hybrid model's
+    HybridCache takes a StateUpdate: its attention layers' K/V so, and each row's new states into its slot."""
+    if isinstance(kv_cache, HybridCache):
+        return write_states(kv_cache, new_kv, lambda kv, new: write_kv(kv, new, slot_mapping, layer_groups))
     if layer_groups is not None:
         for group in range(slot_mapping.shape[0]):
             layers = sorted((index, layer) for layer, (g, index) in enumerate(layer_groups) if g == group)
@@ -45,7 +49,9 @@ def write_kv(kv_cache, new_kv: jax.Array, slot_mapping: jax.Array, layer_groups:
 
 def copy_blocks(kv_cache, src: jax.Array, dst: jax.Array):
     """Copy whole blocks (every layer, K and V; a QuantizedKV's scales with them) src[i] -> dst[i]; pairs with
-    dst out of range are dropped."""
+    dst out of range are dropped. (A HybridCache's states are slots, not blocks: copy_states copies those.)"""
+    if isinstance(kv_cache, HybridCache):
+        return HybridCache(copy_blocks(kv_cache.kv, src, dst), kv_cache.states)
     return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src], mode="drop"), kv_cache)
 
 

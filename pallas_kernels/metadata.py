@@ -38,6 +38,13 @@ class AttentionMetadata:
     rope_lens: jax.Array | None = None
     # KV cache groups only: each layer's (group, index within the group); static, so part of the compiled step
     layer_groups: tuple[tuple[int, int], ...] | None = dataclasses.field(default=None, metadata={"static": True})
+    # [S] hybrid models only: each row's slot in the state cache of the linear layers (pallas_kernels/state_cache.py);
+    # padded rows hold an out-of-range slot, so their writes are dropped
+    state_slots: jax.Array | None = None
+    # [T] vision-language models whose image tokens attend to each other both ways in prefill (Gemma 3): the last
+    # position among this step's keys each row may see, inclusive (its own for a text token, its image's last for an
+    # image token; the image's whole span is in the step). None: causal, each row its own position
+    key_ends: jax.Array | None = None
 
     def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
         """(the cache index of `layer`, the metadata its attention reads): with groups, its group's tables and slots."""

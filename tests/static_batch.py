@@ -16,6 +16,7 @@ from flax import nnx
 from jaxpaged import platforms
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
+from jaxpaged.pallas_kernels.state_cache import HybridCache
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -49,31 +50,71 @@ class StaticBatchRunner:
         return logits, jnp.where(temperature > 0, sampled, greedy), new_kv
 
     def _kv_cache(self, num_seqs: int, width: int):
+        """The paged KV of every layer; a hybrid model's (models/hybrid.py): of its attention layers, beside a state
+        slot per sequence (sequence i in slot i)."""
         cfg = self.cfg
-        shape = kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, num_seqs * width, self.block_size, cfg.head_dim)
-        return jnp.zeros(shape, self.dtype)
+        shape = kv_cache_shape(cfg.num_kv_layers, cfg.num_kv_heads, num_seqs * width, self.block_size, cfg.head_dim)
+        kv = jnp.zeros(shape, self.dtype)
+        spec = getattr(self.loaded.model, "state_spec", None)
+        return kv if spec is None else HybridCache(kv, spec().empty(num_seqs))
 
-    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], width: int):
-        lens = np.array([len(p) for p in prompts], np.int32)
+    @property
+    def _hybrid(self) -> bool:
+        return hasattr(self.loaded.model, "state_spec")
+
+    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], width: int, start: int = 0, chunk: int | None = None):
+        """One step of each prompt's tokens [start, start + chunk) (all of them without a chunk); prompts with none
+        left take no row."""
+        rows = [i for i, p in enumerate(prompts) if len(p) > start]
+        ends = np.array([len(prompts[i]) if chunk is None else min(len(prompts[i]), start + chunk) for i in rows], np.int32)
+        lens = ends - start
         total = int(lens.sum())
         padded = _bucket(total)
         ids = np.zeros(padded, np.int32)
         positions = np.zeros(padded, np.int32)
         slots = np.full(padded, -1, np.int32)
         query_start_loc = np.zeros(len(prompts) + 1, np.int32)
-        query_start_loc[1:] = np.cumsum(lens)
-        for i, prompt in enumerate(prompts):
-            start = query_start_loc[i]
-            ids[start : start + lens[i]] = prompt
-            positions[start : start + lens[i]] = np.arange(lens[i])
-            slots[start : start + lens[i]] = i * width * self.block_size + np.arange(lens[i])
+        query_start_loc[1 : len(rows) + 1] = np.cumsum(lens)
+        query_start_loc[len(rows) + 1 :] = total
+        seq_lens = np.zeros(len(prompts), np.int32)
+        seq_lens[: len(rows)] = ends
+        tables = np.zeros((len(prompts), width), np.int32)
+        state_slots = np.full(len(prompts), len(prompts), np.int32)  # padded rows: out of range
+        for r, i in enumerate(rows):
+            at = query_start_loc[r]
+            ids[at : at + lens[r]] = prompts[i][start : ends[r]]
+            positions[at : at + lens[r]] = np.arange(start, ends[r])
+            slots[at : at + lens[r]] = i * width * self.block_size + np.arange(start, ends[r])
+            tables[r] = np.arange(i * width, (i + 1) * width)
+            state_slots[r] = i
         attn_metadata = AttentionMetadata(
             slot_mapping=jnp.asarray(slots),
-            block_tables=jnp.arange(len(prompts) * width, dtype=jnp.int32).reshape(len(prompts), width),
-            seq_lens=jnp.asarray(lens),
+            block_tables=jnp.asarray(tables),
+            seq_lens=jnp.asarray(seq_lens),
             query_start_loc=jnp.asarray(query_start_loc),
+            state_slots=jnp.asarray(state_slots) if self._hybrid else None,
         )
         return jnp.asarray(ids), jnp.asarray(positions), attn_metadata, total, query_start_loc
+
+    def _prefill(self, prompts, width, kv, chunk, all_logits: bool, temperature: float, key):
+        """Every prompt through the model, in steps of `chunk` tokens per prompt (one step without): -> (each
+        prompt's logits at every position, or None; its next token, the cache)."""
+        longest = max(len(p) for p in prompts)
+        logits = [[] for _ in prompts]
+        tokens = [None] * len(prompts)
+        for start in range(0, longest, chunk or longest):
+            ids, positions, attn_metadata, total, qsl = self._prefill_inputs(prompts, width, start, chunk)
+            live = [i for i, p in enumerate(prompts) if len(p) > start]
+            rows = jnp.arange(ids.shape[0], dtype=jnp.int32) if all_logits else jnp.asarray(np.maximum(qsl[1:] - 1, 0))
+            out, sampled, kv = self._forward(self.state, kv, ids, positions, attn_metadata, rows, temperature, key)
+            out, sampled = np.asarray(out), np.asarray(sampled)
+            for r, i in enumerate(live):
+                if all_logits:
+                    logits[i].append(out[qsl[r] : qsl[r + 1]])
+                last = qsl[r + 1] - 1 if all_logits else r
+                if start + (qsl[r + 1] - qsl[r]) == len(prompts[i]):
+                    tokens[i] = int(sampled[last])
+        return ([np.concatenate(x) for x in logits] if all_logits else None), tokens, kv
 
     def _check(self, prompts, max_new_tokens=0):
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -88,17 +129,14 @@ class StaticBatchRunner:
                 f"prompt plus max_tokens ({longest}) exceeds the model's context ({self.cfg.max_position_embeddings})"
             )
 
-    def prompt_logits(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Float32 logits at every prompt position, all prompts in one ragged step."""
+    def prompt_logits(self, prompts: Sequence[Sequence[int]], prefill_chunk: int | None = None) -> list[np.ndarray]:
+        """Float32 logits at every prompt position, all prompts in one ragged step (or, with prefill_chunk, in steps of
+        that many tokens per prompt: the cache, and a hybrid model's states, carried from step to step)."""
         self._check(prompts)
         width = -(-max(len(p) for p in prompts) // self.block_size)
-        ids, positions, attn_metadata, total, query_start_loc = self._prefill_inputs(prompts, width)
-        rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
-        logits, _, _ = self._forward(
-            self.state, self._kv_cache(len(prompts), width), ids, positions, attn_metadata, rows, 0.0, jax.random.key(0)
-        )
-        logits = np.asarray(logits)
-        return [logits[query_start_loc[i] : query_start_loc[i + 1]] for i in range(len(prompts))]
+        kv = self._kv_cache(len(prompts), width)
+        logits, _, _ = self._prefill(prompts, width, kv, prefill_chunk, True, 0.0, jax.random.key(0))
+        return logits
 
     def generate(
         self,
@@ -110,11 +148,13 @@ class StaticBatchRunner:
         stop_token_ids: Sequence[int] = (),
         on_token: Callable[[int, int], None] | None = None,
         return_prompt_logits: bool = False,
+        prefill_chunk: int | None = None,
     ):
         """Greedy (temperature 0) or sampled continuations; a sequence ends at a stop token or the limit.
 
         With return_prompt_logits, also the float32 logits at every prompt position (from the same
         prefill step, so a parity test compiles one prefill, not two): -> (outputs, logits per prompt).
+        prefill_chunk: prompts go in steps of that many tokens each (chunked prefill).
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -126,21 +166,15 @@ class StaticBatchRunner:
         width = -(-int((lens + max_new_tokens).max()) // self.block_size)
         kv = self._kv_cache(n, width)
         key = jax.random.key(seed)
-        ids, positions, attn_metadata, _, query_start_loc = self._prefill_inputs(prompts, width)
         key, sub = jax.random.split(key)
-        last = jnp.asarray(query_start_loc[1:] - 1)
-        if return_prompt_logits:
-            rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
-            logits, tokens, kv = self._forward(self.state, kv, ids, positions, attn_metadata, rows, temperature, sub)
-            logits, tokens = np.asarray(logits), tokens[last]
-            prompt_logits = [logits[query_start_loc[i] : query_start_loc[i + 1]] for i in range(n)]
-        else:
-            _, tokens, kv = self._forward(self.state, kv, ids, positions, attn_metadata, last, temperature, sub)
+        prompt_logits, tokens, kv = self._prefill(prompts, width, kv, prefill_chunk, return_prompt_logits, temperature, sub)
+        tokens = jnp.asarray(tokens, jnp.int32)
 
         outputs: list[list[int]] = [[] for _ in range(n)]
         done = np.zeros(n, bool)
         stops = set(stop_token_ids)
-        tables = attn_metadata.block_tables
+        tables = jnp.arange(n * width, dtype=jnp.int32).reshape(n, width)
+        state_slots = jnp.arange(n, dtype=jnp.int32) if self._hybrid else None
         decode_query_start_loc = jnp.arange(n + 1, dtype=jnp.int32)
         rows = jnp.arange(n, dtype=jnp.int32)
         for step in range(max_new_tokens):
@@ -161,6 +195,7 @@ class StaticBatchRunner:
                 block_tables=tables,
                 seq_lens=jnp.asarray(pos + 1),
                 query_start_loc=decode_query_start_loc,
+                state_slots=state_slots,
             )
             key, sub = jax.random.split(key)
             _, tokens, kv = self._forward(self.state, kv, tokens, jnp.asarray(pos), attn_metadata, rows, temperature, sub)

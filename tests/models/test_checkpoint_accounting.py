@@ -30,6 +30,7 @@ from jaxpaged.models.tying import COPY
 from safetensors.torch import load_file, save_file
 
 import tests.models.test_gemma as gemma_cases
+import tests.models.test_hybrid_models as hybrid_cases
 import tests.models.test_model_families as family_cases
 import tests.models.test_moe as moe_cases
 import tests.models.test_phi as phi_cases
@@ -39,6 +40,7 @@ from tests.static_batch import StaticBatchRunner
 
 VOCAB = 256
 VISION = "the vision tower and projector: not ported, prompts are text"
+SIGLIP_HEAD = "SigLIP's attention-pooling head: Gemma 3 projects the last hidden states, never the pooled output"
 UNKNOWN = "model.layers.0.mlp.extra_proj.weight"  # what the broken checkpoints add ...
 MISSING = "model.layers.1.mlp.down_proj"  # ... and what they lack (its .weight, or a quantized Linear's parts)
 
@@ -46,8 +48,10 @@ MISSING = "model.layers.1.mlp.down_proj"  # ... and what they lack (its .weight,
 def _architectures() -> dict:
     """architecture -> a maker of one tiny config, from the family tests' cases."""
     found = {"LlamaForCausalLM": tiny_llama_config}
-    for config_cls, kwargs, arch in [*family_cases.CASES.values(), *moe_cases.CASES.values()]:
+    for config_cls, kwargs, arch in [*family_cases.CASES.values(), *moe_cases.CASES.values(), *hybrid_cases.CASES.values()]:
         found.setdefault(arch, functools.partial(config_cls, **kwargs))
+    for arch, (make_config, _) in hybrid_cases.IMAGE_TEXT.items():
+        found.setdefault(arch, make_config)
     for config, arch in phi_cases.CASES.values():
         found.setdefault(arch, functools.partial(copy.deepcopy, config))
     for make, arch in gemma_cases.CASES.values():
@@ -113,10 +117,10 @@ def test_tying_follows_transformers_per_architecture(arch):
     for flag in (True, False):
         config = ARCHITECTURES[arch]()
         config.tie_word_embeddings = flag
-        with torch.device("meta"):
-            hf = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # (Qwen3.5's image-text classes: AutoModelForCausalLM makes the text-only one)
+            hf = getattr(transformers, arch)(config) if arch in hybrid_cases.IMAGE_TEXT else transformers.AutoModelForCausalLM.from_config(config)
         theirs = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
-        assert theirs == flag
+        assert theirs == (flag and arch not in hybrid_cases.NEVER_TIED)
         assert _port_config(config)[1].tie_word_embeddings == theirs, (arch, flag)
 
 
@@ -140,11 +144,12 @@ def test_gemma3_image_text_with_an_untied_head_decodes_as_transformers(tmp_path,
     tied = copy.deepcopy(hf)
     tied.lm_head.weight = torch.nn.Parameter(hf.get_input_embeddings().weight.detach().clone())
     assert ours != [hf_greedy(tied, p, 12) for p in prompts]
-    # the vision tower and projector: each tensor skipped, in one INFO record that names the reason
-    vision = sorted(n for n in stored if n.startswith(("vision_tower.", "multi_modal_projector.")))
-    assert sorted(loaded.skipped_tensors.pop(VISION)) == vision and loaded.skipped_tensors == {}
+    # the vision tower and projector load (models/vision/gemma3.py); SigLIP's pooling head, which Gemma 3 never runs,
+    # is skipped, each tensor in one INFO record that names the reason
+    head = sorted(n for n in stored if n.startswith("vision_tower.head."))
+    assert head and sorted(loaded.skipped_tensors.pop(SIGLIP_HEAD)) == head and loaded.skipped_tensors == {}
     (record,) = _skip_records(caplog)
-    assert VISION in record and f"{len(vision)} tensor(s)" in record and "vision_tower.encoder.layers.0.mlp.fc1.weight" in record
+    assert SIGLIP_HEAD in record and f"{len(head)} tensor(s)" in record and "vision_tower.head.mlp.fc1.weight" in record
 
 
 @pytest.fixture(scope="module")
@@ -197,11 +202,13 @@ def test_an_untied_config_without_its_head_is_an_error(tmp_path):
 def test_every_family_loads_with_nothing_unexplained(arch, tmp_path):
     """save_pretrained's checkpoint loads, skipping only what the port says (Gemma 3 image-text: its vision tower);
     with one unknown tensor more and one Linear less it is a ValueError naming both."""
-    hf = random_hf_model(ARCHITECTURES[arch]())
+    make_model = hybrid_cases.IMAGE_TEXT[arch][1] if arch in hybrid_cases.IMAGE_TEXT else random_hf_model  # (as above)
+    hf = make_model(ARCHITECTURES[arch]())
     folder = save_hf_model(hf, tmp_path)
     loaded = load_model(str(folder), dtype="float32")
     assert loaded.config.architecture == arch
-    assert set(loaded.skipped_tensors) == ({VISION} if arch == "Gemma3ForConditionalGeneration" else set())
+    expected = {"Gemma3ForConditionalGeneration": {SIGLIP_HEAD}} | dict.fromkeys(hybrid_cases.IMAGE_TEXT, {VISION})
+    assert set(loaded.skipped_tensors) == expected.get(arch, set())
     skipped = {n for names in loaded.skipped_tensors.values() for n in names}
     gone = next(n for n in sorted(load_file(str(folder / "model.safetensors"))) if ".1." in n and n not in skipped)
     _resave(folder / "model.safetensors", lambda t: (t.update({UNKNOWN: torch.zeros(4, 4)}), t.pop(gone)))
