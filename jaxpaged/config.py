@@ -91,6 +91,19 @@ class EngineConfig:
     speculative_config: dict | str | None = option(None, "speculative decoding, vLLM's fields as a JSON object, e.g. "
                                                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; see "
                                                     "docs/speculative_decoding.md (default: off)", group="speculative")  # fmt: skip
+    limit_mm_per_prompt: dict | str | None = option(None, "vision-language models: the most images one prompt may hold, as JSON, "
+                                                    "e.g. '{\"image\": 4}' (default: no limit but the context's)", group="vision")  # fmt: skip
+    max_num_encoder_input_tokens: int | None = option(None, "vision-language models: image patches the vision encoder runs in "
+                                                      "one step, its largest compiled batch; a larger image is refused "
+                                                      "(default: one largest image's, at least max_num_batched_tokens)",
+                                                      group="vision")  # fmt: skip
+    encoder_cache_size: int | None = option(None, "vision-language models: image embeddings (placeholder tokens) the device "
+                                            "keeps, so a repeated image is not encoded again (default: two full encoder "
+                                            "steps' worth)", group="vision")  # fmt: skip
+    allowed_local_media_path: str | None = option(None, "images may be read from local files under this folder (file:// URLs "
+                                                  "or paths; default: none)", group="vision")  # fmt: skip
+    allowed_media_domains: str | None = option(None, "images may be fetched over http(s) from these hosts, comma-separated "
+                                               "(default: none)", group="vision")  # fmt: skip
     seed: int = 0
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
@@ -129,6 +142,31 @@ class EngineConfig:
 
         if self.enable_lora and distributed.is_multiprocess():
             raise ValueError("enable_lora is not supported in a multi-process group (one process, tensor parallelism, is)")
+
+    def _check_vision(self) -> None:
+        import json
+
+        _positive_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, allow_none=True)
+        _positive_int("encoder_cache_size", self.encoder_cache_size, allow_none=True)
+        limits = self.limit_mm_per_prompt
+        if isinstance(limits, str):
+            try:
+                limits = json.loads(limits)
+            except ValueError as exc:
+                raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}} (got {limits!r})") from exc
+        if limits is not None:
+            if not isinstance(limits, dict) or set(limits) - {"image"}:
+                raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N}} (got {limits!r})")
+            for name, value in limits.items():
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"limit_mm_per_prompt[{name!r}] must be a non-negative integer (got {value!r})")
+        self.limit_mm_per_prompt = limits
+        if isinstance(self.allowed_media_domains, (list, tuple)):
+            self.allowed_media_domains = ",".join(self.allowed_media_domains)
+
+    @property
+    def media_domains(self) -> tuple[str, ...]:
+        return tuple(d.strip() for d in (self.allowed_media_domains or "").split(",") if d.strip())
 
     def __post_init__(self) -> None:
         from jaxpaged import distributed, platforms
@@ -173,6 +211,7 @@ class EngineConfig:
         if self.fused_kv_write and self.pipeline_parallel_size > 1:
             raise ValueError("fused_kv_write needs pipeline_parallel_size 1 (each stage writes its own layers' K/V)")
         self._check_lora()
+        self._check_vision()
         from jaxpaged.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -10,8 +10,8 @@
 - Gemma 3: q/k RMSNorm (1 + w), and RoPE per layer type: local layers their own base (`rope_local_base_freq`),
   global layers `rope_theta` with their scaling (linear, factor 8 on the larger models).
 
-`Gemma3ForConditionalGeneration` checkpoints load their language model only; the vision tower and projector are
-skipped (prompts are text), listed once at INFO (models/accounting.py). Its head is tied by the top-level
+`Gemma3ForConditionalGeneration` checkpoints: the language model is this port (Gemma3ForConditionalGeneration below
+reads its spellings), the vision tower and projector models/vision/gemma3.py's. Its head is tied by the top-level
 `tie_word_embeddings`, as transformers reads it, not by its text_config's.
 """
 
@@ -163,8 +163,9 @@ class GemmaForCausalLM(CausalLM):
 
 
 class Gemma3ForConditionalGeneration(GemmaForCausalLM):
-    """The language model of a Gemma 3 image-text checkpoint. transformers 5 still writes the 4.x names
-    (`language_model.model.*`); checkpoints written in between say `model.language_model.*`."""
+    """The language model of a Gemma 3 image-text checkpoint (models/vision/gemma3.py adds the vision tower and
+    projector: the registry's port). transformers 5 still writes the 4.x names (`language_model.model.*`);
+    checkpoints written in between say `model.language_model.*`."""
 
     CHECKPOINT_RENAMES = (
         (r"^language_model\.model\.", "model."),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxpaged.models.bloom import BloomForCausalLM
 from jaxpaged.models.falcon import FalconForCausalLM
-from jaxpaged.models.gemma import Gemma3ForConditionalGeneration, GemmaForCausalLM
+from jaxpaged.models.gemma import GemmaForCausalLM
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
 from jaxpaged.models.gptj import GPTJForCausalLM
@@ -15,6 +15,7 @@ from jaxpaged.models.nemotron_h import NemotronHForCausalLM
 from jaxpaged.models.olmoe import OlmoeForCausalLM
 from jaxpaged.models.opt import OPTForCausalLM
 from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
+from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
 from jaxpaged.models.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
 
 MODEL_REGISTRY = {
@@ -39,7 +40,7 @@ MODEL_REGISTRY = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model only
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # + SigLIP and the projector (models/vision/)
     # hybrids: linear layers keep a state per sequence beside the paged KV (models/hybrid.py)
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Gated DeltaNet + gated attention, MoE with a shared expert
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,  # the same layers, dense MLP, q/k/v and z apart

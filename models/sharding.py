@@ -8,7 +8,8 @@ NamedSharding, derived from its path alone in one place. The ports share paramet
 - vocabulary-parallel: embed_tokens rows and lm_head columns, when the vocabulary divides by N;
 - stacked MoE experts (models/moe.py): over the expert axis when N divides the expert count (expert
   parallelism), else over each expert's intermediate features;
-- everything else (norms, position tables, OPT's projections, MoE routers) is replicated.
+- everything else (norms, position tables, OPT's projections, MoE routers) is replicated, and so are vision towers
+  and projectors (models/vision/).
 
 Attention heads split with q/k/v's columns; the KV-block array splits on its KV-head axis. A model
 with fewer KV heads than N has each KV head's k/v columns repeated N / H_kv times first, so every
@@ -31,6 +32,9 @@ from jaxpaged.pallas_kernels.attention import TP_AXIS
 from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# vision towers and projectors (models/vision/) stay whole on every device: they run once per image, beside the
+# language model, and their heads need not divide by N
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
@@ -64,6 +68,8 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
 
 def partition_spec(path: str, shape: tuple[int, ...], n: int) -> P:
     """The PartitionSpec of the parameter at dotted `path` (e.g. "layers.3.self_attn.q_proj.kernel")."""
+    if path.startswith(VISION_PREFIXES):
+        return P()
     parts = path.split(".")
     module = parts[-2] if len(parts) > 1 else ""
     if len(parts) > 2 and parts[-3] == "experts":  # stacked MoE experts [E, in, out]: over experts, or their features
@@ -101,6 +107,8 @@ def replicate_kv_heads(state, cfg: ModelConfig, n: int):
 
     def widen(keypath, x):
         path = dotted_path(keypath)
+        if path.startswith(VISION_PREFIXES):
+            return x
         if not path.endswith(tuple(f"{p}.{leaf}" for p in ("k_proj", "v_proj") for leaf in ("kernel", "bias", "scale", "zero"))):
             return x
         heads = x.reshape(*x.shape[:-1], kv, hd)

@@ -109,9 +109,10 @@ def _live_splits(tile_len, num_kv_heads: int, num_cores: int, grid_splits: int):
 def _kernel(
     layer_ref, splits_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,
     q_ref, k_new_ref, v_new_ref, cache_ref, slope_ref, *refs,
-    group_pad, tokens_per_tile, kv_chunk, num_blocks, grid_splits, spec, use_alibi, precision, kv_kind,
+    group_pad, tokens_per_tile, kv_chunk, num_blocks, grid_splits, spec, use_alibi, precision, kv_kind, bidirectional=False,
 ):  # fmt: skip
     scale_ref, out_refs = (refs[0], refs[1:]) if kv_kind else (None, refs)  # an int8/fp8 cache's scales
+    key_end_ref, out_refs = (out_refs[0], out_refs[1:]) if bidirectional else (None, out_refs)  # image spans (Gemma 3)
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
     tile, split = pl.program_id(0), pl.program_id(2)
     n_tok = tile_len_ref[tile]
@@ -178,13 +179,18 @@ def _kernel(
 
         first_new = q_start + jnp.maximum(0, lowest - cached)  # this step's keys the tile can see
         last_new = t0 + n_tok  # exclusive: causal
+        row_end = row_pos  # the last position each row sees
+        if bidirectional:  # an image's tokens see to the span's end (AttentionMetadata.key_ends)
+            live_rows = jnp.arange(rows, dtype=jnp.int32) // group_pad < n_tok
+            row_end = jnp.where(live_rows, jnp.maximum(key_end_ref[pl.ds(t0 * group_pad, rows)], row_pos), row_pos)
+            last_new = jnp.minimum(jnp.maximum(last_new, q_start + jnp.max(row_end) - cached + 1), q_end)
 
         def new_iter(j, carry):
             start = first_new + j * kv_chunk
             k = k_new_ref[pl.ds(start, kv_chunk), :]
             v = v_new_ref[pl.ds(start, kv_chunk), :]
             key_pos = cached + start - q_start + offsets
-            mask = key_pos[None, :] <= row_pos[:, None]
+            mask = key_pos[None, :] <= row_end[:, None]
             if sliding_window is not None:
                 mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
             return fold(carry, k, v, mask, key_pos)
@@ -254,6 +260,13 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     slopes = jnp.tile(slopes, (1, tokens_per_tile))
 
     out_rows = qg.shape[1]
+    # image spans (Gemma 3): each query row's last visible position, token-major with the group padded as qg's rows
+    bidirectional = attn_metadata.key_ends is not None
+    end_operands, end_specs = [], []
+    if bidirectional:
+        ends = jnp.pad(attn_metadata.key_ends.astype(jnp.int32), (0, tokens_per_tile))
+        end_operands = [jnp.repeat(ends, group_pad)]
+        end_specs = [pl.BlockSpec(end_operands[0].shape, lambda i, h, s: (0,))]
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h, s: (0,) * len(shape))
     per_head = lambda n: pl.BlockSpec((None, n, head_dim), lambda i, h, s: (h, 0, 0))
     cache_spec = pl.BlockSpec((cache.shape[0], None, block_size, head_dim), lambda i, h, s: (0, h, 0, 0))
@@ -277,7 +290,7 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         ]
     kernel = functools.partial(
         _kernel, group_pad=group_pad, tokens_per_tile=tokens_per_tile, kv_chunk=kv_chunk, num_blocks=num_blocks,
-        grid_splits=splits, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind,
+        grid_splits=splits, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind, bidirectional=bidirectional,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
@@ -288,7 +301,7 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
             whole((1,)), whole((1,)), whole(seq.shape), whole(start.shape), whole(length.shape),
             whole(attn_metadata.query_start_loc.shape), whole(attn_metadata.seq_lens.shape), whole(tables.shape),
             per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec,
-            pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)), *scale_specs,
+            pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)), *scale_specs, *end_specs,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -297,7 +310,7 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         name=f"ragged_paged_attention_r{rows}_kv{kv_chunk}_s{splits}" + (f"_{kv_kind}" if kv_kind else ""),
     )(
         layer, _live_splits(length, num_kv_heads, num_cores, splits), seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
-        qg, kn, vn, cache, slopes, *scale_operands,
+        qg, kn, vn, cache, slopes, *scale_operands, *end_operands,
     )  # fmt: skip
     if splits > 1:
         out = _combine(*out).astype(q.dtype)

@@ -30,9 +30,15 @@ def token_layout(attn_metadata: AttentionMetadata, num_tokens: int):
     return seq, jnp.where(valid, pos, 0), valid
 
 
-def _mask(ctx_pos, pos, valid, sliding_window):
-    """[T, C] which context positions each token may see."""
-    mask = (ctx_pos[None, :] <= pos[:, None]) & valid[:, None]
+def key_limits(attn_metadata: AttentionMetadata, pos: jax.Array) -> jax.Array:
+    """[T] the last position each row may see: its own (causal), or past it where key_ends says so (an image's
+    tokens attending to each other both ways, Gemma 3)."""
+    return pos if attn_metadata.key_ends is None else jnp.maximum(pos, attn_metadata.key_ends)
+
+
+def _mask(ctx_pos, pos, valid, sliding_window, limit=None):
+    """[T, C] which context positions each token may see (up to `limit`, default its own position)."""
+    mask = (ctx_pos[None, :] <= (pos if limit is None else limit)[:, None]) & valid[:, None]
     if sliding_window is not None:
         mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
     return mask
@@ -86,7 +92,7 @@ def naive_paged_attention(q, kv_cache, layer: int, attn_metadata: AttentionMetad
     ctx_pos = jnp.arange(ctx, dtype=jnp.int32)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, ctx_pos, pos, num_kv_heads)
-    mask = _mask(ctx_pos, pos, valid, sliding_window)
+    mask = _mask(ctx_pos, pos, valid, sliding_window, key_limits(attn_metadata, pos))
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
 
     peak = jnp.max(scores, axis=-1, keepdims=True)
@@ -196,7 +202,8 @@ def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, spec: Attenti
     prec = _precision(q.dtype)
     seq, pos, valid = token_layout(attn_metadata, num_tokens)
     init = _empty_softmax(num_tokens, num_kv_heads, group, head_dim)
-    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
+    limit = key_limits(attn_metadata, pos)
+    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= limit[:, None]) & valid[:, None] & valid[None, :]
     if spec.sliding_window is not None:
         mask &= pos[None, :] > pos[:, None] - spec.sliding_window
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -246,15 +253,17 @@ def batch_invariant_attention(q, k, v, kv_cache, layer: int, attn_metadata: Atte
 
     kw = {"spec": spec, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
 
+    limit = key_limits(attn_metadata, pos)
+
     def body(i, carry):
         ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = (ctx_pos[None, :] <= pos[:, None]) & valid[:, None]
+        mask = (ctx_pos[None, :] <= limit[:, None]) & valid[:, None]
         if spec.sliding_window is not None:
             mask &= ctx_pos[None, :] > pos[:, None] - spec.sliding_window
         kc, vc = keys(i, 0, k_new), keys(i, 1, v_new)
         s = _scores("tkgd,tckd->tkgc", qg, kc, mask, ctx_pos, pos, **kw)
         return _fold(carry, s, "tkgc,tckd->tkgd", vc, prec)
 
-    trips = (jnp.max(jnp.where(valid, pos, -1)) + chunk) // chunk
+    trips = (jnp.max(jnp.where(valid, limit, -1)) + chunk) // chunk
     carry = jax.lax.fori_loop(0, trips, body, _empty_softmax(num_tokens, num_kv_heads, group, head_dim))
     return normalized(carry, q.dtype)

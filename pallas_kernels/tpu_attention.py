@@ -299,6 +299,9 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     (which simulates the DMAs and semaphores and can detect races). `table_chunk`: block-table entries per
     DMA into SMEM (rounded down to a multiple of the pages per iteration; a narrower table is fetched whole)."""
     num_tokens, num_heads, head_dim = q.shape
+    if attn_metadata.key_ends is not None:
+        raise NotImplementedError("the TPU kernel attends causally only; a model whose image tokens attend to each "
+                                  "other both ways (Gemma 3 with images) needs attention_backend='reference' on a TPU")
     kv_cache, kv_scale, kv_kind = kv_operands(kv_cache)
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_head_dim(head_dim)

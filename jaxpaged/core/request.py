@@ -116,6 +116,8 @@ class Request:
             i = len(self._block_hashes)
             # the root: an adapter's prefixes are its own, and a length-dependent RoPE regime's
             parent = self._block_hashes[-1] if i else (self.parent.cache_salt or b"") + self.rope_key or None
+            if self.parent.mm is not None:  # the images it holds part of (placeholder tokens alike for any image)
+                parent = (parent or b"") + self.parent.mm.block_salt(i * block_size, block_size) or None
             if lanes is None:
                 tokens = _tokens_at(self.prompt_token_ids, self._output_token_ids, i * block_size, block_size)
             else:
@@ -201,6 +203,7 @@ class ParentRequest:
     lora_request: object | None = None  # a LoRARequest (jaxpaged/lora): the adapter it runs with, None for the base
     lora_slot: int = -1  # the device slot of its LoRA adapter, held until it finishes (-1: the base model)
     cache_salt: bytes | None = None  # salts its first block's hash: a LoRA adapter's cached prefixes serve it alone
+    mm: object | None = None  # its prompt's images (jaxpaged/multimodal/inputs.py: MultimodalInputs), for all its sequences
 
     @property
     def finished(self) -> bool:

@@ -151,6 +151,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst): copy before the step
     columns: StepColumns | None = None  # set by Scheduler.schedule (an output built otherwise takes the row-wise paths)
     needs_host_tokens: bool = False  # a sampling row's sampler reads its tokens on the host (a grammar, penalties)
+    encoder_work: list = dataclasses.field(default_factory=list)  # images to encode before the step (EncodeWork)
 
     @property
     def sampled_rows(self) -> dict[Request, int]:
@@ -220,6 +221,9 @@ class Scheduler:
         use_lanes = decode_lanes and plain_kv and not (rope is not None and rope.recompute_past)
         self.lanes = DecodeLanes(max_num_seqs, 8 * kv.block_size + 4) if use_lanes else None
         self._lane_ok = np.zeros(max_num_seqs, bool)  # may decode in the lanes: quiet, plain sampling, no beam
+        # vision-language models: a row covering image tokens needs their embeddings cached or encoded in its step
+        # (jaxpaged/multimodal/encoder_cache.py: EncoderScheduler), set by the engine
+        self.mm = None
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -256,10 +260,14 @@ class Scheduler:
         sample), so the following step can be formed before this one's results are read.
         """
         self._fork_ready()
+        if self.mm is not None:
+            self.mm.begin()
         rows = _Rows()
         output = self._schedule(rows)
         if not output.scheduled and self._fork_ready():  # a held sample was admitted with its prefix all cached
             output = self._schedule(rows)
+        if self.mm is not None:
+            output.encoder_work = self.mm.end(bool(output.scheduled))
         drafts = bool(self.draft_tokens)
         self.draft_tokens = {}
         # the rows _schedule did not advance itself (all but running decode rows): admissions, chunks, proposals
@@ -353,6 +361,8 @@ class Scheduler:
                 self._recompute(running.pop(i))  # its short-regime KV: admitted again below, in the long regime
                 continue
             n = min(n, budget)
+            if self.mm is not None and req.parent.mm is not None and start < req.parent.mm.end:
+                n = self.mm.fit(req, start, n)  # up to an image whose embeddings it cannot have in this step
             if n <= 0:  # held for a fork that happens after this step's results
                 i += 1
                 continue
@@ -390,6 +400,8 @@ class Scheduler:
             if fresh:
                 req.num_computed_tokens = hit
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
+            if n > 0 and self.mm is not None and req.parent.mm is not None and req.num_computed_tokens < req.parent.mm.end:
+                n = self.mm.fit(req, req.num_computed_tokens, n)  # 0: it waits for an image's embeddings or span
             admitted = n <= 0 or kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
             while not admitted and self._release_idle_holder(exclude=req):
                 admitted = kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)
@@ -470,6 +482,7 @@ class Scheduler:
         wget = writable.get if writable is not None else (lambda seq_id, default: -1)
         allocate = kv.allocate_slots
         recompute_past = self.rope.recompute_past if self.rope is not None else 0
+        images = self.mm
         decode = rows.reqs
         add_req, add_slot, add_start, add_count = decode.append, rows.slots.append, rows.starts.append, rows.counts.append
         add_prev, add_out, add_append, add_samples = rows.prevs.append, rows.outs.append, rows.appends.append, rows.samples.append
@@ -490,6 +503,8 @@ class Scheduler:
                 n = min(n, req.hold_at - start)
             if n > budget:
                 n = budget
+            if images is not None and req.parent.mm is not None and start < req.parent.mm.end:
+                n = images.fit(req, start, n)  # up to an image whose embeddings it cannot have in this step
             if n <= 0:  # its last token is in flight, or held for a fork that happens after this step's results
                 i += 1
                 continue

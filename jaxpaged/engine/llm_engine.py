@@ -131,6 +131,11 @@ class LLMEngine:
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.mm = None  # vision-language models: prompts with images, the scheduler's encoder part (multimodal/engine.py)
+        if getattr(self.runner, "mm", None) is not None:
+            from jaxpaged.multimodal.engine import MultimodalFrontend
+
+            self.mm = MultimodalFrontend(self)
         self.lora = None  # with enable_lora: the adapters in host memory and the device's slots
         if config.enable_lora:
             from jaxpaged.lora.manager import LoRAManager
@@ -187,6 +192,21 @@ class LLMEngine:
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string, a list of token ids or a dict (got {type(prompt).__name__})")
 
+    def _prompt_inputs(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
+        """(text, token ids, its images or None): a prompt with multi_modal_data, or a conversation with image parts,
+        goes through the model's processor (jaxpaged/multimodal/); a text-only model refuses images."""
+        from jaxpaged.multimodal.engine import has_image_parts, text_only_refusal
+
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            if self.mm is None:
+                raise text_only_refusal("multi_modal_data")
+            return self.mm.prompt(prompt)
+        if isinstance(prompt, ChatPrompt) and has_image_parts(prompt.messages):
+            if self.mm is None:
+                raise text_only_refusal("messages")
+            return self.mm.chat(prompt)
+        return (*self._prompt_ids(prompt), None)
+
     def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """max_tokens, or when None as many as fit: what both the context and the whole KV pool leave after the
         prompt (one rule for LLM, the CLI and the server). Raises ValueError naming the parameter if none fit."""
@@ -234,7 +254,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
+        text, ids, images = self._prompt_inputs(prompt)
         vocab = self.loaded.config.vocab_size
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -246,6 +266,7 @@ class LLMEngine:
             count = 1 if params.use_beam_search else params.n  # beams copy the root's as they fork
             grammars = [self.structured_outputs.new_state(params.structured_outputs) for _ in range(count)]
         parent = ParentRequest(request_id, text, ids, params)
+        parent.mm = images
         if lora_request is not None:
             parent.lora_request, parent.cache_salt = lora_request, lora_request.cache_salt
         if params.use_beam_search:
@@ -534,4 +555,5 @@ class LLMEngine:
             "num_overlapped_steps": self.num_overlapped_steps,
             "warmup_seconds": self.warmup_seconds,
             **(self.spec.stats() if self.spec is not None else {}),
+            **(self.mm.stats() if self.mm is not None else {}),
         }

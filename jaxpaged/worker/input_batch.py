@@ -37,6 +37,8 @@ class StepInputs:
     prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
     prev_rows: np.ndarray | None = None  # [T] row of the previous step whose sampled token is this input, else -1
     lora_slots: np.ndarray | None = None  # [T] with enable_lora: each token's adapter slot, -1 for none (and padding)
+    mm_rows: np.ndarray | None = None  # [T] vision-language models: the encoder-cache row of each image token, else -1
+    mrope_positions: np.ndarray | None = None  # [3, T] M-RoPE models: each token's (t, h, w) position
 
 
 class _OutputsAtScheduling(Sequence):
@@ -111,6 +113,11 @@ class InputBatchBuilder:
         # with enable_lora: each slot's adapter slot (fixed until its sequence finishes)
         self._row_lora = np.full(slots, -1, np.int32) if runner.config.enable_lora else None
         self.rope = LengthDependentRope.of(runner.model_config)  # set: each step carries rows' RoPE lengths
+        # vision-language models: each slot's images (its request's MultimodalInputs, or None) and M-RoPE offset
+        self.mm = getattr(runner, "mm", None)
+        self._slot_mm: list = [None] * slots
+        self._slot_images_end = np.zeros(slots, np.int32)  # positions past which its rows hold no image
+        self._mrope_delta = np.zeros(slots, np.int32)
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
@@ -125,6 +132,8 @@ class InputBatchBuilder:
             layer_groups=self.layer_groups,
         )
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
+        if self.mm is not None and self.mm.spec.bidirectional:  # (the same packed layout as a step's)
+            attn_metadata = dataclasses.replace(attn_metadata, key_ends=np.zeros(t, np.int32))
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
     def _take_slots(self, cols: StepColumns) -> None:
@@ -140,6 +149,11 @@ class InputBatchBuilder:
             self._prompt_logprobs[slot] = req.wants_prompt_logprobs
             if self._row_lora is not None:
                 self._row_lora[slot] = req.parent.lora_slot
+            if self.mm is not None:
+                mm = req.parent.mm
+                self._slot_mm[slot] = mm
+                self._slot_images_end[slot] = 0 if mm is None else mm.end
+                self._mrope_delta[slot] = 0 if mm is None else mm.mrope_delta
         grouped = self.layer_groups is not None
         if cols.appended is not None:  # single entries first: a table copied whole below is the newer
             slots, index, blocks = cols.appended
@@ -224,7 +238,24 @@ class InputBatchBuilder:
         if self._row_lora is not None:
             lora_slots = np.full(t, -1, np.int32)
             lora_slots[:total] = np.repeat(self._row_lora[slots], counts)
-        return StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows, lora_slots)
+        step = StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows, lora_slots)
+        if self.mm is not None:
+            self._images(step, slots, starts, counts, ends, total, row_of)
+        return step
+
+    def _images(self, step: StepInputs, slots, starts, counts, ends, total: int, row_of) -> None:
+        """A vision-language model's per-token arrays (multimodal/runner.py): the rows holding image tokens are few,
+        found with numpy; M-RoPE's positions for every row."""
+        t = step.input_ids.shape[0]
+        with_images = np.flatnonzero(starts < self._slot_images_end[slots]).tolist()
+        rows = [(int(ends[j] - counts[j]), self._slot_mm[slots[j]], int(starts[j]), int(counts[j])) for j in with_images]
+        deltas = None
+        if self.mm.spec.mrope:
+            deltas = np.zeros(t, np.int32)
+            deltas[:total] = self._mrope_delta[slots][row_of]
+        step.mm_rows, key_ends, step.mrope_positions = self.mm.step_arrays(t, step.positions, rows, deltas)
+        if key_ends is not None:
+            step.attention = dataclasses.replace(step.attention, key_ends=key_ends)
 
     def _is_plain(self, cols: StepColumns) -> bool:
         """Every row's sampling metadata comes from its slot's constants: no proposals, penalties, grammars, and no

@@ -209,6 +209,9 @@ class ModelRunner:
         self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
         self._num_dispatched = 0
         self._place(loaded)
+        from jaxpaged.multimodal.runner import encoder_runner
+
+        self.mm = encoder_runner(self, loaded, config)  # vision-language models: the encoder cache and its steps
         self.lora_weights = self._lora_slots(loaded.config) if config.enable_lora else None
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, self._max_suppress)
@@ -418,15 +421,17 @@ class ModelRunner:
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None):
+    def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None):
         """-> (sampling rows' logits, prompt logprobs, the step's new K/V, the slots the write puts them in).
-        With enable_lora, the stacked LoRA arrays and (packed last) each token's adapter slot; without, neither."""
+        With enable_lora, the stacked LoRA arrays and (packed last) each token's adapter slot; without, neither.
+        A vision-language model's encoder cache, and (packed last) its per-token image rows (multimodal/runner.py)."""
         input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_rows, *lora_slots = step.unpack()
+        images = {} if self.mm is None else {"mm": self.mm.step_inputs(lora_slots.pop(), encoder_cache)}
         # Inputs sampled by the previous step come from its device output: the host never waited for them.
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
         with self._lora_active(lora_weights, lora_slots):
-            hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata)
+            hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata, **images)
         if self._prompt_apart:  # the final hidden states in the prompt's place: _prompt_impl reads them if asked
             return model.compute_logits(hidden[logit_rows]), hidden, new_kv, attn_metadata.slot_mapping
         return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
@@ -436,9 +441,10 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, state)
         return prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids)
 
-    def _fused_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None):
+    def _fused_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None):
         """-> (logits, prompt logprobs, the cache with the step's K/V written): _forward_impl and the write in one."""
-        logits, prompt, new_kv, slot_mapping = self._forward_impl(state, kv_cache, step, prev_sampled, lora_weights)
+        logits, prompt, new_kv, slot_mapping = self._forward_impl(state, kv_cache, step, prev_sampled, lora_weights,
+                                                                  encoder_cache)  # fmt: skip
         return logits, prompt, self._write(kv_cache, new_kv, slot_mapping)
 
     def _sample_impl(self, logits, packed: Packed, history, bitmask, suppress_ids, no_sampled, plan: SamplerPlan = DYNAMIC):
@@ -593,6 +599,8 @@ class ModelRunner:
                       defer_sampling: bool = False) -> DispatchedStep:  # fmt: skip
         """The scheduler's step as this runner's padded input batch, queued on the device (see dispatch).
         defer_sampling: only the forward now; sample_later(scheduler_output, step) once the host is up to date."""
+        if scheduler_output.encoder_work:  # images to encode into the encoder cache first (multimodal/runner.py)
+            self.mm.encode(scheduler_output.encoder_work)
         step = self.input_batch.build(scheduler_output, with_sampling=not defer_sampling)
         return self.dispatch(step, scheduler_output.block_copies, prev)
 
@@ -685,7 +693,11 @@ class ModelRunner:
         leaves = (step.input_ids, step.positions, step.attention, step.logit_rows, next_ids, prev_rows)
         if self.lora_weights is not None:  # each token's adapter slot, and the stacked arrays: LoRA engines only
             leaves += (step.lora_slots if step.lora_slots is not None else none,)
+        if self.mm is not None:  # each token's encoder-cache row (M-RoPE positions), and the cache
+            leaves += (self.mm.step_leaves(step, t),)
         args = (self.state, self.kv_cache, Packed.of(leaves), prev.sampled if prev is not None else self._no_sampled)
+        if self.mm is not None:
+            return (*args, self.lora_weights, self.mm.array)
         return args if self.lora_weights is None else (*args, self.lora_weights)
 
     def prefetch(self, num_tokens: int) -> None:
@@ -855,6 +867,8 @@ class ModelRunner:
                 self._compiled.update(self._pending.pop(t).result() if workers > 1 else self._bucket_compiler(t)())
         for t in self.ready_buckets:
             self.execute(self.input_batch.blank(t))
+        if self.mm is not None:  # every patch-count bucket of the encoder
+            self.mm.warmup()
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
         jax.block_until_ready(self.kv_cache)
         self._store_executables()

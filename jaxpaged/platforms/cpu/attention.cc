@@ -68,6 +68,7 @@ struct Problem {
   const int32_t* seq_lens;   // [S]
   const int32_t* starts;     // [S + 1]
   const float* slopes;       // [H]
+  const int32_t* key_ends;   // [T] the last position each row sees among this step's keys, or null: its own
   float* out;                // [T, H, D]
   int64_t num_tokens, num_seqs, width, num_blocks, num_kv_heads, group, block_size, head_dim, layer;
   int64_t storage, window;   // window 0: none
@@ -339,8 +340,18 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
     }
   }
 
-  // This step's keys, bs at a time, copied out of k_new / v_new ([T, H_kv, D]) into a tile.
-  const int64_t seen = first + rows;  // the item's last row sees this step's keys [0, seen)
+  // This step's keys, bs at a time, copied out of k_new / v_new ([T, H_kv, D]) into a tile. Row i sees them up to
+  // its own (causal), or up to its key end (an image's tokens attending to each other both ways, Gemma 3).
+  auto last_seen = [&](int64_t i) {
+    const int64_t own = first + i;
+    if (!p.key_ends) return own;
+    const int64_t last = p.starts[seq + 1] - start - 1;  // the sequence's last new token
+    return std::max<int64_t>(own, std::min<int64_t>(last, p.key_ends[row0 + i] - cached));
+  };
+  int64_t seen = first + rows;  // the item's rows see this step's keys [0, seen)
+  if (p.key_ends) {
+    for (int64_t i = 0; i < rows; ++i) seen = std::max<int64_t>(seen, last_seen(i) + 1);
+  }
   for (int64_t j0 = 0; j0 < seen; j0 += bs) {
     const int64_t n = std::min(bs, seen - j0);
     if (p.window > 0 && j0 + n - 1 <= first - p.window) continue;  // outside every row's window
@@ -350,8 +361,9 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
         std::memcpy(k_buf + c * D, p.k_new + from, D * sizeof(float));
         std::memcpy(v_buf + c * D, p.v_new + from, D * sizeof(float));
       }
-      for (int64_t i = std::max<int64_t>(0, j0 - first); i < rows; ++i) {
-        const int64_t visible = std::min(n, first + i - j0 + 1);  // not the row's future
+      for (int64_t i = p.key_ends ? 0 : std::max<int64_t>(0, j0 - first); i < rows; ++i) {
+        const int64_t visible = std::min(n, last_seen(i) - j0 + 1);  // not the row's future
+        if (visible <= 0) continue;
         for (int64_t h = kv_head * G; h < (kv_head + 1) * G; ++h) {
           const int64_t r = i * H + h;
           fold_tile<kD, kElem>(p, query(i, h), k_buf, v_buf, visible, cached + j0, cached + first + i, h, sr, m[r],
@@ -441,8 +453,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer cache, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> slopes,
-                              ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t storage, int64_t window,
-                              float scale, float soft_cap, bool alibi) {
+                              ffi::Buffer<ffi::S32> key_ends, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
+                              int64_t storage, int64_t window, float scale, float soft_cap, bool alibi,
+                              bool bidirectional) {
   const auto qd = q.dimensions(), kd = k_new.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || cd.size() != 6 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], the cache 6-d, tables [S, W]");
@@ -491,6 +504,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   p.seq_lens = seq_lens.typed_data();
   p.starts = starts.typed_data();
   p.slopes = slopes.typed_data();
+  if (bidirectional && key_ends.element_count() != qd[0]) {
+    return ffi::Error::InvalidArgument("paged attention: key_ends must have one entry per row");
+  }
+  p.key_ends = bidirectional ? key_ends.typed_data() : nullptr;
   p.out = out->typed_data();
 
   if (storage == kFloat32) {
@@ -532,10 +549,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query start loc
                                   .Arg<ffi::Buffer<ffi::F32>>()  // alibi slopes
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // key ends (bidirectional only, else one unused)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("storage")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<bool>("alibi"));
+                                  .Attr<bool>("alibi")
+                                  .Attr<bool>("bidirectional"));

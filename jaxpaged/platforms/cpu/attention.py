@@ -81,10 +81,12 @@ def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionM
     slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     f32 = lambda x: x.astype(jnp.float32)
+    key_ends = attn_metadata.key_ends  # an image's tokens attending to each other both ways (Gemma 3), or None
     out = call(
         f32(q), f32(k), f32(v), kv_cache, scales, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes,
+        jnp.zeros((1,), jnp.int32) if key_ends is None else key_ends.astype(jnp.int32),
         layer=layer, storage=storage, window=spec.sliding_window or 0, scale=np.float32(spec.scale),
-        soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None,
+        soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None, bidirectional=key_ends is not None,
     )  # fmt: skip
     return out.astype(q.dtype)
 

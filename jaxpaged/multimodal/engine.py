@@ -1,0 +1,90 @@
+"""An engine's door for images: prompts with `multi_modal_data` and chat messages with image parts become token ids
+and MultimodalInputs (processing.py), checked against what the engine can run (its encoder budget, its cache, its
+token budget where an image's span must be computed at once, limit_mm_per_prompt); and the scheduler's encoder part.
+A text-only model refuses images with a ValueError that says so."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxpaged.models.vision.common import EncoderItem
+from jaxpaged.multimodal.encoder_cache import EncoderScheduler
+from jaxpaged.multimodal.inputs import MultimodalInputs
+from jaxpaged.multimodal.media import MediaLoader
+from jaxpaged.multimodal.processing import MultimodalProcessor, load_processor
+
+if TYPE_CHECKING:
+    from jaxpaged.engine.llm_engine import LLMEngine
+    from jaxpaged.utils.text import ChatPrompt
+
+IMAGE_PART_TYPES = ("image_url", "image", "image_pil")
+
+
+def has_image_parts(messages: Sequence[Any]) -> bool:
+    """Whether a conversation holds image content parts."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in content):
+            return True
+    return False
+
+
+def prompt_images(prompt: dict) -> list:
+    """A prompt dict's multi_modal_data images (vLLM's {"image": image or [images]}); ValueError for other data."""
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict):
+        raise ValueError("multi_modal_data must be a dict such as {'image': [...]}")
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: only 'image' is supported (got {', '.join(sorted(unknown))})")
+    images = data.get("image", [])
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def text_only_refusal(what: str) -> ValueError:
+    return ValueError(f"{what}: this model reads text only; images need a vision-language model")
+
+
+class MultimodalFrontend:
+    def __init__(self, engine: LLMEngine):
+        runner = engine.runner.mm
+        config = engine.config
+        self.spec, self.adapter = runner.spec, runner.adapter
+        self.max_patches = runner.max_patches
+        self.cache_rows = runner.cache.num_rows
+        self.max_step_tokens = config.max_num_batched_tokens
+        loader = MediaLoader(config.allowed_local_media_path, config.media_domains)
+        limit = (config.limit_mm_per_prompt or {}).get("image")
+        processor = load_processor(engine.loaded.source, engine.tokenizer)
+        self.adapter.configure(processor, self.max_patches)
+        self.processor = MultimodalProcessor(processor, self.adapter, self.spec, loader, limit, self._check)
+        engine.scheduler.mm = self.scheduler = EncoderScheduler(runner.cache, self.max_patches, self.spec.bidirectional)
+
+    def _check(self, item: EncoderItem, what: str) -> None:
+        if item.num_patches > self.max_patches:
+            raise ValueError(f"{what} has {item.num_patches} patches, more than the encoder runs in one step "
+                             f"(max_num_encoder_input_tokens={self.max_patches})")  # fmt: skip
+        if item.num_rows > self.cache_rows:
+            raise ValueError(f"{what} needs {item.num_rows} embeddings, more than the encoder cache holds "
+                             f"(encoder_cache_size={self.cache_rows})")  # fmt: skip
+        if self.spec.bidirectional and item.num_rows > self.max_step_tokens:
+            raise ValueError(f"{what} spans {item.num_rows} tokens, which this model computes in one step: more than "
+                             f"max_num_batched_tokens ({self.max_step_tokens})")  # fmt: skip
+
+    def prompt(self, prompt: dict) -> tuple[str | None, list[int], MultimodalInputs | None]:
+        images = prompt_images(prompt)
+        if "prompt_token_ids" in prompt:
+            raise ValueError("multi_modal_data needs the prompt as text ('prompt'), which the processor expands")
+        text = prompt.get("prompt")
+        ids, mm = self.processor.prompt(text, images)
+        return text, ids, mm if mm.images else None
+
+    def chat(self, prompt: ChatPrompt) -> tuple[None, list[int], MultimodalInputs | None]:
+        ids, mm = self.processor.chat(prompt.messages, prompt.add_generation_prompt, prompt.tools)
+        return None, ids, mm if mm.images else None
+
+    def stats(self) -> dict:
+        cache = self.scheduler.cache
+        return {"encoder_images_encoded": self.scheduler.num_encoded, "encoder_patches_encoded": self.scheduler.num_patches_encoded,
+                "encoder_cache_hits": cache.hits, "encoder_cache_rows_used": cache.num_used}  # fmt: skip

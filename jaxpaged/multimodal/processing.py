@@ -1,0 +1,139 @@
+"""Prompts with images -> token ids and placed images, through the model's own transformers processor (its image
+processor resizes and normalizes; its chat template and placeholder expansion make the tokens), never a copy.
+
+transformers builds some processors only with torchvision (Qwen2.5-VL's needs its video processor): where
+AutoProcessor fails for that reason, the processor class is built from the Pillow image processor and the tokenizer,
+images only (/work/shared/vision.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxpaged.models.vision.common import ImageAdapter, VisionSpec
+from jaxpaged.multimodal.inputs import MultimodalInputs, place_images
+from jaxpaged.multimodal.media import MediaLoader
+
+logger = logging.getLogger("jaxpaged.multimodal")
+
+
+def load_processor(folder: str | Path, tokenizer):
+    """The model's processor (images only), from its folder."""
+    import transformers
+
+    folder = str(folder)
+    try:
+        return transformers.AutoProcessor.from_pretrained(folder)
+    except (ImportError, OSError, ValueError, TypeError) as exc:
+        first = exc
+    # a processor whose video part needs torchvision: its class, from the Pillow image processor and the tokenizer
+    try:
+        image_processor = transformers.AutoImageProcessor.from_pretrained(folder)
+        config = transformers.AutoConfig.from_pretrained(folder)
+        name = transformers.models.auto.processing_auto.PROCESSOR_MAPPING_NAMES.get(config.model_type)
+        cls = getattr(transformers, name) if name else None
+        if cls is None:
+            raise ValueError(f"no processor class for model type {config.model_type!r}")
+        chat_template = getattr(tokenizer, "chat_template", None)
+        template_file = Path(folder) / "chat_template.jinja"
+        if template_file.exists():
+            chat_template = template_file.read_text()
+        kwargs = {"chat_template": chat_template}
+        if "video_processor" in cls.__init__.__code__.co_varnames:
+            kwargs["video_processor"] = None
+        processor = cls(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+        logger.info("processor %s built from its image processor (%s): %s", name, type(image_processor).__name__, first)
+        return processor
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"could not load the image processor in {folder}: {first}; then: {exc}") from exc
+
+
+def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[dict], list]:
+    """OpenAI chat messages (content parts: text, image_url, or vLLM's image/image_pil) -> (messages as transformers'
+    chat templates take them, each image part {"type": "image", "image": <PIL image>}; the images in order)."""
+    converted, images = [], []
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{m}] must be an object")
+        content = message.get("content")
+        if not isinstance(content, list):
+            converted.append(message)
+            continue
+        parts = []
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text", "")})
+            elif kind in ("image_url", "image", "image_pil"):
+                source = part.get(kind) if kind != "image" else part.get("image", part.get("url"))
+                if isinstance(source, dict):
+                    source = source.get("url")
+                image = loader.load(source, what=where)
+                images.append(image)
+                parts.append({"type": "image", "image": image})
+            else:
+                raise ValueError(f"{where}: content part type {kind!r} is not supported (text, image_url)")
+        converted.append({**message, "content": parts})
+    return converted, images
+
+
+class MultimodalProcessor:
+    """One engine's: prompt text or chat messages plus images -> (token ids, MultimodalInputs)."""
+
+    def __init__(self, processor, adapter: ImageAdapter, spec: VisionSpec, loader: MediaLoader,
+                 limit_images: int | None = None, check=None):  # fmt: skip
+        self.processor = processor
+        self.adapter = adapter
+        self.spec = spec
+        self.loader = loader
+        self.limit_images = limit_images
+        self.check = check  # the engine's limits on one image (encoder budget, cache size): raises ValueError
+
+    def _count(self, n: int) -> None:
+        if self.limit_images is not None and n > self.limit_images:
+            raise ValueError(f"the prompt has {n} images; at most {self.limit_images} are allowed (limit_mm_per_prompt)")
+
+    def prompt(self, text: str, images: Sequence[Any]) -> tuple[list[int], MultimodalInputs]:
+        """A prompt string holding the model's image placeholder once per image (as its chat template writes it)."""
+        if not isinstance(text, str):
+            raise ValueError("prompt: multi_modal_data needs the prompt as text")
+        self._count(len(images))
+        loaded = [self.loader.load(image, what=f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
+        try:
+            out = self.processor(text=text, images=loaded or None, return_tensors="np")
+        except ValueError as exc:
+            raise ValueError(f"the prompt and its images do not match: {exc}") from None
+        return self._inputs(dict(out))
+
+    def chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, tools=None) -> tuple[list[int], MultimodalInputs]:
+        converted, images = openai_parts(messages, self.loader)
+        self._count(len(images))
+        extra = {"tools": tools} if tools else {}
+        try:
+            out = self.processor.apply_chat_template(
+                converted, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,
+                return_tensors="np", **extra,
+            )  # fmt: skip
+        except ValueError:
+            raise
+        except Exception as exc:  # a template's raise_exception(), or a message it cannot render
+            raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
+        return self._inputs(dict(out))
+
+    def _inputs(self, out: dict) -> tuple[list[int], MultimodalInputs]:
+        ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1)]
+        items = self.adapter.items(out, ids) if "pixel_values" in out or "pixel_values_videos" in out else []
+        for i, item in enumerate(items):
+            if self.check is not None:
+                self.check(item, f"image {i}")
+        images = place_images(ids, self.spec.image_token_id, items)
+        mm = MultimodalInputs(images)
+        if self.spec.mrope:
+            mm.mrope_positions, mm.mrope_delta = self.adapter.mrope_positions(ids, items)
+        return ids, mm

@@ -1,0 +1,147 @@
+"""What every vision-language port shares: the facts the engine reads (VisionSpec), an image as its encoder reads it
+(EncoderItem), the host-side adapter a family provides (ImageAdapter), dense attention for vision towers, and the
+merge of cached image embeddings into a step's token embeddings (MultimodalStep).
+
+How an image travels: transformers' own processor (jaxpaged/multimodal/processing.py) turns the prompt and its images
+into token ids, with each image a contiguous span of placeholder tokens, and the encoder's arrays; the family's
+adapter cuts those into one EncoderItem per span. The engine runs the port's `encode` on a batch of items padded to a
+patch-count bucket, writes the output rows into its encoder cache (a device array of embedding rows), and each step
+hands the port the cache and, per token, the cache row that replaces its embedding (-1 for text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSpec:
+    """Static facts of a vision-language port the engine needs."""
+
+    image_token_id: int  # the placeholder a processor expands each image into
+    hidden_size: int  # the language model's embedding width: one encoder-cache row
+    levels: int = 1  # feature levels per row: the input embedding, then DeepStack's per-layer additions (Qwen3-VL)
+    bidirectional: bool = False  # an image's tokens attend to each other both ways in prefill (Gemma 3)
+    mrope: bool = False  # 3-D M-RoPE positions (Qwen2.5-VL, Qwen3-VL)
+
+
+@dataclasses.dataclass
+class EncoderItem:
+    """One image as its encoder reads it: `arrays` of one image (their layout is the family's), what the encoder's work
+    and the buckets count (`num_patches`), the embedding rows it yields (its placeholder span's length) and `key`,
+    the hash of its arrays (the encoder cache and prefix caching know an image by it)."""
+
+    arrays: dict[str, np.ndarray]
+    num_patches: int
+    num_rows: int
+    key: bytes = b""
+    meta: dict = dataclasses.field(default_factory=dict)  # family facts the host needs (Qwen: the grid)
+
+    def __post_init__(self):
+        if not self.key:
+            digest = hashlib.sha256()
+            for name in sorted(self.arrays):
+                array = np.ascontiguousarray(self.arrays[name])
+                digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+                digest.update(array.tobytes())
+            self.key = digest.digest()
+
+
+class ImageAdapter:
+    """A family's host side: the processor's outputs -> EncoderItems, a batch of items -> the arrays its `encode`
+    takes at a bucket's shapes, and the buckets. Subclasses set the details; the engine calls nothing else."""
+
+    def __init__(self, hf_config, spec: VisionSpec):
+        self.hf_config = hf_config
+        self.spec = spec
+
+    # -- processing --------------------------------------------------------------------------
+
+    def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
+        """One item per image, in prompt order, from the processor's outputs (numpy arrays)."""
+        raise NotImplementedError
+
+    def mrope_positions(self, input_ids: Sequence[int], items: Sequence[EncoderItem]) -> tuple[np.ndarray, int] | None:
+        """M-RoPE families: ([3, L] positions of the prompt's tokens, the offset decode positions carry)."""
+        return None
+
+    def configure(self, processor, max_patches: int) -> None:
+        """The engine's processor and largest encoder batch, once loaded (a family may cap its images' size so that
+        any image fits a batch: Qwen's max_pixels)."""
+
+    def max_image_patches(self) -> int:
+        """The patches of the largest image the processor makes (the default encoder batch)."""
+        raise NotImplementedError
+
+    # -- the encoder step --------------------------------------------------------------------
+
+    def buckets(self, max_patches: int) -> list[int]:
+        """Patch counts the encoder compiles for, up to max_patches (powers of two by default)."""
+        out, b = [], 1
+        while b < max_patches:
+            out.append(b)
+            b *= 2
+        return out + [max_patches]
+
+    def rows_for(self, bucket: int) -> int:
+        """The encoder's output rows at a bucket (an upper bound on its items' rows)."""
+        raise NotImplementedError
+
+    def batch(self, items: Sequence[EncoderItem], bucket: int) -> dict[str, np.ndarray]:
+        """The items' arrays at the bucket's shapes (padding that yields rows nobody reads); their output rows come
+        first, item after item."""
+        raise NotImplementedError
+
+    def blank(self, bucket: int) -> dict[str, np.ndarray]:
+        """A batch of no item: compiles the bucket."""
+        return self.batch([], bucket)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MultimodalStep:
+    """A step's image inputs, as the port's forward reads them: the encoder cache and, per token, its row there."""
+
+    rows: jax.Array  # [T] the encoder-cache row replacing each token's embedding; -1: its own (text, padding)
+    cache: jax.Array  # [N, levels, D] the encoder cache
+    mrope_positions: jax.Array | None = None  # [3, T] M-RoPE families: each token's (t, h, w) position
+
+
+def merge_embeddings(x: jax.Array, mm: MultimodalStep | None, level: int = 0) -> jax.Array:
+    """x [T, D] with each image token's row replaced by its cached embedding (level 0: the input embedding)."""
+    if mm is None:
+        return x
+    rows = mm.rows
+    image = mm.cache[jnp.maximum(rows, 0), level].astype(x.dtype)
+    return jnp.where((rows >= 0)[:, None], image, x)
+
+
+def placeholder_ids(input_ids: jax.Array, mm: MultimodalStep | None) -> jax.Array:
+    """Token ids to embed: an image token's id may lie outside the vocabulary (transformers embeds id 0 there)."""
+    return input_ids if mm is None else jnp.where(mm.rows >= 0, 0, input_ids)
+
+
+def dense_attention(q, k, v, mask, scale: float) -> jax.Array:
+    """q, k, v [B, N, H, D], mask [B, N, N] (or None: all) -> [B, N, H, D]: softmax in float32, as transformers'
+    eager vision attention (its float32 towers compute at full precision)."""
+    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=prec, preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        s = jnp.where(mask[:, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.isnan(p), 0.0, p)  # rows that see nothing (padding)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def contiguous_spans(input_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token_id` in input_ids, in order."""
+    ids = np.asarray(input_ids)
+    hit = np.concatenate([[False], ids == token_id, [False]])
+    edges = np.flatnonzero(hit[1:] != hit[:-1])
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]

@@ -1,0 +1,78 @@
+"""A vision-language port's float32 logits at every prompt position, several prompts in one ragged step, with their
+images encoded first: built with the engine's own processing (MultimodalProcessor) and per-token image arrays
+(image_step_arrays), so what is checked against transformers is the path requests take, less the scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxpaged.models.loader import load_model
+from jaxpaged.models.vision.common import MultimodalStep
+from jaxpaged.multimodal.media import MediaLoader
+from jaxpaged.multimodal.processing import MultimodalProcessor, load_processor
+from jaxpaged.multimodal.runner import image_step_arrays, vision_parts
+from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
+
+BLOCK = 16
+
+
+class VLMRunner:
+    def __init__(self, folder, max_patches: int = 1 << 16, **load_kwargs):
+        self.loaded = load_model(str(folder), **load_kwargs)
+        self.model = self.loaded.model
+        self.spec, self.adapter = vision_parts(self.loaded)
+        processor = load_processor(folder, self.loaded.tokenizer)
+        self.adapter.configure(processor, max_patches)
+        self.processor = MultimodalProcessor(processor, self.adapter, self.spec, MediaLoader())
+        graphdef, state = nnx.split(self.model)
+        self._encode = jax.jit(lambda st, batch: nnx.merge(graphdef, st).encode(batch))
+        self._logits = jax.jit(lambda st, *args: self._logits_impl(nnx.merge(graphdef, st), *args))
+        self.state = state
+
+    @staticmethod
+    def _logits_impl(model, ids, positions, kv, md, mm):
+        hidden, _ = model.forward(ids, positions, kv, md, mm)
+        return model.compute_logits(hidden)
+
+    def inputs(self, text: str | None = None, images: Sequence = (), messages=None):
+        """(token ids, MultimodalInputs or None) as the engine makes them."""
+        if messages is not None:
+            ids, mm = self.processor.chat(messages)
+        else:
+            ids, mm = self.processor.prompt(text, list(images))
+        return ids, (mm if mm.images else None)
+
+    def logits(self, requests: Sequence[tuple[list[int], object]]) -> list[np.ndarray]:
+        """Each request's logits at every prompt position, all requests in one step."""
+        items = {}
+        for _, mm in requests:
+            for image in mm.images if mm is not None else ():
+                items.setdefault(image.key, image.item)
+        rows, cache = {}, []
+        for key, item in items.items():  # each image alone, at the bucket of its own patches
+            bucket = self.adapter.buckets(item.num_patches)[-1]
+            out = np.asarray(self._encode(self.state, jax.tree.map(jnp.asarray, self.adapter.batch([item], bucket))))
+            rows[key] = np.arange(item.num_rows, dtype=np.int32) + sum(len(c) for c in cache)
+            cache.append(out[: item.num_rows])
+        cache = jnp.asarray(np.concatenate(cache) if cache else np.zeros((1, self.spec.levels, self.spec.hidden_size), np.float32))
+        lens = [len(ids) for ids, _ in requests]
+        total = sum(lens)
+        width = -(-max(lens) // BLOCK)
+        ids = np.concatenate([np.asarray(i, np.int32) for i, _ in requests])
+        positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        slots = np.concatenate([i * width * BLOCK + np.arange(n, dtype=np.int32) for i, n in enumerate(lens)])
+        tables = np.arange(len(requests) * width, dtype=np.int32).reshape(len(requests), width)
+        image_rows = [(int(qsl[i]), mm, 0, n) for i, ((_, mm), n) in enumerate(zip(requests, lens)) if mm is not None]
+        mm_rows, key_ends, mrope = image_step_arrays(self.spec, rows.__getitem__, total, positions, image_rows, None)
+        md = AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lens, jnp.int32), jnp.asarray(qsl),
+                               key_ends=None if key_ends is None else jnp.asarray(key_ends))  # fmt: skip
+        cfg = self.loaded.config
+        kv = jnp.zeros(kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, len(requests) * width, BLOCK, cfg.head_dim), jnp.float32)
+        mm = MultimodalStep(jnp.asarray(mm_rows), cache, None if mrope is None else jnp.asarray(mrope))
+        out = np.asarray(self._logits(self.state, jnp.asarray(ids), jnp.asarray(positions), kv, md, mm))
+        return [out[qsl[i] : qsl[i + 1]] for i in range(len(requests))]

@@ -1,0 +1,134 @@
+"""Tiny random-weight vision-language checkpoints written by transformers, with a byte-level tokenizer carrying each
+family's special tokens, its processor (the Pillow image processors: no torchvision) and its chat template: what
+the VLM tests load into jaxpaged and run through transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+torch = __import__("pytest").importorskip("torch", reason="torch (the dev extra) is the reference model")
+PIL = __import__("pytest").importorskip("PIL", reason="Pillow (the vision extra) reads images")
+import transformers  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from tests.hf_reference import random_hf_model  # noqa: E402
+
+GEMMA3_CHAT_TEMPLATE = (  # google/gemma-3-4b-it's, as published
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
+
+
+def byte_tokenizer(specials: list[str], chat_template: str, **kwargs):
+    """Bytes are tokens 0-255, then `specials` in order (ids 256, 257, ...)."""
+    from jaxpaged.models.gguf_io import _bytes_to_unicode
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    spelling = _bytes_to_unicode()
+    vocab = {spelling[b]: b for b in range(256)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template, **kwargs)
+
+
+GEMMA3_SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                   "<image_soft_token>"]  # fmt: skip
+GEMMA3_IDS = {t: 256 + i for i, t in enumerate(GEMMA3_SPECIALS)}
+GEMMA3_VOCAB = 256 + len(GEMMA3_SPECIALS)
+
+
+def gemma3_config(image_size: int = 56, patch_size: int = 14, mm_tokens: int = 4, **text) -> transformers.Gemma3Config:
+    """Images of (56 / 14)^2 = 16 patches pooled 2x2 into 4 soft tokens; windows of 8 (an image's span lies in one)."""
+    ids = GEMMA3_IDS
+    text_kwargs = dict(
+        vocab_size=GEMMA3_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=3, max_position_embeddings=512, sliding_window=8, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 20000.0}},
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=image_size,
+        patch_size=patch_size, vision_use_head=False,
+    )  # fmt: skip
+    return transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**(text_kwargs | text)), vision_config=vision, mm_tokens_per_image=mm_tokens,
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
+    )  # fmt: skip
+
+
+def gemma3_processor(config: transformers.Gemma3Config):
+    tokenizer = byte_tokenizer(
+        GEMMA3_SPECIALS, GEMMA3_CHAT_TEMPLATE, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    )  # fmt: skip
+    size = config.vision_config.image_size
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    return transformers.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA3_CHAT_TEMPLATE,
+        image_seq_length=config.mm_tokens_per_image,
+    )  # fmt: skip
+
+
+def write_vlm(folder: Path, model, processor) -> Path:
+    """The checkpoint, its tokenizer and processor, as a published folder holds them."""
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def gemma3_checkpoint(folder: Path, seed: int = 0, **text):
+    """(transformers model, processor, folder) of a tiny Gemma 3 image-text model."""
+    config = gemma3_config(**text)
+    model = random_hf_model(config, seed=seed)
+    processor = gemma3_processor(config)
+    return model, processor, write_vlm(folder, model, processor)
+
+
+def images(*sizes: tuple[int, int], seed: int = 0) -> list:
+    """Random RGB images of the given (width, height)."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+
+
+def hf_inputs(processor, text: str | None = None, imgs=(), messages=None) -> dict:
+    """transformers' own inputs for a prompt with images (or a conversation), as torch tensors."""
+    if messages is not None:
+        return dict(processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                  return_tensors="pt"))  # fmt: skip
+    return dict(processor(text=text, images=list(imgs) or None, return_tensors="pt"))
+
+
+def hf_vlm_greedy(model, inputs: dict, max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def hf_vlm_logits(model, inputs: dict) -> np.ndarray:
+    with torch.no_grad():
+        return model(**inputs).logits[0].float().numpy()
+
+
