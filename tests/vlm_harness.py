@@ -25,7 +25,7 @@ class VLMRunner:
         self.loaded = load_model(str(folder), **load_kwargs)
         self.model = self.loaded.model
         self.spec, self.adapter = vision_parts(self.loaded)
-        processor = load_processor(folder, self.loaded.tokenizer)
+        processor = load_processor(folder, self.loaded.tokenizer, self.adapter.processor_class)
         self.adapter.configure(processor, max_patches)
         self.processor = MultimodalProcessor(processor, self.adapter, self.spec, MediaLoader())
         graphdef, state = nnx.split(self.model)

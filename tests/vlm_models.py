@@ -92,6 +92,22 @@ def gemma3_processor(config: transformers.Gemma3Config):
     )  # fmt: skip
 
 
+def random_vlm(config, seed: int = 0, std: float = 0.15):
+    """tests.hf_reference.random_hf_model for an image-text model (every parameter random, norms near one)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("ln_q.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def write_vlm(folder: Path, model, processor) -> Path:
     """The checkpoint, its tokenizer and processor, as a published folder holds them."""
     model.save_pretrained(folder)
@@ -132,3 +148,59 @@ def hf_vlm_logits(model, inputs: dict) -> np.ndarray:
         return model(**inputs).logits[0].float().numpy()
 
 
+
+
+# -- Qwen2.5-VL ---------------------------------------------------------------------------------------------------
+
+QWEN_VL_CHAT_TEMPLATE = (  # Qwen/Qwen2.5-VL-7B-Instruct's, as published
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content "
+    "or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' "
+    "or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                 "<|video_pad|>"]  # fmt: skip
+QWEN_IDS = {t: 256 + i for i, t in enumerate(QWEN_SPECIALS)}
+QWEN_VOCAB = 256 + len(QWEN_SPECIALS)
+
+
+def qwen2_5_vl_config(**text) -> transformers.Qwen2_5_VLConfig:
+    """Patches of 14, merged 2x2; windows of 56 pixels (2x2 merge units: 16 patches), one full-attention block of
+    two; M-RoPE sections (2, 3, 3) of head dim 16."""
+    ids = QWEN_IDS
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1], out_hidden_size=64, in_channels=3)  # fmt: skip
+    text_kwargs = dict(
+        vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=ids["<|im_end|>"], bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )  # fmt: skip
+    return transformers.Qwen2_5_VLConfig(
+        text_config=text_kwargs | text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], eos_token_id=ids["<|im_end|>"],
+    )  # fmt: skip
+
+
+def qwen_vl_processor(cls=None, image_processor=None, chat_template: str = QWEN_VL_CHAT_TEMPLATE):
+    """Images resized to multiples of 28 between 56x56 and 112x112 pixels (4 to 16 merge units)."""
+    tokenizer = byte_tokenizer(QWEN_SPECIALS, chat_template, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    image_processor = image_processor or transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, patch_size=14, merge_size=2, temporal_patch_size=2)
+    from jaxpaged.models.vision.qwen_vl import images_only
+
+    cls = images_only(cls or transformers.Qwen2_5_VLProcessor)  # transformers' own, less its torchvision video part
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+
+
+def qwen2_5_vl_checkpoint(folder: Path, seed: int = 0, **text):
+    config = qwen2_5_vl_config(**text)
+    model = random_vlm(config, seed=seed)
+    processor = qwen_vl_processor()
+    return model, processor, write_vlm(folder, model, processor)

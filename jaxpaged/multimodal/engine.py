@@ -56,7 +56,7 @@ class MultimodalFrontend:
         self.max_step_tokens = config.max_num_batched_tokens
         loader = MediaLoader(config.allowed_local_media_path, config.media_domains)
         limit = (config.limit_mm_per_prompt or {}).get("image")
-        processor = load_processor(engine.loaded.source, engine.tokenizer)
+        processor = load_processor(engine.loaded.source, engine.tokenizer, self.adapter.processor_class)
         self.adapter.configure(processor, self.max_patches)
         self.processor = MultimodalProcessor(processor, self.adapter, self.spec, loader, limit, self._check)
         engine.scheduler.mm = self.scheduler = EncoderScheduler(runner.cache, self.max_patches, self.spec.bidirectional)

@@ -22,14 +22,18 @@ from jaxpaged.multimodal.media import MediaLoader
 logger = logging.getLogger("jaxpaged.multimodal")
 
 
-def load_processor(folder: str | Path, tokenizer):
-    """The model's processor (images only), from its folder."""
+def load_processor(folder: str | Path, tokenizer, images_only=None):
+    """The model's processor (images only), from its folder; images_only(cls): the family's processor class with its
+    video part left out, for when AutoProcessor cannot build it."""
     import transformers
 
     folder = str(folder)
     try:
-        return transformers.AutoProcessor.from_pretrained(folder)
-    except (ImportError, OSError, ValueError, TypeError) as exc:
+        processor = transformers.AutoProcessor.from_pretrained(folder)
+        if getattr(processor, "image_processor", None) is not None:
+            return processor
+        first = f"AutoProcessor made a {type(processor).__name__} without an image processor"
+    except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
         first = exc
     # a processor whose video part needs torchvision: its class, from the Pillow image processor and the tokenizer
     try:
@@ -43,10 +47,9 @@ def load_processor(folder: str | Path, tokenizer):
         template_file = Path(folder) / "chat_template.jinja"
         if template_file.exists():
             chat_template = template_file.read_text()
-        kwargs = {"chat_template": chat_template}
-        if "video_processor" in cls.__init__.__code__.co_varnames:
-            kwargs["video_processor"] = None
-        processor = cls(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+        if images_only is not None:
+            cls = images_only(cls)
+        processor = cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
         logger.info("processor %s built from its image processor (%s): %s", name, type(image_processor).__name__, first)
         return processor
     except Exception as exc:  # noqa: BLE001

@@ -71,6 +71,8 @@ class ImageAdapter:
         """M-RoPE families: ([3, L] positions of the prompt's tokens, the offset decode positions carry)."""
         return None
 
+    processor_class = None  # (cls -> cls) a processor class transformers cannot build without torchvision, images only
+
     def configure(self, processor, max_patches: int) -> None:
         """The engine's processor and largest encoder batch, once loaded (a family may cap its images' size so that
         any image fits a batch: Qwen's max_pixels)."""

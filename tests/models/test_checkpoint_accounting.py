@@ -34,6 +34,7 @@ import tests.models.test_hybrid_models as hybrid_cases
 import tests.models.test_model_families as family_cases
 import tests.models.test_moe as moe_cases
 import tests.models.test_phi as phi_cases
+import tests.models.test_vlm_qwen2_5 as qwen_vl_cases
 from tests import REPO
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 from tests.static_batch import StaticBatchRunner
@@ -45,12 +46,16 @@ UNKNOWN = "model.layers.0.mlp.extra_proj.weight"  # what the broken checkpoints 
 MISSING = "model.layers.1.mlp.down_proj"  # ... and what they lack (its .weight, or a quantized Linear's parts)
 
 
+# image-text architectures: (config maker, model maker), AutoModelForCausalLM making none or the text-only model
+IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES}
+
+
 def _architectures() -> dict:
     """architecture -> a maker of one tiny config, from the family tests' cases."""
     found = {"LlamaForCausalLM": tiny_llama_config}
     for config_cls, kwargs, arch in [*family_cases.CASES.values(), *moe_cases.CASES.values(), *hybrid_cases.CASES.values()]:
         found.setdefault(arch, functools.partial(config_cls, **kwargs))
-    for arch, (make_config, _) in hybrid_cases.IMAGE_TEXT.items():
+    for arch, (make_config, _) in IMAGE_TEXT.items():
         found.setdefault(arch, make_config)
     for config, arch in phi_cases.CASES.values():
         found.setdefault(arch, functools.partial(copy.deepcopy, config))
@@ -118,7 +123,7 @@ def test_tying_follows_transformers_per_architecture(arch):
         config = ARCHITECTURES[arch]()
         config.tie_word_embeddings = flag
         with torch.device("meta"):  # (Qwen3.5's image-text classes: AutoModelForCausalLM makes the text-only one)
-            hf = getattr(transformers, arch)(config) if arch in hybrid_cases.IMAGE_TEXT else transformers.AutoModelForCausalLM.from_config(config)
+            hf = getattr(transformers, arch)(config) if arch in IMAGE_TEXT else transformers.AutoModelForCausalLM.from_config(config)
         theirs = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
         assert theirs == (flag and arch not in hybrid_cases.NEVER_TIED)
         assert _port_config(config)[1].tie_word_embeddings == theirs, (arch, flag)
@@ -202,7 +207,7 @@ def test_an_untied_config_without_its_head_is_an_error(tmp_path):
 def test_every_family_loads_with_nothing_unexplained(arch, tmp_path):
     """save_pretrained's checkpoint loads, skipping only what the port says (Gemma 3 image-text: its vision tower);
     with one unknown tensor more and one Linear less it is a ValueError naming both."""
-    make_model = hybrid_cases.IMAGE_TEXT[arch][1] if arch in hybrid_cases.IMAGE_TEXT else random_hf_model  # (as above)
+    make_model = IMAGE_TEXT[arch][1] if arch in IMAGE_TEXT else random_hf_model  # (as above)
     hf = make_model(ARCHITECTURES[arch]())
     folder = save_hf_model(hf, tmp_path)
     loaded = load_model(str(folder), dtype="float32")

@@ -96,7 +96,7 @@ def test_greedy_equals_transformers_through_the_engine(gemma3):
             prompts.append({"prompt": spec["text"], "multi_modal_data": {"image": spec["images"]}})
         else:
             prompts.append(spec["text"])
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     for (name, (_, hf_in)), out in zip(cases.items(), outs):
         assert out.prompt_token_ids == hf_in["input_ids"][0].tolist(), name
         assert list(out.outputs[0].token_ids) == hf_vlm_greedy(hf, hf_in, 8), name

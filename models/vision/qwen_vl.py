@@ -1,0 +1,514 @@
+"""Qwen2.5-VL reading images, as transformers 5.24's Qwen2_5_VLForConditionalGeneration computes it.
+
+The vision transformer: a Conv3d patch embedding (each image's patches as the processor flattens them, merge units
+of 2x2 patches contiguous), 2-D rotary positions (h, w), RMSNorm pre-norm blocks attending within windows of
+`window_size` pixels except the `fullatt_block_indexes` blocks, which attend across the whole image, and the patch
+merger (RMSNorm, 2x2 patches concatenated, a GELU MLP) giving one embedding per merge unit. The language model is
+Qwen2 (models/llama.py) with M-RoPE: each token has a (t, h, w) position and the rotary frequencies are split into
+`mrope_section` parts, one per axis; text tokens carry the same position on all three, an image's tokens their grid's,
+and text after an image resumes at the image's start + max(h, w) / merge, so a generated token at sequence position p
+has position p + rope_delta (negative) on all axes (transformers' get_rope_index; MultimodalInputs.mrope_delta).
+
+Static shapes for the encoder (models/vision/common.py: ImageAdapter): the host lays each image out in transformers'
+window order with every window padded to its full size (ws^2 merge units, ws = window_size / merge / patch), so a
+batch is a multiple of one window's patches: windowed blocks attend within fixed blocks, full blocks across the
+image (a segment mask, queries taken in chunks so no [P, P] matrix is made), padding masked out; the output rows go
+back to the image's merge-unit order through an index the host computed (transformers' argsort of window_index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxpaged.models.accounting import ROTARY_CACHE
+from jaxpaged.models.config import ModelConfig, RopeConfig, model_config_from_hf, rope_from_hf, text_config
+from jaxpaged.models.layers import REFERENCE_ATTENTION, RMSNorm, Linear, _param, activation, module_list, rope_inv_freq
+from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.vision.common import (
+    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, merge_embeddings, placeholder_ids,
+)  # fmt: skip
+from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
+
+QUERY_CHUNK = 1024  # full-attention blocks take queries this many at a time: [H, chunk, P] scores at most
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    merge: int  # spatial_merge_size
+    temporal_patch_size: int
+    in_channels: int
+    out_hidden_size: int
+    hidden_act: str
+    rope_theta: float
+    window_size: int  # pixels; 0: no windows (every block attends across the image)
+    fullatt_blocks: tuple[int, ...]
+    image_token_id: int
+
+    @property
+    def window_units(self) -> int:
+        """Merge units per window side (transformers' vit_merger_window_size); 0: no windows."""
+        return self.window_size // self.merge // self.patch_size if self.window_size else 0
+
+    @property
+    def window_patches(self) -> int:
+        """Patches in one padded window: the step every layout is a multiple of."""
+        return max(1, self.window_units) ** 2 * self.merge**2
+
+    @staticmethod
+    def from_hf(hf_config) -> QwenVisionConfig:
+        v = hf_config.vision_config
+        rope = dict(getattr(v, "rope_parameters", None) or {})
+        return QwenVisionConfig(
+            depth=int(v.depth), hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),
+            num_heads=int(v.num_heads), patch_size=int(v.patch_size), merge=int(v.spatial_merge_size),
+            temporal_patch_size=int(v.temporal_patch_size), in_channels=int(getattr(v, "in_channels", 3)),
+            out_hidden_size=int(v.out_hidden_size), hidden_act=str(v.hidden_act),
+            rope_theta=float(rope.get("rope_theta", 10000.0)), window_size=int(getattr(v, "window_size", 0) or 0),
+            fullatt_blocks=tuple(int(i) for i in getattr(v, "fullatt_block_indexes", ()) or ()),
+            image_token_id=int(hf_config.image_token_id),
+        )  # fmt: skip
+
+
+def _precision(x):
+    return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+
+def segment_attention(q, k, v, q_seg, k_seg, scale: float) -> jax.Array:
+    """q, k, v [N, H, D]: each query attends to the keys of its segment (a key's segment -1: padding, seen by none)
+    -> [N, H, D]; softmax in float32."""
+    s = jnp.einsum("qhd,khd->hqk", q, k, precision=_precision(q), preferred_element_type=jnp.float32) * scale
+    mask = (q_seg[:, None] == k_seg[None, :]) & (k_seg >= 0)[None, :]
+    s = jnp.where(mask[None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.isnan(p), 0.0, p)  # padding queries see nothing
+    return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, precision=_precision(q), preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+class _QKV(nnx.Module):
+    def __init__(self, d: int, *, dtype):
+        self.qkv = Linear(d, 3 * d, bias=True, dtype=dtype)
+        self.proj = Linear(d, d, bias=True, dtype=dtype)
+
+
+class _GatedMLP(nnx.Module):
+    def __init__(self, d: int, inner: int, *, dtype):
+        self.gate_proj = Linear(d, inner, bias=True, dtype=dtype)
+        self.up_proj = Linear(d, inner, bias=True, dtype=dtype)
+        self.down_proj = Linear(inner, d, bias=True, dtype=dtype)
+
+
+class _NoParams(nnx.Module):
+    """A checkpoint's parameterless module (the merger's GELU at mlp.1), so indices match the checkpoint's."""
+
+
+class QwenVisionBlock(nnx.Module):
+    def __init__(self, cfg: QwenVisionConfig, *, dtype):
+        d = cfg.hidden_size
+        self.norm1 = RMSNorm(d, eps=1e-6, dtype=dtype)
+        self.norm2 = RMSNorm(d, eps=1e-6, dtype=dtype)
+        self.attn = _QKV(d, dtype=dtype)
+        self.mlp = _GatedMLP(d, cfg.intermediate_size, dtype=dtype)
+        self.num_heads, self.act = cfg.num_heads, cfg.hidden_act
+
+    def attention(self, x, cos, sin, seg, block: int):
+        """block > 0: windows of `block` consecutive rows; 0: across each image (seg)."""
+        n, d = x.shape
+        h = self.num_heads
+        qkv = self.attn.qkv(x).reshape(n, 3, h, d // h)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = (q.astype(jnp.float32) * c + rotate_half(q.astype(jnp.float32)) * s).astype(x.dtype)
+        k = (k.astype(jnp.float32) * c + rotate_half(k.astype(jnp.float32)) * s).astype(x.dtype)
+        scale = (d // h) ** -0.5
+        if block:
+            w = n // block
+            windows = jax.vmap(segment_attention, in_axes=(0, 0, 0, 0, 0, None))
+            seg_w = seg.reshape(w, block)
+            out = windows(q.reshape(w, block, h, -1), k.reshape(w, block, h, -1), v.reshape(w, block, h, -1), seg_w, seg_w, scale)
+            out = out.reshape(n, h, -1)
+        else:
+            chunk = min(n, QUERY_CHUNK)
+            out = jnp.concatenate([segment_attention(q[i : i + chunk], k, v, seg[i : i + chunk], seg, scale)
+                                   for i in range(0, n, chunk)])  # fmt: skip
+        return self.attn.proj(out.reshape(n, d))
+
+    def __call__(self, x, cos, sin, seg, block: int):
+        x = x + self.attention(self.norm1(x), cos, sin, seg, block)
+        y = self.norm2(x)
+        return x + self.mlp.down_proj(activation(self.act)(self.mlp.gate_proj(y)) * self.mlp.up_proj(y))
+
+
+class QwenPatchMerger(nnx.Module):
+    def __init__(self, cfg: QwenVisionConfig, *, dtype):
+        wide = cfg.hidden_size * cfg.merge**2
+        self.ln_q = RMSNorm(cfg.hidden_size, eps=1e-6, dtype=dtype)
+        self.mlp = module_list([Linear(wide, wide, bias=True, dtype=dtype), _NoParams(),
+                                Linear(wide, cfg.out_hidden_size, bias=True, dtype=dtype)])  # fmt: skip
+        self.wide = wide
+
+    def __call__(self, x):
+        y = self.ln_q(x).reshape(-1, self.wide)
+        return self.mlp[2](jax.nn.gelu(self.mlp[0](y), approximate=False))
+
+
+class _Conv(nnx.Module):
+    def __init__(self, shape, *, bias: bool, dtype):
+        self.weight = _param(shape, dtype)  # as stored: [out, C, T, p, p]
+        self.bias = _param(shape[:1], dtype) if bias else None
+
+
+class _PatchEmbed(nnx.Module):
+    """A Conv3d whose kernel equals its stride, as a matmul over the processor's flattened patches (C, T, p, p)."""
+
+    def __init__(self, shape, *, bias: bool, dtype):
+        self.proj = _Conv(shape, bias=bias, dtype=dtype)
+
+    def __call__(self, patches):
+        w = self.proj.weight[...]
+        patches = patches.astype(w.dtype)
+        y = jnp.einsum("pk,ok->po", patches, w.reshape(w.shape[0], -1), precision=_precision(patches),
+                       preferred_element_type=jnp.float32).astype(w.dtype)  # fmt: skip
+        return y if self.proj.bias is None else y + self.proj.bias[...]
+
+
+class QwenVisionTransformer(nnx.Module):
+    """Qwen2.5-VL's vision tower over a batch laid out by QwenImages.batch."""
+
+    def __init__(self, cfg: QwenVisionConfig, *, dtype):
+        self.config = cfg
+        shape = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.patch_embed = _PatchEmbed(shape, bias=False, dtype=dtype)
+        self.blocks = module_list([QwenVisionBlock(cfg, dtype=dtype) for _ in range(cfg.depth)])
+        self.merger = QwenPatchMerger(cfg, dtype=dtype)
+        head_dim = cfg.hidden_size // cfg.num_heads
+        spatial = head_dim // 2
+        self.inv_freq = tuple(float(f) for f in 1.0 / (cfg.rope_theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)))
+
+    def rotary(self, pos):
+        """pos [P, 2] (h, w) -> (cos, sin) [P, head_dim]: h's frequencies then w's, twice (rotate-half layout)."""
+        freqs = pos.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)  # [P, 2, hd/4]
+        hw = jnp.concatenate([freqs[:, 0], freqs[:, 1]], axis=-1)
+        emb = jnp.concatenate([hw, hw], axis=-1)
+        return jnp.cos(emb), jnp.sin(emb)
+
+    def __call__(self, batch: dict) -> jax.Array:
+        """-> the merger's output [P / merge^2, out_hidden] in the batch's layout."""
+        cfg = self.config
+        x = self.patch_embed(batch["patches"])
+        cos, sin = self.rotary(batch["pos"])
+        seg = batch["seg"]
+        window = cfg.window_patches if cfg.window_units else 0
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, seg, 0 if i in cfg.fullatt_blocks or not window else window)
+        return self.merger(x)
+
+
+def mrope_axes(sections: Sequence[int], interleaved: bool) -> np.ndarray:
+    """[sum(sections)] which position axis (0 t, 1 h, 2 w) each rotary frequency takes: Qwen2.5-VL's contiguous sections
+    (t's first, then h's, then w's), or Qwen3-VL's interleaving (h at 1, 4, 7, ... and w at 2, 5, 8, ... up to three
+    times their sections, t elsewhere)."""
+    n = int(sum(sections))
+    if not interleaved:
+        return np.concatenate([np.full(s, i % 3, np.int32) for i, s in enumerate(sections)])
+    axes = np.zeros(n, np.int32)
+    for axis, offset in ((1, 1), (2, 2)):
+        axes[np.arange(offset, sections[axis] * 3, 3)] = axis
+    return axes
+
+
+def mrope_table(rope: RopeConfig, axes: tuple[int, ...], positions: jax.Array, head_dim: int):
+    """(cos, sin) [T, head_dim] for M-RoPE positions [3, T]: each frequency at its axis's position."""
+    inv_freq = jnp.asarray(rope_inv_freq(rope, head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [3, T, hd/2]
+    axes = jnp.asarray(axes)
+    picked = jnp.where(axes == 0, freqs[0], jnp.where(axes == 1, freqs[1], freqs[2]))
+    emb = jnp.concatenate([picked, picked], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def mrope_sections(text) -> tuple[tuple[int, ...], RopeConfig]:
+    """(mrope_section, the RoPE config less it) from transformers 5's rope_parameters or a published checkpoint's
+    rope_scaling {"type": "mrope", "mrope_section": ...}."""
+    params = dict(getattr(text, "rope_parameters", None) or {})
+    scaling = dict(getattr(text, "rope_scaling", None) or {})
+    sections = params.get("mrope_section") or scaling.get("mrope_section")
+    if not sections:
+        raise ValueError("an M-RoPE model's config needs rope_parameters.mrope_section")
+    clean = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
+    if clean.get("rope_type", clean.get("type")) == "mrope":
+        clean["rope_type"] = "default"
+    import types
+
+    theta = clean.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+    rope = rope_from_hf(types.SimpleNamespace(rope_parameters={**clean, "rope_theta": theta, "rope_type": clean.get("rope_type", "default")},
+                                              max_position_embeddings=text.max_position_embeddings))  # fmt: skip
+    return tuple(int(s) for s in sections), rope
+
+
+class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    """Qwen2 with M-RoPE, and the vision tower (`visual`)."""
+
+    CHECKPOINT_RENAMES = (
+        (r"^model\.language_model\.", "model."),  # transformers 5's own spelling, beside the published one
+        (r"^model\.visual\.", "visual."),
+    )  # fmt: skip
+    SKIPPED_TENSORS = (ROTARY_CACHE,)
+    INTERLEAVED = False
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
+        super().__init__(cfg, dtype=dtype, attention=attention)
+        self.visual = QwenVisionTransformer(cfg.option("vision"), dtype=dtype)
+
+    @classmethod
+    def config_from_hf(cls, hf_config, architecture: str) -> ModelConfig:
+        text = text_config(hf_config)
+        sections, rope = mrope_sections(text)
+        cfg = model_config_from_hf(hf_config, architecture, attention_bias=True, attention_out_bias=False, rope=rope)
+        axes = tuple(int(a) for a in mrope_axes(sections, cls.INTERLEAVED))
+        options = dict(cfg.options, vision=QwenVisionConfig.from_hf(hf_config), mrope_axes=axes)
+        return dataclasses.replace(cfg, options=tuple(sorted(options.items())))
+
+    @staticmethod
+    def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+        specs = LlamaForCausalLM.weight_specs(cfg)
+        v: QwenVisionConfig = cfg.option("vision")
+        specs["visual.patch_embed.proj.weight"] = WeightSpec("visual.patch_embed.proj.weight")
+        for i in range(v.depth):
+            hf = f"visual.blocks.{i}"
+            specs[f"{hf}.norm1.weight"] = WeightSpec(f"{hf}.norm1.scale")
+            specs[f"{hf}.norm2.weight"] = WeightSpec(f"{hf}.norm2.scale")
+            for proj in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                specs |= linear_specs(f"{hf}.{proj}", f"{hf}.{proj}", bias=True)
+        specs["visual.merger.ln_q.weight"] = WeightSpec("visual.merger.ln_q.scale")
+        for j in (0, 2):
+            specs |= linear_specs(f"visual.merger.mlp.{j}", f"visual.merger.mlp.{j}", bias=True)
+        return specs
+
+    # -- images ---------------------------------------------------------------------------------
+
+    @property
+    def vision_spec(self) -> VisionSpec:
+        return VisionSpec(self.config.option("vision").image_token_id, self.config.hidden_size, mrope=True)
+
+    def encode(self, batch: dict) -> jax.Array:
+        """A batch (QwenImages.batch) -> [rows, 1, D]: each image's merge units in its own order, image after image."""
+        merged = self.visual(batch)
+        return merged[batch["out"]][:, None, :]
+
+    def rope(self, positions, mm: MultimodalStep | None):
+        cfg = self.config
+        mrope = mm.mrope_positions if mm is not None and mm.mrope_positions is not None else jnp.broadcast_to(positions, (3,) + positions.shape)
+        return self.shared(lambda: mrope_table(cfg.rope, cfg.option("mrope_axes"), mrope, cfg.head_dim), positions)
+
+    def forward(self, input_ids, positions, kv_cache, attn_metadata, mm: MultimodalStep | None = None):
+        x = merge_embeddings(self.embed(placeholder_ids(input_ids, mm), positions), mm)
+        rope = self.rope(positions, mm)
+        new_kv = []
+        for layer in self.layers:
+            x, layer_kv = layer(x, rope, kv_cache, attn_metadata)
+            new_kv.append(layer_kv)
+        return self.final(x), stack_new_kv(new_kv)
+
+
+# -- the host side ----------------------------------------------------------------------------------
+
+
+def window_layout(grid_h: int, grid_w: int, merge: int, units: int) -> tuple[np.ndarray, np.ndarray]:
+    """An image of grid_h x grid_w patches in transformers' window order, each window padded to units^2 merge units:
+    -> (slot -> the merge unit it holds, -1 for padding, [slots / merge^2]; merge unit -> its slot [units count])."""
+    h, w = grid_h // merge, grid_w // merge
+    if not units:  # no windows: merge units in order
+        order = np.arange(h * w, dtype=np.int64)
+        return order, order.copy()
+    index = np.arange(h * w).reshape(h, w)
+    ph, pw = -h % units, -w % units
+    padded = np.pad(index, ((0, ph), (0, pw)), constant_values=-1)
+    wh, ww = padded.shape[0] // units, padded.shape[1] // units
+    windows = padded.reshape(wh, units, ww, units).transpose(0, 2, 1, 3).reshape(wh * ww, units * units)
+    slots = []
+    for window in windows:  # valid units first, in transformers' order; windows with none dropped, as it drops them
+        valid = window[window >= 0]
+        if len(valid):
+            slots.append(np.concatenate([valid, np.full(units * units - len(valid), -1)]))
+    unit_of_slot = np.concatenate(slots)
+    slot_of_unit = np.empty(h * w, np.int64)
+    slot_of_unit[unit_of_slot[unit_of_slot >= 0]] = np.flatnonzero(unit_of_slot >= 0)
+    return unit_of_slot, slot_of_unit
+
+
+def image_slots(grid_h: int, grid_w: int, merge: int, units: int) -> int:
+    """Patches an image takes in the padded layout."""
+    return len(window_layout(grid_h, grid_w, merge, units)[0]) * merge * merge
+
+
+def rope_index(input_ids: Sequence[int], image_token_id: int, grids: Sequence[tuple[int, int, int]], merge: int):
+    """transformers' get_rope_index for a prompt of text and images: ([3, L] positions, rope_delta)."""
+    ids = np.asarray(input_ids)
+    is_image = ids == image_token_id
+    out = np.zeros((3, len(ids)), np.int64)
+    pos, i, g = 0, 0, 0
+    while i < len(ids):
+        if not is_image[i]:
+            j = i
+            while j < len(ids) and not is_image[j]:
+                j += 1
+            out[:, i:j] = pos + np.arange(j - i)
+            pos += j - i
+            i = j
+            continue
+        t, h, w = grids[g]
+        lt, lh, lw = t, h // merge, w // merge
+        tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh) + pos, np.arange(lw) + pos, indexing="ij")
+        n = lt * lh * lw
+        out[0, i : i + n] = (tt + pos).reshape(-1)
+        out[1, i : i + n] = hh.reshape(-1)
+        out[2, i : i + n] = ww.reshape(-1)
+        pos += max(h, w) // merge
+        i += n
+        g += 1
+    delta = int(out.max()) + 1 - len(ids) if len(ids) else 0
+    return out.astype(np.int32), delta
+
+
+def images_only(processor_cls):
+    """transformers' Qwen-VL processor class, images only: its __init__ takes a video processor, which transformers
+    builds only with torchvision (/work/shared/vision.md); this one's takes none and sets the same attributes, and every
+    image method (placeholder expansion, chat template, mm_token_type_ids) is the class's own."""
+    from transformers.processing_utils import ProcessorMixin
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = getattr(tokenizer, "image_token_id", None) or tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = getattr(tokenizer, "video_token_id", None) or tokenizer.convert_tokens_to_ids(self.video_token)
+        # Qwen3-VL's processor also keeps the vision start and end tokens
+        self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+        self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    # (the class's own name: processor_config.json says it, as a published folder's does)
+    return type(processor_cls.__name__, (processor_cls,), {"__init__": __init__, "__qualname__": processor_cls.__qualname__})
+
+
+class QwenImages(ImageAdapter):
+    """Images of any size up to the largest batch: each one's patches in the padded window layout."""
+
+    def __init__(self, hf_config, spec: VisionSpec):
+        super().__init__(hf_config, spec)
+        self.vision = QwenVisionConfig.from_hf(hf_config)
+        self.merge, self.units = self.vision.merge, self.vision.window_units
+        self.step = self.vision.window_patches
+        self.features = self.vision.in_channels * self.vision.temporal_patch_size * self.vision.patch_size**2
+        self.processor = None
+
+    processor_class = staticmethod(images_only)
+
+    def configure(self, processor, max_patches: int) -> None:
+        """An image the processor makes must fit one encoder batch: where its max_pixels would make larger ones, they
+        are lowered (the processor still does all the resizing)."""
+        self.processor = processor
+        image_processor = processor.image_processor
+        factor = self.vision.patch_size * self.merge
+        longest = start = self._max_pixels()
+        while longest > factor * factor and self._largest(longest) > max_patches:
+            longest = int(longest * 0.9)
+        if longest != start:
+            size = image_processor.size
+            shortest = size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
+            image_processor.size = {"shortest_edge": min(shortest, longest), "longest_edge": longest}
+
+    def _max_pixels(self) -> int:
+        size = self.processor.image_processor.size if self.processor is not None else {"longest_edge": 28 * 28 * 1280}
+        get = size.get if isinstance(size, dict) else lambda name: getattr(size, name, None)
+        return int(get("longest_edge") or get("max_pixels"))
+
+    def _largest(self, max_pixels: int) -> int:
+        """The most patches an image of at most max_pixels takes in the layout, over the grids smart_resize makes."""
+        factor = self.vision.patch_size * self.merge
+        units = max_pixels // (factor * factor)
+        worst = 0
+        for h in range(1, units + 1):  # merge units per side: any h x w with h * w <= units and ratio <= 200
+            w = min(units // h, 200 * h)
+            if w < 1 or h > 200 * w:
+                continue
+            worst = max(worst, image_slots(h * self.merge, w * self.merge, self.merge, self.units))
+        return worst
+
+    def max_image_patches(self) -> int:
+        return self._largest(self._max_pixels())
+
+    def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
+        pixels = np.asarray(processed["pixel_values"], np.float32)
+        grids = np.asarray(processed["image_grid_thw"]).reshape(-1, 3)
+        items, at, m = [], 0, self.merge
+        for t, h, w in grids.tolist():
+            if t != 1:
+                raise ValueError("images only: a grid with more than one temporal patch is a video")
+            n = h * w
+            patches = pixels[at : at + n]
+            at += n
+            unit_of_slot, slot_of_unit = window_layout(h, w, m, self.units)
+            rows = np.repeat(np.maximum(unit_of_slot, 0) * m * m, m * m) + np.tile(np.arange(m * m), len(unit_of_slot))
+            valid = np.repeat(unit_of_slot >= 0, m * m)
+            # each patch's (h, w) in the grid, block-major as transformers' get_vision_position_ids
+            hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+            block = (h // m, m, w // m, m)
+            pos = np.stack([hh.reshape(block).transpose(0, 2, 1, 3).reshape(-1), ww.reshape(block).transpose(0, 2, 1, 3).reshape(-1)], -1)
+            arrays = {
+                "patches": np.where(valid[:, None], patches[rows], 0).astype(np.float32),
+                "pos": np.where(valid[:, None], pos[rows], 0).astype(np.int32),
+                "valid": valid.astype(np.int32),
+                "out": slot_of_unit.astype(np.int32),
+            }
+            items.append(EncoderItem(arrays, len(valid), (h // m) * (w // m), meta={"grid": (t, h, w)}))
+        return items
+
+    def mrope_positions(self, input_ids, items):
+        return rope_index(input_ids, self.spec.image_token_id, [item.meta["grid"] for item in items], self.merge)
+
+    def buckets(self, max_patches: int) -> list[int]:
+        steps = -(-max_patches // self.step)
+        return [n * self.step for n in ImageAdapter.buckets(self, steps)]
+
+    def rows_for(self, bucket: int) -> int:
+        return bucket // (self.merge * self.merge)
+
+    def batch(self, items: Sequence[EncoderItem], bucket: int) -> dict[str, np.ndarray]:
+        out = {
+            "patches": np.zeros((bucket, self.features), np.float32),
+            "pos": np.zeros((bucket, 2), np.int32),
+            "seg": np.full(bucket, -1, np.int32),
+            "out": np.zeros(self.rows_for(bucket), np.int32),
+        }
+        at = rows = 0
+        for i, item in enumerate(items):
+            a = item.arrays
+            n = len(a["valid"])
+            out["patches"][at : at + n] = a["patches"]
+            out["pos"][at : at + n] = a["pos"]
+            out["seg"][at : at + n] = np.where(a["valid"] > 0, i, -1)
+            out["out"][rows : rows + item.num_rows] = a["out"] + at // (self.merge * self.merge)
+            at += n
+            rows += item.num_rows
+        return out
+
+
+Qwen2_5_VLForConditionalGeneration.IMAGES = QwenImages
