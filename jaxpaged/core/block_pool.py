@@ -92,6 +92,16 @@ class BlockPool:
         self._hash_of[block] = block_hash
         self._cached[block_hash] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (their K/V came from weights being replaced, or from a KV pool being freed);
+        -> how many. Only when no block is held: a running sequence's blocks are its own context, not a cache."""
+        if self.num_used:
+            raise RuntimeError(f"reset_prefix_cache: {self.num_used} blocks are still held by sequences")
+        count = len(self._cached)
+        self._cached.clear()
+        self._hash_of = [None] * self.num_blocks
+        return count
+
     def _forget(self, block: int) -> None:
         block_hash = self._hash_of[block]
         if block_hash is not None:

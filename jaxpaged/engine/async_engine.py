@@ -140,6 +140,9 @@ class AsyncLLMEngine:
         self._timing: dict[str, _Timing] = {}
         self._pending = IterationStats(engine={})
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        # a call waiting for the requests in flight to finish (update_weights, sleep), and the adds and calls sent
+        # after it, which wait behind it
+        self._held: list[tuple] = []
         self._stats: dict[str, Any] = engine.get_stats()
         self._preemptions = self._stats["num_preemptions"]
         if getattr(engine, "needs_heartbeat", False):
@@ -232,6 +235,35 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(request_id)
 
+    async def _on_engine(self, fn: Callable[[Any], Any], when_idle: bool) -> Any:
+        """fn(engine) on the engine thread, its result or error back here; when_idle: once the requests in flight
+        have finished (they stream as usual), with requests sent meanwhile held until it has run."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._submit(("call", fn, when_idle, loop, done))
+        return await done
+
+    async def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request=None) -> dict[str, Any]:
+        """LLMEngine.update_weights on the engine thread. in_flight="finish": the requests in flight finish (and
+        stream) first, new ones wait for the update; "abort": they end at once with finish_reason "abort"."""
+        return await self._on_engine(
+            lambda engine: engine.update_weights(weights, mapping=mapping, in_flight=in_flight, lora_request=lora_request),
+            when_idle=in_flight == "finish")  # fmt: skip
+
+    async def sleep(self, level: int = 1, *, in_flight: str = "finish", queue_requests: bool = False) -> dict[str, Any]:
+        """LLMEngine.sleep on the engine thread; requests sent while asleep are refused (EngineAsleepError) or, with
+        queue_requests, run after wake_up."""
+        return await self._on_engine(
+            lambda engine: engine.sleep(level, in_flight=in_flight, queue_requests=queue_requests),
+            when_idle=in_flight == "finish")  # fmt: skip
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        return await self._on_engine(lambda engine: engine.wake_up(tags), when_idle=False)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(getattr(self.engine, "is_sleeping", False))
+
     def abort(self, request_id: str) -> None:
         """Cancel a request from any thread; its blocks return after the step in flight."""
         try:
@@ -244,7 +276,9 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while True:
-                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._held and not self.engine.has_unfinished_requests():
+                    self._release_held()
+                self._drain(block=not self.engine.has_unfinished_requests() and not self._held)
                 if self._stopping:
                     break
                 if self._outbox:  # aborts: their final outputs (and freed blocks) go out before the next step
@@ -272,15 +306,44 @@ class AsyncLLMEngine:
         except queue.Empty:
             return
         while True:
-            kind = command[0]
-            if kind == "add":
-                self._add(*command[1:])
-            elif kind == "abort":
-                self._abort(command[1])
+            self._command(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _command(self, command: tuple) -> None:
+        kind = command[0]
+        if kind in ("add", "call") and self._held:  # behind a call waiting for the engine to be idle
+            self._held.append(command)
+        elif kind == "add":
+            self._add(*command[1:])
+        elif kind == "abort":
+            self._abort(command[1])
+        elif kind == "call":
+            if command[2] and self.engine.has_unfinished_requests():
+                self._held.append(command)
+            else:
+                self._call(*command[1:])
+
+    def _release_held(self) -> None:
+        """The engine is idle: run the held call, then what came after it (up to the next call that must wait)."""
+        held, self._held = self._held, []
+        for i, command in enumerate(held):
+            if self._held:
+                self._held.extend(held[i:])
+                return
+            self._command(command)
+
+    def _call(self, fn, when_idle, loop, done) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller; the loop goes on
+            _call_soon(loop, _settle, done, exc)
+            return
+        if isinstance(result, dict) and result.get("outputs"):
+            self._route_outputs(result["outputs"])  # the requests it aborted or finished
+        _call_soon(loop, _resolve, done, result)
 
     def _add(self, requests, streams, loop, done) -> None:
         added: list[str] = []
@@ -366,8 +429,11 @@ class AsyncLLMEngine:
         outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
             _call_soon(loop, _deliver, items)
+        pending, self._held = self._held + pending, []
         for command in pending:
             if command[0] == "add":
+                _call_soon(command[3], _settle, command[4], error)
+            elif command[0] == "call":
                 _call_soon(command[3], _settle, command[4], error)
         for rid, (stream, loop) in list(self._streams.items()):
             _call_soon(loop, stream._fail, error)
@@ -397,6 +463,11 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -126,6 +126,29 @@ class DataParallelEngine:
                 self._owner.pop(out.request_id, None)
         return outputs
 
+    # -- rollouts: every replica takes the same weights and sleeps together (engine/weight_sync.py) ------
+
+    def _each(self, method: str, *args, **kwargs) -> dict[str, Any]:
+        results = [getattr(r, method)(*args, **kwargs) for r in self.replicas]
+        outputs = [out for result in results for out in result.pop("outputs", [])]
+        for out in outputs:
+            self._owner.pop(out.request_id, None)
+        return {**results[0], "outputs": outputs, "replicas": results}
+
+    def update_weights(self, weights, **kwargs) -> dict[str, Any]:
+        """LLMEngine.update_weights on every replica (each reshards the weights onto its own devices)."""
+        return self._each("update_weights", weights, **kwargs)
+
+    def sleep(self, level: int = 1, **kwargs) -> dict[str, Any]:
+        return self._each("sleep", level, **kwargs)
+
+    def wake_up(self, tags=None) -> dict[str, Any]:
+        return self._each("wake_up", tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(r.is_sleeping for r in self.replicas)
+
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()

@@ -35,6 +35,7 @@ from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.structured_output import StructuredOutputManager
+from jaxpaged.engine.weight_sync import WeightSync
 from jaxpaged.lora import LoRARequest
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
@@ -164,6 +165,7 @@ class LLMEngine:
 
             self.spec = SpecDecoder(config.speculative_config, self.max_model_len, draft, rope=self.scheduler.rope)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
+        self.weight_sync = WeightSync(self)  # update_weights, sleep and wake_up (engine/weight_sync.py)
 
     def _eos_ids(self) -> list[int]:
         ids = set(self.loaded.config.eos_token_ids)
@@ -245,6 +247,7 @@ class LLMEngine:
         """Queue a request (a string, token ids, a dict with either, or a ChatPrompt); returns its id.
         Raises ValueError naming the parameter for one that could never run (a bad LoRA adapter too)."""
         params = params or SamplingParams()
+        self.weight_sync.admit()  # asleep: refused (EngineAsleepError), or queued until wake_up
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine started with enable_lora=True")
@@ -440,7 +443,33 @@ class LLMEngine:
         return len({seq.parent.request_id for seq in self.scheduler.waiting})
 
     def has_unfinished_requests(self) -> bool:
+        if self.weight_sync.paused:  # asleep: requests queued meanwhile wait for wake_up
+            return False
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._lora_waiting)
+
+    # -- a trainer's rollouts: weights replaced in place, memory given back (engine/weight_sync.py) ------
+
+    def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None) -> dict[str, Any]:
+        """Replace the model's weights (all or some) in place with `weights`: a pytree of arrays on the devices (an
+        NNX State of the port, a dict by HF name or parameter path, or a trainer's names through `mapping`), or a
+        folder of safetensors; with lora_request, some of that adapter's tensors. Requests in flight are finished
+        first or aborted (`in_flight`); the prefix cache is dropped. ValueError naming every unknown or misshapen
+        tensor, the weights unchanged. -> counts, seconds, and the outputs of the requests settled."""
+        return self.weight_sync.update_weights(weights, mapping, in_flight, lora_request)
+
+    def sleep(self, level: int = 1, *, in_flight: str = "finish", queue_requests: bool = False) -> dict[str, Any]:
+        """Give device memory back: the KV pool freed and the weights moved to host memory (level 1) or dropped
+        (level 2: new ones come through update_weights). Requests meanwhile are refused (EngineAsleepError) or, with
+        queue_requests, queued until wake_up. -> device bytes in use before and asleep."""
+        return self.weight_sync.sleep(level, in_flight, queue_requests)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Bring back "weights" and/or "kv_cache" (default both), in either order; nothing compiles."""
+        return self.weight_sync.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.weight_sync.sleeper.asleep
 
     def close(self) -> None:
         """Release a process group's followers (done at exit too); nothing otherwise."""
@@ -455,6 +484,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: returns the outputs of every request that progressed or finished."""
+        if self.weight_sync.paused:
+            return []
         compiles_before = compile_monitor.unexpected_count()
         try:
             outputs = self._step()

@@ -44,6 +44,27 @@ class LLM:
     def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
 
+    # -- a trainer's rollouts (engine/weight_sync.py, docs/rl.md) ------------------------------------
+
+    def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None) -> dict[str, Any]:
+        """Replace the weights in place, without a restart or a recompile: `weights` a pytree of arrays on the devices
+        (an NNX State of the port, a dict by HF name, or a trainer's names through `mapping`), some or all of them,
+        or a folder of safetensors; lora_request: some of that adapter's tensors. Unknown names or wrong shapes: a
+        ValueError naming them, the weights unchanged. Requests in flight: `in_flight="finish"` or `"abort"`."""
+        return self.engine.update_weights(weights, mapping=mapping, in_flight=in_flight, lora_request=lora_request)
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free the KV pool and move the weights to host memory (level 1) or drop them (level 2, for new weights
+        through update_weights); generate refuses until wake_up. -> device bytes in use before and asleep."""
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Bring back "weights" and/or "kv_cache" (default both), in either order; nothing is recompiled."""
+        return self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

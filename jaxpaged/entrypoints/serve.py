@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove "
                         "adapters while serving (off by default; they need the API key when one is set)")
+    g.add_argument("--allow-weight-updates", action="store_true",
+                   help="a trainer's rollout routes: POST /update_weights (a folder of safetensors), /sleep and "
+                        "/wake_up, GET /is_sleeping (off by default; they need the API key when one is set)")
     g.add_argument("--log-level", default="INFO", help="jaxpaged log level (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     add_engine_args(p)
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             lora_modules=parse_lora_modules(args.lora_modules), allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            allow_weight_updates=args.allow_weight_updates,
         )
         if (settings.lora_modules or settings.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")

@@ -102,6 +102,17 @@ class LoRAManager:
                 known = True
             return known
 
+    def replace_tensors(self, request: LoRARequest, weights: dict[str, tuple]) -> int | None:
+        """New values for some of an adapter's projections (key -> (A [in, r], B [r, out] scaled), as load_adapter
+        stores them), in its host copy and, where resident, its device slot; -> that slot, or None."""
+        adapter = self.load(request)
+        with self._lock:
+            adapter.weights.update(weights)
+            slot = self._slot_ids.index(request.lora_int_id) if request.lora_int_id in self._slot_ids else None
+        if slot is not None:
+            self.runner.write_lora_slot(slot, adapter)
+        return slot
+
     def list(self) -> list[LoRARequest]:
         """The adapters loaded in host memory, least recently used first."""
         with self._lock:

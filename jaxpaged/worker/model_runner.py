@@ -46,6 +46,7 @@ from jaxpaged.worker.packing import Packed
 from jaxpaged.worker.sampler import DYNAMIC, NUM_TOP_LOGPROBS, SamplerPlan, SamplingMetadata, prompt_logprobs, sample, _blank as _blank_array
 from jaxpaged.worker.sampler import build_sampling_metadata, bitmask_words
 from jaxpaged.worker.sampler_plans import SamplerPlans, sampler_name
+from jaxpaged.worker.weight_update import LoadedLayout
 
 logger = logging.getLogger("jaxpaged.runner")
 # The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its three large arrays, sent apart
@@ -174,22 +175,17 @@ class ModelRunner:
         self.weight_scheme = loaded.quantization if loaded.quantization not in (None, "none") else (
             "pre-quantized checkpoint" if quantized else "none")  # fmt: skip
         if config.quantize_activations:
-            if not quantize_activations(loaded.model, self.platform.fp8_dot_operands):
-                raise ValueError("quantize_activations needs int8 or fp8 weights quantized per output channel (quantization="
-                                 "'int8' or 'fp8', or a compressed-tensors checkpoint); this model has none")  # fmt: skip
             self.weight_scheme += " x 8-bit activations"
-        t0 = time.perf_counter()
-        self.matmul_backend = self.platform.prepare_model(
-            loaded.model, config.matmul_backend, dtype=self.dtype, tensor_parallel_size=config.devices_per_replica
-        )
-        self.startup_seconds = {"pack": time.perf_counter() - t0}
-        self.compile_seconds = 0.0  # compiling or loading executables, at warm-up or on first use
-        self.tp = config.tensor_parallel_size
-        # LoRA: the target projections' methods wrapped before the split, so the graphdef holds them
         self.lora_targets = lora.parse_targets(config.lora_target_modules) if config.enable_lora else ()
         if config.enable_lora:
             lora.check_architecture(loaded.config)
-            lora.attach(loaded.model, self.lora_targets)
+        # the weights as loaded, before this runner lays them out: where a weight update starts (weight_update.py)
+        self.loaded_layout = LoadedLayout.of(loaded)
+        t0 = time.perf_counter()
+        self.matmul_backend = self.prepare_weights(loaded.model)
+        self.startup_seconds = {"pack": time.perf_counter() - t0}
+        self.compile_seconds = 0.0  # compiling or loading executables, at warm-up or on first use
+        self.tp = config.tensor_parallel_size
         # hybrid models (windowed and global layers): KV cache groups, so local layers free what their window left
         self.kv_groups = self._kv_groups(config, loaded.config)
         self._executable_dir = executable_dir
@@ -225,6 +221,20 @@ class ModelRunner:
             atexit.register(self.close)
             distributed.watch(config.distributed_timeout_s, self._group_stalled)
         self._depth = 0  # device calls in progress: only the outermost is sent
+
+    def prepare_weights(self, model: nnx.Module) -> str:
+        """Lay loaded weights out in place for this runner: 8-bit activations, the platform's layout for its matmuls,
+        LoRA's wrapped projections (before the split, so the graphdef holds them); the matmul path taken. Run at
+        start-up, and traced again by a weight update on the new weights (worker/weight_update.py)."""
+        if self.config.quantize_activations and not quantize_activations(model, self.platform.fp8_dot_operands):
+            raise ValueError("quantize_activations needs int8 or fp8 weights quantized per output channel (quantization="
+                             "'int8' or 'fp8', or a compressed-tensors checkpoint); this model has none")  # fmt: skip
+        backend = self.platform.prepare_model(
+            model, self.config.matmul_backend, dtype=self.dtype, tensor_parallel_size=self.config.devices_per_replica
+        )
+        if self.config.enable_lora:
+            lora.attach(model, self.lora_targets)
+        return backend
 
     # -- placement ----------------------------------------------------------------------------
 

@@ -83,6 +83,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
         lora.add_routes(app, serving.loras)
 
+    if settings.allow_weight_updates:
+        from jaxpaged.entrypoints.openai import rollout
+
+        rollout.add_routes(app, engine)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await create_completion(serving, request)

@@ -115,3 +115,8 @@ def queue_full(message: str, retry_after: int) -> APIError:
 
 def engine_dead(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="engine_dead")
+
+
+def engine_asleep(message: str, retry_after: int) -> APIError:
+    """The engine sleeps between a trainer's rollouts (POST /sleep): requests are refused until POST /wake_up."""
+    return APIError(503, message, type="server_error", code="engine_asleep", headers={"Retry-After": str(retry_after)})

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from jaxpaged.engine.async_engine import AsyncLLMEngine, ChatPrompt, EngineDeadError, QueueFullError
+from jaxpaged.engine.weight_sync import EngineAsleepError
 from jaxpaged.engine.llm_engine import PromptType
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.logprobs import TokenBytes
@@ -33,6 +34,7 @@ class ServerSettings:
     exclude_tools_when_tool_choice_none: bool = False
     lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path) served from the start
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    allow_weight_updates: bool = False  # POST /update_weights, /sleep, /wake_up; GET /is_sleeping (rollout.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -115,6 +117,8 @@ class Serving:
             raise errors.queue_full(str(exc), self.settings.retry_after_seconds) from None
         except EngineDeadError as exc:
             raise errors.engine_dead(str(exc)) from None
+        except EngineAsleepError as exc:
+            raise errors.engine_asleep(str(exc), self.settings.retry_after_seconds) from None
         except ValueError as exc:
             raise errors.from_value_error(exc, fields, default=prompt_field) from None
         return request_id, RequestRun(self.engine, streams, http_request)

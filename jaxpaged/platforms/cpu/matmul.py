@@ -73,7 +73,10 @@ def available() -> bool:
 
 def pack(kernel: jax.Array) -> jax.Array:
     """[K, N] -> panels [ceil(N / 32), K, 32], zero past column N. Done on the host, once per weight at load:
-    eager jnp ops would compile a program for every weight shape."""
+    eager jnp ops would compile a program for every weight shape. Traced (a weight update lays new weights out
+    inside one jitted program: worker/weight_update.py), the same layout in jnp."""
+    if isinstance(kernel, jax.core.Tracer):
+        return _panels(kernel.T)
     kernel = np.asarray(kernel)
     k, n = kernel.shape
     panels = np.zeros((-(-n // PANEL) * PANEL, k), kernel.dtype)
@@ -83,11 +86,20 @@ def pack(kernel: jax.Array) -> jax.Array:
 
 def pack_rows(table: jax.Array) -> jax.Array:
     """pack(table.T) for a [N, K] table (a tied LM head's embedding), without a transposed copy."""
+    if isinstance(table, jax.core.Tracer):
+        return _panels(table)
     table = np.asarray(table)
     n, k = table.shape
     panels = np.zeros((-(-n // PANEL) * PANEL, k), table.dtype)
     panels[:n] = table
     return jax.device_put(panels.reshape(-1, PANEL, k).transpose(0, 2, 1).copy())
+
+
+def _panels(rows: jax.Array) -> jax.Array:
+    """[N, K] rows (traced) -> [ceil(N / 32), K, 32] panels, zero past row N: what pack and pack_rows make."""
+    n, k = rows.shape
+    padded = jnp.pad(rows, ((0, -(-n // PANEL) * PANEL - n), (0, 0)))
+    return padded.reshape(-1, PANEL, k).transpose(0, 2, 1)
 
 
 def unpack(packed: jax.Array, n: int) -> jax.Array:
