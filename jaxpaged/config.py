@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
@@ -27,6 +28,9 @@ class EngineConfig:
     model: str | None = option(None, "local HF folder, .gguf file, config.json (random weights), or a Hugging Face Hub id "
                                "(org/name, from the HF cache or downloaded: safetensors only); default: the built-in model", group="model")  # fmt: skip
     revision: str | None = option(None, "with a hub id: the branch, tag or commit to load (default: main)", group="model")
+    hf_config: str | None = option(None, "with an Orbax checkpoint as the model: the HF folder or config.json it is a "
+                                   "checkpoint of, whose tokenizer files it uses too (default: a config.json found in or "
+                                   "above the checkpoint's folder); see docs/rl.md", group="model")  # fmt: skip
     dtype: str = option("auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on GPU/TPU; float16 on GPUs without bfloat16, compute capability below 8.0)", group="model")
     quantization: str | None = option(None, "int8 or fp8 (e4m3): linear weights quantized per output channel at load; gguf: a GGUF's "
                                       "Q8_0/Q4_0/Q4_1/Q4_K weights kept quantized (compressed-tensors, GPTQ and AWQ checkpoints always are); none: every weight dequantized to dtype (default: "
@@ -105,6 +109,9 @@ class EngineConfig:
     allowed_media_domains: str | None = option(None, "images may be fetched over http(s) from these hosts, comma-separated "
                                                "(default: none)", group="vision")  # fmt: skip
     seed: int = 0
+    # an Orbax checkpoint's leaf names -> the port's parameter paths or HF names: a dict or a callable, a value None
+    # skipping a leaf, (name, fn) transforming it (models/orbax_io.py)
+    checkpoint_mapping: Any = None
     compilation_cache_dir: str | None = None  # JAX's persistent cache, for tensor parallel; default under the cache root
     cache_dir: str | None = None  # GGUF conversion cache root
     platform: str | None = None  # "cpu", "gpu" or "tpu"; default: the device JAX runs on
@@ -212,6 +219,8 @@ class EngineConfig:
             raise ValueError("fused_kv_write needs pipeline_parallel_size 1 (each stage writes its own layers' K/V)")
         self._check_lora()
         self._check_vision()
+        if self.checkpoint_mapping is not None and not (callable(self.checkpoint_mapping) or isinstance(self.checkpoint_mapping, dict)):
+            raise ValueError(f"checkpoint_mapping must be a dict or a callable (got {type(self.checkpoint_mapping).__name__})")
         from jaxpaged.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

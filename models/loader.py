@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jaxpaged import platforms
 from jaxpaged.config import QUANTIZATION_CHOICES
-from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, safetensors_io
+from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, orbax_io, safetensors_io
 from jaxpaged.models.accounting import TensorLedger
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
@@ -252,9 +252,15 @@ def load_model(
     use_cache: bool = True,
     revision: str | None = None,
     quantization: str | None = None,
+    hf_config: str | None = None,
+    checkpoint_mapping=None,
+    devices=None,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port whose attention `platform`
-    (default: the one JAX runs on) resolves from `attention_backend`. quantization: EngineConfig.quantization."""
+    (default: the one JAX runs on) resolves from `attention_backend`. quantization: EngineConfig.quantization.
+    An Orbax checkpoint (models/orbax_io.py) takes hf_config and checkpoint_mapping, and is restored onto `devices`
+    (split as a tensor_parallel_size engine splits it)."""
     dtype_name = resolve_dtype(dtype)
     if quantization not in (None, *QUANTIZATION_CHOICES):
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} or None (got {quantization!r})")
@@ -270,7 +276,11 @@ def load_model(
             "(random weights) or a Hugging Face Hub id (org/name)"
         )
     t0 = time.perf_counter()
-    if path.is_dir() and not (path / "config.json").exists():
+    orbax_item = orbax_io.checkpoint_item(path) if path.is_dir() and not any(path.glob("*.safetensors")) else None
+    for name, value in (("hf_config", hf_config), ("checkpoint_mapping", checkpoint_mapping)):
+        if value is not None and orbax_item is None:
+            raise ValueError(f"{name} applies to Orbax checkpoints, and {path} is not one")
+    if orbax_item is None and path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
             raise FileNotFoundError(f"{path} has no config.json and {len(ggufs)} .gguf files; expected an HF folder or one .gguf")
@@ -283,7 +293,12 @@ def load_model(
         quantization = platform.gguf_quantization
         logger.info("GGUF weights: %s on %s (quantization=%r)", GGUF_DEFAULTS[quantization], platform.name, quantization)
     choose_attention = functools.partial(platform.attention_backend, attention_backend, batch_invariant=batch_invariant)
-    if path.is_dir():
+    if orbax_item is not None:
+        if quantization not in (None, "none"):
+            raise ValueError(f"quantization={quantization!r} is not supported for an Orbax checkpoint (its floats load as dtype)")
+        result = orbax_io.load(path, dtype_name, choose_attention, hf_config=hf_config, mapping=checkpoint_mapping,
+                               devices=devices, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+    elif path.is_dir():
         result = _load_hf_folder(path, dtype_name, choose_attention, quantization)
     elif path.suffix == ".gguf":
         result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization)

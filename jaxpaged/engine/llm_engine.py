@@ -99,7 +99,8 @@ class LLMEngine:
             self.loaded = loaded or load_model(
                 config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
                 batch_invariant=config.batch_invariant, revision=config.revision, platform=platform,
-                quantization=config.quantization,
+                quantization=config.quantization, hf_config=config.hf_config, checkpoint_mapping=config.checkpoint_mapping,
+                devices=devices, tensor_parallel_size=config.tensor_parallel_size,
             )
         load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer

@@ -73,10 +73,14 @@ class LoadedLayout:
 
     @classmethod
     def of(cls, loaded) -> LoadedLayout:
-        graphdef, state = nnx.split(loaded.model)
+        return cls.of_model(loaded.model, loaded.config)
+
+    @classmethod
+    def of_model(cls, model: nnx.Module, config) -> LoadedLayout:
+        graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         return cls(graphdef, treedef, tuple(dotted(kp) for kp, _ in leaves),
-                   tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves), type(loaded.model), loaded.config)  # fmt: skip
+                   tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves), type(model), config)  # fmt: skip
 
     @functools.cached_property
     def index(self) -> dict[str, int]:
@@ -157,6 +161,100 @@ def quantize_channels(w: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
     return q.astype(dtype), scale
 
 
+def resolve(layout: LoadedLayout, named: list[tuple[str, str, Any]], what: str = "update_weights") -> tuple[list[_Entry], list, set[int]]:
+    """Named tensors (or their shapes) as _Entries over the loaded layout, the arrays, and the loaded-layout
+    parameters they set; or one ValueError naming every problem."""
+    specs = layout.specs
+    resolved = []
+    for given, target, array in named:
+        if target in layout.index:
+            resolved.append((given, target, array, (target,), False, None))
+            continue
+        name = checkpoint_name(layout.port, target, specs)
+        spec = specs.get(name)
+        resolved.append((given, target, array, None if spec is None else spec.paths,
+                         False if spec is None else spec.transpose, None if spec is None else spec.split))  # fmt: skip
+    embeddings_given = any(r[3] == (EMBEDDING_PATH,) and r[1] not in layout.head_aliases for r in resolved)
+    problems, entries, inputs, owner = [], [], [], {}
+    for given, target, array, paths, transpose, split in resolved:
+        label = given if given == target else f"{given} (as {target})"
+        if paths is None:
+            problems.append(f"unknown tensor {label}: no parameter of this {layout.config.architecture} has that name")
+            continue
+        if target in layout.head_aliases and embeddings_given:
+            continue  # a tied model's head beside its embeddings: the copy
+        shape = tuple(getattr(array, "shape", ()))
+        targets = [layout.index[p] for p in paths]
+        want = [tuple(layout.avals[i].shape) for i in targets]
+        if split is not None:
+            expect = want[0][:-1] + (sum(s[-1] for s in want),)
+        else:
+            expect = want[0]
+        if transpose:
+            expect = expect[::-1]
+        if shape != expect:
+            problems.append(f"tensor {label} has shape {shape}, but the engine's {', '.join(paths)} needs {expect}")
+            continue
+        ops, extra = [], []
+        src = jnp.dtype(getattr(array, "dtype", np.float32))
+        for i in targets:
+            dst = layout.avals[i].dtype
+            op = conversion(layout, src, dst, layout.paths[i])
+            if op is None:
+                problems.append(f"tensor {label} is {src.name}, which cannot become the engine's {dst.name} "
+                                f"{layout.paths[i]}")  # fmt: skip
+                break
+            ops.append(op)
+            if op.startswith("quantize"):
+                extra.append(layout.index[layout.paths[i].rpartition(".")[0] + ".scale"])
+        else:
+            for i in [*targets, *extra]:
+                if i in owner:
+                    problems.append(f"tensor {label} and {owner[i]} both set {layout.paths[i]}")
+                owner[i] = label
+            entries.append(_Entry(len(inputs), tuple(targets), transpose, split, tuple(ops)))
+            inputs.append(array)
+    if problems:
+        raise ValueError(f"{what}: {len(problems)} problem(s), nothing was changed: " + shown(problems))
+    if not entries:
+        raise ValueError(f"{what}: no tensors given (after the mapping)")
+    return entries, inputs, set(owner)
+
+
+def conversion(layout: LoadedLayout, src, dst, path: str) -> str | None:
+    """How a given dtype becomes a loaded-layout one: kept, cast, quantized per channel (the engine's weights
+    are 8-bit where the given are floats), or impossible (None)."""
+    if src == dst:
+        return "keep"
+    floating = jnp.issubdtype(src, jnp.floating)
+    if jnp.issubdtype(dst, jnp.floating) and dst not in EIGHT_BIT:
+        return "cast" if floating else None
+    scale = path.rpartition(".")[0] + ".scale"
+    if dst in EIGHT_BIT and floating and path.endswith(".kernel") and scale in layout.index:
+        return "quantize:" + ("int8" if dst == jnp.dtype(jnp.int8) else "fp8")
+    return None
+
+
+def loaded_values(layout: LoadedLayout, entries: list[_Entry], values: dict[int, Any]) -> list:
+    """The loaded-layout parameters the entries make from their values (by entry.given; traced): transposed, split,
+    cast or quantized as the loader would; None where no entry sets one."""
+    raw: list = [None] * len(layout.avals)
+    for e in entries:
+        if e.given not in values:
+            continue
+        x = values[e.given]
+        if e.transpose:
+            x = jnp.swapaxes(x, -1, -2)
+        parts = e.split(x) if e.split is not None else (x,)
+        for i, part, op in zip(e.targets, parts, e.ops):
+            if op.startswith("quantize"):
+                scale = layout.index[layout.paths[i].rpartition(".")[0] + ".scale"]
+                raw[i], raw[scale] = quantize_channels(part, op.split(":")[1])
+            else:
+                raw[i] = part.astype(layout.avals[i].dtype)
+    return raw
+
+
 class WeightUpdater:
     """A runner's weight updates: validation, the jitted re-layout per set of names, the swap."""
 
@@ -213,78 +311,6 @@ class WeightUpdater:
 
     # -- checking what was given ---------------------------------------------------------------------
 
-    def _entries(self, named: list[tuple[str, str, Any]]) -> tuple[list[_Entry], list]:
-        """The given tensors as _Entries over the loaded layout, or one ValueError naming every problem."""
-        layout = self.layout
-        specs = layout.specs
-        resolved = []
-        for given, target, array in named:
-            if target in layout.index:
-                resolved.append((given, target, array, (target,), False, None))
-                continue
-            name = checkpoint_name(layout.port, target, specs)
-            spec = specs.get(name)
-            resolved.append((given, target, array, None if spec is None else spec.paths,
-                             False if spec is None else spec.transpose, None if spec is None else spec.split))  # fmt: skip
-        embeddings_given = any(r[3] == (EMBEDDING_PATH,) and r[1] not in layout.head_aliases for r in resolved)
-        problems, entries, inputs, owner = [], [], [], {}
-        for given, target, array, paths, transpose, split in resolved:
-            label = given if given == target else f"{given} (as {target})"
-            if paths is None:
-                problems.append(f"unknown tensor {label}: no parameter of this {layout.config.architecture} has that name")
-                continue
-            if target in layout.head_aliases and embeddings_given:
-                continue  # a tied model's head beside its embeddings: the copy
-            shape = tuple(getattr(array, "shape", ()))
-            targets = [layout.index[p] for p in paths]
-            want = [tuple(layout.avals[i].shape) for i in targets]
-            if split is not None:
-                expect = want[0][:-1] + (sum(s[-1] for s in want),)
-            else:
-                expect = want[0]
-            if transpose:
-                expect = expect[::-1]
-            if shape != expect:
-                problems.append(f"tensor {label} has shape {shape}, but the engine's {', '.join(paths)} needs {expect}")
-                continue
-            ops, extra = [], []
-            src = jnp.dtype(getattr(array, "dtype", np.float32))
-            for i in targets:
-                dst = layout.avals[i].dtype
-                op = self._conversion(src, dst, layout.paths[i])
-                if op is None:
-                    problems.append(f"tensor {label} is {src.name}, which cannot become the engine's {dst.name} "
-                                    f"{layout.paths[i]}")  # fmt: skip
-                    break
-                ops.append(op)
-                if op.startswith("quantize"):
-                    extra.append(layout.index[layout.paths[i].rpartition(".")[0] + ".scale"])
-            else:
-                for i in [*targets, *extra]:
-                    if i in owner:
-                        problems.append(f"tensor {label} and {owner[i]} both set {layout.paths[i]}")
-                    owner[i] = label
-                entries.append(_Entry(len(inputs), tuple(targets), transpose, split, tuple(ops)))
-                inputs.append(array)
-        if problems:
-            raise ValueError(f"update_weights: {len(problems)} problem(s), nothing was changed: " + shown(problems))
-        if not entries:
-            raise ValueError("update_weights: weights holds no tensors (after the mapping)")
-        return entries, inputs, set(owner)
-
-    def _conversion(self, src, dst, path: str) -> str | None:
-        """How a given dtype becomes a loaded-layout one: kept, cast, quantized per channel (the engine's weights
-        are 8-bit where the given are floats), or impossible (None)."""
-        if src == dst:
-            return "keep"
-        floating = jnp.issubdtype(src, jnp.floating)
-        if jnp.issubdtype(dst, jnp.floating) and dst not in EIGHT_BIT:
-            return "cast" if floating else None
-        scale = path.rpartition(".")[0] + ".scale"
-        if dst in EIGHT_BIT and floating and path.endswith(".kernel") and scale in self.layout.index:
-            return "quantize:" + ("int8" if dst == jnp.dtype(jnp.int8) else "fp8")
-        return None
-
     # -- the update ------------------------------------------------------------------------------------
 
     def update(self, weights, mapping: Mapping_ = None) -> dict[str, Any]:
@@ -294,7 +320,7 @@ class WeightUpdater:
     def plan(self, weights, mapping: Mapping_ = None) -> _Plan:
         """Check an update (names, shapes, dtypes, what the layout needs together) without changing anything."""
         t0 = time.perf_counter()
-        entries, inputs, given = self._entries(named_arrays(weights, mapping))
+        entries, inputs, given = resolve(self.layout, named_arrays(weights, mapping))
         out_deps, _ = self._dependencies
         touched = [o for o, d in enumerate(out_deps) if d & given]
         lacking = {i for o in touched for i in out_deps[o] - given}
@@ -361,24 +387,9 @@ class WeightUpdater:
         if compiled is not None:
             return compiled
         layout = self.layout
-        position = {k: n for n, k in enumerate(used)}
-        scale_of = {i: layout.index[layout.paths[i].rpartition(".")[0] + ".scale"]
-                    for e in entries for i, op in zip(e.targets, e.ops) if op.startswith("quantize")}  # fmt: skip
 
         def program(*values):
-            raw: list = [None] * len(layout.avals)
-            for e in entries:
-                if e.given not in position:
-                    continue
-                x = values[position[e.given]]
-                if e.transpose:
-                    x = jnp.swapaxes(x, -1, -2)
-                parts = e.split(x) if e.split is not None else (x,)
-                for i, part, op in zip(e.targets, parts, e.ops):
-                    if op.startswith("quantize"):
-                        raw[i], raw[scale_of[i]] = quantize_channels(part, op.split(":")[1])
-                    else:
-                        raw[i] = part.astype(layout.avals[i].dtype)
+            raw = loaded_values(layout, entries, dict(zip(used, values)))
             raw = [jnp.zeros(a.shape, a.dtype) if v is None else v for v, a in zip(raw, layout.avals)]  # unused: dropped
             leaves = self._laid_out(raw)[1]
             return [leaves[o] for o in computed]
