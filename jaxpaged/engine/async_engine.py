@@ -260,6 +260,21 @@ class AsyncLLMEngine:
     async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
         return await self._on_engine(lambda engine: engine.wake_up(tags), when_idle=False)
 
+    async def get_per_token_logps(self, prompt_tokens, completion_tokens, *, pad_id: int | None = None):
+        """LLM.get_per_token_logps beside whatever else the engine runs (engine/scoring.py): float32 [B, C]."""
+        from jaxpaged.engine.scoring import SCORING_PARAMS, logps_from_outputs, scoring_requests
+
+        sequences, starts, width, slots = scoring_requests(prompt_tokens, completion_tokens, pad_id)
+        tag = f"score-{id(sequences)}-{time.monotonic_ns()}"
+        streams = await self.add_requests([(f"{tag}-{i}", {"prompt_token_ids": s}, SCORING_PARAMS) for i, s in enumerate(sequences)])
+        finals = []
+        for stream in streams:
+            last = None
+            async for out in stream:
+                last = out
+            finals.append(last)
+        return logps_from_outputs(finals, starts, width, slots)
+
     @property
     def is_sleeping(self) -> bool:
         return bool(getattr(self.engine, "is_sleeping", False))

@@ -65,6 +65,17 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
+    def get_per_token_logps(self, prompt_tokens, completion_tokens, *, pad_id: int | None = None,
+                            lora_request: LoRARequest | None = None, use_tqdm: bool = False):  # fmt: skip
+        """Each completion token's logprob after its prompt and the completion before it, by the engine's own steps
+        (prompt logprobs over prompt + completion, all rows in one batch): float32 [B, C] (numpy). The rows are
+        token lists, or [B, P] / [B, C] arrays padded with pad_id (prompts left, completions right, as Tunix pads
+        them; a pad is not text, a trailing one gets the pad token's logprob): engine/scoring.py."""
+        from jaxpaged.engine.scoring import per_token_logps
+
+        return per_token_logps(self.generate, prompt_tokens, completion_tokens, pad_id, use_tqdm=use_tqdm,
+                               lora_request=lora_request)  # fmt: skip
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
