@@ -280,6 +280,8 @@ class LLMEngine:
         # n > 1: the first sample computes the prompt but its last token, then the others fork from it and
         # share those blocks; each computes the last token itself (copying the shared partial block on write).
         fork = params.n > 1 and len(ids) > 1
+        if images is not None and images.end >= len(ids):  # (a span attended both ways must not be cut for the fork)
+            fork = False
         sequences = []
         for index in range(params.n):
             seq = Request(

@@ -422,18 +422,10 @@ class QwenImages(ImageAdapter):
     processor_class = staticmethod(images_only)
 
     def configure(self, processor, max_patches: int) -> None:
-        """An image the processor makes must fit one encoder batch: where its max_pixels would make larger ones, they
-        are lowered (the processor still does all the resizing)."""
+        """The processor's max_pixels bound the images (and so the default encoder batch, max_image_patches); a
+        smaller max_num_encoder_input_tokens refuses larger images rather than resize them otherwise than
+        transformers would."""
         self.processor = processor
-        image_processor = processor.image_processor
-        factor = self.vision.patch_size * self.merge
-        longest = start = self._max_pixels()
-        while longest > factor * factor and self._largest(longest) > max_patches:
-            longest = int(longest * 0.9)
-        if longest != start:
-            size = image_processor.size
-            shortest = size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
-            image_processor.size = {"shortest_edge": min(shortest, longest), "longest_edge": longest}
 
     def _max_pixels(self) -> int:
         size = self.processor.image_processor.size if self.processor is not None else {"longest_edge": 28 * 28 * 1280}
