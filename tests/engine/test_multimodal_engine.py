@@ -165,3 +165,27 @@ def test_a_bidirectional_span_is_computed_in_one_step(tmp_path):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(str(folder), max_num_seqs=2, max_num_batched_tokens=2, num_kv_blocks=32, log_level="WARNING").generate(
             _request(text, pictures), GREEDY)  # fmt: skip
+
+
+def test_bad_images_are_value_errors_and_nothing_is_held(qwen, cycle_model_dir):
+    picture = images((40, 30), seed=13)[0]
+    llm = _llm(qwen[2], limit_mm_per_prompt={"image": 1})
+    bad = [
+        (_request(PROMPT, [b"not an image at all"]), "not a readable image"),
+        (_request(TWO, [picture, picture]), "at most 1 are allowed"),
+        (_request(TWO, [picture]), "do not match"),  # two placeholders, one image
+        ({"prompt": PROMPT, "multi_modal_data": {"video": [picture]}}, "only 'image'"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [picture]}}, "as text"),
+        (_request(PROMPT, ["/etc/hostname"]), "local files are not allowed"),
+    ]
+    for prompt, why in bad:
+        with pytest.raises(ValueError, match=why):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="not a readable image"):  # one bad prompt refuses the batch, queueing nothing
+        llm.generate([_request(PROMPT, [picture]), _request(PROMPT, [b"\x89PNG broken"])], GREEDY, use_tqdm=False)
+    assert _idle(llm) and llm.get_stats()["encoder_images_encoded"] == 0
+    text_only = LLM(str(cycle_model_dir), max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=16, log_level="WARNING")
+    with pytest.raises(ValueError, match="reads text only"):
+        text_only.generate({"prompt": "hi", "multi_modal_data": {"image": [picture]}}, GREEDY)
+    with pytest.raises(ValueError, match="reads text only"):
+        text_only.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)

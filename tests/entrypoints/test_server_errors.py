@@ -79,7 +79,10 @@ BAD_JSON_BODIES = [
     (CHAT, _chat(messages=[{"content": "hi"}]), "messages.0.role"),
     (CHAT, _chat(messages=[{"role": "user"}]), "messages.0.content"),
     (CHAT, _chat(messages=[{"role": "user", "content": None}]), "messages.0.content"),
-    (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages.0.content"),
+    (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages.0.content"),
+    (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "x"}}]}]), "messages.0.content"),
+    # an image for a text-only model: the engine refuses it, naming the messages
+    (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
     (CHAT, _chat(messages=[USER[0], "hi"]), "messages.1"),
     (CHAT, _chat(messages=[{"role": "user", "content": "x " * 600}]), "messages"),
     (CHAT, _chat(max_tokens=0), "max_tokens"),

@@ -259,12 +259,22 @@ class ChatMessage(_Strict):
                 return None
             raise ValueError("content must be a string or a list of text parts")
         if isinstance(value, list):
-            texts = []
+            texts, images = [], False
             for part in value:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("content parts must be {'type': 'text', 'text': str}; other kinds are not supported")
-                texts.append(part["text"])
-            return "".join(texts)
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image_url":  # OpenAI's image part: {"image_url": {"url": "data:..." | "https://..."}}
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if not isinstance(url, str) or not url:
+                        raise ValueError("image_url parts must be {'type': 'image_url', 'image_url': {'url': str}}")
+                    images = True
+                elif kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("content parts must be {'type': 'text', 'text': str} or {'type': 'image_url', "
+                                     "'image_url': {'url': str}}; other kinds are not supported")  # fmt: skip
+                else:
+                    texts.append(part["text"])
+            # with images the parts stay as they are, for the model's processor (jaxpaged/multimodal/); else one text
+            return value if images else "".join(texts)
         return value
 
 
