@@ -204,3 +204,36 @@ def qwen2_5_vl_checkpoint(folder: Path, seed: int = 0, **text):
     model = random_vlm(config, seed=seed)
     processor = qwen_vl_processor()
     return model, processor, write_vlm(folder, model, processor)
+
+
+# -- Qwen3-VL -----------------------------------------------------------------------------------------------------
+
+
+def qwen3_vl_config(**text) -> transformers.Qwen3VLConfig:
+    """Patches of 16 merged 2x2, a learned 4 x 4 position grid resampled to each image, DeepStack from block 0 into
+    the first decoder layer; Qwen3 text (q/k norm) with interleaved M-RoPE sections (2, 3, 3) of head dim 16."""
+    ids = QWEN_IDS
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64, in_channels=3, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0])  # fmt: skip
+    text_kwargs = dict(
+        vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=ids["<|im_end|>"],
+        bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+    )  # fmt: skip
+    return transformers.Qwen3VLConfig(
+        text_config=text_kwargs | text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], eos_token_id=ids["<|im_end|>"],
+    )  # fmt: skip
+
+
+def qwen3_vl_checkpoint(folder: Path, seed: int = 0, **text):
+    """Images resized to multiples of 32 between 64x64 and 128x128 pixels."""
+    config = qwen3_vl_config(**text)
+    model = random_vlm(config, seed=seed)
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16, merge_size=2, temporal_patch_size=2)
+    processor = qwen_vl_processor(transformers.Qwen3VLProcessor, image_processor)
+    return model, processor, write_vlm(folder, model, processor)

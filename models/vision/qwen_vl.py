@@ -27,7 +27,9 @@ import numpy as np
 from flax import nnx
 from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.config import ModelConfig, RopeConfig, model_config_from_hf, rope_from_hf, text_config
-from jaxpaged.models.layers import REFERENCE_ATTENTION, RMSNorm, Linear, _param, activation, module_list, rope_inv_freq
+from jaxpaged.models.layers import (
+    REFERENCE_ATTENTION, Embedding, LayerNorm, Linear, RMSNorm, _param, activation, module_list, rope_inv_freq,
+)  # fmt: skip
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.vision.common import (
     EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, merge_embeddings, placeholder_ids,
@@ -54,6 +56,9 @@ class QwenVisionConfig:
     window_size: int  # pixels; 0: no windows (every block attends across the image)
     fullatt_blocks: tuple[int, ...]
     image_token_id: int
+    kind: str = "qwen2_5"  # "qwen3": LayerNorm blocks, a learned position grid, DeepStack mergers, no windows
+    num_position_embeddings: int = 0  # Qwen3-VL: the learned (square) position grid, resampled to each image
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose output a DeepStack merger reads
 
     @property
     def window_units(self) -> int:
@@ -77,6 +82,9 @@ class QwenVisionConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)), window_size=int(getattr(v, "window_size", 0) or 0),
             fullatt_blocks=tuple(int(i) for i in getattr(v, "fullatt_block_indexes", ()) or ()),
             image_token_id=int(hf_config.image_token_id),
+            kind="qwen3" if getattr(v, "deepstack_visual_indexes", None) is not None else "qwen2_5",
+            num_position_embeddings=int(getattr(v, "num_position_embeddings", 0) or 0),
+            deepstack=tuple(int(i) for i in getattr(v, "deepstack_visual_indexes", ()) or ()),
         )  # fmt: skip
 
 
@@ -219,6 +227,98 @@ class QwenVisionTransformer(nnx.Module):
         return self.merger(x)
 
 
+class _FC2(nnx.Module):
+    """Qwen3-VL's MLPs: linear_fc1 -> activation -> linear_fc2."""
+
+    def __init__(self, d_in: int, inner: int, d_out: int, act: str, *, dtype):
+        self.linear_fc1 = Linear(d_in, inner, bias=True, dtype=dtype)
+        self.linear_fc2 = Linear(inner, d_out, bias=True, dtype=dtype)
+        self.act = act
+
+    def __call__(self, x):
+        return self.linear_fc2(activation(self.act)(self.linear_fc1(x)))
+
+
+class Qwen3VisionBlock(QwenVisionBlock):
+    """Qwen2.5-VL's block with LayerNorms and a plain GELU MLP."""
+
+    def __init__(self, cfg: QwenVisionConfig, *, dtype):
+        d = cfg.hidden_size
+        self.norm1 = LayerNorm(d, eps=1e-6, dtype=dtype)
+        self.norm2 = LayerNorm(d, eps=1e-6, dtype=dtype)
+        self.attn = _QKV(d, dtype=dtype)
+        self.mlp = _FC2(d, cfg.intermediate_size, d, cfg.hidden_act, dtype=dtype)
+        self.num_heads, self.act = cfg.num_heads, cfg.hidden_act
+
+    def __call__(self, x, cos, sin, seg, block: int):
+        x = x + self.attention(self.norm1(x), cos, sin, seg, block)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen3Merger(nnx.Module):
+    """The patch merger (LayerNorm before the 2x2 concatenation) or, post_shuffle, a DeepStack merger (after it)."""
+
+    def __init__(self, cfg: QwenVisionConfig, *, post_shuffle: bool, dtype):
+        wide = cfg.hidden_size * cfg.merge**2
+        self.norm = LayerNorm(wide if post_shuffle else cfg.hidden_size, eps=1e-6, dtype=dtype)
+        self.mlp = _FC2(wide, wide, cfg.out_hidden_size, "gelu", dtype=dtype)
+        self.wide, self.post_shuffle = wide, post_shuffle
+
+    def __call__(self, x):
+        y = self.norm(x.reshape(-1, self.wide)) if self.post_shuffle else self.norm(x).reshape(-1, self.wide)
+        return self.mlp(y)
+
+
+class Qwen3VisionTransformer(QwenVisionTransformer):
+    """Qwen3-VL's vision tower: every block attends across the image; a learned position grid resampled
+    (bilinearly, by weights the host computes) to each image's; DeepStack mergers on some blocks' outputs."""
+
+    def __init__(self, cfg: QwenVisionConfig, *, dtype):
+        self.config = cfg
+        shape = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.patch_embed = _PatchEmbed(shape, bias=True, dtype=dtype)
+        self.pos_embed = Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype=dtype)
+        self.blocks = module_list([Qwen3VisionBlock(cfg, dtype=dtype) for _ in range(cfg.depth)])
+        self.merger = Qwen3Merger(cfg, post_shuffle=False, dtype=dtype)
+        self.deepstack_merger_list = module_list([Qwen3Merger(cfg, post_shuffle=True, dtype=dtype) for _ in cfg.deepstack])
+        head_dim = cfg.hidden_size // cfg.num_heads
+        spatial = head_dim // 2
+        self.inv_freq = tuple(float(f) for f in 1.0 / (cfg.rope_theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)))
+
+    def __call__(self, batch: dict) -> jax.Array:
+        """-> [P / merge^2, 1 + DeepStack levels, out_hidden]: the merger's output, then each DeepStack merger's."""
+        cfg = self.config
+        x = self.patch_embed(batch["patches"])
+        table = self.pos_embed.embedding[...]
+        pos = jnp.sum(table[batch["interp_idx"]].astype(jnp.float32) * batch["interp_w"][..., None], axis=1)
+        x = x + pos.astype(x.dtype)
+        cos, sin = self.rotary(batch["pos"])
+        seg = batch["seg"]
+        levels = []
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, cos, sin, seg, 0)
+            if i in cfg.deepstack:
+                levels.append(self.deepstack_merger_list[cfg.deepstack.index(i)](x))
+        return jnp.stack([self.merger(x), *levels], axis=1)
+
+
+def bilinear_taps(rows: np.ndarray, cols: np.ndarray, height: int, width: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """([N, 4] indices into a side x side table, [N, 4] weights): bilinear resampling with align_corners, as
+    transformers' get_vision_interpolation_indices_and_weights, for patches at (rows, cols) of a height x width grid."""
+
+    def axis(index, size):
+        src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+        floor = np.floor(src)
+        taps = floor.astype(np.int64)[:, None] + np.arange(2)
+        weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - np.arange(2, dtype=np.float32)), 0, None)
+        return np.clip(taps, 0, side - 1), weights.astype(np.float32)
+
+    h_taps, h_w = axis(rows, height)
+    w_taps, w_w = axis(cols, width)
+    idx = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    return idx.astype(np.int32), (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+
+
 def mrope_axes(sections: Sequence[int], interleaved: bool) -> np.ndarray:
     """[sum(sections)] which position axis (0 t, 1 h, 2 w) each rotary frequency takes: Qwen2.5-VL's contiguous sections
     (t's first, then h's, then w's), or Qwen3-VL's interleaving (h at 1, 4, 7, ... and w at 2, 5, 8, ... up to three
@@ -227,8 +327,8 @@ def mrope_axes(sections: Sequence[int], interleaved: bool) -> np.ndarray:
     if not interleaved:
         return np.concatenate([np.full(s, i % 3, np.int32) for i, s in enumerate(sections)])
     axes = np.zeros(n, np.int32)
-    for axis, offset in ((1, 1), (2, 2)):
-        axes[np.arange(offset, sections[axis] * 3, 3)] = axis
+    for axis in (1, 2):  # (a slice, as transformers': past the last frequency it stops)
+        axes[axis : sections[axis] * 3 : 3] = axis
     return axes
 
 
@@ -323,6 +423,70 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         for layer in self.layers:
             x, layer_kv = layer(x, rope, kv_cache, attn_metadata)
             new_kv.append(layer_kv)
+        return self.final(x), stack_new_kv(new_kv)
+
+
+class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen3 (q/k norm) with interleaved M-RoPE, and DeepStack: the vision tower's features from some blocks are added
+    to the hidden states of the first decoder layers at the image's tokens (the encoder cache's levels 1, 2, ...)."""
+
+    INTERLEAVED = True
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
+        LlamaForCausalLM.__init__(self, cfg, dtype=dtype, attention=attention)
+        self.visual = Qwen3VisionTransformer(cfg.option("vision"), dtype=dtype)
+
+    @classmethod
+    def config_from_hf(cls, hf_config, architecture: str) -> ModelConfig:
+        text = text_config(hf_config)
+        sections, rope = mrope_sections(text)
+        cfg = model_config_from_hf(hf_config, architecture, qk_norm=True, rope=rope)
+        options = dict(cfg.options, vision=QwenVisionConfig.from_hf(hf_config), mrope_axes=tuple(int(a) for a in mrope_axes(sections, True)))
+        return dataclasses.replace(cfg, options=tuple(sorted(options.items())))
+
+    @staticmethod
+    def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+        specs = LlamaForCausalLM.weight_specs(cfg)
+        v: QwenVisionConfig = cfg.option("vision")
+        specs["visual.patch_embed.proj.weight"] = WeightSpec("visual.patch_embed.proj.weight")
+        specs["visual.patch_embed.proj.bias"] = WeightSpec("visual.patch_embed.proj.bias")
+        specs["visual.pos_embed.weight"] = WeightSpec("visual.pos_embed.embedding")
+        for i in range(v.depth):
+            hf = f"visual.blocks.{i}"
+            for norm in ("norm1", "norm2"):
+                specs[f"{hf}.{norm}.weight"] = WeightSpec(f"{hf}.{norm}.scale")
+                specs[f"{hf}.{norm}.bias"] = WeightSpec(f"{hf}.{norm}.bias")
+            for proj in ("attn.qkv", "attn.proj"):
+                specs |= linear_specs(f"{hf}.{proj}", f"{hf}.{proj}", bias=True)
+            for fc in ("linear_fc1", "linear_fc2"):
+                specs |= linear_specs(f"{hf}.mlp.{fc}", f"{hf}.mlp.{fc}", bias=True)
+        mergers = ["visual.merger"] + [f"visual.deepstack_merger_list.{j}" for j in range(len(v.deepstack))]
+        for hf in mergers:
+            specs[f"{hf}.norm.weight"] = WeightSpec(f"{hf}.norm.scale")
+            specs[f"{hf}.norm.bias"] = WeightSpec(f"{hf}.norm.bias")
+            for fc in ("linear_fc1", "linear_fc2"):
+                specs |= linear_specs(f"{hf}.{fc}", f"{hf}.mlp.{fc}", bias=True)
+        return specs
+
+    @property
+    def vision_spec(self) -> VisionSpec:
+        vision = self.config.option("vision")
+        return VisionSpec(vision.image_token_id, self.config.hidden_size, levels=1 + len(vision.deepstack), mrope=True)
+
+    def encode(self, batch: dict) -> jax.Array:
+        return self.visual(batch)[batch["out"]]
+
+    def forward(self, input_ids, positions, kv_cache, attn_metadata, mm: MultimodalStep | None = None):
+        x = merge_embeddings(self.embed(placeholder_ids(input_ids, mm), positions), mm)
+        rope = self.rope(positions, mm)
+        levels = 0 if mm is None else mm.cache.shape[1] - 1
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x, layer_kv = layer(x, rope, kv_cache, attn_metadata)
+            new_kv.append(layer_kv)
+            if i < levels:  # DeepStack: the image tokens' features of level i + 1
+                rows = mm.rows
+                x = x + jnp.where((rows >= 0)[:, None], mm.cache[jnp.maximum(rows, 0), i + 1].astype(x.dtype), 0)
         return self.final(x), stack_new_kv(new_kv)
 
 
@@ -470,6 +634,10 @@ class QwenImages(ImageAdapter):
                 "valid": valid.astype(np.int32),
                 "out": slot_of_unit.astype(np.int32),
             }
+            if self.vision.kind == "qwen3":  # the learned position grid resampled to this one
+                side = int(round(self.vision.num_position_embeddings**0.5))
+                idx, weights = bilinear_taps(arrays["pos"][:, 0], arrays["pos"][:, 1], h, w, side)
+                arrays["interp_idx"], arrays["interp_w"] = idx, np.where(valid[:, None], weights, 0).astype(np.float32)
             items.append(EncoderItem(arrays, len(valid), (h // m) * (w // m), meta={"grid": (t, h, w)}))
         return items
 
@@ -490,6 +658,9 @@ class QwenImages(ImageAdapter):
             "seg": np.full(bucket, -1, np.int32),
             "out": np.zeros(self.rows_for(bucket), np.int32),
         }
+        if self.vision.kind == "qwen3":
+            out["interp_idx"] = np.zeros((bucket, 4), np.int32)
+            out["interp_w"] = np.zeros((bucket, 4), np.float32)
         at = rows = 0
         for i, item in enumerate(items):
             a = item.arrays
@@ -497,6 +668,9 @@ class QwenImages(ImageAdapter):
             out["patches"][at : at + n] = a["patches"]
             out["pos"][at : at + n] = a["pos"]
             out["seg"][at : at + n] = np.where(a["valid"] > 0, i, -1)
+            for name in ("interp_idx", "interp_w"):
+                if name in out:
+                    out[name][at : at + n] = a[name]
             out["out"][rows : rows + item.num_rows] = a["out"] + at // (self.merge * self.merge)
             at += n
             rows += item.num_rows
@@ -504,3 +678,4 @@ class QwenImages(ImageAdapter):
 
 
 Qwen2_5_VLForConditionalGeneration.IMAGES = QwenImages
+Qwen3VLForConditionalGeneration.IMAGES = QwenImages

@@ -35,6 +35,7 @@ import tests.models.test_model_families as family_cases
 import tests.models.test_moe as moe_cases
 import tests.models.test_phi as phi_cases
 import tests.models.test_vlm_qwen2_5 as qwen_vl_cases
+import tests.models.test_vlm_qwen3 as qwen3_vl_cases
 from tests import REPO
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 from tests.static_batch import StaticBatchRunner
@@ -47,7 +48,7 @@ MISSING = "model.layers.1.mlp.down_proj"  # ... and what they lack (its .weight,
 
 
 # image-text architectures: (config maker, model maker), AutoModelForCausalLM making none or the text-only model
-IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES}
+IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES, **qwen3_vl_cases.CASES}
 
 
 def _architectures() -> dict:
