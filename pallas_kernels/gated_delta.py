@@ -2,8 +2,8 @@
 
 Per head, with state S [d_k, d_v], for each token: S <- exp(g) S; S <- S + k (beta (v - k^T S))^T; o = S^T q.
 Prefill chunks use the chunked form (the DeltaNet paper's UT transform, as transformers' torch_chunk_gated_delta_rule
-and FLA's kernels compute it): within a chunk the delta updates become one triangular solve and a few matmuls, then
-the state carries to the next chunk. Decode rows take the one-step update. Both in float32; the caller has already
+and FLA's kernels compute it): within a chunk the delta updates become one unit-triangular inverse and a few matmuls,
+then the state carries to the next chunk. Decode rows take the one-step update. Both in float32; the caller has already
 L2-normalized q and k, scaled q by d_k^-1/2 and repeated the key heads to the value heads.
 """
 
@@ -23,6 +23,21 @@ def _mm(a, b):
     return jnp.matmul(a, b, precision=_HI)
 
 
+def unit_lower_inverse(a):
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C]: a is nilpotent, so the inverse is the finite series
+    I - a + a^2 - ..., which (I - a)(I + a^2)(I + a^4)... gives in 2 log2(C) matmuls. Not lax.linalg.triangular_solve:
+    on the CPU that is a LAPACK call whose function pointers jaxlib fills in while lowering it, so an executable loaded
+    from disk (worker/executable_cache.py) by a process that never lowered one crashed calling it."""
+    n = a.shape[-1]
+    eye = jnp.eye(n, dtype=a.dtype)
+    inverse, power, covered = eye - a, a, 2
+    while covered < n:
+        power = _mm(power, power)
+        inverse = _mm(inverse, eye + power)
+        covered *= 2
+    return inverse
+
+
 def chunk_step(q, k, v, g, beta, state):
     """One chunk of one sequence: q, k [C, H, dk], v [C, H, dv], g, beta [C, H], state [H, dk, dv] -> (o [C, H, dv],
     the state after the chunk). Positions past the chunk's end must be zeros (then they change nothing)."""
@@ -34,9 +49,8 @@ def chunk_step(q, k, v, g, beta, state):
     decay = jnp.exp(jnp.where(lower, gc[:, :, None] - gc[:, None, :], -jnp.inf))  # [H, C, C], exp(gc_i - gc_j), i >= j
     kb = k * beta[..., None]
     a = _mm(kb, k.swapaxes(1, 2)) * decay
-    system = jnp.where(jnp.tril(lower, -1), a, 0.0) + jnp.eye(c, dtype=a.dtype)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gc)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = _mm(unit_lower_inverse(jnp.where(jnp.tril(lower, -1), a, 0.0)), rhs)
     u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     v_new = u - _mm(w, state)  # what the state does not already predict
     o = _mm(q * jnp.exp(gc)[..., None], state) + _mm(_mm(q, k.swapaxes(1, 2)) * decay, v_new)

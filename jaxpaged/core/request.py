@@ -52,6 +52,7 @@ class Request:
     num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
     grammar: object | None = None  # structured outputs: the engine's GrammarState, advanced by each sampled token
     slot: int = -1  # while running: its row in the scheduler's and the input batch's per-sequence arrays
+    state_slot: int = -1  # hybrid models, while running: its slot in the linear layers' state cache (core/state_slots.py)
     sampled_row: int = -1  # its row in the sampled tokens of the step its in-flight token comes from (async scheduling)
     # length-dependent RoPE: the regime its KV is computed in (core/rope_regime.py), a root of its block hashes
     rope_key: bytes = b""

@@ -149,6 +149,7 @@ class SchedulerOutput:
     scheduled: Sequence[ScheduledSequence]  # Scheduler.schedule's: ScheduledRows
     preempted: list[Request]
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst): copy before the step
+    state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # hybrid models: state slots, likewise
     columns: StepColumns | None = None  # set by Scheduler.schedule (an output built otherwise takes the row-wise paths)
     needs_host_tokens: bool = False  # a sampling row's sampler reads its tokens on the host (a grammar, penalties)
     encoder_work: list = dataclasses.field(default_factory=list)  # images to encode before the step (EncodeWork)
@@ -189,6 +190,7 @@ class Scheduler:
         max_model_len: int | None = None, rope: LengthDependentRope | None = None, decode_lanes: bool = True,
     ):  # fmt: skip
         self.kv = kv
+        self._states = hasattr(kv, "take_state_copies")  # a hybrid model's state slot per sequence (core/state_slots.py)
         self.rope = rope  # a length-dependent RoPE: each KV's regime, and longrope's recompute past its switch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -236,6 +238,8 @@ class Scheduler:
         slot = req.slot = self._free_slots.pop()
         self._by_seq[req.seq_id] = req
         self._admitted.append(req)
+        if self._states:  # (taken with its first tokens' blocks, or at its fork: fixed while it holds this slot)
+            req.state_slot = self.kv.state_slot(req.seq_id)
         params = req.params
         self._stop_at[slot] = req.max_tokens if self.max_model_len is None else min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         self._min_tokens[slot] = params.min_tokens
@@ -292,6 +296,8 @@ class Scheduler:
             rows.add(req, item.start, n, item.prev_row, k, append, item.samples)
         if output.scheduled:  # an empty step runs nothing: the slots taken, tables changed and copies wait for the next
             output.block_copies = self.kv.take_copies()
+            if self._states:
+                output.state_copies = self.kv.take_state_copies()
             output.columns = scheduled.columns = self._columns(rows, drafts)
             scheduled.requests = rows.reqs
             output.needs_host_tokens = bool(self._host_sampled[output.columns.slots[output.columns.appends]].any())
@@ -670,7 +676,8 @@ class Scheduler:
         """The child starts where the parent is, sharing its blocks (n > 1 samples, beams); queue it with add_forked."""
         if parent._lanes is not None:  # (its blocks stop being its alone: the lanes' capacity would be wrong)
             parent._lanes.release(parent)
-        self.kv.fork(parent.seq_id, child.seq_id)
+        if self.kv.fork(parent.seq_id, child.seq_id) is False:  # a hybrid model with no state slot free: the child
+            return  # computes its tokens from scratch
         child.num_computed_tokens = parent.num_computed_tokens
         child.rope_key = parent.rope_key
         child._block_hashes = list(parent._block_hashes)

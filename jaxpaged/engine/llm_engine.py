@@ -29,6 +29,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator
 from jaxpaged.core.kv_cache_manager import KVCacheManager, freeing_window, max_blocks_held
+from jaxpaged.core.state_slots import HybridKVCacheManager
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -75,6 +76,20 @@ def _enable_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _check_hybrid(loaded: LoadedModel, config: EngineConfig) -> None:
+    """What a hybrid model (linear layers with a state per sequence: models/hybrid.py) cannot do yet: a ValueError
+    naming the option."""
+    if not hasattr(loaded.model, "state_spec"):
+        return
+    arch = loaded.config.architecture
+    if config.speculative_config is not None:
+        raise ValueError(f"speculative_config: speculative decoding is not supported for {arch}: its linear layers' "
+                         "states cannot roll back the tokens a verification rejects")  # fmt: skip
+    if config.pipeline_parallel_size > 1:
+        raise ValueError(f"pipeline_parallel_size: pipeline parallelism is not supported for {arch} (a hybrid model "
+                         "with a state cache)")  # fmt: skip
+
+
 def _loading_place(config: EngineConfig):
     """Where weights are read to before the runner places them: host memory when the engine spans several devices
     (a model split over them need not fit the first one), else the default device."""
@@ -112,6 +127,7 @@ class LLMEngine:
         executables = cache_root(config.cache_dir) / "executables"
         draft = None  # speculative_config's draft_model: placed before the target's KV pool, which is sized from what is left
         spec_config = config.speculative_config
+        _check_hybrid(self.loaded, config)
         if spec_config is not None and spec_config.method == "draft_model":
             from jaxpaged.spec_decode.draft_model import DraftModelProposer
 
@@ -123,11 +139,20 @@ class LLMEngine:
             self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
             devices=devices,
         )
-        pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
+        hybrid = getattr(self.runner, "state_spec", None) is not None  # linear layers' states (core/state_slots.py)
+        if hybrid and config.enable_prefix_caching:
+            logger.info("prefix caching is off for %s: a cached block holds no linear layer's state at its boundary",
+                        self.loaded.config.architecture)  # fmt: skip
+        pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching and not hybrid)
         groups = self.runner.kv_groups
+        if hybrid:
+            kv = HybridKVCacheManager(pool, config.block_size, self.runner.num_state_slots)
+        elif groups is None:
+            kv = KVCacheManager(pool, config.block_size, freeing_window(self.loaded.config.sliding_windows))
+        else:
+            kv = KVCacheCoordinator(pool, config.block_size, groups.windows)
         self.scheduler = Scheduler(
-            KVCacheManager(pool, config.block_size, freeing_window(self.loaded.config.sliding_windows)) if groups is None
-            else KVCacheCoordinator(pool, config.block_size, groups.windows),
+            kv,
             config.max_num_seqs, config.max_num_batched_tokens,
             self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config),
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step

@@ -37,6 +37,7 @@ class StepInputs:
     prompt_next_ids: np.ndarray | None = None  # [T] next prompt token of rows whose prompt_logprobs are wanted, else -1
     prev_rows: np.ndarray | None = None  # [T] row of the previous step whose sampled token is this input, else -1
     lora_slots: np.ndarray | None = None  # [T] with enable_lora: each token's adapter slot, -1 for none (and padding)
+    state_copies: list = dataclasses.field(default_factory=list)  # hybrid models: (src, dst) state slots, copied first
     mm_rows: np.ndarray | None = None  # [T] vision-language models: the encoder-cache row of each image token, else -1
     mrope_positions: np.ndarray | None = None  # [3, T] M-RoPE models: each token's (t, h, w) position
 
@@ -112,6 +113,9 @@ class InputBatchBuilder:
         self._prompt_logprobs = np.zeros(slots, bool)
         # with enable_lora: each slot's adapter slot (fixed until its sequence finishes)
         self._row_lora = np.full(slots, -1, np.int32) if runner.config.enable_lora else None
+        # hybrid models: each slot's state slot (fixed while its sequence runs); padded rows get the out-of-range count
+        self.num_state_slots = runner.num_state_slots
+        self._state_slots = np.zeros(slots, np.int32) if self.num_state_slots else None
         self.rope = LengthDependentRope.of(runner.model_config)  # set: each step carries rows' RoPE lengths
         # vision-language models: each slot's images (its request's MultimodalInputs, or None) and M-RoPE offset
         self.mm = getattr(runner, "mm", None)
@@ -130,6 +134,7 @@ class InputBatchBuilder:
             query_start_loc=np.zeros(s + 1, np.int32),
             rope_lens=None if self.rope is None else np.zeros(s, np.int32),
             layer_groups=self.layer_groups,
+            state_slots=None if self._state_slots is None else np.full(s, self.num_state_slots, np.int32),
         )
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
         if self.mm is not None and self.mm.spec.bidirectional:  # (the same packed layout as a step's)
@@ -149,6 +154,8 @@ class InputBatchBuilder:
             self._prompt_logprobs[slot] = req.wants_prompt_logprobs
             if self._row_lora is not None:
                 self._row_lora[slot] = req.parent.lora_slot
+            if self._state_slots is not None:
+                self._state_slots[slot] = req.state_slot
             if self.mm is not None:
                 mm = req.parent.mm
                 self._slot_mm[slot] = mm
@@ -233,7 +240,11 @@ class InputBatchBuilder:
         if self.rope is not None:
             rope_lens = np.zeros(s, np.int32)
             rope_lens[:m] = self.rope.row_lengths(self._prompt_lens[slots], cols.num_outputs)
-        attn_metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc, rope_lens, self.layer_groups)
+        state_slots = None
+        if self._state_slots is not None:
+            state_slots = np.full(s, self.num_state_slots, np.int32)
+            state_slots[:m] = self._state_slots[slots]
+        attn_metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc, rope_lens, self.layer_groups, state_slots)
         lora_slots = None
         if self._row_lora is not None:
             lora_slots = np.full(t, -1, np.int32)

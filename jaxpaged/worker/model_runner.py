@@ -37,6 +37,7 @@ from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.quantization import is_quantized, quantize_activations
 from jaxpaged.models.weights import param_bytes
 from jaxpaged.pallas_kernels import copy_blocks, kv_cache_shape, write_kv
+from jaxpaged.pallas_kernels.state_cache import HybridCache, copy_states
 from jaxpaged.pallas_kernels.kv_quant import empty_quantized_kv, kv_bytes_per_token_head
 from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxpaged.utils import compile_monitor
@@ -188,6 +189,10 @@ class ModelRunner:
         self.tp = config.tensor_parallel_size
         # hybrid models (windowed and global layers): KV cache groups, so local layers free what their window left
         self.kv_groups = self._kv_groups(config, loaded.config)
+        # hybrid models: their linear layers' state per sequence beside the KV pool, a slot for each sequence that can
+        # run at once (pallas_kernels/state_cache.py; the scheduler's HybridKVCacheManager hands them out)
+        self.state_spec = loaded.model.state_spec() if hasattr(loaded.model, "state_spec") else None
+        self.num_state_slots = config.max_num_seqs if self.state_spec is not None else 0
         self._executable_dir = executable_dir
         # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
@@ -273,6 +278,8 @@ class ModelRunner:
             shape, self.kv_cache_dtype, self.platform.kv_storage_dtype(self.dtype), self.mesh, self.device,
             None if self.kv_groups is None else self.kv_groups.layer_groups,
         )
+        if self.state_spec is not None:
+            self._attach_states()
         # fused_kv_write: the forward and the write as one executable, the cache donated to it (out: as it was placed)
         self._fused = None
         if self.config.fused_kv_write:
@@ -281,6 +288,16 @@ class ModelRunner:
             self._fused = jax.jit(self._fused_impl, donate_argnums=(1,), **shardings)
         jax.block_until_ready(self.kv_cache)
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
+
+    def _attach_states(self) -> None:
+        """A hybrid model's state arrays beside the KV pool, in one HybridCache, and their donated slot copy."""
+        spec, n = self.state_spec, self.num_state_slots
+        if self.mesh is None:
+            with jax.default_device(self.device):
+                self.kv_cache = HybridCache(self.kv_cache, spec.empty(n))
+            self._copy_states = jax.jit(copy_states, donate_argnums=(0,))
+            return
+        raise ValueError("tensor_parallel_size > 1 is not supported for hybrid models yet")
 
     @property
     def _step_name(self) -> str:
@@ -317,7 +334,20 @@ class ModelRunner:
     @property
     def kv_layers(self) -> int:
         """The cache's first axis: every layer, or with KV cache groups the layers of one group."""
-        return self.model_config.num_layers if self.kv_groups is None else self.kv_groups.size
+        return self.model_config.num_kv_layers if self.kv_groups is None else self.kv_groups.size
+
+    @property
+    def state_bytes(self) -> int:
+        """The state cache's bytes (hybrid models; 0 for others), over every slot and linear layer."""
+        return 0 if self.state_spec is None else self.num_state_slots * self.state_spec.slot_bytes
+
+    def _state_plan(self) -> str:
+        if self.state_spec is None:
+            return ""
+        spec = self.state_spec
+        return (f"; {spec.num_layers} linear layers' states beside it, {self.num_state_slots} slots of "
+                f"{spec.slot_bytes / 1e6:.2f} MB ({self.state_bytes / 1e6:.1f} MB), the KV serving the "
+                f"{self.model_config.num_kv_layers} attention layers; prefix caching off")
 
     @property
     def block_bytes(self) -> int:
@@ -346,7 +376,7 @@ class ModelRunner:
                     f"({self.num_blocks // self.seq_blocks} such sequences at once)")  # fmt: skip
         return (f"weights {weights:.1f} MB ({jnp.dtype(self.dtype).name}, quantization: {scheme}); KV cache {self.num_blocks} blocks "
                 f"of {self.block_size} tokens in {kv} ({self.num_blocks * self.block_bytes / 1e6:.1f} MB, {per_token:.1f} kB a token), "
-                f"up to {tokens} tokens held at once{held}")  # fmt: skip
+                f"up to {tokens} tokens held at once{held}{self._state_plan()}")  # fmt: skip
 
     @property
     def seq_blocks(self) -> int:
@@ -361,7 +391,7 @@ class ModelRunner:
         """Before the KV pool is allocated: the weights and one max_model_len sequence's KV must fit this engine's
         devices. Logs how many devices the model and context need; a ValueError saying so when they do not fit."""
         per_device, shared = self.platform.device_memory(self.device)
-        need = weight_bytes + self.seq_blocks * self.block_bytes
+        need = weight_bytes + self.seq_blocks * self.block_bytes + (self.state_spec.slot_bytes if self.state_spec else 0)
         n = self.config.devices_per_replica
         if per_device is None:
             return
@@ -386,7 +416,7 @@ class ModelRunner:
             return self.config.num_kv_blocks
         return self.platform.num_kv_blocks(
             self.config, block_bytes=self.block_bytes, weight_bytes=weight_bytes, table_width=self.seq_blocks,
-            reserved_bytes=self._workspace_bytes(),
+            reserved_bytes=self._workspace_bytes() + self.state_bytes,
         )
 
     def _workspace_bytes(self) -> int:
@@ -587,6 +617,21 @@ class ModelRunner:
         for i in range(0, len(pairs), self.copy_width):
             self._copy_batch(pairs[i : i + self.copy_width])
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Hybrid models: state slots src -> dst (a fork's child takes its parent's state), copy_width pairs a call."""
+        for i in range(0, len(pairs), self.copy_width):
+            self._copy_state_batch(pairs[i : i + self.copy_width])
+
+    def _copy_state_batch(self, pairs: list[tuple[int, int]]) -> None:
+        with self._device_call("_copy_state_batch", pairs):
+            src = np.zeros(self.copy_width, np.int32)
+            dst = np.full(self.copy_width, self.num_state_slots, np.int32)  # padding: out of range, dropped
+            if pairs:
+                src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
+            args = (self.kv_cache, src, dst)
+            with self._on_mesh():
+                self.kv_cache = self._executable("copy_states", self._copy_states, 0, args)(*args)
+
     def _copy_batch(self, pairs: list[tuple[int, int]]) -> None:
         """At most copy_width pairs, padded with pairs whose out-of-range dst drops them."""
         with self._device_call("_copy_batch", pairs):
@@ -612,6 +657,7 @@ class ModelRunner:
         if scheduler_output.encoder_work:  # images to encode into the encoder cache first (multimodal/runner.py)
             self.mm.encode(scheduler_output.encoder_work)
         step = self.input_batch.build(scheduler_output, with_sampling=not defer_sampling)
+        step.state_copies = scheduler_output.state_copies
         return self.dispatch(step, scheduler_output.block_copies, prev)
 
     def sample_later(self, scheduler_output: SchedulerOutput, dispatched: DispatchedStep) -> None:
@@ -631,6 +677,8 @@ class ModelRunner:
     def _dispatch(self, step: StepInputs, copies, prev: DispatchedStep | None) -> DispatchedStep:
         if copies:
             self.copy(copies)
+        if step.state_copies:  # hybrid models: forked sequences' states (core/state_slots.py)
+            self.copy_states(step.state_copies)
         t = step.input_ids.shape[0]
         if not self.config.precompile and (self._step_name, t) not in self._compiled and t != self.buckets[0]:
             self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
@@ -880,6 +928,8 @@ class ModelRunner:
         if self.mm is not None:  # every patch-count bucket of the encoder
             self.mm.warmup()
         self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
+        if self.state_spec is not None:
+            self._copy_state_batch([])
         jax.block_until_ready(self.kv_cache)
         self._store_executables()
         elapsed = time.perf_counter() - t0
