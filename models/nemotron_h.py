@@ -104,8 +104,8 @@ class Mamba2Mixer(nnx.Module):
         m, w = self.dims, self.dims.conv_kernel - 1
         return (
             StateArray("conv_x", (w, m.inner), self.conv_dtype, 1),
-            StateArray("conv_B", (w, m.bc), self.conv_dtype, 1),
-            StateArray("conv_C", (w, m.bc), self.conv_dtype, 1),
+            StateArray("conv_B", (w, m.bc), self.conv_dtype),  # (B and C stay whole under tensor parallelism)
+            StateArray("conv_C", (w, m.bc), self.conv_dtype),
             StateArray("ssm", (m.num_heads, m.head_dim, m.state_size), m.state_dtype, 0),
         )
 

@@ -30,12 +30,21 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.moe import check_experts_divisible, expert_partition_spec
 from jaxpaged.pallas_kernels.attention import TP_AXIS
 from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
+from jaxpaged.pallas_kernels.state_cache import HybridCache, StateArray, StateSpec, StateUpdate
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 # vision towers and projectors (models/vision/) stay whole on every device: they run once per image, beside the
 # language model, and their heads need not divide by N
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
 ROW_PARALLEL = ("o_proj", "down_proj")
+# hybrid models' linear layers (models/qwen3_next.py, models/nemotron_h.py): their projections split by head (q, k, v,
+# the gate z, b, a, Mamba's x and dt), out_proj by its input; the convolutions by channel, which follow the heads; the
+# per-head parameters (dt_bias, A_log, D) and Mamba's grouped norm by head. Mamba's B and C (a group's, read by its
+# heads) stay whole: small, and whole on every device whatever n_groups and N are.
+COLUMN_PARALLEL += ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_x", "in_proj_dt")
+ROW_PARALLEL += ("out_proj",)
+SPLIT_CONVOLUTIONS = ("conv_q", "conv_k", "conv_v", "conv_x")
+PER_HEAD = ("dt_bias", "A_log", "D")
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
@@ -59,6 +68,9 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
         problems.append(f"num_key_value_heads={cfg.num_kv_heads} (neither divisible by it nor dividing it)")
     if cfg.intermediate_size % n:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
+    for option, fields in (("gdn", ("num_k_heads", "num_v_heads")), ("mamba", ("num_heads",))):
+        sizes = dict(cfg.option(option) or ())  # a hybrid model's linear layers split by head too
+        problems += [f"its linear layers' {name}={sizes[name]}" for name in fields if name in sizes and sizes[name] % n]
     if problems:
         raise ValueError(
             f"tensor_parallel_size={n} does not divide this {cfg.architecture}'s {', '.join(problems)}; "
@@ -80,6 +92,10 @@ def partition_spec(path: str, shape: tuple[int, ...], n: int) -> P:
         return P(None, TP_AXIS) if len(shape) == 2 else P(TP_AXIS)
     if module in ROW_PARALLEL:
         return P(TP_AXIS, None) if len(shape) == 2 else P()
+    if module in SPLIT_CONVOLUTIONS:  # weight [K, C], bias [C]
+        return P(None, TP_AXIS) if len(shape) == 2 else P(TP_AXIS)
+    if parts[-1] in PER_HEAD or path.endswith("mixer.norm.scale"):
+        return P(TP_AXIS)
     if path == "embed_tokens.embedding" and shape[0] % n == 0:
         return P(TP_AXIS, None)
     if path == "lm_head.kernel" and shape[1] % n == 0:
@@ -140,6 +156,27 @@ def kv_cache_sharding(mesh: Mesh, kv_cache_dtype: str = "auto"):
     if kv_cache_dtype == "auto":
         return data
     return QuantizedKV(data, NamedSharding(mesh, P(None, None, None, TP_AXIS, None)), kv_cache_dtype)
+
+
+def state_partition_spec(array: StateArray) -> P:
+    """A state array of a hybrid model's cache, [linear layers, slots, ...] (or a step's [layers, rows, ...]): split
+    where StateArray.split_axis says (heads, or a convolution's channels), else whole."""
+    axes = [None] * (2 + len(array.shape))
+    if array.split_axis is not None:
+        axes[2 + array.split_axis] = TP_AXIS
+    return P(*axes)
+
+
+def hybrid_cache_sharding(mesh: Mesh, spec: StateSpec, kv_cache_dtype: str = "auto") -> HybridCache:
+    """A HybridCache's shardings: the KV array's, and each state array's (state_partition_spec)."""
+    states = {a.name: NamedSharding(mesh, state_partition_spec(a)) for a in spec.arrays}
+    return HybridCache(kv_cache_sharding(mesh, kv_cache_dtype), states)
+
+
+def state_update_sharding(mesh: Mesh, spec: StateSpec) -> StateUpdate:
+    """A hybrid model's step output for the write: the new K/V as new_kv_sharding, the states as in the cache."""
+    states = {a.name: NamedSharding(mesh, state_partition_spec(a)) for a in spec.arrays}
+    return StateUpdate(new_kv_sharding(mesh), states, NamedSharding(mesh, P()))
 
 
 def new_kv_sharding(mesh: Mesh) -> NamedSharding:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.pallas_kernels.linear_scan import run_rows
+from jaxpaged.pallas_kernels.linear_scan import per_device_heads, run_rows
 from jaxpaged.pallas_kernels.state_cache import Rows
 
 CHUNK = 64  # transformers' and FLA's chunk size
@@ -71,7 +71,8 @@ def one_step(q, k, v, g, beta, state):
 
 def gated_delta_rule(q, k, v, g, beta, initial, rows: Rows, *, chunk: int = CHUNK):
     """A step's tokens through the gated delta rule: q, k [T, H, dk], v [T, H, dv], g (log decay), beta [T, H],
-    initial [S, H, dk, dv] (each row's state) -> (o [T, H, dv] float32, final states [S, H, dk, dv] float32)."""
+    initial [S, H, dk, dv] (each row's state) -> (o [T, H, dv] float32, final states [S, H, dk, dv] float32). Under a
+    tensor-parallel mesh each device runs its own heads."""
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     tokens = tuple(f32(x) for x in (q, k, v, g, beta))
 
@@ -83,5 +84,8 @@ def gated_delta_rule(q, k, v, g, beta, initial, rows: Rows, *, chunk: int = CHUN
         o, states = one_step(*xs, states)
         return (o,), states
 
-    (o,), final = run_rows(chunk_fn, step_fn, tokens, f32(initial), rows, chunk=chunk)
-    return o, final
+    def run(q, k, v, g, beta, initial, rows):
+        (o,), final = run_rows(chunk_fn, step_fn, (q, k, v, g, beta), initial, rows, chunk=chunk)
+        return o, final
+
+    return per_device_heads(run, (*tokens, f32(initial), rows), (1, 1, 1, 1, 1, 1, None))

@@ -16,6 +16,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
 from jaxpaged.pallas_kernels.state_cache import Rows
 
 
@@ -80,3 +83,19 @@ def run_rows(
     outs = tuple(o.at[where].set(y.astype(o.dtype), mode="drop")[:t] for o, y in zip(outs, ys))
     states = jax.tree.map(lambda s, new: jnp.where(decode.reshape(-1, *(1,) * (s.ndim - 1)), new.astype(s.dtype), s), states, stepped)
     return outs, states
+
+
+def per_device_heads(fn: Callable, args: tuple, head_axes: tuple[int | None, ...]):
+    """fn(*args), under a tensor-parallel mesh run per device on its own heads (shard_map): each arg is split on its
+    head axis (None: whole, e.g. Rows), every output on axis 1 ([T, H, ...] or [S, H, ...]). Heads never meet in the
+    recurrence, so no communication; GSPMD left to itself would partition the chunk loop's dynamic slices poorly."""
+    if tp_size() == 1:
+        return fn(*args)
+
+    def spec(arg, axis):
+        return P() if axis is None else P(*(TP_AXIS if i == axis else None for i in range(jnp.ndim(arg))))
+
+    outs = jax.eval_shape(fn, *args)
+    out_specs = jax.tree.map(lambda o: P(None, TP_AXIS, *(None,) * (o.ndim - 2)), outs)
+    in_specs = tuple(spec(a, ax) for a, ax in zip(args, head_axes))
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.pallas_kernels.linear_scan import run_rows
+from jaxpaged.pallas_kernels.linear_scan import per_device_heads, run_rows
 from jaxpaged.pallas_kernels.state_cache import Rows
 
 CHUNK = 64
@@ -45,15 +45,18 @@ def ssd_scan(x, dt, b, c, a_log_decay, initial, rows: Rows, *, chunk: int = CHUN
     """A step's tokens through the SSD recurrence: x [T, H, P], dt [T, H], b, c [T, H, N], a_log_decay [H] (A),
     initial [S, H, P, N] -> (y [T, H, P] float32 without D x, final states [S, H, P, N] float32)."""
     f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-    a = f32(a_log_decay)
 
-    def chunk_fn(xs, state):
-        y, state = chunk_step(*xs, a, state)
-        return (y,), state
+    def run(x, dt, b, c, a, initial, rows):
+        def chunk_fn(xs, state):
+            y, state = chunk_step(*xs, a, state)
+            return (y,), state
 
-    def step_fn(xs, states):
-        y, states = one_step(*xs, a, states)
-        return (y,), states
+        def step_fn(xs, states):
+            y, states = one_step(*xs, a, states)
+            return (y,), states
 
-    (y,), final = run_rows(chunk_fn, step_fn, tuple(f32(v) for v in (x, dt, b, c)), f32(initial), rows, chunk=chunk)
-    return y, final
+        (y,), final = run_rows(chunk_fn, step_fn, (x, dt, b, c), initial, rows, chunk=chunk)
+        return y, final
+
+    args = (*(f32(v) for v in (x, dt, b, c)), f32(a_log_decay), f32(initial), rows)
+    return per_device_heads(run, args, (1, 1, 1, 1, 0, 1, None))

@@ -95,6 +95,7 @@ def copy_states(cache: HybridCache, src: jax.Array, dst: jax.Array) -> HybridCac
     return HybridCache(cache.kv, states)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """A step's ragged rows as the linear layers need them (computed once per forward, inside the trace).

@@ -290,14 +290,28 @@ class ModelRunner:
         self.startup_seconds["kv_cache"] = time.perf_counter() - t0
 
     def _attach_states(self) -> None:
-        """A hybrid model's state arrays beside the KV pool, in one HybridCache, and their donated slot copy."""
+        """A hybrid model's state arrays beside the KV pool, in one HybridCache, and their donated slot copy. Under a
+        mesh they split by head (models/sharding.py), and the forward, the write and both copies take the cache's
+        shardings, and the step's new states theirs."""
         spec, n = self.state_spec, self.num_state_slots
         if self.mesh is None:
             with jax.default_device(self.device):
                 self.kv_cache = HybridCache(self.kv_cache, spec.empty(n))
             self._copy_states = jax.jit(copy_states, donate_argnums=(0,))
             return
-        raise ValueError("tensor_parallel_size > 1 is not supported for hybrid models yet")
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxpaged.models.sharding import hybrid_cache_sharding, state_update_sharding
+
+        split = hybrid_cache_sharding(self.mesh, spec, self.kv_cache_dtype)
+        self.kv_cache = HybridCache(self.kv_cache, jax.jit(lambda: spec.empty(n), out_shardings=split.states)())
+        write_fn = write_kv if self.kv_groups is None else functools.partial(write_kv, layer_groups=self.kv_groups.layer_groups)
+        self._write = jax.jit(write_fn, donate_argnums=(0,), out_shardings=split)
+        self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=split)
+        self._copy_states = jax.jit(copy_states, donate_argnums=(0,), out_shardings=split)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        update = state_update_sharding(self.mesh, spec)
+        self._forward = jax.jit(self._forward_impl, out_shardings=(replicated, replicated, update, replicated))
 
     @property
     def _step_name(self) -> str:
