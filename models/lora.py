@@ -33,7 +33,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
-_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _PREFIX = "base_model.model."  # PEFT's tensor names: this, the base model's module name, .lora_A/B.weight
 # PEFT features that change the arithmetic beyond x @ A @ B * scaling: refused rather than silently ignored
 _UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
@@ -41,10 +40,34 @@ _UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_
                 "target_parameters": "target_parameters"}  # fmt: skip
 
 
+def _port_projections(cfg: ModelConfig):
+    """A port's own `lora_projections` (hybrid models: attention and MLP on some layers only), or None."""
+    from jaxpaged.models.registry import MODEL_REGISTRY
+
+    return getattr(MODEL_REGISTRY.get(cfg.architecture), "lora_projections", None)
+
+
 def check_architecture(cfg: ModelConfig) -> None:
-    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"enable_lora: LoRA adapters are supported for {', '.join(SUPPORTED_ARCHITECTURES)}; "
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES and _port_projections(cfg) is None:
+        from jaxpaged.models.registry import MODEL_REGISTRY
+
+        supported = [*SUPPORTED_ARCHITECTURES, *(a for a, port in MODEL_REGISTRY.items() if hasattr(port, "lora_projections"))]
+        raise ValueError(f"enable_lora: LoRA adapters are supported for {', '.join(supported)}; "
                          f"this model is a {cfg.architecture}")  # fmt: skip
+
+
+def projections(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Every projection an adapter may adapt: its key (our module path, "layers.3.self_attn.q_proj") -> (the base
+    model's module as PEFT names it, (in, out) features). Llama's layers each have q/k/v/o and gate/up/down; a port
+    laid out otherwise says where its are (`lora_projections`)."""
+    custom = _port_projections(cfg)
+    if custom is not None:
+        return custom(cfg)
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    io = {"q_proj": (d, cfg.num_heads * hd), "k_proj": (d, cfg.num_kv_heads * hd), "v_proj": (d, cfg.num_kv_heads * hd),
+          "o_proj": (cfg.num_heads * hd, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
+    return {f"layers.{i}.{_BLOCK[t]}.{t}": (f"model.layers.{i}.{_BLOCK[t]}.{t}", io[t])
+            for i in range(cfg.num_layers) for t in LORA_TARGETS}  # fmt: skip
 
 
 def parse_targets(spec: str | None) -> tuple[str, ...]:
@@ -60,10 +83,7 @@ def parse_targets(spec: str | None) -> tuple[str, ...]:
 
 def target_shapes(cfg: ModelConfig, targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
     """Every wrapped projection's key (its module path, "layers.3.self_attn.q_proj") -> (in, out) features."""
-    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    io = {"q_proj": (d, cfg.num_heads * hd), "k_proj": (d, cfg.num_kv_heads * hd), "v_proj": (d, cfg.num_kv_heads * hd),
-          "o_proj": (cfg.num_heads * hd, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
-    return {f"layers.{i}.{_BLOCK[t]}.{t}": io[t] for i in range(cfg.num_layers) for t in targets}
+    return {key: io for key, (_, io) in projections(cfg).items() if key.rsplit(".", 1)[-1] in targets}
 
 
 # -- adapters on the host -------------------------------------------------------------------------------------------
@@ -161,7 +181,7 @@ def _check_tensor_names(config: dict, stored: list[str], cfg: ModelConfig, path:
     else one ValueError naming the tensors."""
     if not isinstance(config.get("target_modules"), (str, list, tuple)):
         raise ValueError(f"lora_path {path!r}: adapter_config.json names no target_modules")
-    modules = [f"model.layers.{i}.{_BLOCK[t]}.{t}" for i in range(cfg.num_layers) for t in LORA_TARGETS]
+    modules = [module for module, _ in projections(cfg).values()]
     expected = [f"{_PREFIX}{m}.lora_{ab}.weight" for m in modules if _targeted(config, m) for ab in "AB"]
     unknown = sorted(set(stored) - set(expected))
     missing = sorted(set(expected) - set(stored))
@@ -195,16 +215,18 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, targets: tuple[str, ...
             raise ValueError(f"lora_path {path!r}: target_modules {unknown} are not supported (only {', '.join(LORA_TARGETS)})")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     shapes = target_shapes(cfg, LORA_TARGETS)
+    keys = {f"{_PREFIX}{module}": key for key, (module, _) in projections(cfg).items()}
     pieces: dict[str, dict[str, np.ndarray]] = {}
     tensors = _read_tensors(folder, path)
     _check_tensor_names(config, list(tensors), cfg, path)
     for tensor_name, value in tensors.items():
-        m = _TENSOR.match(tensor_name)
-        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        owner, _, leaf = tensor_name.rpartition(".lora_")  # (every name checked above: <module>.lora_A/B.weight)
+        key, ab = keys[owner], leaf[0]
+        module = key.rsplit(".", 1)[-1]
         if module not in targets:
             raise ValueError(f"lora_path {path!r} adapts {module}, which is not in the engine's lora_target_modules "
                              f"({', '.join(targets)})")  # fmt: skip
-        pieces.setdefault(f"layers.{layer}.{_BLOCK[module]}.{module}", {})[ab] = value
+        pieces.setdefault(key, {})[ab] = value
     if not pieces:
         raise ValueError(f"lora_path {path!r}: adapter_model.safetensors holds no LoRA tensors")
     weights = {}

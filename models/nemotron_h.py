@@ -193,6 +193,17 @@ class NemotronHForCausalLM(HybridCausalLM):
         )  # fmt: skip
 
     @staticmethod
+    def lora_projections(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+        """What LoRA adapters may adapt (models/lora.py): the attention blocks' q/k/v/o and the MLP blocks' up/down;
+        not the Mamba mixers."""
+        d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        io = {"q_proj": (d, cfg.num_heads * hd), "k_proj": (d, cfg.num_kv_heads * hd), "v_proj": (d, cfg.num_kv_heads * hd),
+              "o_proj": (cfg.num_heads * hd, d), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
+        kinds = {"full_attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("up_proj", "down_proj")}
+        return {f"layers.{i}.mixer.{t}": (f"model.layers.{i}.mixer.{t}", io[t])
+                for i, block in enumerate(cfg.option("block_types")) for t in kinds.get(block, ())}  # fmt: skip
+
+    @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         m, types = MambaDims.of(cfg), cfg.option("block_types")
         specs = {"model.embeddings.weight": WeightSpec("embed_tokens.embedding"), "model.norm_f.weight": WeightSpec("norm.scale")}

@@ -236,6 +236,22 @@ class Qwen3NextForCausalLM(HybridCausalLM):
                                     kv_layers=kv_layers, options=options)  # fmt: skip
 
     @staticmethod
+    def lora_projections(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+        """What LoRA adapters may adapt (models/lora.py): the gated attention layers' q/k/v/o (q_proj gives each head's
+        query and gate) and the dense MLPs' gate/up/down; not the linear layers, nor the experts."""
+        d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        h, kv = cfg.num_heads, cfg.num_kv_heads
+        attention = {"q_proj": (d, 2 * h * hd), "k_proj": (d, kv * hd), "v_proj": (d, kv * hd), "o_proj": (h * hd, d)}
+        mlp = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+        sparse = MoeOptions.of(cfg).sparse_layers if cfg.option("moe") is not None else ()
+        out = {}
+        for i in range(cfg.num_layers):
+            blocks = ([("self_attn", attention)] if i in cfg.kv_layers else []) + ([("mlp", mlp)] if i not in sparse else [])
+            for block, io in blocks:
+                out |= {f"layers.{i}.{block}.{t}": (f"model.layers.{i}.{block}.{t}", shape) for t, shape in io.items()}
+        return out
+
+    @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         """Every tensor this port needs, and where it goes; fused projections split (models/hybrid.py)."""
         g, types = GdnDims.of(cfg), cfg.option("layer_types")
