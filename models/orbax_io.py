@@ -117,7 +117,7 @@ def load(path: Path, dtype_name: str, choose_attention, *, hf_config: str | None
 
     from jaxpaged.models.loader import _build, _config_json, _load_tokenizer, _port_config
     from jaxpaged.models.sharding import make_mesh
-    from jaxpaged.worker.weight_update import LoadedLayout, loaded_values, resolve
+    from jaxpaged.worker.weight_update import LoadedLayout, fill_model, resolve
 
     item = checkpoint_item(path)
     if item is None:
@@ -126,10 +126,9 @@ def load(path: Path, dtype_name: str, choose_attention, *, hf_config: str | None
     hf = _hf_config(cfg_path, _config_json)
     cls, cfg = _port_config(hf)
     model = _build(cls, cfg, dtype_name, choose_attention)
-    layout = LoadedLayout.of_model(model, cfg)
     t0 = time.perf_counter()
     leaves = _metadata(item)
-    named, fns = [], {}
+    named = []  # (given, target, struct, fn), as update_weights names tensors
     for keys, struct in leaves:
         name = ".".join(k for k in keys if k not in ("value", "raw_value"))
         target: Any = name
@@ -139,31 +138,22 @@ def load(path: Path, dtype_name: str, choose_attention, *, hf_config: str | None
             target = mapping.get(name, name)
         if target is None:
             continue
-        if isinstance(target, tuple):
-            target, fn = target
-            fns[len(named)] = fn
-            struct = jax.eval_shape(fn, struct)
-        named.append((keys, name, str(target), struct))
+        target, fn = target if isinstance(target, tuple) else (target, None)
+        named.append((keys, (name, str(target), struct, fn)))
     what = f"Orbax checkpoint {item}"
-    entries, _, given = resolve(layout, [(name, target, struct) for _, name, target, struct in named], what=what)
-    abstract = jax.tree_util.tree_leaves(nnx.state(model))
-    missing = [layout.paths[i] for i, leaf in enumerate(abstract) if i not in given and isinstance(leaf, jax.ShapeDtypeStruct)]
-    if missing:
-        from jaxpaged.models.accounting import shown
-
-        raise ValueError(f"{what} lacks {len(missing)} parameter(s) of this {cfg.architecture}: {shown(missing)} "
-                         "(name them through checkpoint_mapping if the checkpoint spells them otherwise)")  # fmt: skip
+    # names, shapes and dtypes checked before anything is read
+    layout = LoadedLayout.of_model(model, cfg)
+    entries, accepted, _ = resolve(layout, [n for _, n in named], what=what)
+    index_of = {id(struct): n for n, (_, (_, _, struct, _)) in enumerate(named)}
     devices = list(jax.devices() if devices is None else devices)
     mesh = make_mesh(tensor_parallel_size, devices) if tensor_parallel_size > 1 else None
     single = jax.sharding.SingleDeviceSharding(devices[0])
     # each leaf restored onto the devices its parameter lives on: no full copy on one device under TP
-    by_given = {e.given: e for e in entries}
-    stored_shapes = dict(leaves)
+    by_given = {index_of[id(accepted[e.given])]: e for e in entries}
     targets = []
-    for n, (keys, _, _, _) in enumerate(named):
-        stored, e = stored_shapes[keys], by_given[n]
-        sharding = single
-        if mesh is not None and n not in fns and e.split is None and len(e.targets) == 1:
+    for n, (keys, (_, _, stored, fn)) in enumerate(named):
+        e, sharding = by_given.get(n), single
+        if mesh is not None and e is not None and fn is None and e.split is None and len(e.targets) == 1:
             sharding = _split_spec(mesh, layout.paths[e.targets[0]], tuple(stored.shape), e.transpose)
         elif mesh is not None:
             sharding = _split_spec(mesh, "", tuple(stored.shape))  # replicated
@@ -177,20 +167,11 @@ def load(path: Path, dtype_name: str, choose_attention, *, hf_config: str | None
         for key in keys:
             node = node[key]
         values.append(node)
-    out_index = sorted(given)
-    out_shardings = [single if mesh is None else _split_spec(mesh, layout.paths[i], tuple(layout.avals[i].shape)) for i in out_index]
 
-    def place(*arrays):
-        arrays = [fns[n](x) if n in fns else x for n, x in enumerate(arrays)]
-        raw = loaded_values(layout, entries, dict(enumerate(arrays)))
-        return [raw[i] for i in out_index]
+    def sharding(path, shape):
+        return single if mesh is None else _split_spec(mesh, path, shape)
 
-    placed = jax.jit(place, out_shardings=out_shardings)(*values)
-    state = list(abstract)
-    for i, value in zip(out_index, placed):
-        state[i] = value
-    nnx.update(model, jax.tree_util.tree_unflatten(layout.treedef, state))
-    jax.block_until_ready(placed)
+    fill_model(model, cfg, [(g, t, v, fn) for (_, (g, t, _, fn)), v in zip(named, values)], what=what, sharding=sharding)
     seconds = time.perf_counter() - t0
     logger.info("restored %d tensors from the Orbax checkpoint %s in %.1fs (config: %s)", len(named), item, seconds, cfg_path)
     return model, cfg, hf, _load_tokenizer(cfg_path.parent), seconds, {}

@@ -243,11 +243,13 @@ class AsyncLLMEngine:
         self._submit(("call", fn, when_idle, loop, done))
         return await done
 
-    async def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request=None) -> dict[str, Any]:
+    async def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request=None,
+                             copy: bool = False) -> dict[str, Any]:  # fmt: skip
         """LLMEngine.update_weights on the engine thread. in_flight="finish": the requests in flight finish (and
         stream) first, new ones wait for the update; "abort": they end at once with finish_reason "abort"."""
         return await self._on_engine(
-            lambda engine: engine.update_weights(weights, mapping=mapping, in_flight=in_flight, lora_request=lora_request),
+            lambda engine: engine.update_weights(weights, mapping=mapping, in_flight=in_flight, lora_request=lora_request,
+                                                 copy=copy),
             when_idle=in_flight == "finish")  # fmt: skip
 
     async def sleep(self, level: int = 1, *, in_flight: str = "finish", queue_requests: bool = False) -> dict[str, Any]:

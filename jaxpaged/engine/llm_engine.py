@@ -477,13 +477,15 @@ class LLMEngine:
 
     # -- a trainer's rollouts: weights replaced in place, memory given back (engine/weight_sync.py) ------
 
-    def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None) -> dict[str, Any]:
+    def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None,
+                       copy: bool = False) -> dict[str, Any]:  # fmt: skip
         """Replace the model's weights (all or some) in place with `weights`: a pytree of arrays on the devices (an
         NNX State of the port, a dict by HF name or parameter path, or a trainer's names through `mapping`), or a
         folder of safetensors; with lora_request, some of that adapter's tensors. Requests in flight are finished
         first or aborted (`in_flight`); the prefix cache is dropped. ValueError naming every unknown or misshapen
-        tensor, the weights unchanged. -> counts, seconds, and the outputs of the requests settled."""
-        return self.weight_sync.update_weights(weights, mapping, in_flight, lora_request)
+        tensor, the weights unchanged. copy: keep none of the given arrays (a caller that donates them later).
+        -> counts, seconds, and the outputs of the requests settled."""
+        return self.weight_sync.update_weights(weights, mapping, in_flight, lora_request, copy)
 
     def sleep(self, level: int = 1, *, in_flight: str = "finish", queue_requests: bool = False) -> dict[str, Any]:
         """Give device memory back: the KV pool freed and the weights moved to host memory (level 1) or dropped

@@ -119,7 +119,8 @@ class WeightSync:
 
     # -- the operations ------------------------------------------------------------------------------
 
-    def update_weights(self, weights, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None) -> dict[str, Any]:
+    def update_weights(self, weights, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None,
+                       copy: bool = False) -> dict[str, Any]:  # fmt: skip
         self._check_supported("update_weights")
         if in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT} (got {in_flight!r})")
@@ -129,7 +130,7 @@ class WeightSync:
             return self._update_lora(weights, mapping, in_flight, lora_request)
         if self.sleeper.weights != "awake":
             raise EngineAsleepError("update_weights: the weights are asleep; wake_up(tags=['weights']) first")
-        plan = self.updater.plan(weights, mapping)  # checked before anything in flight is touched
+        plan = self.updater.plan(weights, mapping, copy)  # checked before anything in flight is touched
         outputs = self._settle(in_flight)
         self._release_loaded()
         result = self.updater.apply(plan)
@@ -150,7 +151,8 @@ class WeightSync:
         shapes = target_shapes(engine.loaded.config, engine.runner.lora_targets)
         pieces: dict[str, dict[str, np.ndarray]] = {}
         problems = []
-        for given, target, array in named_arrays(weights, mapping):
+        for given, target, array, fn in named_arrays(weights, mapping):
+            array = array if fn is None else fn(array)
             m = _PEFT.match(target)
             key = None if m is None else f"layers.{m[1]}.{m[2]}.{m[3]}"
             if key not in shapes:

@@ -29,6 +29,14 @@ class LLM:
         if self.is_follower:  # another process of a group: run process 0's steps until it closes (docs/distributed.md)
             self.engine.runner.follow()
 
+    @classmethod
+    def from_engine(cls, engine) -> LLM:
+        """An LLM over an engine already built (an LLMEngine or DataParallelEngine: a trainer's rollout class, which
+        makes its model from the trainer's, builds its own)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     @property
     def is_follower(self) -> bool:
         """This process executes for process 0 of its group and takes no requests."""
@@ -46,12 +54,14 @@ class LLM:
 
     # -- a trainer's rollouts (engine/weight_sync.py, docs/rl.md) ------------------------------------
 
-    def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None) -> dict[str, Any]:
+    def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None,
+                       copy: bool = False) -> dict[str, Any]:  # fmt: skip
         """Replace the weights in place, without a restart or a recompile: `weights` a pytree of arrays on the devices
         (an NNX State of the port, a dict by HF name, or a trainer's names through `mapping`), some or all of them,
         or a folder of safetensors; lora_request: some of that adapter's tensors. Unknown names or wrong shapes: a
-        ValueError naming them, the weights unchanged. Requests in flight: `in_flight="finish"` or `"abort"`."""
-        return self.engine.update_weights(weights, mapping=mapping, in_flight=in_flight, lora_request=lora_request)
+        ValueError naming them, the weights unchanged. Requests in flight: `in_flight="finish"` or `"abort"`.
+        copy=True: the engine keeps none of the given arrays (else those it needs as they are, it takes as they are)."""
+        return self.engine.update_weights(weights, mapping=mapping, in_flight=in_flight, lora_request=lora_request, copy=copy)
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Free the KV pool and move the weights to host memory (level 1) or drop them (level 2, for new weights

@@ -113,6 +113,7 @@ class _Entry:
     transpose: bool = False
     split: Callable | None = None
     ops: tuple[str, ...] = ()  # per target: "keep", "cast" or "quantize:<int8|fp8>" (the target's scale follows it)
+    fn: Callable | None = None  # a mapping's function on the given array, first (traced into the program)
 
 
 @dataclasses.dataclass
@@ -122,11 +123,13 @@ class _Plan:
     given: set[int]  # the loaded-layout parameters it sets
     touched: list[int]  # the runner's parameters it replaces
     started: float
+    copy: bool = False
 
 
-def named_arrays(weights, mapping: Mapping_ = None) -> list[tuple[str, str, Any]]:
-    """(name as given, the engine's name for it, array) for every leaf of `weights` (a dict by name, nested or
-    dotted, an NNX State, any pytree); a mapping renames (and may transform) them, or skips them with None."""
+def named_arrays(weights, mapping: Mapping_ = None) -> list[tuple[str, str, Any, Callable | None]]:
+    """(name as given, the engine's name for it, array, the mapping's function for it or None) for every leaf of
+    `weights` (a dict by name, nested or dotted, an NNX State, any pytree); a mapping renames them (and may name a
+    function to apply first), or skips them with None."""
     if isinstance(weights, nnx.Module):
         weights = nnx.state(weights, nnx.Param)
     flat = jax.tree_util.tree_flatten_with_path(weights)[0]
@@ -140,10 +143,10 @@ def named_arrays(weights, mapping: Mapping_ = None) -> list[tuple[str, str, Any]
             target = mapping.get(name, name)
         if target is None:
             continue
+        fn = None
         if isinstance(target, tuple):
             target, fn = target
-            array = fn(array)
-        out.append((name, str(target), array))
+        out.append((name, str(target), array, fn))
     return out
 
 
@@ -161,29 +164,34 @@ def quantize_channels(w: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
     return q.astype(dtype), scale
 
 
-def resolve(layout: LoadedLayout, named: list[tuple[str, str, Any]], what: str = "update_weights") -> tuple[list[_Entry], list, set[int]]:
-    """Named tensors (or their shapes) as _Entries over the loaded layout, the arrays, and the loaded-layout
-    parameters they set; or one ValueError naming every problem."""
+def resolve(layout: LoadedLayout, named: list[tuple], what: str = "update_weights") -> tuple[list[_Entry], list, set[int]]:
+    """Named tensors or their shapes ((given name, engine name, array, fn or None), as named_arrays makes them) as
+    _Entries over the loaded layout, the arrays, and the loaded-layout parameters they set; or one ValueError naming
+    every problem."""
     specs = layout.specs
     resolved = []
-    for given, target, array in named:
+    for given, target, array, fn in named:
+        if fn is not None:  # checked as what the function makes of it
+            shaped = jax.eval_shape(fn, jax.ShapeDtypeStruct(tuple(array.shape), array.dtype))
+        else:
+            shaped = array
         if target in layout.index:
-            resolved.append((given, target, array, (target,), False, None))
+            resolved.append((given, target, array, fn, shaped, (target,), False, None))
             continue
         name = checkpoint_name(layout.port, target, specs)
         spec = specs.get(name)
-        resolved.append((given, target, array, None if spec is None else spec.paths,
+        resolved.append((given, target, array, fn, shaped, None if spec is None else spec.paths,
                          False if spec is None else spec.transpose, None if spec is None else spec.split))  # fmt: skip
-    embeddings_given = any(r[3] == (EMBEDDING_PATH,) and r[1] not in layout.head_aliases for r in resolved)
+    embeddings_given = any(r[5] == (EMBEDDING_PATH,) and r[1] not in layout.head_aliases for r in resolved)
     problems, entries, inputs, owner = [], [], [], {}
-    for given, target, array, paths, transpose, split in resolved:
+    for given, target, array, fn, shaped, paths, transpose, split in resolved:
         label = given if given == target else f"{given} (as {target})"
         if paths is None:
             problems.append(f"unknown tensor {label}: no parameter of this {layout.config.architecture} has that name")
             continue
         if target in layout.head_aliases and embeddings_given:
             continue  # a tied model's head beside its embeddings: the copy
-        shape = tuple(getattr(array, "shape", ()))
+        shape = tuple(getattr(shaped, "shape", ()))
         targets = [layout.index[p] for p in paths]
         want = [tuple(layout.avals[i].shape) for i in targets]
         if split is not None:
@@ -196,7 +204,7 @@ def resolve(layout: LoadedLayout, named: list[tuple[str, str, Any]], what: str =
             problems.append(f"tensor {label} has shape {shape}, but the engine's {', '.join(paths)} needs {expect}")
             continue
         ops, extra = [], []
-        src = jnp.dtype(getattr(array, "dtype", np.float32))
+        src = jnp.dtype(getattr(shaped, "dtype", np.float32))
         for i in targets:
             dst = layout.avals[i].dtype
             op = conversion(layout, src, dst, layout.paths[i])
@@ -212,7 +220,7 @@ def resolve(layout: LoadedLayout, named: list[tuple[str, str, Any]], what: str =
                 if i in owner:
                     problems.append(f"tensor {label} and {owner[i]} both set {layout.paths[i]}")
                 owner[i] = label
-            entries.append(_Entry(len(inputs), tuple(targets), transpose, split, tuple(ops)))
+            entries.append(_Entry(len(inputs), tuple(targets), transpose, split, tuple(ops), fn))
             inputs.append(array)
     if problems:
         raise ValueError(f"{what}: {len(problems)} problem(s), nothing was changed: " + shown(problems))
@@ -243,6 +251,8 @@ def loaded_values(layout: LoadedLayout, entries: list[_Entry], values: dict[int,
         if e.given not in values:
             continue
         x = values[e.given]
+        if e.fn is not None:
+            x = e.fn(x)
         if e.transpose:
             x = jnp.swapaxes(x, -1, -2)
         parts = e.split(x) if e.split is not None else (x,)
@@ -253,6 +263,33 @@ def loaded_values(layout: LoadedLayout, entries: list[_Entry], values: dict[int,
             else:
                 raw[i] = part.astype(layout.avals[i].dtype)
     return raw
+
+
+def fill_model(model: nnx.Module, config, named: list[tuple], *, what: str, sharding: Callable[[str, tuple], Any]) -> set[int]:
+    """Fill an abstract model (parameters still shapes, as the loader builds it) from named arrays on the devices, as
+    update_weights names them, in one jitted program (each parameter onto sharding(path, shape)); a ValueError names
+    the tensors it cannot place and the parameters none gives. -> the loaded-layout parameters set."""
+    layout = LoadedLayout.of_model(model, config)
+    entries, inputs, given = resolve(layout, named, what=what)
+    abstract = jax.tree_util.tree_leaves(nnx.split(model)[1])
+    missing = [layout.paths[i] for i, leaf in enumerate(abstract) if i not in given and isinstance(leaf, jax.ShapeDtypeStruct)]
+    if missing:
+        raise ValueError(f"{what} lacks {len(missing)} parameter(s) of this {config.architecture}: {shown(missing)} (name "
+                         "them through the mapping if they are spelled otherwise)")  # fmt: skip
+    out = sorted(given)
+
+    def place(*values):
+        raw = loaded_values(layout, entries, dict(enumerate(values)))
+        return [raw[i] for i in out]
+
+    shardings = [sharding(layout.paths[i], tuple(layout.avals[i].shape)) for i in out]
+    placed = jax.jit(place, out_shardings=shardings)(*inputs)
+    leaves = list(abstract)
+    for i, value in zip(out, placed):
+        leaves[i] = value
+    nnx.update(model, jax.tree_util.tree_unflatten(layout.treedef, leaves))
+    jax.block_until_ready(placed)
+    return given
 
 
 class WeightUpdater:
@@ -313,12 +350,13 @@ class WeightUpdater:
 
     # -- the update ------------------------------------------------------------------------------------
 
-    def update(self, weights, mapping: Mapping_ = None) -> dict[str, Any]:
+    def update(self, weights, mapping: Mapping_ = None, copy: bool = False) -> dict[str, Any]:
         """Replace the runner's parameters the given tensors make; -> what it did (counts, seconds)."""
-        return self.apply(self.plan(weights, mapping))
+        return self.apply(self.plan(weights, mapping, copy))
 
-    def plan(self, weights, mapping: Mapping_ = None) -> _Plan:
-        """Check an update (names, shapes, dtypes, what the layout needs together) without changing anything."""
+    def plan(self, weights, mapping: Mapping_ = None, copy: bool = False) -> _Plan:
+        """Check an update (names, shapes, dtypes, what the layout needs together) without changing anything.
+        copy: the engine keeps none of the given arrays (no pointer swap), for a caller that donates them later."""
         t0 = time.perf_counter()
         entries, inputs, given = resolve(self.layout, named_arrays(weights, mapping))
         out_deps, _ = self._dependencies
@@ -327,7 +365,7 @@ class WeightUpdater:
         if lacking:
             raise ValueError("update_weights: this engine lays these parameters out together with others, so they "
                              "must come with them; also give " + shown(sorted(self.layout.paths[i] for i in lacking)))  # fmt: skip
-        return _Plan(entries, inputs, given, touched, t0)
+        return _Plan(entries, inputs, given, touched, t0, copy)
 
     def apply(self, plan: _Plan) -> dict[str, Any]:
         """Run a checked update and swap its parameters in."""
@@ -338,9 +376,9 @@ class WeightUpdater:
         # pointer swaps: a laid-out leaf that is a loaded one as it is, given in its dtype on its sharding
         swapped = {}
         by_target = {e.targets[0]: (e, inputs[e.given]) for e in entries if len(e.targets) == 1}
-        for o in touched:
+        for o in touched if not plan.copy else ():
             entry, x = by_target.get(identity[o], (None, None))
-            if entry is not None and not entry.transpose and entry.split is None and entry.ops == ("keep",) and \
+            if entry is not None and entry.fn is None and not entry.transpose and entry.split is None and entry.ops == ("keep",) and \
                     x.sharding.is_equivalent_to(target_leaves[o].sharding, x.ndim):  # fmt: skip
                 swapped[o] = x
         computed = [o for o in touched if o not in swapped]
@@ -374,7 +412,7 @@ class WeightUpdater:
         from jax.sharding import NamedSharding, PartitionSpec
 
         target = None
-        if not entry.transpose and entry.split is None and len(entry.targets) == 1:
+        if entry.fn is None and not entry.transpose and entry.split is None and len(entry.targets) == 1:
             outs = [o for o, i in enumerate(identity) if i == entry.targets[0]]
             target = target_leaves[outs[0]].sharding if outs else None
         return jax.device_put(x, target or NamedSharding(runner.mesh, PartitionSpec()))
