@@ -16,6 +16,7 @@ from jaxpaged.models.olmoe import OlmoeForCausalLM
 from jaxpaged.models.opt import OPTForCausalLM
 from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
 from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
+from jaxpaged.models.vision.llava import LlavaForConditionalGeneration
 from jaxpaged.models.vision.qwen_vl import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from jaxpaged.models.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
 
@@ -44,6 +45,9 @@ MODEL_REGISTRY = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # + SigLIP and the projector (models/vision/)
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # Qwen2 with M-RoPE + its window ViT
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,  # Qwen3, interleaved M-RoPE, DeepStack
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: CLIP + a GELU projector
+    "LlavaNextForConditionalGeneration": LlavaForConditionalGeneration,  # + any-resolution tiles, unpad, newlines
+    "LlavaOnevisionForConditionalGeneration": LlavaForConditionalGeneration,  # SigLIP, tiles resized to anyres_max_N
     # hybrids: linear layers keep a state per sequence beside the paged KV (models/hybrid.py)
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Gated DeltaNet + gated attention, MoE with a shared expert
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,  # the same layers, dense MLP, q/k/v and z apart
@@ -111,6 +115,9 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",

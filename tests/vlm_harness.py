@@ -13,7 +13,7 @@ from flax import nnx
 from jaxpaged.models.loader import load_model
 from jaxpaged.models.vision.common import MultimodalStep
 from jaxpaged.multimodal.media import MediaLoader
-from jaxpaged.multimodal.processing import MultimodalProcessor, load_processor
+from jaxpaged.multimodal.processing import MultimodalProcessor
 from jaxpaged.multimodal.runner import image_step_arrays, vision_parts
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
 
@@ -21,13 +21,11 @@ BLOCK = 16
 
 
 class VLMRunner:
-    def __init__(self, folder, max_patches: int = 1 << 16, **load_kwargs):
+    def __init__(self, folder, **load_kwargs):
         self.loaded = load_model(str(folder), **load_kwargs)
         self.model = self.loaded.model
         self.spec, self.adapter = vision_parts(self.loaded)
-        processor = load_processor(folder, self.loaded.tokenizer, self.adapter.processor_class)
-        self.adapter.configure(processor, max_patches)
-        self.processor = MultimodalProcessor(processor, self.adapter, self.spec, MediaLoader())
+        self.processor = MultimodalProcessor(self.adapter.processor, self.adapter, self.spec, MediaLoader())
         graphdef, state = nnx.split(self.model)
         self._encode = jax.jit(lambda st, batch: nnx.merge(graphdef, st).encode(batch))
         self._logits = jax.jit(lambda st, *args: self._logits_impl(nnx.merge(graphdef, st), *args))

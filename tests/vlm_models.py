@@ -237,3 +237,69 @@ def qwen3_vl_checkpoint(folder: Path, seed: int = 0, **text):
         size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16, merge_size=2, temporal_patch_size=2)
     processor = qwen_vl_processor(transformers.Qwen3VLProcessor, image_processor)
     return model, processor, write_vlm(folder, model, processor)
+
+
+# -- the LLaVA family ---------------------------------------------------------------------------------------------
+
+LLAVA_CHAT_TEMPLATE = (  # llava-hf's: USER / ASSISTANT turns, <image> where an image goes
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<image>\n' }}{% endif %}{% endfor %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+LLAVA_SPECIALS = ["<s>", "</s>", "<pad>", "<image>", "<video>"]
+LLAVA_IDS = {t: 256 + i for i, t in enumerate(LLAVA_SPECIALS)}
+LLAVA_VOCAB = 256 + len(LLAVA_SPECIALS)
+
+
+def llava_config(kind: str, **text):
+    """CLIP (LLaVA-1.5, NeXT) or SigLIP (OneVision) towers of 2 layers over 28 x 28 tiles of 14-pixel patches (4 rows
+    a tile); NeXT and OneVision tile on grids up to 2 x 3 tiles; OneVision resizes maps past 2 tiles' worth
+    (anyres_max_2, so tests reach the resize) and takes a Qwen2 text model."""
+    text_type = "qwen2" if kind == "onevision" else "llama"
+    text_kwargs = dict(
+        model_type=text_type, vocab_size=LLAVA_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+        bos_token_id=LLAVA_IDS["<s>"], eos_token_id=LLAVA_IDS["</s>"], pad_token_id=LLAVA_IDS["<pad>"],
+    ) | text  # fmt: skip
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28, patch_size=14)
+    pinpoints = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28], [56, 84]]
+    common = dict(text_config=text_kwargs, image_token_id=LLAVA_IDS["<image>"])
+    if kind == "llava":
+        return transformers.LlavaConfig(vision_config=dict(tower, model_type="clip_vision_model", projection_dim=16), **common)
+    if kind == "next":
+        return transformers.LlavaNextConfig(vision_config=dict(tower, model_type="clip_vision_model", projection_dim=16),
+                                            image_grid_pinpoints=pinpoints, **common)  # fmt: skip
+    return transformers.LlavaOnevisionConfig(vision_config=dict(tower, model_type="siglip_vision_model"), image_grid_pinpoints=pinpoints,
+                                             vision_aspect_ratio="anyres_max_2", video_token_id=LLAVA_IDS["<video>"], **common)  # fmt: skip
+
+
+def llava_processor(kind: str, config):
+    from jaxpaged.models.vision.common import images_only
+
+    tokenizer = byte_tokenizer(LLAVA_SPECIALS, LLAVA_CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                               extra_special_tokens={"image_token": "<image>"})  # fmt: skip
+    size = {"height": 28, "width": 28}
+    if kind == "llava":
+        image_processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size=size)
+        return transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                                           vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+                                           num_additional_image_tokens=1)  # fmt: skip
+    pinpoints = config.image_grid_pinpoints
+    if kind == "next":
+        image_processor = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size=size, image_grid_pinpoints=pinpoints)
+        return transformers.LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                                               vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
+                                               num_additional_image_tokens=1)  # fmt: skip
+    image_processor = transformers.LlavaOnevisionImageProcessorPil(size=size, image_grid_pinpoints=pinpoints)
+    cls = images_only(transformers.LlavaOnevisionProcessor)
+    return cls(image_processor=image_processor, tokenizer=tokenizer, num_image_tokens=4, vision_feature_select_strategy="full",
+               chat_template=LLAVA_CHAT_TEMPLATE, vision_aspect_ratio="anyres_max_2")  # fmt: skip
+
+
+def llava_checkpoint(kind: str, folder: Path, seed: int = 0, **text):
+    config = llava_config(kind, **text)
+    model = random_vlm(config, seed=seed)
+    processor = llava_processor(kind, config)
+    return model, processor, write_vlm(folder, model, processor)

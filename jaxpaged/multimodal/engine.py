@@ -12,7 +12,7 @@ from jaxpaged.models.vision.common import EncoderItem
 from jaxpaged.multimodal.encoder_cache import EncoderScheduler
 from jaxpaged.multimodal.inputs import MultimodalInputs
 from jaxpaged.multimodal.media import MediaLoader
-from jaxpaged.multimodal.processing import MultimodalProcessor, load_processor
+from jaxpaged.multimodal.processing import MultimodalProcessor
 
 if TYPE_CHECKING:
     from jaxpaged.engine.llm_engine import LLMEngine
@@ -56,9 +56,7 @@ class MultimodalFrontend:
         self.max_step_tokens = config.max_num_batched_tokens
         loader = MediaLoader(config.allowed_local_media_path, config.media_domains)
         limit = (config.limit_mm_per_prompt or {}).get("image")
-        processor = load_processor(engine.loaded.source, engine.tokenizer, self.adapter.processor_class)
-        self.adapter.configure(processor, self.max_patches)
-        self.processor = MultimodalProcessor(processor, self.adapter, self.spec, loader, limit, self._check)
+        self.processor = MultimodalProcessor(self.adapter.processor, self.adapter, self.spec, loader, limit, self._check)
         engine.scheduler.mm = self.scheduler = EncoderScheduler(runner.cache, self.max_patches, self.spec.bidirectional)
 
     def _check(self, item: EncoderItem, what: str) -> None:

@@ -22,7 +22,7 @@ from jaxpaged.multimodal.media import MediaLoader
 logger = logging.getLogger("jaxpaged.multimodal")
 
 
-def load_processor(folder: str | Path, tokenizer, images_only=None):
+def load_processor(folder: str | Path, images_only=None):
     """The model's processor (images only), from its folder; images_only(cls): the family's processor class with its
     video part left out, for when AutoProcessor cannot build it."""
     import transformers
@@ -35,22 +35,15 @@ def load_processor(folder: str | Path, tokenizer, images_only=None):
         first = f"AutoProcessor made a {type(processor).__name__} without an image processor"
     except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
         first = exc
-    # a processor whose video part needs torchvision: its class, from the Pillow image processor and the tokenizer
+    # a processor whose video part needs torchvision: its class less that part (images_only), from the same files
     try:
-        image_processor = transformers.AutoImageProcessor.from_pretrained(folder)
         config = transformers.AutoConfig.from_pretrained(folder)
         name = transformers.models.auto.processing_auto.PROCESSOR_MAPPING_NAMES.get(config.model_type)
         cls = getattr(transformers, name) if name else None
         if cls is None:
             raise ValueError(f"no processor class for model type {config.model_type!r}")
-        chat_template = getattr(tokenizer, "chat_template", None)
-        template_file = Path(folder) / "chat_template.jinja"
-        if template_file.exists():
-            chat_template = template_file.read_text()
-        if images_only is not None:
-            cls = images_only(cls)
-        processor = cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
-        logger.info("processor %s built from its image processor (%s): %s", name, type(image_processor).__name__, first)
+        processor = (images_only(cls) if images_only is not None else cls).from_pretrained(folder)
+        logger.info("processor %s loaded for images only (%s): %s", name, type(processor.image_processor).__name__, first)
         return processor
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"could not load the image processor in {folder}: {first}; then: {exc}") from exc

@@ -31,11 +31,19 @@ logger = logging.getLogger("jaxpaged.multimodal")
 
 
 def vision_parts(loaded: LoadedModel) -> tuple[VisionSpec, ImageAdapter] | None:
-    """(the port's VisionSpec, its family's ImageAdapter), or None for a model that reads text only."""
+    """(the port's VisionSpec, its family's ImageAdapter, the model's processor loaded into it), or None for a model
+    that reads text only."""
     spec = getattr(loaded.model, "vision_spec", None)
     if spec is None:
         return None
-    return spec, type(loaded.model).IMAGES(loaded.hf_config, spec)
+    from pathlib import Path
+
+    from jaxpaged.multimodal.processing import load_processor
+
+    adapter = type(loaded.model).IMAGES(loaded.hf_config, spec)
+    folder = Path(loaded.source)
+    adapter.configure(load_processor(folder if folder.is_dir() else folder.parent, adapter.processor_class))
+    return spec, adapter
 
 
 def encoder_sizes(config: EngineConfig, adapter: ImageAdapter) -> tuple[int, int]:
@@ -103,10 +111,13 @@ class EncoderRunner:
         self.num_calls += 1
 
     def encode(self, work: Sequence[EncodeWork]) -> None:
-        """Encode the step's images into their cache rows, as few calls as the largest bucket allows."""
+        """Encode the step's images into their cache rows, in as few calls as the family's call size allows."""
+        if not work:
+            return
+        limit = self.adapter.call_patches([w.item for w in work], self.max_patches)
         batch, patches = [], 0
         for w in sorted(work, key=lambda w: -w.item.num_patches):
-            if batch and patches + w.item.num_patches > self.max_patches:
+            if batch and patches + w.item.num_patches > limit:
                 self._call([b.item for b in batch], [b.rows for b in batch], self.bucket_for(patches))
                 batch, patches = [], 0
             batch.append(w)

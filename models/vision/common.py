@@ -53,6 +53,20 @@ class EncoderItem:
             self.key = digest.digest()
 
 
+def images_only(processor_cls):
+    """transformers' processor class with its video processor left out of its parts: transformers 5.24 builds video
+    processors only with torchvision (/work/shared/vision.md). Every image method (placeholder expansion, the chat
+    template, token type ids) is the class's own; its __init__ gets no video processor (None), which images never use."""
+    parts = [name for name in processor_cls.get_attributes() if name != "video_processor"]
+    if len(parts) == len(processor_cls.get_attributes()):
+        return processor_cls
+    # (the class's own name: processor_config.json says it, as a published folder's does)
+    return type(processor_cls.__name__, (processor_cls,), {
+        "get_attributes": classmethod(lambda cls: list(parts)), "__qualname__": processor_cls.__qualname__,
+        "__module__": processor_cls.__module__,
+    })  # fmt: skip
+
+
 class ImageAdapter:
     """A family's host side: the processor's outputs -> EncoderItems, a batch of items -> the arrays its `encode`
     takes at a bucket's shapes, and the buckets. Subclasses set the details; the engine calls nothing else."""
@@ -60,6 +74,7 @@ class ImageAdapter:
     def __init__(self, hf_config, spec: VisionSpec):
         self.hf_config = hf_config
         self.spec = spec
+        self.processor = None  # the model's transformers processor (configure)
 
     # -- processing --------------------------------------------------------------------------
 
@@ -71,11 +86,11 @@ class ImageAdapter:
         """M-RoPE families: ([3, L] positions of the prompt's tokens, the offset decode positions carry)."""
         return None
 
-    processor_class = None  # (cls -> cls) a processor class transformers cannot build without torchvision, images only
+    processor_class = staticmethod(images_only)  # (cls -> cls) the processor class to build when AutoProcessor cannot
 
-    def configure(self, processor, max_patches: int) -> None:
-        """The engine's processor and largest encoder batch, once loaded (a family may cap its images' size so that
-        any image fits a batch: Qwen's max_pixels)."""
+    def configure(self, processor) -> None:
+        """The model's processor, once loaded: its settings bound the images (max_image_patches)."""
+        self.processor = processor
 
     def max_image_patches(self) -> int:
         """The patches of the largest image the processor makes (the default encoder batch)."""
@@ -90,6 +105,11 @@ class ImageAdapter:
             out.append(b)
             b *= 2
         return out + [max_patches]
+
+    def call_patches(self, items: Sequence[EncoderItem], largest_bucket: int) -> int:
+        """The most patches one encoder call of these items should take: the largest bucket where images are a batch
+        axis (no image's attention meets another's); families whose batches attend across a segment mask cap it."""
+        return largest_bucket
 
     def rows_for(self, bucket: int) -> int:
         """The encoder's output rows at a bucket (an upper bound on its items' rows)."""

@@ -32,7 +32,7 @@ from jaxpaged.models.layers import (
 )  # fmt: skip
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.vision.common import (
-    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, merge_embeddings, placeholder_ids,
+    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, images_only, merge_embeddings, placeholder_ids,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
@@ -550,28 +550,6 @@ def rope_index(input_ids: Sequence[int], image_token_id: int, grids: Sequence[tu
     return out.astype(np.int32), delta
 
 
-def images_only(processor_cls):
-    """transformers' Qwen-VL processor class, images only: its __init__ takes a video processor, which transformers
-    builds only with torchvision (/work/shared/vision.md); this one's takes none and sets the same attributes, and every
-    image method (placeholder expansion, chat template, mm_token_type_ids) is the class's own."""
-    from transformers.processing_utils import ProcessorMixin
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-        self.image_token_id = getattr(tokenizer, "image_token_id", None) or tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = getattr(tokenizer, "video_token_id", None) or tokenizer.convert_tokens_to_ids(self.video_token)
-        # Qwen3-VL's processor also keeps the vision start and end tokens
-        self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
-        self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
-        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
-        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-    # (the class's own name: processor_config.json says it, as a published folder's does)
-    return type(processor_cls.__name__, (processor_cls,), {"__init__": __init__, "__qualname__": processor_cls.__qualname__})
-
-
 class QwenImages(ImageAdapter):
     """Images of any size up to the largest batch: each one's patches in the padded window layout."""
 
@@ -581,15 +559,12 @@ class QwenImages(ImageAdapter):
         self.merge, self.units = self.vision.merge, self.vision.window_units
         self.step = self.vision.window_patches
         self.features = self.vision.in_channels * self.vision.temporal_patch_size * self.vision.patch_size**2
-        self.processor = None
 
-    processor_class = staticmethod(images_only)
-
-    def configure(self, processor, max_patches: int) -> None:
-        """The processor's max_pixels bound the images (and so the default encoder batch, max_image_patches); a
-        smaller max_num_encoder_input_tokens refuses larger images rather than resize them otherwise than
-        transformers would."""
-        self.processor = processor
+    def call_patches(self, items, largest_bucket: int) -> int:
+        """A call's full-attention blocks compute every pair of its patches (masked to each image's), so a call
+        holds images up to twice the largest one's bucket: batching without paying for a quadratic whole."""
+        biggest = max(item.num_patches for item in items)
+        return min(largest_bucket, next((b for b in self.buckets(largest_bucket) if b >= 2 * biggest), largest_bucket))
 
     def _max_pixels(self) -> int:
         size = self.processor.image_processor.size if self.processor is not None else {"longest_edge": 28 * 28 * 1280}

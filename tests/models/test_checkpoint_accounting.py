@@ -35,6 +35,7 @@ import tests.models.test_model_families as family_cases
 import tests.models.test_moe as moe_cases
 import tests.models.test_phi as phi_cases
 import tests.models.test_vlm_qwen2_5 as qwen_vl_cases
+import tests.models.test_vlm_llava as llava_cases
 import tests.models.test_vlm_qwen3 as qwen3_vl_cases
 from tests import REPO
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
@@ -43,12 +44,13 @@ from tests.static_batch import StaticBatchRunner
 VOCAB = 256
 VISION = "the vision tower and projector: not ported, prompts are text"
 SIGLIP_HEAD = "SigLIP's attention-pooling head: Gemma 3 projects the last hidden states, never the pooled output"
+LLAVA_UNREAD = "the tower's final LayerNorm and pooling head: LLaVA reads a layer's hidden states, never the pooled output"
 UNKNOWN = "model.layers.0.mlp.extra_proj.weight"  # what the broken checkpoints add ...
 MISSING = "model.layers.1.mlp.down_proj"  # ... and what they lack (its .weight, or a quantized Linear's parts)
 
 
 # image-text architectures: (config maker, model maker), AutoModelForCausalLM making none or the text-only model
-IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES, **qwen3_vl_cases.CASES}
+IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES, **qwen3_vl_cases.CASES, **llava_cases.CASES}
 
 
 def _architectures() -> dict:
@@ -214,6 +216,7 @@ def test_every_family_loads_with_nothing_unexplained(arch, tmp_path):
     loaded = load_model(str(folder), dtype="float32")
     assert loaded.config.architecture == arch
     expected = {"Gemma3ForConditionalGeneration": {SIGLIP_HEAD}} | dict.fromkeys(hybrid_cases.IMAGE_TEXT, {VISION})
+    expected |= dict.fromkeys(llava_cases.CASES, {LLAVA_UNREAD})  # the tower's final LayerNorm (SigLIP's head)
     assert set(loaded.skipped_tensors) == expected.get(arch, set())
     skipped = {n for names in loaded.skipped_tensors.values() for n in names}
     gone = next(n for n in sorted(load_file(str(folder / "model.safetensors"))) if ".1." in n and n not in skipped)
