@@ -58,17 +58,21 @@ class _Tile(NamedTuple):
 
 
 def _kernel(
-    layer_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref,  # SMEM
-    q_ref, slope_ref, tables_hbm, cache_hbm, k_new_hbm, v_new_hbm,  # inputs; the last four stay in HBM
-    *refs,  # [scale_hbm (an int8/fp8 cache's scales, in HBM)], o_ref, scratch:
-    # k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref, state_ref,
-    # [k_scale_buf, v_scale_buf]
-    group_pad, width, spec, use_alibi, precision, kv_kind,
+    *refs,  # SMEM: layer, tile_seq, tile_start, tile_len, query_start, seq_lens, [tile_end (image spans)];
+    # inputs: q, slope, then in HBM tables, cache, k_new, v_new, [scale (an int8/fp8 cache's scales)]; [row_end];
+    # o_ref; scratch: k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref,
+    # state_ref, [k_scale_buf, v_scale_buf]
+    group_pad, width, spec, use_alibi, precision, kv_kind, bidirectional=False,
 ):  # fmt: skip
+    layer_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, *refs = refs
+    tile_end_ref = refs.pop(0) if bidirectional else None  # each tile's last visible new key, flat, exclusive
+    q_ref, slope_ref, tables_hbm, cache_hbm, k_new_hbm, v_new_hbm, *refs = refs
+    scale_hbm = refs.pop(0) if kv_kind else None
+    row_end_ref = refs.pop(0) if bidirectional else None  # [rows, 1] each query row's last visible position
     if kv_kind:
-        scale_hbm, o_ref, *refs, k_scale_buf, v_scale_buf = refs
+        o_ref, *refs, k_scale_buf, v_scale_buf = refs
     else:
-        scale_hbm = k_scale_buf = v_scale_buf = None
+        k_scale_buf = v_scale_buf = None
         o_ref, *refs = refs
     k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref, state_ref = refs
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
@@ -178,7 +182,8 @@ def _kernel(
 
     # This step's keys the tile reads: aligned chunks from the first one the window reaches to its last row.
     first_chunk = _div(jnp.maximum(cur.q_start, cur.lowest - cur.cached + cur.q_start), new_per_iter)
-    num_chunks = jnp.where(cur.n_tok > 0, _div(cur.t0 + cur.n_tok - 1, new_per_iter) - first_chunk + 1, 0)
+    last_new = cur.t0 + cur.n_tok if tile_end_ref is None else jnp.maximum(cur.t0 + cur.n_tok, tile_end_ref[tile])
+    num_chunks = jnp.where(cur.n_tok > 0, _div(last_new - 1, new_per_iter) - first_chunk + 1, 0)
 
     def chunk_copies(chunk, slot):
         return [
@@ -220,7 +225,8 @@ def _kernel(
             s = soft_cap * jnp.tanh(s / soft_cap)
         if use_alibi:  # slope_ref: [rows, 1], each row's query head's slope
             s = s + slope_ref[...] * (key_pos - row_pos).astype(jnp.float32)
-        mask = (key_pos <= row_pos) & extra_mask
+        row_end = row_pos if row_end_ref is None else jnp.maximum(row_pos, row_end_ref[...])  # image spans: past itself
+        mask = (key_pos <= row_end) & extra_mask
         if sliding_window is not None:
             mask &= key_pos > row_pos - sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
@@ -299,9 +305,6 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     (which simulates the DMAs and semaphores and can detect races). `table_chunk`: block-table entries per
     DMA into SMEM (rounded down to a multiple of the pages per iteration; a narrower table is fetched whole)."""
     num_tokens, num_heads, head_dim = q.shape
-    if attn_metadata.key_ends is not None:
-        raise NotImplementedError("the TPU kernel attends causally only; a model whose image tokens attend to each "
-                                  "other both ways (Gemma 3 with images) needs attention_backend='reference' on a TPU")
     kv_cache, kv_scale, kv_kind = kv_operands(kv_cache)
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_head_dim(head_dim)
@@ -337,11 +340,23 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     slopes = jnp.pad(slopes.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
     slopes = jnp.tile(slopes, (1, tokens_per_tile))[..., None]
 
+    # image spans (Gemma 3): each query row's last visible position, tile-major [tiles, rows, 1], and each tile's
+    # last visible new key (flat, exclusive) among its live rows
+    bidirectional = attn_metadata.key_ends is not None
+    end_prefetch, end_operands, end_specs = [], [], []
+    if bidirectional:
+        qsl = attn_metadata.query_start_loc
+        live = jnp.arange(tokens_per_tile, dtype=jnp.int32)[None, :] < length[:, None]
+        ends = jnp.where(live, attn_metadata.key_ends.astype(jnp.int32)[token], -1)  # [tiles, tokens]
+        cached = attn_metadata.seq_lens[seq] - (qsl[seq + 1] - qsl[seq])
+        end_prefetch = [qsl[seq] + jnp.max(ends, axis=1) - cached + 1]
+        end_operands = [jnp.repeat(ends, group_pad, axis=1)[..., None]]
+        end_specs = [pl.BlockSpec((None, rows, 1), lambda i, h, *_: (i, 0, 0))]
     tile_spec = pl.BlockSpec((None, None, rows, head_dim), lambda i, h, *_: (i, h, 0, 0))
     slope_spec = pl.BlockSpec((None, rows, 1), lambda i, h, *_: (h, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
-        _kernel, group_pad=group_pad, width=width, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind,
+        _kernel, group_pad=group_pad, width=width, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind, bidirectional=bidirectional,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     scale_operands, scale_specs, scale_scratch = [], [], []
@@ -352,9 +367,9 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     out_tiles = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=6 + len(end_prefetch),
             grid=(num_tiles, num_kv_heads),
-            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm, hbm, *scale_specs],
+            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm, hbm, *scale_specs, *end_specs],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_iter, block_size, head_dim), kv_cache.dtype),
@@ -376,8 +391,8 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         interpret=interpret,
         name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}" + (f"_{kv_kind}" if kv_kind else ""),
     )(
-        layer, seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-        q_tiles, slopes, tables, kv_cache, kn, vn, *scale_operands,
+        layer, seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, *end_prefetch,
+        q_tiles, slopes, tables, kv_cache, kn, vn, *scale_operands, *end_operands,
     )  # fmt: skip
 
     # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.

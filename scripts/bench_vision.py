@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -189,16 +190,28 @@ def run_transformers(folder: Path, args) -> dict:
     return out
 
 
+def _side(run, folder, args) -> dict:
+    """A side's results with the machine's 1-minute load before and after it (scripts/machine_load.py)."""
+    import machine_load
+
+    before = machine_load.load1()
+    out = run(folder, args)
+    out["load1"] = [before, machine_load.load1()]
+    return out
+
+
 def main(argv=None) -> dict:
+    import machine_load
+
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model) if args.model else write_model(Path(tmp) / "qwen2_5_vl", args)
         print(f"model: {folder}", file=sys.stderr)
-        jp = run_jaxpaged(folder, args)
-        hf = None if args.skip_hf else run_transformers(folder, args)
+        jp = _side(run_jaxpaged, folder, args)
+        hf = None if args.skip_hf else _side(run_transformers, folder, args)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": machine_load.cpu_model() or platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "args": vars(args), "jaxpaged": {k: v for k, v in jp.items() if k != "token_ids"},
         "transformers": None if hf is None else {k: v for k, v in hf.items() if k != "token_ids"},
     }  # fmt: skip
@@ -220,6 +233,9 @@ def main(argv=None) -> dict:
           f"{dist['seconds']:.2f}s ({dist['images_encoded']} encoded): {result['encoder_cache']['speedup']:.2f}x")
     if hf is not None:
         print(f"greedy tokens equal: {result['greedy_tokens_equal']}")
+    for name, side in (("jaxpaged", jp), ("transformers", hf)):
+        if side is not None and max(side["load1"]) > os.cpu_count():
+            print(f"WARNING: the machine was busy during {name}'s run (1-minute load {side['load1']} on {os.cpu_count()} cores)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -9,16 +9,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpaged.pallas_kernels import AttentionSpec, ReferenceAttention, TritonAttention, paged_attention
+from jax import export
+from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, MosaicAttention, ReferenceAttention, TritonAttention, paged_attention
+from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
+from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
 from jaxpaged.platforms.cpu import attention as cpu_attention
 
 from tests.attention_cases import expected_output, random_case
+from tests.exporting import MOSAIC_CALL, TRITON_CALLS, export_checks, kernel_calls, lowering_for
 
 BACKENDS = {
     "reference": ReferenceAttention(),
     "reference-invariant": ReferenceAttention(batch_invariant=True),
     "native": cpu_attention.NativeCpuAttention(),
     "pallas-gpu-interpret": TritonAttention(interpret=True),
+    "pallas-tpu-interpret": MosaicAttention(interpret=True),
 }
 
 
@@ -66,3 +71,21 @@ def _positions(case):
         n = qsl[s + 1] - qsl[s]
         pos[qsl[s] : qsl[s + 1]] = seq_lens[s] - n + np.arange(n)
     return pos
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_with_image_spans_lower_for_their_device(platform):
+    """The Triton and Mosaic kernels with key_ends lower for a GPU and a TPU (compiled, not interpreted)."""
+    sd = jax.ShapeDtypeStruct
+    tokens, seqs, width, blocks, heads, kv_heads, head_dim, block_size = 64, 8, 16, 64, 8, 2, 64, 16
+    md = AttentionMetadata(sd((tokens,), jnp.int32), sd((seqs, width), jnp.int32), sd((seqs,), jnp.int32),
+                           sd((seqs + 1,), jnp.int32), key_ends=sd((tokens,), jnp.int32))  # fmt: skip
+    kernel = gpu_paged_attention if platform == "cuda" else tpu_paged_attention
+    fn = jax.jit(lambda q, k, v, c, layer, md: kernel(q, k, v, c, layer, md, AttentionSpec(0.1, 32)))
+    with lowering_for(platform):
+        module = export.export(fn, platforms=[platform], **export_checks(platform))(
+            sd((tokens, heads, head_dim), jnp.bfloat16), sd((tokens, kv_heads, head_dim), jnp.bfloat16),
+            sd((tokens, kv_heads, head_dim), jnp.bfloat16), sd((2, 2, blocks, kv_heads, block_size, head_dim), jnp.bfloat16),
+            sd((), jnp.int32), md,
+        ).mlir_module()  # fmt: skip
+    assert len(kernel_calls(module, TRITON_CALLS if platform == "cuda" else (MOSAIC_CALL,))) == 1
