@@ -227,11 +227,11 @@ class LLMEngine:
 
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             if self.mm is None:
-                raise text_only_refusal("multi_modal_data")
+                raise text_only_refusal("multi_modal_data", self.loaded.model)
             return self.mm.prompt(prompt)
         if isinstance(prompt, ChatPrompt) and has_image_parts(prompt.messages):
             if self.mm is None:
-                raise text_only_refusal("messages")
+                raise text_only_refusal("messages", self.loaded.model)
             return self.mm.chat(prompt)
         return (*self._prompt_ids(prompt), None)
 

@@ -186,9 +186,11 @@ def test_bidirectional_gemma_is_refused():
         GemmaForCausalLM.config_from_hf(_gemma3_text(use_bidirectional_attention=True), "Gemma3ForCausalLM")
 
 
-def test_image_text_checkpoint_in_either_spelling_loads_the_text_model_only(checkpoints, tmp_path, caplog):
+def test_image_text_checkpoint_loads_in_either_spelling(checkpoints, tmp_path, caplog):
     """transformers 5 writes `language_model.model.*`; other writers `model.language_model.*`, `model.vision_tower.*`.
-    Vision tower and projector are skipped (each tensor, under one reason; models/accounting.py), without a warning."""
+    Both load the same model, vision tower and projector included (models/vision/gemma3.py); only SigLIP's pooling
+    head, which Gemma 3 never runs, is skipped (each tensor, under one reason; models/accounting.py), without a
+    warning."""
     from safetensors.numpy import load_file, save_file
 
     hf, folder = checkpoints("gemma3-image-text-checkpoint")
@@ -209,11 +211,11 @@ def test_image_text_checkpoint_in_either_spelling_loads_the_text_model_only(chec
         loaded = [load_model(str(f), dtype="float32") for f in (folder, tmp_path)]
     logits = [StaticBatchRunner(model).prompt_logits([prompt])[0] for model in loaded]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    vision = sorted(n for n in renamed if ".vision_tower." in n or ".multi_modal_projector." in n)
-    assert [sorted(n for names in model.skipped_tensors.values() for n in names) for model in loaded] == [
-        sorted(n.removeprefix("model.") for n in vision), vision
-    ]
+    head = sorted(n.removeprefix("model.") for n in renamed if ".vision_tower.head." in n)  # (listed as the port names them)
+    assert head and [sorted(n for names in model.skipped_tensors.values() for n in names) for model in loaded] == [head, head]
     np.testing.assert_array_equal(logits[0], logits[1])
+    pixels = {"pixel_values": np.random.default_rng(0).standard_normal((1, 3, 28, 28)).astype(np.float32)}
+    np.testing.assert_array_equal(*(np.asarray(model.model.encode(pixels)) for model in loaded))
     np.testing.assert_allclose(logits[1], hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
