@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 logger = logging.getLogger("jaxpaged.loader")
 

@@ -251,25 +251,33 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         eos = list(rc.eos_tokens) if rc.eos_tokens else [self.eos_id()]
         greedy = rc.top_p is None or not rc.temperature
         seed = self._seed_of(rc.seed)
-        params = [
-            SamplingParams(
-                max_tokens=int(rc.max_tokens_to_generate), temperature=0.0 if greedy else float(rc.temperature),
-                top_p=1.0 if greedy or rc.top_p is None else float(rc.top_p),
-                top_k=0 if greedy or not rc.top_k or rc.top_k < 0 else int(rc.top_k), seed=seed + i,
-                stop_token_ids=eos, ignore_eos=True, logprobs=0 if rc.return_logprobs else None,
-            )
-            for i in range(len(ids))
-        ]  # fmt: skip
         pad = self.pad_id()
         # what Tunix's models attend to: every prompt token but the pad id's (a BOS that is the pad id too included)
         text = [[t for t in x if t != pad] or x for x in ids]
-        outs = self.llm.generate([{"prompt_token_ids": x} for x in text], params, use_tqdm=False)
+        # GRPO repeats each prompt G times in a row: one request with n = G computes the prompt once and forks it
+        # (sample j of a group seeded seed + its row, so the tokens are those of one request per row)
+        groups: list[list[int]] = []
+        for i, x in enumerate(text):
+            if groups and text[groups[-1][0]] == x:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        params = [
+            SamplingParams(
+                n=len(group), max_tokens=int(rc.max_tokens_to_generate), temperature=0.0 if greedy else float(rc.temperature),
+                top_p=1.0 if greedy or rc.top_p is None else float(rc.top_p),
+                top_k=0 if greedy or not rc.top_k or rc.top_k < 0 else int(rc.top_k), seed=seed + group[0],
+                stop_token_ids=eos, ignore_eos=True, logprobs=0 if rc.return_logprobs else None,
+            )
+            for group in groups
+        ]  # fmt: skip
+        grouped = self.llm.generate([{"prompt_token_ids": text[g[0]]} for g in groups], params, use_tqdm=False)
+        completions = [c for out in grouped for c in sorted(out.outputs, key=lambda c: c.index)]
         left_padded = np.full((len(ids), width), pad, np.int32)
         for row, x in zip(left_padded, ids):
             row[width - len(x):] = x
         tokens, logprobs = [], []
-        for out in outs:
-            completion = out.outputs[0]
+        for completion in completions:
             toks = list(completion.token_ids)
             cut = next((i for i, t in enumerate(toks) if t in eos), len(toks))  # up to the first EOS, as Tunix's
             tokens.append(np.asarray(toks[:cut], np.int32))

@@ -10,7 +10,6 @@ import copy
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jaxpaged import LLM, SamplingParams

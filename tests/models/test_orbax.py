@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
