@@ -44,7 +44,8 @@ def prompt_images(prompt: dict) -> list:
 
 def text_only_refusal(what: str, model=None) -> ValueError:
     if getattr(model, "vision_spec", None) is not None:  # a vision-language model on a runner without images
-        return ValueError(f"{what}: images need pipeline_parallel_size 1; this engine runs the model on text only")
+        return ValueError(f"{what}: this engine runs the model on text only (images need one process and "
+                          "pipeline_parallel_size 1)")
     return ValueError(f"{what}: this model reads text only; images need a vision-language model")
 
 

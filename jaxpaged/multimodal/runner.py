@@ -55,9 +55,16 @@ def encoder_sizes(config: EngineConfig, adapter: ImageAdapter) -> tuple[int, int
 
 
 def encoder_runner(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig) -> EncoderRunner | None:
-    parts = vision_parts(loaded)
-    if parts is None:
+    """The runner's encoder, or None: a text-only model, or a process group (whose followers replay only the step
+    calls, not the encoder's: there the model runs on text)."""
+    if getattr(loaded.model, "vision_spec", None) is None:
         return None
+    from jaxpaged import distributed
+
+    if distributed.is_multiprocess():
+        logger.warning("images are not supported in a multi-process group: %s runs on text only", loaded.config.architecture)
+        return None
+    parts = vision_parts(loaded)
     spec, adapter = parts
     patches, rows = encoder_sizes(config, adapter)
     return EncoderRunner(runner, spec, adapter, patches, rows)
