@@ -209,10 +209,8 @@ class ModelRunner:
         self._blank_prompt_ids: dict[int, np.ndarray] = {}  # token bucket -> all -1
         self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
         self._num_dispatched = 0
+        self.mm = None  # vision-language models: the encoder cache and its steps (_place; text only under PP)
         self._place(loaded)
-        from jaxpaged.multimodal.runner import encoder_runner
-
-        self.mm = encoder_runner(self, loaded, config)  # vision-language models: the encoder cache and its steps
         self.lora_weights = self._lora_slots(loaded.config) if config.enable_lora else None
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
         self.input_batch = InputBatchBuilder(self, eos_token_ids, self._max_suppress)
@@ -269,6 +267,9 @@ class ModelRunner:
             self._forward = jax.jit(self._forward_impl, out_shardings=(replicated, replicated, new_kv, replicated))
             self._prompt = jax.jit(self._prompt_impl, out_shardings=replicated)
             self._samplers = self._sampler_plans({"out_shardings": (replicated, replicated)})
+        from jaxpaged.multimodal.runner import encoder_runner
+
+        self.mm = encoder_runner(self, loaded, self.config)  # its cache before the pool, sized from what is left
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config
         shape = kv_cache_shape(self.kv_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
@@ -328,7 +329,8 @@ class ModelRunner:
         """Executables stored on disk are for one device; under TP the XLA cache alone spares compiles. (Made on
         first use: sizing the pool may compile the sampler before _place has finished.)"""
         stored = self._executable_dir if self.single_device else None
-        return ExecutableCache(stored, salt=repr(self.graphdef), device=self.device)
+        # the forward's outputs differ where prompt logprobs are computed apart: part of every stored step's key
+        return ExecutableCache(stored, salt=f"{self.graphdef!r} prompt_apart={self._prompt_apart}", device=self.device)
 
     def _sampler_plans(self, jit_kwargs: dict) -> SamplerPlans:
         static = not self.platform.device_conditionals
@@ -434,9 +436,10 @@ class ModelRunner:
         )
 
     def _workspace_bytes(self) -> int:
-        """Device memory the largest sampler (and prompt-logprobs executable) takes beyond its inputs, read from the
-        compiled executables before the pool takes what is left: neither reads the pool, so they compile now and
-        warm-up keeps them. On an H100 the 256-row sampler's 5.9 GB did not fit in the 10% the pool left."""
+        """Device memory the largest sampler (and prompt-logprobs executable, and vision encoder) takes beyond its
+        inputs, read from the compiled executables before the pool takes what is left: none reads the pool, so they
+        compile now and warm-up keeps them. On an H100 the 256-row sampler's 5.9 GB did not fit in the 10% the pool
+        left."""
         if not self.platform.reserve_step_workspace or not self.single_device:
             return 0
         t = self.buckets[-1]
@@ -459,6 +462,13 @@ class ModelRunner:
                 next_ids = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._sharding)
                 compiled.append(self.executables.compile("prompt", self._prompt, (state, hidden, next_ids)))
                 self._compiled["prompt", t] = compiled[-1]
+            if self.mm is not None:  # the vision encoder at its largest bucket
+                bucket = self.mm.buckets[-1]
+                batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=self._sharding),
+                                               self.mm.adapter.batch([], bucket))  # fmt: skip
+                dst = jax.ShapeDtypeStruct((self.mm.adapter.rows_for(bucket),), jnp.int32, sharding=self._sharding)
+                compiled.append(self.executables.compile("encode", self.mm._encode, (state, _abstract(self.mm.array), batch, dst)))
+                self._compiled["encode", bucket] = compiled[-1]
         need = 0
         for executable in compiled:
             try:
@@ -466,7 +476,7 @@ class ModelRunner:
                 need = max(need, memory.temp_size_in_bytes + memory.output_size_in_bytes)
             except Exception:  # noqa: BLE001 (a backend without memory analysis: the pool's margin must do)
                 return 0
-        logger.info("memory: %.2f GB kept for the step's largest sampler or prompt-logprobs workspace", need / 1e9)
+        logger.info("memory: %.2f GB kept for the largest workspace of the sampler, prompt logprobs or encoder", need / 1e9)
         return need
 
     @property

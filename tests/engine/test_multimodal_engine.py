@@ -189,3 +189,17 @@ def test_bad_images_are_value_errors_and_nothing_is_held(qwen, cycle_model_dir):
         text_only.generate({"prompt": "hi", "multi_modal_data": {"image": [picture]}}, GREEDY)
     with pytest.raises(ValueError, match="reads text only"):
         text_only.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+
+
+def test_the_pool_is_sized_after_the_encoders_workspace(qwen, monkeypatch, tmp_path):
+    """Where the pool is sized from free device memory (a GPU; forced here), the vision encoder's largest bucket is
+    compiled before it and its workspace kept out of the pool, with the samplers' (warm-up then uses it as is)."""
+    from jaxpaged.platforms.cpu.platform import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "reserve_step_workspace", True)
+    runner = _llm(qwen[2], num_kv_blocks=None, cache_dir=str(tmp_path)).engine.runner
+    largest = runner.mm.buckets[-1]
+    memory = runner._compiled["encode", largest].memory_analysis()
+    assert memory.temp_size_in_bytes > 0
+    assert runner._workspace_bytes() >= memory.temp_size_in_bytes + memory.output_size_in_bytes
+    assert runner.executables.num_compiled > 0 and runner.mm.num_calls == len(runner.mm.buckets)  # warm-up ran each

@@ -23,9 +23,15 @@ def _llm(folder, **kw) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def static_llm(model_dir, tmp_path_factory):
+def dynamic_llm(model_dir):
+    return _llm(model_dir)
+
+
+@pytest.fixture(scope="module")
+def static_llm(model_dir, tmp_path_factory, dynamic_llm):
     """An engine built as on a GPU: conditionals off the device, the pool sized after the samplers' workspace (its
-    own executable folder: the patches below are not part of a stored executable's key)."""
+    own executable folder: the RoPE patch below is not part of a stored executable's key). The device-deciding engine
+    is built first, unpatched."""
     patch = pytest.MonkeyPatch()
     patch.setattr(CpuPlatform, "device_conditionals", False)
     patch.setattr(CpuPlatform, "reserve_step_workspace", True)
@@ -34,11 +40,6 @@ def static_llm(model_dir, tmp_path_factory):
         yield _llm(model_dir, cache_dir=str(tmp_path_factory.mktemp("static-executables")))
     finally:
         patch.undo()
-
-
-@pytest.fixture(scope="module")
-def dynamic_llm(model_dir):
-    return _llm(model_dir)
 
 
 def _requests(prompts):
@@ -77,6 +78,7 @@ def test_greedy_equals_transformers_with_no_cond_in_any_step(static_llm, hf_mode
 
 
 def test_every_feature_gives_the_device_deciding_engines_tokens(static_llm, dynamic_llm):
+    assert static_llm.engine.runner._prompt_apart and not dynamic_llm.engine.runner._prompt_apart
     prompts = random_prompts(VOCAB, [7, 19, 12, 30], seed=5)
     params = _requests(prompts)
     (static, static_outs), (dynamic, dynamic_outs) = _run(static_llm, prompts, params), _run(dynamic_llm, prompts, params)
