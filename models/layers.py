@@ -342,6 +342,7 @@ class Attention(nnx.Module):
         self.backend = attention
         self.interleaved = cfg.rope_interleaved
         self.alibi = None if alibi is None else tuple(float(s) for s in alibi)
+        self.sinks = None  # GPT-OSS: a learned [H] parameter, each head's sink logit (models/gpt_oss.py)
 
     def __call__(self, x, rope, kv_cache, attn_metadata: AttentionMetadata):
         """rope: rotary_table's (cos, sin) for this step's positions, None for models without RoPE."""
@@ -356,7 +357,8 @@ class Attention(nnx.Module):
             q = apply_rope(q, rope, interleaved=self.interleaved)
             k = apply_rope(k, rope, interleaved=self.interleaved)
         slopes = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
-        out = paged_attention(q, k, v, kv_cache, self.layer, attn_metadata, self.spec, slopes, backend=self.backend)
+        sinks = None if self.sinks is None else self.sinks[...]
+        out = paged_attention(q, k, v, kv_cache, self.layer, attn_metadata, self.spec, slopes, sinks, backend=self.backend)
         return self.o_proj(out.reshape(t, h * hd)), (k, v)
 
 

@@ -60,18 +60,21 @@ def stack_new_kv(per_layer: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     return jnp.stack([jnp.stack([k, v], axis=1) for k, v in per_layer], axis=1)
 
 
-def paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None, *,
-                    backend: AttentionBackend) -> jax.Array:  # fmt: skip
-    """`backend`'s attention (AttentionBackend's contract), per device under shard_map when traced under a TP mesh."""
+def paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
+                    sinks=None, *, backend: AttentionBackend) -> jax.Array:  # fmt: skip
+    """`backend`'s attention (AttentionBackend's contract), per device under shard_map when traced under a TP mesh;
+    the per-head alibi_slopes and sinks [H] split with the heads."""
     layer, attn_metadata = attn_metadata.for_layer(layer)  # KV cache groups: the layer's group and index
-    slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
-    attend = functools.partial(_attend, layer=layer, spec=spec, backend=backend, use_alibi=alibi_slopes is not None)
+    per_head = lambda x: jnp.zeros((q.shape[1],), jnp.float32) if x is None else x.astype(jnp.float32)  # noqa: E731
+    attend = functools.partial(_attend, layer=layer, spec=spec, backend=backend, use_alibi=alibi_slopes is not None,
+                               use_sinks=sinks is not None)  # fmt: skip
     n = tp_size()
     if n > 1 and kv_cache.shape[3] % n == 0:
         heads = P(None, TP_AXIS, None)
         cache = kv_cache_spec(kv_cache)
-        attend = jax.shard_map(attend, in_specs=(heads, heads, heads, cache, P(), P(TP_AXIS)), out_specs=heads, check_vma=False)
-    return attend(q, k, v, kv_cache, attn_metadata, slopes)
+        in_specs = (heads, heads, heads, cache, P(), P(TP_AXIS), P(TP_AXIS))
+        attend = jax.shard_map(attend, in_specs=in_specs, out_specs=heads, check_vma=False)
+    return attend(q, k, v, kv_cache, attn_metadata, per_head(alibi_slopes), per_head(sinks))
 
 
 def kv_cache_spec(kv_cache):
@@ -90,5 +93,7 @@ def tp_size() -> int:
     return int(mesh.shape[TP_AXIS])
 
 
-def _attend(q, k, v, kv_cache, attn_metadata, slopes, *, layer, spec, backend, use_alibi):
-    return backend(q, k, v, kv_cache, layer, attn_metadata, spec, slopes if use_alibi else None)
+def _attend(q, k, v, kv_cache, attn_metadata, slopes, sinks, *, layer, spec, backend, use_alibi, use_sinks):
+    if not use_sinks:  # the contract's older callers (and backends) never see the argument
+        return backend(q, k, v, kv_cache, layer, attn_metadata, spec, slopes if use_alibi else None)
+    return backend(q, k, v, kv_cache, layer, attn_metadata, spec, slopes if use_alibi else None, sinks)

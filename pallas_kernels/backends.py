@@ -20,12 +20,14 @@ from jaxpaged.pallas_kernels.tiles import check_head_dim
 class AttentionBackend:
     """The contract every kernel keeps: q [T, H, D] with this step's k/v [T, H_kv, D] (not yet in the cache) over the
     cached context of `layer` -> out [T, H, D], as naive_paged_attention defines it. alibi_slopes: float32 [H] or
-    None; adds slope * (key_pos - query_pos) after scale and soft-cap."""
+    None; adds slope * (key_pos - query_pos) after scale and soft-cap. sinks: float32 [H] or None; each head's
+    learned sink logit joins its softmax denominator (GPT-OSS)."""
 
     name: ClassVar[str]
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, layer: int,
-                 attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes: jax.Array | None = None) -> jax.Array:  # fmt: skip
+                 attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes: jax.Array | None = None,
+                 sinks: jax.Array | None = None) -> jax.Array:  # fmt: skip
         raise NotImplementedError
 
 
@@ -39,8 +41,9 @@ class ReferenceAttention(AttentionBackend):
     def name(self) -> str:
         return "reference_invariant" if self.batch_invariant else "reference"
 
-    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None):
-        return reference_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, batch_invariant=self.batch_invariant)
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None, sinks=None):
+        return reference_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, sinks,
+                                         batch_invariant=self.batch_invariant)  # fmt: skip
 
 
 def _as_floats(kv_cache, dtype):
@@ -65,9 +68,9 @@ class PallasAttention(AttentionBackend):
         """The kernel's keyword arguments beyond the contract's."""
         return {"interpret": self.interpret}
 
-    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None):
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None, sinks=None):
         cache = _as_floats(kv_cache, q.dtype)
-        return self.kernel()(q, k, v, cache, layer, attn_metadata, spec, alibi_slopes, **self.options())
+        return self.kernel()(q, k, v, cache, layer, attn_metadata, spec, alibi_slopes, sinks, **self.options())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,8 +108,9 @@ def _live_splits(tile_len, num_kv_heads: int, num_cores: int, grid_splits: int):
 
 def _kernel(
     layer_ref, splits_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, tables_ref,
-    q_ref, k_new_ref, v_new_ref, cache_ref, slope_ref, *refs,
+    q_ref, k_new_ref, v_new_ref, cache_ref, slope_ref, sink_ref, *refs,
     group_pad, tokens_per_tile, kv_chunk, num_blocks, grid_splits, spec, use_alibi, precision, kv_kind, bidirectional=False,
+    use_sinks=False,
 ):  # fmt: skip
     scale_ref, out_refs = (refs[0], refs[1:]) if kv_kind else (None, refs)  # an int8/fp8 cache's scales
     key_end_ref, out_refs = (out_refs[0], out_refs[1:]) if bidirectional else (None, out_refs)  # image spans (Gemma 3)
@@ -166,13 +167,16 @@ def _kernel(
                 return fold(carry, k, v, mask, key_pos, k_scale, v_scale)
             return fold(carry, k, v, mask, key_pos)
 
+        num_splits = splits_ref[0]  # the splits this step uses: programs past them find no chunks and no new keys
         carry = (
             jnp.zeros((rows, q.shape[1]), jnp.float32),
             jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32),
         )
+        if use_sinks:  # each row's sink: a key of that score and value 0, in one split only (the one with new keys)
+            here = (split == num_splits - 1).astype(jnp.float32)  # arithmetic: Triton cannot select on a scalar
+            carry = (carry[0], sink_ref[...] * here + MASK_VALUE * (1.0 - here), carry[2] + here)
         first, end = lowest // kv_chunk, pl.cdiv(cached, kv_chunk)  # this program's share of the chunks
-        num_splits = splits_ref[0]  # the splits this step uses: programs past them find no chunks and no new keys
         per_split = pl.cdiv(jnp.maximum(end - first, 0), num_splits)
         lo = first + split * per_split
         carry = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, end), cached_iter, carry)
@@ -221,7 +225,7 @@ def _combine(acc, peak, denom):
 
 @functools.partial(jax.jit, static_argnames=("spec", "interpret", "num_cores", "shared_memory", "launch"))
 def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
-                        *, interpret: bool = False, num_cores: int = 0, shared_memory: int = DEFAULT_SHARED_MEMORY,
+                        sinks=None, *, interpret: bool = False, num_cores: int = 0, shared_memory: int = DEFAULT_SHARED_MEMORY,
                         launch: LaunchConfig | None = None) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
 
@@ -258,6 +262,9 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     slopes = jnp.pad(slopes.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
     slopes = jnp.tile(slopes, (1, tokens_per_tile))
+    use_sinks = sinks is not None  # each query row's sink logit, laid out as the slopes
+    sink_rows = jnp.zeros((num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    sink_rows = jnp.tile(jnp.pad(sink_rows.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group))), (1, tokens_per_tile))
 
     out_rows = qg.shape[1]
     # image spans (Gemma 3): each query row's last visible position, token-major with the group padded as qg's rows
@@ -291,7 +298,7 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     kernel = functools.partial(
         _kernel, group_pad=group_pad, tokens_per_tile=tokens_per_tile, kv_chunk=kv_chunk, num_blocks=num_blocks,
         grid_splits=splits, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind, bidirectional=bidirectional,
-        precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        use_sinks=use_sinks, precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     out = pl.pallas_call(
@@ -301,7 +308,8 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
             whole((1,)), whole((1,)), whole(seq.shape), whole(start.shape), whole(length.shape),
             whole(attn_metadata.query_start_loc.shape), whole(attn_metadata.seq_lens.shape), whole(tables.shape),
             per_head(out_rows), per_head(kn.shape[1]), per_head(vn.shape[1]), cache_spec,
-            pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)), *scale_specs, *end_specs,
+            pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)), pl.BlockSpec((None, rows), lambda i, h, s: (h, 0)),
+            *scale_specs, *end_specs,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -310,7 +318,7 @@ def gpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         name=f"ragged_paged_attention_r{rows}_kv{kv_chunk}_s{splits}" + (f"_{kv_kind}" if kv_kind else ""),
     )(
         layer, _live_splits(length, num_kv_heads, num_cores, splits), seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, tables,
-        qg, kn, vn, cache, slopes, *scale_operands, *end_operands,
+        qg, kn, vn, cache, slopes, sink_rows, *scale_operands, *end_operands,
     )  # fmt: skip
     if splits > 1:
         out = _combine(*out).astype(q.dtype)

@@ -69,9 +69,11 @@ def alibi_bias(slopes: jax.Array, key_pos: jax.Array, query_pos: jax.Array, num_
     return slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1) * rel[:, None, None, :].astype(jnp.float32)
 
 
-def naive_paged_attention(q, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None):
+def naive_paged_attention(q, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
+                          sinks=None):  # fmt: skip
     """The definition: q [T, H, D] -> [T, H, D], causal attention over each token's paged context (this step's K/V
-    already written); alibi_slopes [H] float32 adds slope * (key_pos - query_pos) to each score."""
+    already written); alibi_slopes [H] float32 adds slope * (key_pos - query_pos) to each score; sinks [H] float32
+    (GPT-OSS's learned attention sinks) join each head's softmax denominator as exp(sink - max), with no value."""
     scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
@@ -96,16 +98,21 @@ def naive_paged_attention(q, kv_cache, layer: int, attn_metadata: AttentionMetad
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
 
     peak = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+        peak = jnp.maximum(peak, sink)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     probs = jnp.exp(scores - peak)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.where(valid[:, None, None, None], jnp.exp(sink - peak), 0.0)
     probs = probs / jnp.where(denom == 0.0, 1.0, denom)
     out = jnp.einsum("tkgc,ktcd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def reference_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec,
-                              alibi_slopes=None, *, batch_invariant: bool = False) -> jax.Array:  # fmt: skip
+                              alibi_slopes=None, sinks=None, *, batch_invariant: bool = False) -> jax.Array:  # fmt: skip
     """naive_paged_attention's result, with this step's K/V (k, v: [T, H_kv, D]) not yet in the cache.
 
     Keys come from two places: this step's own tokens, taken from k/v directly (a [T, T] mask keeps
@@ -116,7 +123,7 @@ def reference_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: Atte
     cached, do not pay for the decode rows' long contexts.
     """
     if batch_invariant:
-        return batch_invariant_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes)
+        return batch_invariant_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, sinks)
     sliding_window = spec.sliding_window
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
@@ -131,7 +138,7 @@ def reference_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: Atte
     q_lens = attn_metadata.query_start_loc[seq + 1] - attn_metadata.query_start_loc[seq]
     cached = jnp.where(valid, attn_metadata.seq_lens[seq] - q_lens, 0)  # positions this token reads from the cache
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    carry = fresh_token_softmax(q, k, v, attn_metadata, spec, alibi_slopes)
+    carry = fresh_token_softmax(q, k, v, attn_metadata, spec, alibi_slopes, sinks)
 
     tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -(-width // cols) * cols - width)))[seq]  # [T, W']
 
@@ -184,8 +191,17 @@ def _fold(carry, s, equation, values, prec):
     return new_peak, denom * correction + jnp.sum(p, axis=key_axes), acc * correction[..., None] + pv
 
 
-def _empty_softmax(num_tokens: int, num_kv_heads: int, group: int, head_dim: int):
-    """(peak, denom, acc) of rows that have seen no key yet."""
+def _empty_softmax(num_tokens: int, num_kv_heads: int, group: int, head_dim: int, sinks=None, valid=None):
+    """(peak, denom, acc) of rows that have seen no key yet; with sinks [H], each valid row starts as having seen one
+    key of score `sink` and value 0 (so the sink joins the denominator only)."""
+    if sinks is not None:
+        peak = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, num_kv_heads, group), (num_tokens, num_kv_heads, group))
+        live = valid[:, None, None]
+        return (
+            jnp.where(live, peak, -jnp.inf),
+            jnp.where(live, 1.0, 0.0) * jnp.ones((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+        )
     return (
         jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
@@ -193,15 +209,15 @@ def _empty_softmax(num_tokens: int, num_kv_heads: int, group: int, head_dim: int
     )
 
 
-def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None):
+def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None, sinks=None):
     """The partial softmax (peak, denom, acc), [T, H_kv, G] and [T, H_kv, G, D] float32, of each row over
-    this step's own keys: same sequence, not in the future; one [T, T] product."""
+    this step's own keys (and its head's sink): same sequence, not in the future; one [T, T] product."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     prec = _precision(q.dtype)
     seq, pos, valid = token_layout(attn_metadata, num_tokens)
-    init = _empty_softmax(num_tokens, num_kv_heads, group, head_dim)
+    init = _empty_softmax(num_tokens, num_kv_heads, group, head_dim, sinks, valid)
     limit = key_limits(attn_metadata, pos)
     mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= limit[:, None]) & valid[:, None] & valid[None, :]
     if spec.sliding_window is not None:
@@ -219,7 +235,7 @@ def normalized(carry, dtype) -> jax.Array:
 
 
 def batch_invariant_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec,
-                              alibi_slopes=None) -> jax.Array:  # fmt: skip
+                              alibi_slopes=None, sinks=None) -> jax.Array:  # fmt: skip
     """reference_paged_attention's result, with every row's arithmetic fixed by its own context alone.
 
     The fast path folds this step's keys in first and the cached ones after, so a key's place in a
@@ -265,5 +281,5 @@ def batch_invariant_attention(q, k, v, kv_cache, layer: int, attn_metadata: Atte
         return _fold(carry, s, "tkgc,tckd->tkgd", vc, prec)
 
     trips = (jnp.max(jnp.where(valid, limit, -1)) + chunk) // chunk
-    carry = jax.lax.fori_loop(0, trips, body, _empty_softmax(num_tokens, num_kv_heads, group, head_dim))
+    carry = jax.lax.fori_loop(0, trips, body, _empty_softmax(num_tokens, num_kv_heads, group, head_dim, sinks, valid))
     return normalized(carry, q.dtype)

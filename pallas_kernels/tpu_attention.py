@@ -59,14 +59,14 @@ class _Tile(NamedTuple):
 
 def _kernel(
     *refs,  # SMEM: layer, tile_seq, tile_start, tile_len, query_start, seq_lens, [tile_end (image spans)];
-    # inputs: q, slope, then in HBM tables, cache, k_new, v_new, [scale (an int8/fp8 cache's scales)]; [row_end];
+    # inputs: q, slope, sink, then in HBM tables, cache, k_new, v_new, [scale (an int8/fp8 cache's scales)]; [row_end];
     # o_ref; scratch: k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref,
     # state_ref, [k_scale_buf, v_scale_buf]
-    group_pad, width, spec, use_alibi, precision, kv_kind, bidirectional=False,
+    group_pad, width, spec, use_alibi, precision, kv_kind, bidirectional=False, use_sinks=False,
 ):  # fmt: skip
     layer_ref, tile_seq_ref, tile_start_ref, tile_len_ref, query_start_ref, seq_lens_ref, *refs = refs
     tile_end_ref = refs.pop(0) if bidirectional else None  # each tile's last visible new key, flat, exclusive
-    q_ref, slope_ref, tables_hbm, cache_hbm, k_new_hbm, v_new_hbm, *refs = refs
+    q_ref, slope_ref, sink_ref, tables_hbm, cache_hbm, k_new_hbm, v_new_hbm, *refs = refs
     scale_hbm = refs.pop(0) if kv_kind else None
     row_end_ref = refs.pop(0) if bidirectional else None  # [rows, 1] each query row's last visible position
     if kv_kind:
@@ -211,8 +211,12 @@ def _kernel(
     pl.when(num_chunks > 0)(lambda: start(chunk_copies(0, 0)))  # arrives while the context is folded
 
     acc_ref[...] = jnp.zeros_like(acc_ref)
-    peak_ref[...] = jnp.full_like(peak_ref, MASK_VALUE)
-    denom_ref[...] = jnp.zeros_like(denom_ref)
+    if use_sinks:  # each row's sink: a key of that score and value 0, so it joins only the denominator
+        peak_ref[...] = sink_ref[...]
+        denom_ref[...] = jnp.ones_like(denom_ref)
+    else:
+        peak_ref[...] = jnp.full_like(peak_ref, MASK_VALUE)
+        denom_ref[...] = jnp.zeros_like(denom_ref)
 
     def fold(k, v, key_pos, extra_mask, k_scale=None, v_scale=None):
         """k_scale, v_scale [1, keys]: a quantized page's per-key scales, applied to the scores' columns
@@ -295,7 +299,7 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=("spec", "interpret", "table_chunk"))
 def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None,
-                        *, interpret: bool | pltpu.InterpretParams = False,
+                        sinks=None, *, interpret: bool | pltpu.InterpretParams = False,
                         table_chunk: int = TABLE_CHUNK) -> jax.Array:  # fmt: skip
     """reference_paged_attention's contract: q [T, H, D], this step's k/v [T, H_kv, D] -> [T, H, D].
 
@@ -339,6 +343,10 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     slopes = jnp.zeros((num_heads,), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
     slopes = jnp.pad(slopes.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
     slopes = jnp.tile(slopes, (1, tokens_per_tile))[..., None]
+    use_sinks = sinks is not None  # each query row's sink logit, laid out as the slopes
+    sink_rows = jnp.zeros((num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    sink_rows = jnp.pad(sink_rows.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group)))
+    sink_rows = jnp.tile(sink_rows, (1, tokens_per_tile))[..., None]
 
     # image spans (Gemma 3): each query row's last visible position, tile-major [tiles, rows, 1], and each tile's
     # last visible new key (flat, exclusive) among its live rows
@@ -357,6 +365,7 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, group_pad=group_pad, width=width, spec=spec, use_alibi=use_alibi, kv_kind=kv_kind, bidirectional=bidirectional,
+        use_sinks=use_sinks,
         precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
     )  # fmt: skip
     scale_operands, scale_specs, scale_scratch = [], [], []
@@ -369,7 +378,7 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6 + len(end_prefetch),
             grid=(num_tiles, num_kv_heads),
-            in_specs=[tile_spec, slope_spec, hbm, hbm, hbm, hbm, *scale_specs, *end_specs],
+            in_specs=[tile_spec, slope_spec, slope_spec, hbm, hbm, hbm, hbm, *scale_specs, *end_specs],
             out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_iter, block_size, head_dim), kv_cache.dtype),
@@ -392,7 +401,7 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         name=f"ragged_paged_attention_tpu_r{rows}_kv{pages_per_iter * block_size}" + (f"_{kv_kind}" if kv_kind else ""),
     )(
         layer, seq, start, length, attn_metadata.query_start_loc, attn_metadata.seq_lens, *end_prefetch,
-        q_tiles, slopes, tables, kv_cache, kn, vn, *scale_operands, *end_operands,
+        q_tiles, slopes, sink_rows, tables, kv_cache, kn, vn, *scale_operands, *end_operands,
     )  # fmt: skip
 
     # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.

@@ -28,9 +28,9 @@ class Case:
     num_real_tokens: int
 
 
-def attention_args(scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
-    """The kernels' trailing arguments, (AttentionSpec, alibi_slopes), from keywords."""
-    return AttentionSpec(scale, sliding_window, soft_cap), alibi_slopes
+def attention_args(scale, sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None):
+    """The kernels' trailing arguments, (AttentionSpec, alibi_slopes, sinks), from keywords."""
+    return AttentionSpec(scale, sliding_window, soft_cap), alibi_slopes, sinks
 
 
 def random_case(
@@ -96,6 +96,7 @@ class KernelCase:
     sliding_window: int | None = None
     soft_cap: float | None = None
     alibi: bool = False
+    sinks: bool = False  # GPT-OSS's per-head sink logits
 
     @property
     def atol(self) -> float:
@@ -106,7 +107,9 @@ class KernelCase:
     def kwargs(self) -> dict:
         """attention_args' keywords (scale, window, cap, ALiBi slopes: steep, so positions matter)."""
         slopes = jnp.asarray(2.0 ** -np.arange(1, self.num_heads + 1, dtype=np.float32) * 4) if self.alibi else None
-        return dict(scale=self.head_dim**-0.5, sliding_window=self.sliding_window, soft_cap=self.soft_cap, alibi_slopes=slopes)
+        sinks = jnp.asarray(np.linspace(-2.0, 3.0, self.num_heads, dtype=np.float32)) if self.sinks else None
+        return dict(scale=self.head_dim**-0.5, sliding_window=self.sliding_window, soft_cap=self.soft_cap, alibi_slopes=slopes,
+                    sinks=sinks)  # fmt: skip
 
     def build(self) -> Case:
         rng = np.random.default_rng(zlib.crc32(self.name.encode()))
@@ -130,14 +133,14 @@ def compare_kernel(backend, kc: KernelCase, kv_cache_dtype: str = "auto") -> dic
     dequantized float32 values (the kernel must read them exactly; the quantization's own error is not counted)."""
     case = kc.build()
     kwargs = kc.kwargs()
-    spec, slopes = attention_args(**kwargs)
+    spec, slopes, sinks = attention_args(**kwargs)
     cache, expected_case = case.kv_cache, case
     if kv_cache_dtype != "auto":
         data, scale = quantize_kv(case.kv_cache, kv_cache_dtype)
         cache = QuantizedKV(data, scale, kv_cache_dtype)
         expected_case = dataclasses.replace(case, kv_cache=dequantize_kv(data, scale, jnp.float32, kv_cache_dtype))
-    fn = jax.jit(lambda q, k, v, c, md, sl: paged_attention(q, k, v, c, 0, md, spec, sl, backend=backend))
-    got = fn(case.q, case.k, case.v, cache, case.attn_metadata, slopes)
+    fn = jax.jit(lambda q, k, v, c, md, sl, sk: paged_attention(q, k, v, c, 0, md, spec, sl, sk, backend=backend))
+    got = fn(case.q, case.k, case.v, cache, case.attn_metadata, slopes, sinks)
     same_shape = got.shape == case.q.shape and got.dtype == case.q.dtype
     got = np.asarray(got.astype(jnp.float32))
     n = case.num_real_tokens
@@ -155,7 +158,7 @@ _DECODE = ((1, 17, 300, 2000, 4097), (1, 1, 1, 1, 1))
 _MIXED = ((37, 5, 300, 129), (1, 5, 40, 1))
 _CHUNKED = ((1999, 64, 64, 70), (37, 64, 1, 33))
 _PREFILL = ((513, 128, 1024), (513, 128, 256))
-# name, shape, block size, (heads, KV heads): GQA 1, 4 or 8, head_dim, window, soft-cap, ALiBi
+# name, shape, block size, (heads, KV heads): GQA 1, 4 or 8, head_dim, window, soft-cap, ALiBi (and a sinks case per dtype)
 _ACCELERATOR_PLAN = [
     ("decode", _DECODE, 16, (8, 8), 128, None, None, False),
     ("mixed", _MIXED, 32, (8, 2), 64, None, None, False),
@@ -177,6 +180,8 @@ def _accelerator_cases() -> list[KernelCase]:
                 bs = (16, 32, 64, 128)[(i + 2) % 4]  # every block size meets other shapes in bf16
             name = f"{short}-{what}-bs{bs}-h{h}kv{kv}-d{d}"
             cases.append(KernelCase(name, seq_lens, q_lens, h, kv, d, bs, dtype, window, cap, alibi))
+        # GPT-OSS's layers: sinks, GQA 8, head_dim 64, a 128-token window on a mixed step
+        cases.append(KernelCase(f"{short}-sinks-window-bs16-h64kv8-d64", *_MIXED, 64, 8, 64, 16, dtype, 128, sinks=True))
     return cases
 
 

@@ -111,6 +111,20 @@ def test_alibi(kernel, heads, window):
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("heads,window", [((8, 2), None), ((6, 2), 16)])
+def test_sinks(kernel, heads, window):
+    """GPT-OSS's per-head sink logits (one far above the scores, one far below), with GQA groups and a window."""
+    num_heads, num_kv_heads = heads
+    rng = np.random.default_rng(num_heads + 40)
+    case = random_case(
+        rng, seq_lens=[150, 9, 70, 300], q_lens=[30, 9, 1, 17], num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=32, block_size=16,
+    )  # fmt: skip
+    sinks = jnp.asarray(np.linspace(-20.0, 8.0, num_heads, dtype=np.float32))
+    _check(KERNELS[kernel], case, 1e-5, scale=32**-0.5, sliding_window=window, sinks=sinks)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_inputs_accumulate_in_float32(kernel, dtype):
     rng = np.random.default_rng(4)
@@ -197,9 +211,11 @@ def _export(kernel, platform, dtype, block_size, head_dim, tokens=64, seqs=32, *
         _sd((tokens,), jnp.int32), _sd((seqs, width), jnp.int32), _sd((seqs,), jnp.int32), _sd((seqs + 1,), jnp.int32)
     )
     alibi = jnp.linspace(0.5, 0.01, heads, dtype=jnp.float32) if block_size == 16 else None  # with and without
+    sinks = jnp.linspace(-1.0, 1.0, heads, dtype=jnp.float32) if block_size != 16 else None  # with and without
     fn = jax.jit(
-        lambda q, k, v, c, layer, attn_metadata: kernel(q, k, v, c, layer, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi, **kw)
-    )
+        lambda q, k, v, c, layer, attn_metadata: kernel(q, k, v, c, layer, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi,
+                                                        sinks, **kw)
+    )  # fmt: skip
     with lowering_for(platform):
         exported = export.export(fn, platforms=[platform], **export_checks(platform))(
             _sd((tokens, heads, head_dim), dtype), _sd((tokens, kv_heads, head_dim), dtype),
@@ -232,7 +248,8 @@ def test_split_kv_decode_equals_definition(kernel):
     for splits in range(1, 17):
         launch = LaunchConfig(rows=16, kv_chunk=16 if splits % 2 else 32, num_warps=4, num_stages=2, num_splits=splits)
         run = functools.partial(gpu_paged_attention, interpret=True, launch=launch)
-        _check(run, case, 1e-5, scale=32**-0.5, soft_cap=25.0, sliding_window=None if splits % 3 else 500)
+        sinks = jnp.linspace(-1.0, 3.0, 8, dtype=jnp.float32) if splits % 2 else None  # counted in one split only
+        _check(run, case, 1e-5, scale=32**-0.5, soft_cap=25.0, sliding_window=None if splits % 3 else 500, sinks=sinks)
 
 
 def test_split_kv_takes_the_splits_the_live_sequences_need():

@@ -144,7 +144,7 @@ def test_backends_pass_a_quantized_cache_through(backend):
                        head_dim=16, block_size=16)  # fmt: skip
     cache, float_case = quantized(case, "int8")
     kw = dict(scale=0.25, soft_cap=10.0)
-    spec, slopes = attention_args(**kw)
+    spec, slopes, _ = attention_args(**kw)
     got = jax.jit(lambda q, k, v, c, md: backend(q, k, v, c, 0, md, spec, slopes))(case.q, case.k, case.v, cache,
                                                                                   case.attn_metadata)  # fmt: skip
     _check(got, case, float_case, 1e-5, **kw)

@@ -107,3 +107,29 @@ def test_alibi_definition_matches_an_explicit_bias():
             s = 0.5 * keys[: pos + 1] @ q[t, h] + slopes[h] * (np.arange(pos + 1) - pos)
             p = np.exp(s - s.max())
             np.testing.assert_allclose(got[t, h], (p / p.sum()) @ values[: pos + 1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_join_the_denominator_as_transformers_gpt_oss(window):
+    """GPT-OSS's sinks: each head's logit is appended to the row's scores, softmaxed with them, and dropped (no value):
+    the definition against that computed densely in numpy, then the reference (fast and batch-invariant) against it."""
+    rng = np.random.default_rng(5)
+    case = random_case(rng, seq_lens=[23, 40], q_lens=[23, 7], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
+    sinks = jnp.asarray([-1.0, 0.5, 2.0, 4.0], jnp.float32)
+    kw = dict(scale=0.25, sliding_window=window, sinks=sinks)
+    want = np.asarray(naive_paged_attention(case.q, written, 0, case.attn_metadata, *attention_args(**kw)))
+    q, k, v = (np.asarray(x, np.float64) for x in (case.q, case.k, case.v))
+    for t in range(23):  # the first sequence is all new: its keys are this step's
+        for h in range(4):
+            keys = [j for j in range(t + 1) if window is None or j > t - window]
+            logits = np.array([q[t, h] @ k[j, h // 2] * 0.25 for j in keys] + [float(sinks[h])])
+            p = np.exp(logits - logits.max())
+            p = p[:-1] / p.sum()
+            np.testing.assert_allclose(want[t, h], p @ v[keys, h // 2], atol=1e-5, rtol=0)
+    n = case.num_real_tokens
+    for batch_invariant in (False, True):
+        got = reference_paged_attention(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, *attention_args(**kw),
+                                        batch_invariant=batch_invariant)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got[:n]), want[:n], atol=1e-5, rtol=0)
+        assert np.all(np.asarray(got[n:]) == 0)

@@ -68,6 +68,7 @@ struct Problem {
   const int32_t* seq_lens;   // [S]
   const int32_t* starts;     // [S + 1]
   const float* slopes;       // [H]
+  const float* sinks;        // [H] each head's sink logit (GPT-OSS), or null: none
   const int32_t* key_ends;   // [T] the last position each row sees among this step's keys, or null: its own
   float* out;                // [T, H, D]
   int64_t num_tokens, num_seqs, width, num_blocks, num_kv_heads, group, block_size, head_dim, layer;
@@ -305,6 +306,12 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
   float* const a = l + R;            // [R, D] running numerator
   std::fill(m, m + R, -std::numeric_limits<float>::infinity());
   std::fill(l, l + R + R * D, 0.0f);
+  if (p.sinks) {  // a sink: a key of score sinks[h] and value 0, so it only joins the denominator
+    for (int64_t r = 0; r < R; ++r) {
+      m[r] = p.sinks[r % H];
+      l[r] = 1.0f;
+    }
+  }
   const int64_t start = p.starts[seq];
   const int64_t first = row0 - start;  // the item's first row, counted among its sequence's new tokens
   const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, (cached + first + 1 - p.window) / bs) : 0;
@@ -453,9 +460,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer cache, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> slopes,
-                              ffi::Buffer<ffi::S32> key_ends, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                              int64_t storage, int64_t window, float scale, float soft_cap, bool alibi,
-                              bool bidirectional) {
+                              ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> key_ends,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t storage, int64_t window,
+                              float scale, float soft_cap, bool alibi, bool use_sinks, bool bidirectional) {
   const auto qd = q.dimensions(), kd = k_new.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || cd.size() != 6 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], the cache 6-d, tables [S, W]");
@@ -504,6 +511,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   p.seq_lens = seq_lens.typed_data();
   p.starts = starts.typed_data();
   p.slopes = slopes.typed_data();
+  if (use_sinks && sinks.element_count() != qd[1]) {
+    return ffi::Error::InvalidArgument("paged attention: sinks must have one entry per query head");
+  }
+  p.sinks = use_sinks ? sinks.typed_data() : nullptr;
   if (bidirectional && key_ends.element_count() != qd[0]) {
     return ffi::Error::InvalidArgument("paged attention: key_ends must have one entry per row");
   }
@@ -549,6 +560,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query start loc
                                   .Arg<ffi::Buffer<ffi::F32>>()  // alibi slopes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks (use_sinks only, else one unused)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // key ends (bidirectional only, else one unused)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("layer")
@@ -557,4 +569,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<bool>("alibi")
+                                  .Attr<bool>("use_sinks")
                                   .Attr<bool>("bidirectional"));

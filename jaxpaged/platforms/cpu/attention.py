@@ -66,7 +66,7 @@ def available() -> bool:
 
 
 def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetadata, spec: AttentionSpec,
-                        alibi_slopes=None) -> jax.Array:  # fmt: skip
+                        alibi_slopes=None, sinks=None) -> jax.Array:  # fmt: skip
     """reference_paged_attention's result, from the kernel: q [T, H, D], this step's k/v [T, H_kv, D]."""
     if not available():
         raise RuntimeError("the native CPU attention kernel could not be built; see the warning logged above")
@@ -79,14 +79,16 @@ def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionM
             kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.uint16)
         storage = 0 if kv_cache.dtype == jnp.float32 else STORAGE[jnp.dtype(q.dtype)]
     slopes = jnp.zeros((q.shape[1],), jnp.float32) if alibi_slopes is None else alibi_slopes.astype(jnp.float32)
+    sink_logits = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     f32 = lambda x: x.astype(jnp.float32)
     key_ends = attn_metadata.key_ends  # an image's tokens attending to each other both ways (Gemma 3), or None
     out = call(
-        f32(q), f32(k), f32(v), kv_cache, scales, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes,
+        f32(q), f32(k), f32(v), kv_cache, scales, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes, sink_logits,
         jnp.zeros((1,), jnp.int32) if key_ends is None else key_ends.astype(jnp.int32),
         layer=layer, storage=storage, window=spec.sliding_window or 0, scale=np.float32(spec.scale),
-        soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None, bidirectional=key_ends is not None,
+        soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None, use_sinks=sinks is not None,
+        bidirectional=key_ends is not None,
     )  # fmt: skip
     return out.astype(q.dtype)
 
@@ -97,5 +99,5 @@ class NativeCpuAttention(AttentionBackend):
 
     name = "native"
 
-    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None):
-        return cpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes)
+    def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None, sinks=None):
+        return cpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, sinks)
