@@ -54,6 +54,10 @@ class StructuredOutputsParams:
     whitespace_pattern (a regex for that whitespace), disable_additional_properties (objects take only the
     properties their schema lists). disable_fallback is accepted and has no effect: there is one backend.
     structural_tag is refused.
+
+    reasoning_start / reasoning_end: a reasoning model's thinking markers (e.g. "<think>", "</think>"; the server's
+    reasoning parser sets them): the constraint then applies to the answer only, from the moment the output has
+    written reasoning_end, or at once when the prompt already closed the thinking (its last marker is the end one).
     """
 
     json: dict | str | None = None
@@ -66,8 +70,16 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     disable_fallback: bool = False
     structural_tag: str | None = None
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("reasoning_start", "reasoning_end"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string (got {value!r})")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise ValueError("structured_outputs.reasoning_start needs reasoning_end")
         if self.structural_tag is not None:
             raise ValueError("structured_outputs.structural_tag is not supported")
         given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]

@@ -293,7 +293,7 @@ class LLMEngine:
         grammars = None
         if params.structured_outputs is not None:  # compiled (or found in the cache) here: a bad one is refused now
             count = 1 if params.use_beam_search else params.n  # beams copy the root's as they fork
-            grammars = [self.structured_outputs.new_state(params.structured_outputs) for _ in range(count)]
+            grammars = [self.structured_outputs.new_state(params.structured_outputs, ids) for _ in range(count)]
         parent = ParentRequest(request_id, text, ids, params)
         parent.mm = images
         if lora_request is not None:

@@ -8,6 +8,10 @@ host writes each constrained row's allowed tokens as a packed bitmask ([vocab / 
 word w allows token 32 w + i); the jitted sampler masks the logits with it (worker/sampler.py).
 A grammar that has finished ends its sequence with finish_reason "stop", as EOS does; EOS itself is
 allowed exactly where the grammar accepts.
+
+With a reasoning model's markers (StructuredOutputsParams.reasoning_end), the grammar waits for the thinking to
+end, as vLLM's does with a reasoning parser: `AfterReasoning` allows every token until the output's text has
+written the end marker (or the prompt already closed the thinking), then hands over to the grammar.
 """
 
 from __future__ import annotations
@@ -136,6 +140,77 @@ class GrammarAfter:
                 matcher.rollback(consumed)
 
 
+def thinking_closed(prompt_text: str, start: str | None, end: str) -> bool:
+    """Whether a prompt has already closed the thinking: its last marker is `end` (a template that turned thinking
+    off writes an empty `<think></think>`). A prompt with no marker, or one that opens it, leaves it open."""
+    at_end = prompt_text.rfind(end)
+    return at_end >= 0 and (start is None or prompt_text.rfind(start) < at_end)
+
+
+class AfterReasoning:
+    """A sequence's grammar that starts once its thinking has ended: until the output's text holds the end marker
+    every token is allowed; from the token that completes it on, `inner` masks and consumes as usual. The marker is
+    matched on the tokens' text, so it may span tokens (or share one with other text)."""
+
+    __slots__ = ("inner", "end", "token_text", "thinking", "tail", "num_consumed")
+
+    def __init__(self, inner: GrammarState, end: str, token_text, thinking: bool = True):
+        self.inner, self.end, self.token_text = inner, end, token_text
+        self.thinking = thinking
+        self.tail = ""  # the thinking's last len(end) - 1 characters: a marker may begin there
+        self.num_consumed = 0
+
+    def _scan(self, tail: str, tokens: Sequence[int]) -> tuple[str, int | None]:
+        """(the tail after `tokens`, how many of them the thinking takes: the marker ends at that one; None: all)."""
+        for k, token in enumerate(tokens):
+            text = tail + self.token_text(int(token))
+            if self.end in text:
+                return "", k + 1
+            tail = text[len(text) - len(self.end) + 1 :] if len(self.end) > 1 else ""
+        return tail, None
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        if self.thinking:
+            row[:] = -1
+        else:
+            self.inner.fill_bitmask(row)
+
+    def copy(self) -> AfterReasoning:
+        state = AfterReasoning(self.inner.copy(), self.end, self.token_text, self.thinking)
+        state.tail, state.num_consumed = self.tail, self.num_consumed
+        return state
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        if not self.thinking:
+            return self.inner.valid_prefix(tokens)
+        _, taken = self._scan(self.tail, tokens)
+        return len(tokens) if taken is None else taken + self.inner.valid_prefix(tokens[taken:])
+
+    def after(self, tokens: Sequence[int]) -> AfterReasoning:
+        """A view for one speculative row's mask: the thinking's or, once the marker is in `tokens`, the grammar's
+        after what follows it."""
+        tail, taken = ("", 0) if not self.thinking else self._scan(self.tail, tokens)
+        inner = self.inner if taken is None else self.inner.after(tokens[taken:])
+        state = AfterReasoning(inner, self.end, self.token_text, thinking=taken is None)
+        state.tail, state.num_consumed = tail, self.num_consumed + len(tokens)
+        return state
+
+    def ends_after(self, token: int) -> bool:
+        return False if self.thinking else self.inner.ends_after(token)
+
+    def accept(self, token: int) -> bool:
+        self.num_consumed += 1
+        if not self.thinking:
+            return self.inner.accept(token)
+        self.tail, taken = self._scan(self.tail, [token])
+        self.thinking = taken is None
+        return True
+
+    @property
+    def is_terminated(self) -> bool:
+        return not self.thinking and self.inner.is_terminated
+
+
 class StructuredOutputManager:
     """One engine's grammars: compiles and caches them, and fills the bitmask rows of a step."""
 
@@ -146,6 +221,7 @@ class StructuredOutputManager:
         self._ll_tokenizer = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # (kind, text) -> a fresh LLMatcher
         self._scratch: np.ndarray | None = None
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (reasoning markers are matched on text)
 
     @property
     def ll_tokenizer(self):
@@ -192,9 +268,22 @@ class StructuredOutputManager:
             self._compiled.popitem(last=False)
         return matcher
 
-    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        """A sequence's own matcher (a copy of the cached compiled one). Raises ValueError naming the field."""
-        return GrammarState(self._compile(params).deep_copy(), self)
+    def new_state(self, params: StructuredOutputsParams, prompt_ids: Sequence[int] = ()) -> GrammarState | AfterReasoning:
+        """A sequence's own matcher (a copy of the cached compiled one), behind the thinking when the params name
+        its markers and the prompt leaves it open. Raises ValueError naming the field."""
+        state = GrammarState(self._compile(params).deep_copy(), self)
+        if params.reasoning_end is None:
+            return state
+        prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False) if len(prompt_ids) else ""
+        thinking = not thinking_closed(prompt_text, params.reasoning_start, params.reasoning_end)
+        return AfterReasoning(state, params.reasoning_end, self.token_text, thinking)
+
+    def token_text(self, token: int) -> str:
+        """One token's text with special tokens kept (markers such as gpt-oss's are special), cached."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     @property
     def num_cached(self) -> int:

@@ -13,6 +13,7 @@ from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # tool_parsers.PARSERS, which needs the serve extra to import
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")  # reasoning.REASONING_PARSERS, likewise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="with tool_choice 'none', leave the tools out of the chat template (default: they go in, "
                    "as in vLLM)")
+    g.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "none"), default=None,
+                   help="split a thinking model's reasoning from its answer: message.reasoning_content (streamed as "
+                   "delta.reasoning_content) beside content; tool calls are read from the answer, and an output "
+                   "constraint (response_format) starts after the thinking. qwen3 and deepseek_r1 read "
+                   "<think>...</think>; gpt_oss reads the harmony format (pip install 'jaxpaged[harmony]') "
+                   "(default: detected from the chat template; none: off)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="with --enable-lora: LoRA adapters (PEFT folders or hub ids) served as models named NAME")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             lora_modules=parse_lora_modules(args.lora_modules), allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-            allow_weight_updates=args.allow_weight_updates,
+            allow_weight_updates=args.allow_weight_updates, reasoning_parser=args.reasoning_parser,
         )
         if (settings.lora_modules or settings.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")

@@ -107,10 +107,12 @@ class MultimodalProcessor:
             raise ValueError(f"the prompt and its images do not match: {exc}") from None
         return self._inputs(dict(out))
 
-    def chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, tools=None) -> tuple[list[int], MultimodalInputs]:
+    def chat(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, tools=None, template_kwargs: dict | None = None
+    ) -> tuple[list[int], MultimodalInputs]:
         converted, images = openai_parts(messages, self.loader)
         self._count(len(images))
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             out = self.processor.apply_chat_template(
                 converted, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,

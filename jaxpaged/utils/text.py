@@ -6,13 +6,14 @@ import dataclasses
 
 
 def chat_prompt_ids(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """`tools` (OpenAI tool dicts) reach the template as transformers' `tools`; templates without tool support
-    ignore them."""
+    ignore them. `template_kwargs` are more template variables (e.g. enable_thinking)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
@@ -27,6 +28,7 @@ class ChatPrompt:
     messages: list[dict]
     add_generation_prompt: bool = True
     tools: list[dict] | None = None  # OpenAI tool dicts, for templates that describe tools to the model
+    template_kwargs: dict | None = None  # more variables for the template (a request's chat_template_kwargs)
 
 
 def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
@@ -34,7 +36,7 @@ def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer, so it has no chat template")
     try:
-        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.tools)
+        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.tools, prompt.template_kwargs)
     except ValueError:
         raise
     except Exception as exc:  # a template's own raise_exception(), or a message it cannot render

@@ -12,6 +12,7 @@ from jaxpaged.engine.async_engine import ChatPrompt, EngineDeadError
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.logprobs import chat_logprobs
 from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
+from jaxpaged.entrypoints.openai.reasoning import MARKERS, ReasoningReader, reasoning_reader
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun, sse
 from jaxpaged.entrypoints.openai.tool_parsers import ToolCallReader, tool_reader
@@ -35,14 +36,19 @@ async def create_chat_completion(serving: Serving, http_request: Request):
             "a named function or 'none'",
             param="tool_choice",
         )
-    params = serving.sampling_params(body, fields)
+    parser = serving.reasoning_parser
+    if parser == "gpt_oss":
+        body.skip_special_tokens = False  # harmony's markers are special tokens: its reader needs them in the text
+    params = serving.sampling_params(body, fields, reasoning=MARKERS[parser] if parser else None)
     exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none
-    prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, None if exclude else body.tools or None)
+    tools = None if exclude else body.tools or None
+    prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs)
     request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages", model=body.model)
+    prompt_text = serving.prompt_text(run) if parser else ""
     meta = {"id": request_id, "created": int(time.time()), "model": serving.response_model(body.model)}
     if body.stream:
         return StreamingResponse(
-            _stream(serving, run, body, meta), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            _stream(serving, run, body, meta, prompt_text), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
     try:
         (final,) = await run.final()
@@ -54,7 +60,8 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     choices = []
     for c in final.outputs:
         logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids), top, serving.token_bytes)} if body.logprobs else None
-        message, finish = _message(_reader(serving, body), c.text, c.finish_reason)
+        thinking = reasoning_reader(parser, prompt_text) if parser else None
+        message, finish = _message(_reader(serving, body), thinking, c.text, c.finish_reason)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
     generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)})
@@ -70,21 +77,32 @@ def _finish(reader: ToolCallReader | None, finish_reason: str | None) -> str | N
     return "tool_calls" if reader is not None and reader.calls and finish_reason == "stop" else finish_reason
 
 
-def _message(reader: ToolCallReader | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """The assistant message and finish reason; under tools, the calls as tool_calls and the rest as content."""
+def _message(
+    reader: ToolCallReader | None, thinking: ReasoningReader | None, text: str, finish_reason: str | None
+) -> tuple[dict, str | None]:
+    """The assistant message and finish reason; with a reasoning parser the thinking as reasoning_content (and only
+    the answer read for calls); under tools, the calls as tool_calls and the rest as content."""
+    message: dict = {"role": "assistant"}
+    if thinking is not None:
+        message["reasoning_content"], text = thinking.parse(text)
     if reader is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = reader.parse(text)
+        return {**message, "content": text}, finish_reason
+    content, calls = reader.parse(text or "")
     if not calls:
-        content = content or ""
-    return {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}, _finish(reader, finish_reason)
+        content = content or ("" if thinking is None else None)
+    return {**message, "content": content, "tool_calls": [c.openai() for c in calls]}, _finish(reader, finish_reason)
 
 
-async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[str]:
+async def _stream(
+    serving: Serving, run: RequestRun, body: ChatCompletionRequest, meta: dict, prompt_text: str
+) -> AsyncIterator[str]:
     meta = {**meta, "object": "chat.completion.chunk"}
     extra = {"usage": usage(run.prompt_tokens, 0) if body.continuous_usage else None} if body.include_usage else {}
     deltas = Deltas(body.n)
     readers = [_reader(serving, body) for _ in range(body.n)]
+    parser = serving.reasoning_parser
+    thinkers = [reasoning_reader(parser, prompt_text) if parser else None for _ in range(body.n)]
+    answers = [""] * body.n  # each choice's answer so far (its text but the thinking), which the tool reader reads
     top = body.top_logprobs or 0
     for index in range(body.n):  # OpenAI opens every choice with the role
         delta = {"role": "assistant", "content": ""}
@@ -93,11 +111,14 @@ async def _stream(serving: Serving, run: RequestRun, body: ChatCompletionRequest
     def chunk_for(_i, _out, c) -> list[dict] | None:
         """A chunk per delta: content, or under tools a call's opening (id, name) and then its arguments' pieces."""
         text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
-        reader = readers[c.index]
-        if reader is None:
-            new = [{"content": text}] if text else []
-        else:
-            new = reader.feed(c.text) + (reader.finish() if c.finish_reason is not None else [])
+        reader, thinker, done = readers[c.index], thinkers[c.index], c.finish_reason is not None
+        new = [{"content": text}] if text else []
+        if thinker is not None:
+            new = thinker.feed(c.text) + (thinker.finish(c.text) if done else [])
+        if reader is not None:
+            answer = c.text if thinker is None else answers[c.index] + "".join(d.get("content", "") for d in new)
+            answers[c.index] = answer
+            new = [d for d in new if "reasoning_content" in d] + reader.feed(answer) + (reader.finish() if done else [])
         if not new:
             if c.finish_reason is None and (not body.logprobs or start == end):
                 return None

@@ -9,6 +9,7 @@ vLLM does, so clients that send extras keep working.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -19,6 +20,9 @@ from jaxpaged.sampling_params import STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_PROMPTS = 128  # prompts in one completions request
+# apply_chat_template's own arguments, which the request's fields set
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                            "chat_template", "continue_final_message", "return_dict", "return_tensors")
 
 
 class _Strict(BaseModel):
@@ -90,7 +94,14 @@ class _SamplingRequest(_Strict):
             if not isinstance(rf, dict):
                 raise FieldError("response_format must be an object with a 'type'", "response_format")
             kind = rf.get("type")
-            if kind == "json_object":
+            if kind == "json_object" and rf.get("schema") is not None:  # instructor's JSON_SCHEMA mode, Together's
+                if not isinstance(rf["schema"], dict):
+                    raise FieldError(
+                        f"response_format.schema must be a JSON schema object (got {type(rf['schema']).__name__})",
+                        "response_format.schema",
+                    )
+                found.append(("response_format.schema", {"json": rf["schema"]}))
+            elif kind == "json_object":
                 found.append(("response_format", {"json_object": True}))
             elif kind == "json_schema":
                 spec = rf.get("json_schema")
@@ -287,12 +298,21 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
 
     @field_validator("messages")
     @classmethod
     def _messages(cls, value):
         if not value:
             raise ValueError("messages must not be empty")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value):
+        taken = sorted(set(value or ()) & set(RESERVED_TEMPLATE_KWARGS))
+        if taken:
+            raise ValueError(f"{taken[0]!r} is set by the request itself, not through chat_template_kwargs")
         return value
 
     @model_validator(mode="after")
@@ -380,9 +400,11 @@ class ChatCompletionRequest(_SamplingRequest):
             out.append(msg)
         return out
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, reasoning: tuple[str, str] | None = None) -> SamplingParams:
+        """`reasoning`: the reasoning parser's (start, end) markers, behind which an output constraint waits."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(
-            max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self.structured_outputs_params(), **self.sampling_kwargs()
-        )
+        constraint = self.structured_outputs_params()
+        if constraint is not None and reasoning is not None:
+            constraint = dataclasses.replace(constraint, reasoning_start=reasoning[0], reasoning_end=reasoning[1])
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint, **self.sampling_kwargs())

@@ -15,6 +15,7 @@ from jaxpaged.engine.weight_sync import EngineAsleepError
 from jaxpaged.engine.llm_engine import PromptType
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.logprobs import TokenBytes
+from jaxpaged.entrypoints.openai.reasoning import check_reasoning_parser, detect_reasoning_parser
 from jaxpaged.entrypoints.openai.streaming import SSE_DONE, RequestRun, sse
 from jaxpaged.entrypoints.openai.tool_parsers import PARSERS, detect_parser
 from jaxpaged.sampling_params import MAX_N, SamplingParams
@@ -35,6 +36,7 @@ class ServerSettings:
     lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path) served from the start
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     allow_weight_updates: bool = False  # POST /update_weights, /sleep, /wake_up; GET /is_sleeping (rollout.py)
+    reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS; None: detected from the chat template; "none": off
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -45,6 +47,8 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1024 (got {self.max_request_bytes})")
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)} (got {self.tool_call_parser!r})")
+        if self.reasoning_parser != "none":
+            check_reasoning_parser(self.reasoning_parser)  # an unknown name, or gpt_oss without openai-harmony
 
 
 class Serving:
@@ -62,11 +66,39 @@ class Serving:
             )
         if self.tool_parser:
             logger.info("tool_choice 'auto' reads calls with the %s parser", self.tool_parser)
+        self.reasoning_parser = self._reasoning_parser(template)
+        if self.reasoning_parser:
+            logger.info("reasoning_content is read with the %s reasoning parser", self.reasoning_parser)
         from jaxpaged.entrypoints.openai.lora import ServedLoRAs
 
         self.loras = ServedLoRAs(engine, settings.served_model_names)
         for name, path in settings.lora_modules:  # loaded and checked now: a bad one stops the start
             self.loras.add(name, path)
+
+    def _reasoning_parser(self, template) -> str | None:
+        """The flag's parser, or the one the chat template shows (a detected gpt_oss without openai-harmony's
+        vocabulary is left off, with a warning: the flag makes that an error)."""
+        if self.settings.reasoning_parser is not None:
+            return None if self.settings.reasoning_parser == "none" else self.settings.reasoning_parser
+        generation_prompt = None
+        try:
+            generation_prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+            )
+        except Exception:  # noqa: BLE001 - a template that needs more than one user turn: judged on its text alone
+            pass
+        name = detect_reasoning_parser(template, generation_prompt if isinstance(generation_prompt, str) else None)
+        if name == "gpt_oss":
+            try:
+                check_reasoning_parser(name)
+            except (ValueError, ImportError) as exc:
+                logger.warning("the chat template is gpt-oss's harmony, but reasoning stays in content: %s", exc)
+                return None
+        return name
+
+    def prompt_text(self, run: RequestRun) -> str:
+        """The first prompt's text with special tokens kept, where a reasoning reader looks for thinking markers."""
+        return self.tokenizer.decode(run.streams[0].prompt_token_ids, skip_special_tokens=False) if self.tokenizer else ""
 
     @property
     def all_model_names(self) -> list[str]:
@@ -91,12 +123,13 @@ class Serving:
             raise errors.model_not_found(parsed.model, self.all_model_names)
         return parsed
 
-    def sampling_params(self, body, fields: dict[str, str]) -> SamplingParams:
-        """SamplingParams from the body; its ValueError (naming the field) becomes a 400 on that field."""
+    def sampling_params(self, body, fields: dict[str, str], **kwargs) -> SamplingParams:
+        """SamplingParams from the body (`kwargs` for its sampling_params()); its ValueError (naming the field)
+        becomes a 400 on that field."""
         if isinstance(body.n, int) and not 1 <= body.n <= self.settings.max_n:
             raise errors.bad_request(f"n must be in [1, {self.settings.max_n}] (got {body.n})", param="n")
         try:
-            return body.sampling_params()
+            return body.sampling_params(**kwargs)
         except errors.FieldError as exc:
             raise errors.bad_request(str(exc), param=exc.param) from None
         except (ValueError, NotImplementedError) as exc:

@@ -1,0 +1,215 @@
+"""Reasoning outputs (vLLM's `--reasoning-parser`): a thinking model's output split into its reasoning, sent as
+`reasoning_content`, and its answer, sent as `content` (and read for tool calls).
+
+qwen3 and deepseek_r1 read `<think>...</think>`. Where the output's thinking starts is decided with the prompt's
+help: a chat template may open the thinking itself (`<think>` at the end of the prompt, so the model writes only
+`...</think>`) or close it (an empty `<think></think>` when thinking is off), and the prompt's last marker says
+which. qwen3: reasoning when the output opens `<think>` or the prompt left it open; otherwise (thinking off, or a
+model that answers at once) all of it is content. deepseek_r1: everything before `</think>` is reasoning (the
+template adds `<think>`; one the model writes anyway is dropped), unless the prompt closed the thinking. gpt_oss: OpenAI's harmony format, read with the `openai-harmony` package (the `harmony` extra): the
+analysis channel is reasoning, the final (and commentary) channels are content.
+
+Each parser is a reader of the choice's cumulative text that returns OpenAI deltas as it goes; the whole-text
+parse is the same reader fed the text at once, so a stream and a plain response agree. A marker split across
+deltas is held back until it is known.
+"""
+
+from __future__ import annotations
+
+from jaxpaged.engine.structured_output import thinking_closed
+from jaxpaged.entrypoints.openai.tool_parsers import _partial_tag, _ws
+from jaxpaged.utils.extras import require
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
+THINK = ("<think>", "</think>")
+# (start, end): the markers the grammar of structured outputs waits behind (StructuredOutputsParams.reasoning_end)
+MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "gpt_oss": ("<|start|>", "<|channel|>final<|message|>")}
+
+
+def check_reasoning_parser(name: str | None) -> None:
+    """A start-up check: ValueError naming the parameter for an unknown parser, MissingExtraError for gpt_oss
+    without openai-harmony, ValueError when harmony's vocabulary cannot be loaded (it downloads it once)."""
+    if name is None:
+        return
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (got {name!r})")
+    if name == "gpt_oss":
+        harmony_encoding()
+
+
+def detect_reasoning_parser(chat_template, generation_prompt: str | None = None) -> str | None:
+    """The parser a chat template's thinking format needs, or None when it shows none. `generation_prompt` (the
+    template rendered for one user turn) tells deepseek_r1's shape, a prompt that opens `<think>` itself, from
+    qwen3's, where the model writes it."""
+    if isinstance(chat_template, dict):  # named templates
+        chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str))
+    if not chat_template:
+        return None
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        return "gpt_oss"
+    if THINK[0] not in chat_template and THINK[1] not in chat_template:
+        return None
+    opens = generation_prompt is not None and generation_prompt.rstrip().endswith(THINK[0])
+    return "deepseek_r1" if opens else "qwen3"
+
+
+def prompt_thinking(name: str, prompt_text: str) -> str | None:
+    """"open" when the prompt's last thinking marker opens it, "closed" when it closes it, None when it has none."""
+    start, end = MARKERS[name]
+    if thinking_closed(prompt_text, start, end):
+        return "closed"
+    return "open" if start in prompt_text else None
+
+
+def reasoning_reader(name: str, prompt_text: str = "") -> ReasoningReader:
+    """A reader for one choice of a request whose prompt is `prompt_text` (special tokens kept)."""
+    if name == "gpt_oss":
+        return HarmonyReader()
+    state = prompt_thinking(name, prompt_text)
+    return ThinkReader(thinking=state == "open" if name == "qwen3" else state != "closed")
+
+
+class ReasoningReader:
+    """One choice's output: feed() it the cumulative text, finish() it once; both return OpenAI deltas
+    ({"reasoning_content": ...} or {"content": ...}), and `reasoning`, `content` hold what was read."""
+
+    def __init__(self):
+        self._parts: dict[str, list[str]] = {"reasoning_content": [], "content": []}
+        self._out: list[dict] = []
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self._parts["reasoning_content"]) or None
+
+    @property
+    def content(self) -> str | None:
+        return "".join(self._parts["content"]) or None
+
+    def feed(self, text: str) -> list[dict]:
+        self._advance(text, final=False)
+        return self._take()
+
+    def finish(self, text: str | None = None) -> list[dict]:
+        self._advance(text, final=True)
+        return self._take()
+
+    def parse(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output."""
+        self.feed(text)
+        self.finish(text)
+        return self.reasoning, self.content
+
+    def _advance(self, text: str | None, final: bool) -> None:
+        raise NotImplementedError
+
+    def _emit(self, key: str, text: str) -> None:
+        if not text:
+            return
+        self._parts[key].append(text)
+        if self._out and key in self._out[-1]:
+            self._out[-1][key] += text
+        else:
+            self._out.append({key: text})
+
+    def _take(self) -> list[dict]:
+        out, self._out = self._out, []
+        return out
+
+
+class ThinkReader(ReasoningReader):
+    """`<think>reasoning</think>content`: `thinking` says whether an output that does not open `<think>` starts
+    inside the thinking (the prompt opened it, or deepseek_r1's template does) or in the answer."""
+
+    def __init__(self, thinking: bool):
+        super().__init__()
+        self.text, self.pos = "", 0
+        self._state = "start"
+        self._fallback = "reasoning" if thinking else "content"
+
+    def _advance(self, text: str | None, final: bool) -> None:
+        t = self.text = self.text if text is None else text
+        start, end = THINK
+        while True:
+            if self._state == "start":
+                i = _ws(t, self.pos)
+                if t.startswith(start, i):
+                    self.pos, self._state = i + len(start), "reasoning"
+                elif start.startswith(t[i:]) and not final:
+                    return  # nothing yet, or what may still become `<think>`
+                else:
+                    self._state = self._fallback
+            elif self._state == "reasoning":
+                j = t.find(end, self.pos)
+                if j < 0:
+                    stop = len(t) if final else len(t) - _partial_tag(t, self.pos, end)
+                    self._emit("reasoning_content", t[self.pos : stop])
+                    self.pos = stop
+                    return
+                self._emit("reasoning_content", t[self.pos : j])
+                self.pos, self._state = j + len(end), "content"
+            else:
+                self._emit("content", t[self.pos :])
+                self.pos = len(t)
+                return
+
+
+_ENCODING = None
+
+
+def harmony_encoding():
+    """openai-harmony's gpt-oss encoding, loaded once; a clear error when the package or its vocabulary is missing."""
+    global _ENCODING
+    if _ENCODING is None:
+        harmony = require("openai_harmony", "the gpt_oss reasoning parser")
+        try:
+            _ENCODING = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+        except Exception as exc:  # HarmonyError: it downloads o200k_base.tiktoken on first use
+            raise ValueError(
+                f"the gpt_oss reasoning parser could not load openai-harmony's vocabulary ({exc}); it is downloaded "
+                "on first use, or read from the folder in TIKTOKEN_ENCODINGS_BASE when offline"
+            ) from None
+    return _ENCODING
+
+
+class HarmonyReader(ReasoningReader):
+    """gpt-oss's harmony messages, parsed by openai-harmony's StreamableParser from the output's text (special
+    tokens kept): the text is encoded with harmony's own vocabulary, so any tokenizer that spells the markers works.
+    A marker (`<|...|>`) cut at the end of a delta waits for its rest."""
+
+    def __init__(self):
+        super().__init__()
+        harmony = require("openai_harmony", "the gpt_oss reasoning parser")
+        self._encoding = harmony_encoding()
+        self._parser = harmony.StreamableParser(self._encoding, role=harmony.Role.ASSISTANT)
+        self.text = ""
+        self._sent = 0  # text[:_sent] has gone to the parser
+
+    def _advance(self, text: str | None, final: bool) -> None:
+        text = self.text if text is None else text
+        self.text = text
+        stop = len(text)
+        if not final:
+            opened = text.rfind("<|", self._sent)
+            if opened >= 0 and text.find("|>", opened) < 0:
+                stop = opened
+            elif text.endswith("<"):
+                stop -= 1
+        piece, self._sent = text[self._sent : stop], max(self._sent, stop)
+        for token in self._encoding.encode(piece, allowed_special="all") if piece else ():
+            self._process(token)
+        if final:
+            try:
+                self._parser.process_eos()
+            except Exception:  # noqa: BLE001 - an output cut short mid-header: what was read stands
+                pass
+
+    def _process(self, token: int) -> None:
+        try:
+            self._parser.process(token)
+        except Exception:  # noqa: BLE001 - text outside harmony's shape: kept as content, not lost
+            self._emit("content", self._encoding.decode([token]))
+            return
+        delta = self._parser.last_content_delta
+        if delta:
+            channel = self._parser.current_channel
+            self._emit("reasoning_content" if channel == "analysis" else "content", delta)
