@@ -33,7 +33,8 @@ logger = logging.getLogger("jaxpaged.loader")
 SUPPORTED = (
     "compressed-tensors int-quantized / naive-quantized (int8 per channel or tensor, int8 or int4 values per group), "
     "float-quantized (fp8 e4m3 per channel or tensor) and pack-quantized (int4 or int8 per group, channel or tensor); "
-    "gptq (4 or 8 bits, checkpoint_format gptq or gptq_v2, without act-order); awq (4-bit GEMM with zero points)"
+    "gptq (4 or 8 bits, checkpoint_format gptq or gptq_v2, without act-order); awq (4-bit GEMM with zero points); "
+    "mxfp4 (GPT-OSS experts, dequantized at load)"
 )
 CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column 8c + AWQ_ORDER[i] sits in nibble i
@@ -56,6 +57,10 @@ def checkpoint_format(qcfg: dict | None, source: str) -> CheckpointFormat | None
     if not qcfg:
         return None
     method = str(qcfg.get("quant_method", "unknown")).lower()
+    if method == "mxfp4":  # GPT-OSS's experts: dequantized at load (models/mxfp4.py)
+        from jaxpaged.models.mxfp4 import Mxfp4
+
+        return Mxfp4(qcfg, source)
     readers = {"compressed-tensors": CompressedTensors, "gptq": GPTQ, "awq": AWQ}
     if method not in readers:
         raise _refuse(method, None, source)

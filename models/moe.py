@@ -104,11 +104,12 @@ def check_experts_divisible(cfg: ModelConfig, n: int) -> None:
 
 
 class ExpertLinear(nnx.Module):
-    """E stacked kernels [E, in, out]; quantized (`load_quantized`): int8/fp8 kernels with a scale [E, out] per expert
-    and output channel, w = kernel * scale, as ChannelLinear holds a dense one."""
+    """E stacked kernels [E, in, out] (and biases [E, out], GPT-OSS); quantized (`load_quantized`): int8/fp8 kernels
+    with a scale [E, out] per expert and output channel, w = kernel * scale, as ChannelLinear holds a dense one."""
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, dtype, bias: bool = False):
         self.kernel = _param((num_experts, in_features, out_features), dtype)
+        self.bias = _param((num_experts, out_features), dtype) if bias else None
 
     def load_quantized(self, weight: np.ndarray, kind: str) -> None:
         """A float [E, in, out] host array -> per expert, per output channel int8 or fp8 (quantize_channels)."""
@@ -118,18 +119,43 @@ class ExpertLinear(nnx.Module):
         self.kernel = nnx.Param(jax.device_put(np.stack([q for q, _ in pairs])))
         self.scale = nnx.Param(jax.device_put(np.stack([s for _, s in pairs])))
 
-    def arrays(self) -> tuple[jax.Array, ...]:
+    def arrays(self) -> dict[str, jax.Array]:
+        """{"kernel", and "scale" when quantized, "bias" when biased}: the leaves the expert loop reads."""
         scale = getattr(self, "scale", None)  # set by load_quantized
-        return (self.kernel[...],) if scale is None else (self.kernel[...], scale[...])
+        out = {"kernel": self.kernel[...]} | ({} if scale is None else {"scale": scale[...]})
+        return out | ({} if self.bias is None else {"bias": self.bias[...]})
 
 
 class Experts(nnx.Module):
-    def __init__(self, moe: MoeOptions, hidden_size: int, *, act: str, dtype):
+    """act: an activation's name (act(gate) * up), or GPT-OSS's ("clamped_swiglu", alpha, limit) (expert_glu)."""
+
+    def __init__(self, moe: MoeOptions, hidden_size: int, *, act, dtype, bias: bool = False):
         e, d, f = moe.num_experts, hidden_size, moe.intermediate_size
-        self.gate_proj = ExpertLinear(e, d, f, dtype=dtype)
-        self.up_proj = ExpertLinear(e, d, f, dtype=dtype)
-        self.down_proj = ExpertLinear(e, f, d, dtype=dtype)
+        self.gate_proj = ExpertLinear(e, d, f, dtype=dtype, bias=bias)
+        self.up_proj = ExpertLinear(e, d, f, dtype=dtype, bias=bias)
+        self.down_proj = ExpertLinear(e, f, d, dtype=dtype, bias=bias)
         self.act = act
+
+
+def expert_glu(act):
+    """(gate, up [m, F] float32, dtype) -> the expert's hidden [m, F] in dtype: act(gate) * up, or GPT-OSS's clamped
+    SwiGLU as transformers' GptOssExperts computes it: gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if isinstance(act, tuple) and act[0] == "clamped_swiglu":
+        _, alpha, limit = act
+
+        def clamped(g, u, dtype):
+            g, u = jnp.minimum(g.astype(dtype), limit), jnp.clip(u.astype(dtype), -limit, limit)
+            return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+        return clamped
+    fn = activation(act)
+    return lambda g, u, dtype: fn(g).astype(dtype) * u.astype(dtype)
+
+
+def _leaves(weights) -> dict[str, jax.Array]:
+    """A projection's arrays as ExpertLinear.arrays gives them; a tuple (kernel[, scale]) is read as such."""
+    return weights if isinstance(weights, dict) else dict(zip(("kernel", "scale"), weights))
 
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -153,26 +179,31 @@ def tail_sizes(m: int) -> tuple[int, ...]:
     return tuple(m >> i for i in range(min(3, m.bit_length() - 1) + 1))
 
 
-def _expert_matmul(x: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
-    """x [m, in] times one expert's kernel [in, out] (times its scale [out] when quantized) -> [m, out] f32."""
+def _expert_matmul(x: jax.Array, weights: dict[str, jax.Array]) -> jax.Array:
+    """x [m, in] times one expert's kernel [in, out] (times its scale [out] when quantized, plus its bias [out]
+    when biased) -> [m, out] f32."""
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.dot(x, weights[0].astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
-    return y * weights[1].astype(jnp.float32)[None, :] if len(weights) > 1 else y
+    y = jnp.dot(x, weights["kernel"].astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    if "scale" in weights:
+        y = y * weights["scale"].astype(jnp.float32)[None, :]
+    if "bias" in weights:  # rounded to x's dtype first, as torch adds a bias to a product in that dtype
+        y = y.astype(x.dtype).astype(jnp.float32) + weights["bias"].astype(jnp.float32)[None, :]
+    return y
 
 
-def _one_expert(arrays: tuple[tuple[jax.Array, ...], ...], expert: jax.Array) -> tuple[tuple[jax.Array, ...], ...]:
-    """Expert `expert`'s (kernel, scale) of gate, up and down, sliced once for all its tiles."""
-    return tuple(tuple(jax.lax.dynamic_index_in_dim(w, expert, keepdims=False) for w in ws) for ws in arrays)
+def _one_expert(arrays, expert: jax.Array):
+    """Expert `expert`'s leaves (kernel, scale, bias) of gate, up and down, sliced once for all its tiles."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, expert, keepdims=False), arrays)
 
 
 def _expert_rows(xs, y, start, count, kernels, m: int, act: str):
     """y's rows start .. start + count (expert-sorted, all one expert's) <- that expert's MLP of xs's: full m-row
     tiles in a loop, then at most one tile of each tail size (the last one masked past count)."""
-    fn = activation(act)
+    glu = expert_glu(act)
     gate, up, down = kernels
 
     def mlp(x):
-        h = fn(_expert_matmul(x, gate)).astype(x.dtype) * _expert_matmul(x, up).astype(x.dtype)
+        h = glu(_expert_matmul(x, gate), _expert_matmul(x, up), x.dtype)
         return _expert_matmul(h, down).astype(x.dtype)
 
     def full(i, y):
@@ -216,8 +247,9 @@ def grouped_expert_mlp(x, ids, weights, gate, up, down, *, first_expert, act: st
     output is zero). The assignments sorted by expert lie in one run per expert; a while loop over the experts in
     use slices each one's kernels once and runs its rows (_expert_rows), so the cost follows the rows routed here,
     not a static bound, and a tile never copies a kernel."""
+    gate, up, down = _leaves(gate), _leaves(up), _leaves(down)
     t, d = x.shape
-    k, e = ids.shape[1], gate[0].shape[0]
+    k, e = ids.shape[1], gate["kernel"].shape[0]
     a, m = t * k, tile_rows(t * k, e)
     order, counts, starts = _sorted_by_expert(ids, e, first_expert, num_valid)
     used = jnp.nonzero(counts, size=e, fill_value=0)[0].astype(jnp.int32)
@@ -240,8 +272,9 @@ def grouped_expert_mlp_static(x, ids, weights, gate, up, down, *, first_expert, 
     predicate back to the host (a GPU: a round trip per expert per layer), every expert's run is cut into m-row tiles
     and a loop of a fixed count (ceil(T*k / m) + E, the most tiles any routing needs) runs one tile an iteration,
     tiles past the last used one masked out."""
+    gate, up, down = _leaves(gate), _leaves(up), _leaves(down)
     t, d = x.shape
-    k, e = ids.shape[1], gate[0].shape[0]
+    k, e = ids.shape[1], gate["kernel"].shape[0]
     a, m = t * k, tile_rows(t * k, e)
     order, counts, starts = _sorted_by_expert(ids, e, first_expert, num_valid)
     tiles = -(-counts // m)
@@ -249,7 +282,7 @@ def grouped_expert_mlp_static(x, ids, weights, gate, up, down, *, first_expert, 
     num_tiles = -(-a // m) + e  # sum of ceil(count / m) over the experts is at most a / m + e
     tile_expert = jnp.sum(tile_end[None, :] <= jnp.arange(num_tiles, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
     xs = jnp.concatenate([x[order // k], jnp.zeros((m, d), x.dtype)])  # m zero rows: an empty tile reads those
-    fn = activation(act)
+    glu = expert_glu(act)
     arrays = (gate, up, down)
 
     def run_tile(i, y):
@@ -261,7 +294,7 @@ def grouped_expert_mlp_static(x, ids, weights, gate, up, down, *, first_expert, 
         end = jnp.where(live, starts[ex] + counts[ex], a)
         g, u, dn = _one_expert(arrays, ex)
         rows = jax.lax.dynamic_slice_in_dim(xs, at, m)
-        h = fn(_expert_matmul(rows, g)).astype(x.dtype) * _expert_matmul(rows, u).astype(x.dtype)
+        h = glu(_expert_matmul(rows, g), _expert_matmul(rows, u), x.dtype)
         new = _expert_matmul(h, dn).astype(x.dtype)
         old = jax.lax.dynamic_slice_in_dim(y, at, m)
         keep = (at + jnp.arange(m))[:, None] < end
@@ -322,23 +355,34 @@ class SparseMoeBlock(nnx.Module):
         return out
 
     def experts_output(self, x, ids, weights, num_valid=None) -> jax.Array:
+        """sum_k weights * expert(x); a down_proj bias (GPT-OSS) is added here, once, as sum_k weights * bias[id]
+        (inside the loop a device holding part of each expert's features would add it once per device)."""
         ex = self.experts
         projections = tuple(getattr(ex, p).arrays() for p in EXPERT_PROJECTIONS)
+        down_bias = projections[2].pop("bias", None)
+        out = self._expert_sums(x, ids, weights, projections, num_valid)
+        if down_bias is None:
+            return out
+        bias = jnp.take(down_bias, ids, axis=0).astype(jnp.float32)  # [T, k, D]
+        return out + jnp.sum(bias * weights.astype(jnp.float32)[:, :, None], axis=1).astype(out.dtype)
+
+    def _expert_sums(self, x, ids, weights, projections, num_valid) -> jax.Array:
+        ex = self.experts
         n = tp_size()
         loop = self.expert_loop
         if n == 1:
             return loop(x, ids, weights, *projections, first_expert=0, act=ex.act, num_valid=num_valid)
-        num_experts = projections[0][0].shape[0]
+        num_experts = projections[0]["kernel"].shape[0]
         ep = expert_parallel(num_experts, n)
         specs = tuple(
-            tuple(expert_partition_spec(p, leaf, a.shape, n) for leaf, a in zip(("kernel", "scale"), arrays))
+            {leaf: expert_partition_spec(p, leaf, a.shape, n) for leaf, a in arrays.items()}
             for p, arrays in zip(EXPERT_PROJECTIONS, projections)
         )
 
         valid = jnp.asarray(ids.shape[0] if num_valid is None else num_valid, jnp.int32)
 
         def local(x, ids, weights, valid, gate, up, down):
-            first = jax.lax.axis_index(TP_AXIS) * gate[0].shape[0] if ep else 0
+            first = jax.lax.axis_index(TP_AXIS) * gate["kernel"].shape[0] if ep else 0
             y = loop(x, ids, weights, gate, up, down, first_expert=first, act=ex.act, num_valid=valid)
             return jax.lax.psum(y, TP_AXIS)
 

@@ -6,6 +6,7 @@ from jaxpaged.models.bloom import BloomForCausalLM
 from jaxpaged.models.falcon import FalconForCausalLM
 from jaxpaged.models.gemma import GemmaForCausalLM
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
+from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
 from jaxpaged.models.gptj import GPTJForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
@@ -39,6 +40,7 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,  # + shared expert, dense layers where configured
     "Qwen3MoeForCausalLM": MoeForCausalLM,  # + q/k norm
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, sliding/full layers, biased MoE with clamped SwiGLU
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
@@ -109,6 +111,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

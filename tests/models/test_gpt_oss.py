@@ -1,0 +1,146 @@
+"""GPT-OSS against transformers in float32: logits within 1e-4 and greedy tokens identical (attention sinks, alternating
+sliding/full layers, the biased router and experts with the clamped SwiGLU engaged); through the engine with chunked
+prefill, preemption and KV cache groups; MXFP4 experts dequantized as transformers does."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import transformers
+from jaxpaged.models.loader import load_model
+
+from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
+from tests.static_batch import StaticBatchRunner
+
+torch = pytest.importorskip("torch")
+
+VOCAB = 256
+WINDOW = 16
+CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+    max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+)  # fmt: skip
+
+
+def _hf_model(**overrides):
+    """Random weights; gate_up scaled 8x so the SwiGLU's clamps at +-7 bite on some features."""
+    hf = random_hf_model(transformers.GptOssConfig(**{**CONFIG, **overrides}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                p.mul_(8.0)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    hf = _hf_model()
+    return hf, save_hf_model(hf, tmp_path_factory.mktemp("gpt_oss"))
+
+
+def test_logits_and_greedy_match_transformers(saved):
+    hf, folder = saved
+    loaded = load_model(str(folder), dtype="float32")
+    cfg = loaded.config
+    assert cfg.architecture == "GptOssForCausalLM" and cfg.sliding_windows == (WINDOW, None)
+    gate_up = hf.model.layers[0].mlp.experts.gate_up_proj.detach().numpy()
+    x = np.random.default_rng(0).standard_normal((50, 64)).astype(np.float32)
+    assert np.abs(x @ gate_up[0][:, ::2]).max() > 7.0  # the clamp is in play
+    prompts = random_prompts(VOCAB, [1, 9, 40, 77], seed=7)  # past the window and YaRN's original length
+    greedy, logits = StaticBatchRunner(loaded, block_size=8).generate(prompts, 24, return_prompt_logits=True)
+    for prompt, got_logits, got_tokens in zip(prompts, logits, greedy):
+        np.testing.assert_allclose(got_logits, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+        assert got_tokens == hf_greedy(hf, prompt, 24)
+
+
+def test_engine_chunked_prefill_preemption_and_kv_groups(saved):
+    """Through jaxpaged.LLM (on this CPU the native kernel, sinks included): 16-token chunks, a pool small enough to
+    preempt; the sliding layer's group gives back what its window left, so it holds fewer blocks than the full one."""
+    from jaxpaged import LLM, SamplingParams
+
+    hf, folder = saved
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(VOCAB, [45, 5, 30, 23, 38, 12], seed=4)
+    max_tokens = rng.integers(10, 30, size=len(prompts)).tolist()
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=6, max_num_batched_tokens=16, block_size=4, num_kv_blocks=40,
+              log_level="WARNING")  # fmt: skip
+    runner = llm.engine.runner
+    assert len(runner.kv_groups.layers) == 2  # the sliding layer's group and the full layer's
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    # one 90-token sequence: the full layer holds its 23 blocks, the sliding one about its window's
+    scheduler, most = llm.engine.scheduler, [0]
+    original = scheduler.schedule
+
+    def spy():
+        out = original()
+        most[0] = max(most[0], scheduler.kv.pool.num_used)
+        return out
+
+    scheduler.schedule = spy
+    long_prompt = random_prompts(VOCAB, [30], seed=9)[0]
+    out = llm.generate([{"prompt_token_ids": long_prompt}], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+                       use_tqdm=False)  # fmt: skip
+    del scheduler.schedule
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, long_prompt, 60)
+    history, window_blocks = 90 // 4 + 1, -(-(WINDOW - 1 + 16) // 4) + 1
+    assert most[0] <= history + window_blocks < 2 * history
+
+
+# -- MXFP4 -----------------------------------------------------------------------------------------
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from jaxpaged.models.mxfp4 import dequantize_mxfp4
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(3, 10, 4, 16), dtype=np.uint8)  # every code, both nibbles
+    scales = rng.integers(100, 150, size=(3, 10, 4), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32).numpy()
+    got = dequantize_mxfp4(blocks, scales)
+    assert got.shape == want.shape == (3, 128, 10) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mxfp4_checkpoint_loads_dequantized(saved, tmp_path):
+    """A checkpoint with quant_method mxfp4 (experts as _blocks/_scales, the rest as floats): the logits equal
+    transformers' with the experts transformers' dequantization gives, in float32 and (loosely) bfloat16."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf, folder = saved
+    tensors = load_file(str(folder / "model.safetensors"))
+    ref = __import__("copy").deepcopy(hf)
+    rng = np.random.default_rng(1)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows_in, rows = tensors.pop(name).shape  # [E, in, out]: stored as out rows of in / 32 blocks
+        blocks = rng.integers(0, 256, size=(experts, rows, rows_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(121, 126, size=(experts, rows, rows_in // 32), dtype=np.uint8)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        deq = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+        with torch.no_grad():
+            ref.get_parameter(name).copy_(deq)
+    (tmp_path / "model.safetensors").unlink(missing_ok=True)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompt = random_prompts(VOCAB, [30], seed=5)[0]
+    want = hf_logits(ref, prompt)
+    got = StaticBatchRunner(load_model(str(tmp_path), dtype="float32")).prompt_logits([prompt])[0]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    half = load_model(str(tmp_path), dtype="bfloat16")
+    assert half.model.layers[0].mlp.experts.gate_proj.kernel[...].dtype == np.dtype("bfloat16")
