@@ -30,6 +30,7 @@ from jaxpaged.models.tying import COPY
 from safetensors.torch import load_file, save_file
 
 import tests.models.test_gemma as gemma_cases
+import tests.models.test_gpt_oss as gpt_oss_cases
 import tests.models.test_hybrid_models as hybrid_cases
 import tests.models.test_model_families as family_cases
 import tests.models.test_moe as moe_cases
@@ -64,6 +65,7 @@ def _architectures() -> dict:
         found.setdefault(arch, functools.partial(copy.deepcopy, config))
     for make, arch in gemma_cases.CASES.values():
         found.setdefault(arch, make)
+    found.setdefault("GptOssForCausalLM", lambda: transformers.GptOssConfig(**copy.deepcopy(gpt_oss_cases.CONFIG)))
     return found
 
 

@@ -71,6 +71,10 @@ def test_engine_chunked_prefill_preemption_and_kv_groups(saved):
               log_level="WARNING")  # fmt: skip
     runner = llm.engine.runner
     assert len(runner.kv_groups.layers) == 2  # the sliding layer's group and the full layer's
+    from jaxpaged.platforms.cpu import attention as cpu_attention
+
+    if cpu_attention.available():  # the CPU platform's choice where it builds: the C++ kernel runs the sinks
+        assert llm.engine.loaded.model.layers[0].self_attn.backend.name == "native"
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
