@@ -141,6 +141,28 @@ def test_openai_client_parse_returns_the_pydantic_object(client):
     assert isinstance(parsed, Answer) and r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("path", [CHAT, C])
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_with_a_schema_follows_it(http, path, stream):
+    body = _body(path, {"response_format": {"type": "json_object", "schema": SCHEMA}}, temperature=1.0, n=2, seed=3)
+    outs = _streamed(http, path, body) if stream else _texts(path, http.post(path, json=body))
+    for text, finish in outs:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_instructor_json_schema_mode(server):
+    """instructor's JSON_SCHEMA mode sends response_format {"type": "json_object", "schema": ...}."""
+    import instructor
+
+    client = instructor.from_openai(openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120),
+                                    mode=instructor.Mode.JSON_SCHEMA)  # fmt: skip
+    for temperature in (0.0, 1.0):
+        answer = client.chat.completions.create(model=CYCLE_MODEL, messages=USER, response_model=Answer, max_tokens=200,
+                                                temperature=temperature, seed=4, max_retries=0)  # fmt: skip
+        assert isinstance(answer, Answer)
+
+
 def _schema_rf(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
 
@@ -153,6 +175,8 @@ BAD = [
     (CHAT, {"response_format": _schema_rf("{}")}, "response_format.json_schema.schema"),
     (CHAT, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
+    (CHAT, {"response_format": {"type": "json_object", "schema": "{}"}}, "response_format.schema"),
+    (C, {"response_format": {"type": "json_object", "schema": {"type": "not-a-type"}}}, "response_format.schema"),
     (C, {"response_format": "json"}, "response_format"),
     (CHAT, {"guided_regex": "(ab"}, "guided_regex"),
     (C, {"guided_regex": "(ab"}, "guided_regex"),
