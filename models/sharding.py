@@ -45,6 +45,7 @@ COLUMN_PARALLEL += ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj
 ROW_PARALLEL += ("out_proj",)
 SPLIT_CONVOLUTIONS = ("conv_q", "conv_k", "conv_v", "conv_x")
 PER_HEAD = ("dt_bias", "A_log", "D")
+PER_HEAD += ("sinks",)  # GPT-OSS's attention sinks [H]: each device's query heads' (stacked expert biases: models/moe.py)
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:

@@ -1,5 +1,6 @@
 """MoE on 4 CPU devices: experts split over the "model" axis (expert parallelism) when it divides their count, else
-each expert's intermediate features split; either way greedy tokens equal one device's and transformers'.
+each expert's intermediate features split; either way greedy tokens equal one device's and transformers' (GPT-OSS:
+expert biases, attention sinks split by head).
 
 As in test_tensor_parallel.py, the first test re-runs this file in a subprocess with 4 simulated devices.
 """
@@ -37,6 +38,12 @@ def _configs():
             **BASE, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6,
             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, mlp_only_layers=[0],
         ),
+        # GPT-OSS, 6 experts: split by intermediate feature (its expert biases: gate/up split, down added once), its
+        # sinks split with the heads, KV heads repeated to 4, a sliding layer beside a full one
+        "gpt-oss-6x": transformers.GptOssConfig(
+            **BASE, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=6,
+            num_experts_per_tok=2, sliding_window=8,
+        ),
     }  # fmt: skip
 
 
@@ -48,7 +55,7 @@ def _greedy(llm, prompts, max_tokens):
 
 
 @needs_devices
-@pytest.mark.parametrize("name", ["mixtral-8x", "qwen2moe-6x"])
+@pytest.mark.parametrize("name", ["mixtral-8x", "qwen2moe-6x", "gpt-oss-6x"])
 def test_four_devices_equal_one(name, tmp_path_factory):
     """transformers' tokens are one device's (test_moe.py checks that); 4 devices must give them too."""
     from jaxpaged import LLM
@@ -62,6 +69,9 @@ def test_four_devices_equal_one(name, tmp_path_factory):
     kernel = llm.engine.runner.state["layers"][1]["mlp"]["experts"]["down_proj"]["kernel"][...]
     split_axis = 0 if expert_parallel(kernel.shape[0], 4) else 1
     assert split_axis == (0 if name == "mixtral-8x" else 1)
+    if name == "gpt-oss-6x":  # each device holds its query head's sink
+        sinks = llm.engine.runner.state["layers"][0]["self_attn"]["sinks"][...]
+        assert all(s.data.shape == (1,) for s in sinks.addressable_shards)
     assert all(s.data.shape[split_axis] == kernel.shape[split_axis] // 4 for s in kernel.addressable_shards)
     assert all(s.data.size == kernel.size // 4 for s in kernel.addressable_shards)
 
