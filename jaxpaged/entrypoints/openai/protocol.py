@@ -94,7 +94,7 @@ class _SamplingRequest(_Strict):
             if not isinstance(rf, dict):
                 raise FieldError("response_format must be an object with a 'type'", "response_format")
             kind = rf.get("type")
-            if kind == "json_object" and rf.get("schema") is not None:  # instructor's JSON_SCHEMA mode, Together's
+            if kind == "json_object" and rf.get("schema") is not None:  # as Together's API (and older instructors) send it
                 if not isinstance(rf["schema"], dict):
                     raise FieldError(
                         f"response_format.schema must be a JSON schema object (got {type(rf['schema']).__name__})",
