@@ -171,13 +171,15 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Each conversation through the tokenizer's chat template, then generate. `tools` (OpenAI tool dicts, as
-        vLLM's LLM.chat) go to the template, which describes them to the model; the calls are left in the text."""
+        vLLM's LLM.chat) go to the template, which describes them to the model; the calls are left in the text.
+        `chat_template_kwargs` are more template variables (vLLM's), e.g. {"enable_thinking": False}."""
         if self.engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [ChatPrompt(c, add_generation_prompt, tools) for c in conversations]
+        prompts = [ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
