@@ -12,6 +12,7 @@ an analysis message and then a final one, its markers as words (ordinary tokens,
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from tests.cycle_model import EOS_ID, VOCAB, successor, write_cycle_model
@@ -47,7 +48,7 @@ HARMONY_TEMPLATE = (
 def _successor(words: list[str], first_after: int):
     ids = {w: VOCAB + i for i, w in enumerate(words)}
     table = {first_after: ids[words[0]], ids[words[-1]]: EOS_ID}
-    table.update({ids[a]: ids[b] for a, b in zip(words, words[1:])})
+    table.update({ids[a]: ids[b] for a, b in itertools.pairwise(words)})
     return lambda token: table.get(token, successor(token))
 
 

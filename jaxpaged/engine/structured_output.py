@@ -152,7 +152,7 @@ class AfterReasoning:
     every token is allowed; from the token that completes it on, `inner` masks and consumes as usual. The marker is
     matched on the tokens' text, so it may span tokens (or share one with other text)."""
 
-    __slots__ = ("inner", "end", "token_text", "thinking", "tail", "num_consumed")
+    __slots__ = ("end", "inner", "num_consumed", "tail", "thinking", "token_text")
 
     def __init__(self, inner: GrammarState, end: str, token_text, thinking: bool = True):
         self.inner, self.end, self.token_text = inner, end, token_text

@@ -19,7 +19,14 @@ import pytest
 from tests import REPO
 from tests.conftest import ENGINE_ARGS
 from tests.reasoning_model import (
-    ANSWER, CONTENT, DEEPSEEK_TEMPLATE, HARMONY_CONTENT, HARMONY_REASONING, QWEN3_TEXT, REASONING, write_harmony_model,
+    ANSWER,
+    CONTENT,
+    DEEPSEEK_TEMPLATE,
+    HARMONY_CONTENT,
+    HARMONY_REASONING,
+    QWEN3_TEXT,
+    REASONING,
+    write_harmony_model,
     write_think_model,
 )  # fmt: skip
 

@@ -9,9 +9,14 @@ import pytest
 
 from jaxpaged.engine.structured_output import AfterReasoning, StructuredOutputManager, thinking_closed
 from jaxpaged.entrypoints.openai.reasoning import (
-    REASONING_PARSERS, check_reasoning_parser, detect_reasoning_parser, harmony_encoding, reasoning_reader,
+    REASONING_PARSERS,
+    check_reasoning_parser,
+    detect_reasoning_parser,
+    harmony_encoding,
+    reasoning_reader,
 )  # fmt: skip
-from jaxpaged.entrypoints.serve import REASONING_PARSERS as FLAG_CHOICES, build_parser
+from jaxpaged.entrypoints.serve import REASONING_PARSERS as FLAG_CHOICES
+from jaxpaged.entrypoints.serve import build_parser
 from jaxpaged.sampling_params import StructuredOutputsParams
 from tests.reasoning_model import DEEPSEEK_TEMPLATE, HARMONY_TEMPLATE, QWEN3_TEMPLATE
 

@@ -16,6 +16,8 @@ deltas is held back until it is known.
 
 from __future__ import annotations
 
+import contextlib
+
 from jaxpaged.engine.structured_output import thinking_closed
 from jaxpaged.entrypoints.openai.tool_parsers import _partial_tag, _ws
 from jaxpaged.utils.extras import require
@@ -163,7 +165,7 @@ def harmony_encoding():
         harmony = require("openai_harmony", "the gpt_oss reasoning parser")
         try:
             _ENCODING = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
-        except Exception as exc:  # HarmonyError: it downloads o200k_base.tiktoken on first use
+        except Exception as exc:  # noqa: BLE001 - HarmonyError: it downloads o200k_base.tiktoken on first use
             raise ValueError(
                 f"the gpt_oss reasoning parser could not load openai-harmony's vocabulary ({exc}); it is downloaded "
                 "on first use, or read from the folder in TIKTOKEN_ENCODINGS_BASE when offline"
@@ -198,10 +200,8 @@ class HarmonyReader(ReasoningReader):
         for token in self._encoding.encode(piece, allowed_special="all") if piece else ():
             self._process(token)
         if final:
-            try:
+            with contextlib.suppress(Exception):  # an output cut short mid-header: what was read stands
                 self._parser.process_eos()
-            except Exception:  # noqa: BLE001 - an output cut short mid-header: what was read stands
-                pass
 
     def _process(self, token: int) -> None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -81,12 +82,10 @@ class Serving:
         if self.settings.reasoning_parser is not None:
             return None if self.settings.reasoning_parser == "none" else self.settings.reasoning_parser
         generation_prompt = None
-        try:
+        with contextlib.suppress(Exception):  # a template that wants more than one user turn: judged on its text alone
             generation_prompt = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
             )
-        except Exception:  # noqa: BLE001 - a template that needs more than one user turn: judged on its text alone
-            pass
         name = detect_reasoning_parser(template, generation_prompt if isinstance(generation_prompt, str) else None)
         if name == "gpt_oss":
             try:
