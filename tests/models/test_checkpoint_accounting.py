@@ -74,18 +74,19 @@ ARCHITECTURES = _architectures()
 
 @contextlib.contextmanager
 def loader_log(caplog):
-    """jaxpaged.loader's INFO records (on the logger itself: jaxpaged's loggers stop propagating once an LLM() has
-    set them up)."""
+    """jaxpaged.loader's INFO records, on the logger itself and kept from propagating for the while (once an LLM()
+    has set jaxpaged's loggers up, "jaxpaged" stops propagating, so the root logger's caplog handler would miss them;
+    before, it would see them a second time)."""
     log = logging.getLogger("jaxpaged.loader")
-    direct = not log.propagate  # else the root logger's caplog handler sees them
-    if direct:
-        log.addHandler(caplog.handler)
+    propagate = log.propagate
+    log.addHandler(caplog.handler)
+    log.propagate = False
     try:
         with caplog.at_level(logging.INFO, logger="jaxpaged.loader"):
             yield
     finally:
-        if direct:
-            log.removeHandler(caplog.handler)
+        log.removeHandler(caplog.handler)
+        log.propagate = propagate
 
 
 def _skip_records(caplog) -> list[str]:
