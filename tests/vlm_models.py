@@ -170,6 +170,33 @@ QWEN_IDS = {t: 256 + i for i, t in enumerate(QWEN_SPECIALS)}
 QWEN_VOCAB = 256 + len(QWEN_SPECIALS)
 
 
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_ONE = f"<|im_start|>user\n{QWEN_IMAGE}Describe it.<|im_end|>\n<|im_start|>assistant\n"
+QWEN_TWO = f"<|im_start|>user\nFirst {QWEN_IMAGE} then {QWEN_IMAGE}: which is brighter?<|im_end|>\n<|im_start|>assistant\n"
+QWEN_TEXT = "<|im_start|>user\nNo picture, just words.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def chat_with_image(picture) -> list[dict]:
+    """A chat whose image comes in its third turn."""
+    return [
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": "Hi! Send a picture."},
+        {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "What is it?"}]},
+    ]
+
+
+def qwen_vl_cases(processor, second: tuple[int, int]) -> dict:
+    """name -> (jaxpaged's request, transformers' inputs) for the Qwen-VL families: one image, two of different
+    sizes (the second `second` pixels), an image mid-chat, and text only."""
+    one, two, chat = images((40, 30), seed=2), images((120, 64), second, seed=3), images((64, 48), seed=4)[0]
+    return {
+        "one-image": ({"text": QWEN_ONE, "images": one}, hf_inputs(processor, QWEN_ONE, one)),
+        "two-images-of-different-sizes": ({"text": QWEN_TWO, "images": two}, hf_inputs(processor, QWEN_TWO, two)),
+        "image-mid-chat": ({"messages": chat_with_image(chat)}, hf_inputs(processor, messages=chat_with_image(chat))),
+        "text-only": ({"text": QWEN_TEXT}, hf_inputs(processor, QWEN_TEXT)),
+    }
+
+
 def qwen2_5_vl_config(**text) -> transformers.Qwen2_5_VLConfig:
     """Patches of 14, merged 2x2; windows of 56 pixels (2x2 merge units: 16 patches), one full-attention block of
     two; M-RoPE sections (2, 3, 3) of head dim 16."""

@@ -15,23 +15,11 @@ from jaxpaged.models.vision.qwen_vl import image_slots, window_layout
 from jaxpaged.utils.text import ChatPrompt
 
 from tests.vlm_harness import VLMRunner
-from tests.vlm_models import hf_inputs, hf_vlm_greedy, hf_vlm_logits, images, qwen2_5_vl_checkpoint, qwen2_5_vl_config, random_vlm
+from tests.vlm_models import QWEN_TWO, hf_vlm_greedy, hf_vlm_logits, images, qwen_vl_cases, qwen2_5_vl_checkpoint, qwen2_5_vl_config, random_vlm
 
 SEED = 1
 # architecture -> (a tiny config, a random model of it): tests/models/test_checkpoint_accounting.py loads it too
 CASES = {"Qwen2_5_VLForConditionalGeneration": (qwen2_5_vl_config, random_vlm)}
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-ONE = f"<|im_start|>user\n{IMAGE}Describe it.<|im_end|>\n<|im_start|>assistant\n"
-TWO = f"<|im_start|>user\nFirst {IMAGE} then {IMAGE}: which is brighter?<|im_end|>\n<|im_start|>assistant\n"
-TEXT = "<|im_start|>user\nNo picture, just words.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _chat(picture):
-    return [
-        {"role": "user", "content": "Hello there."},
-        {"role": "assistant", "content": "Hi! Send a picture."},
-        {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "What is it?"}]},
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +34,7 @@ def runner(qwen):
 
 def _cases(processor):
     """Images resized to grids of 4 x 4 to 8 x 8 patches: windows of 2 x 2 merge units, some padded."""
-    one, two, chat = images((40, 30), seed=2), images((120, 64), (84, 100), seed=3), images((64, 48), seed=4)[0]
-    return {
-        "one-image": ({"text": ONE, "images": one}, hf_inputs(processor, ONE, one)),
-        "two-images-of-different-sizes": ({"text": TWO, "images": two}, hf_inputs(processor, TWO, two)),
-        "image-mid-chat": ({"messages": _chat(chat)}, hf_inputs(processor, messages=_chat(chat))),
-        "text-only": ({"text": TEXT}, hf_inputs(processor, TEXT)),
-    }
+    return qwen_vl_cases(processor, second=(84, 100))
 
 
 def test_window_layout_pads_windows_and_inverts():
@@ -126,5 +108,5 @@ def test_published_flat_config_reads_as_the_nested_one(qwen, runner, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(flat))
     flat_runner = VLMRunner(tmp_path)
     assert flat_runner.loaded.config == runner.loaded.config
-    request = runner.inputs(TWO, images((120, 64), (84, 100), seed=3))
+    request = runner.inputs(QWEN_TWO, images((120, 64), (84, 100), seed=3))
     np.testing.assert_array_equal(flat_runner.logits([request])[0], runner.logits([request])[0])

@@ -14,23 +14,11 @@ from jaxpaged.models.vision.qwen_vl import mrope_axes
 from jaxpaged.utils.text import ChatPrompt
 
 from tests.vlm_harness import VLMRunner
-from tests.vlm_models import hf_inputs, hf_vlm_greedy, hf_vlm_logits, images, qwen3_vl_checkpoint, qwen3_vl_config, random_vlm
+from tests.vlm_models import QWEN_ONE, hf_vlm_greedy, hf_vlm_logits, images, qwen_vl_cases, qwen3_vl_checkpoint, qwen3_vl_config, random_vlm
 
 SEED = 1
 # architecture -> (a tiny config, a random model of it): tests/models/test_checkpoint_accounting.py loads it too
 CASES = {"Qwen3VLForConditionalGeneration": (qwen3_vl_config, random_vlm)}
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-ONE = f"<|im_start|>user\n{IMAGE}Describe it.<|im_end|>\n<|im_start|>assistant\n"
-TWO = f"<|im_start|>user\nFirst {IMAGE} then {IMAGE}: which is brighter?<|im_end|>\n<|im_start|>assistant\n"
-TEXT = "<|im_start|>user\nNo picture, just words.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _chat(picture):
-    return [
-        {"role": "user", "content": "Hello there."},
-        {"role": "assistant", "content": "Hi! Send a picture."},
-        {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "What is it?"}]},
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +32,7 @@ def runner(qwen3):
 
 
 def _cases(processor):
-    one, two, chat = images((40, 30), seed=2), images((120, 64), (84, 130), seed=3), images((64, 48), seed=4)[0]
-    return {
-        "one-image": ({"text": ONE, "images": one}, hf_inputs(processor, ONE, one)),
-        "two-images-of-different-sizes": ({"text": TWO, "images": two}, hf_inputs(processor, TWO, two)),
-        "image-mid-chat": ({"messages": _chat(chat)}, hf_inputs(processor, messages=_chat(chat))),
-        "text-only": ({"text": TEXT}, hf_inputs(processor, TEXT)),
-    }
+    return qwen_vl_cases(processor, second=(84, 130))
 
 
 def test_interleaved_sections_are_transformers():
@@ -90,7 +72,7 @@ def test_logits_equal_transformers_batch_mixing_image_and_text(qwen3, runner):
 
 def test_deepstack_features_matter(qwen3, runner):
     """Without the DeepStack level the logits would differ: the check above could not pass without it."""
-    ids, mm = runner.inputs(ONE, images((40, 30), seed=2))
+    ids, mm = runner.inputs(QWEN_ONE, images((40, 30), seed=2))
     full = runner.logits([(ids, mm)])[0]
     encode = runner._encode
     runner._encode = lambda state, batch: encode(state, batch).at[:, 1:].set(0.0)
