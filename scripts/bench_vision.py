@@ -10,7 +10,9 @@ prompt different before its image), greedy, --max-tokens tokens each with EOS ig
 - end to end: jaxpaged's LLM.generate over all requests against transformers' generate in padded batches of
   --batch-size (the processor's own padding); output tokens per second and images per second;
 - the encoder cache: the same prompts with one image repeated in all of them (each prompt's text differs before the
-  image, so no KV block is shared and only the encoder cache can help), against distinct images.
+  image, so no KV block is shared and only the encoder cache can help), against distinct images;
+- with --tensor-parallel-size N (on the CPU, N simulated devices): what one device holds of the vision tower (kept
+  whole on every device) and of the language model (split), beside the same images/s and tok/s figures.
 
     python scripts/bench_vision.py --num-requests 64 --json docs/data/bench_vision_cpu.json
 """
@@ -46,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny model (tests)")
     p.add_argument("--skip-hf", action="store_true", help="jaxpaged only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="jaxpaged's (on the CPU: simulated devices)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
@@ -114,11 +117,11 @@ def run_jaxpaged(folder: Path, args) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(str(folder), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              log_level="WARNING")  # fmt: skip
+              tensor_parallel_size=args.tensor_parallel_size, log_level="WARNING")  # fmt: skip
     startup = time.perf_counter() - t0
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    out = {"startup_s": startup, "encoder_buckets": engine.runner.mm.buckets}
+    out = {"startup_s": startup, "encoder_buckets": engine.runner.mm.buckets, "bytes_per_device": bytes_per_device(engine)}
     # the encoder alone: every image, batched into buckets as the engine batches a step's images
     messages, pictures = workload(args)
     processor = engine.mm.processor
@@ -152,6 +155,21 @@ def run_jaxpaged(folder: Path, args) -> dict:
             out["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
     out["num_compiles_after_warmup"] = llm.get_stats()["num_compiles_after_warmup"]
     return out
+
+
+def bytes_per_device(engine) -> dict:
+    """What the first device holds of the vision tower and projector (models/sharding.py keeps them whole) and of
+    the rest of the weights (split under tensor parallelism)."""
+    from flax import nnx
+
+    from jaxpaged.models.sharding import VISION_PREFIXES
+    from jaxpaged.models.weights import param_bytes
+
+    held = {"vision": 0, "language": 0, "model": param_bytes(engine.runner.state)}  # model: all devices' shards once
+    for path, leaf in nnx.to_flat_state(engine.runner.state):
+        name = ".".join(str(p) for p in path)
+        held["vision" if name.startswith(VISION_PREFIXES) else "language"] += leaf.get_value().addressable_shards[0].data.nbytes
+    return held
 
 
 def run_transformers(folder: Path, args) -> dict:
@@ -204,6 +222,8 @@ def main(argv=None) -> dict:
     import machine_load
 
     args = parse_args(argv)
+    if args.tensor_parallel_size > 1 and "jax" not in sys.modules:  # simulated CPU devices, set before JAX starts
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.tensor_parallel_size}"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model) if args.model else write_model(Path(tmp) / "qwen2_5_vl", args)
         print(f"model: {folder}", file=sys.stderr)
@@ -233,6 +253,9 @@ def main(argv=None) -> dict:
           f"{dist['seconds']:.2f}s ({dist['images_encoded']} encoded): {result['encoder_cache']['speedup']:.2f}x")
     if hf is not None:
         print(f"greedy tokens equal: {result['greedy_tokens_equal']}")
+    held = jp["bytes_per_device"]
+    print(f"one device holds (tensor parallel {args.tensor_parallel_size}): vision tower {held['vision'] / 2**20:.1f} MiB, "
+          f"language model {held['language'] / 2**20:.1f} MiB")
     for name, side in (("jaxpaged", jp), ("transformers", hf)):
         if side is not None and max(side["load1"]) > os.cpu_count():
             print(f"WARNING: the machine was busy during {name}'s run (1-minute load {side['load1']} on {os.cpu_count()} cores)")

@@ -24,3 +24,5 @@ def test_tiny_run_reports_both_sides_and_the_cache(tmp_path):
     assert jp["distinct_images"]["images_encoded"] == 3 and jp["one_image_repeated"]["images_encoded"] == 1
     assert jp["encoder"]["images"] == 3 and jp["num_compiles_after_warmup"] == 0
     assert result["transformers"]["distinct_images"]["output_tokens"] == 9 and len(jp["load1"]) == 2
+    held = jp["bytes_per_device"]  # one device holds the whole model here: the tower and the rest, every byte once
+    assert held["vision"] > 0 and held["language"] > 0 and held["vision"] + held["language"] == held["model"]
