@@ -92,11 +92,12 @@ def _engine(config_file: str, max_seqs: int, max_len: int, step_tokens: int):
                max_model_len=max_len, num_kv_blocks=blocks, log_level="WARNING")  # fmt: skip
 
 
-def _prompts(n: int, length: int, seed: int) -> list[dict]:
+def _prompts(config_file: str, n: int, length: int, seed: int) -> list[dict]:
     import numpy as np
 
+    vocab = json.loads(Path(config_file).read_text())["vocab_size"]
     rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(2, 150000, size=length).tolist()} for _ in range(n)]
+    return [{"prompt_token_ids": rng.integers(2, vocab, size=length).tolist()} for _ in range(n)]
 
 
 def throughput(config_file: str, args) -> dict:
@@ -105,7 +106,7 @@ def throughput(config_file: str, args) -> dict:
     llm = _engine(config_file, args.num_requests, args.prompt_len + args.output_len, args.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     engine = llm.engine
-    for i, prompt in enumerate(_prompts(args.num_requests, args.prompt_len, seed=1)):
+    for i, prompt in enumerate(_prompts(config_file, args.num_requests, args.prompt_len, seed=1)):
         engine.add_request(str(i), prompt, params)
     t0, first, steps = time.perf_counter(), [], []
     while engine.has_unfinished_requests():
@@ -133,7 +134,7 @@ def decode_steps(config_file: str, args) -> list[dict]:
     engine, rows = llm.engine, []
     for context in args.decode_contexts:
         params = SamplingParams(temperature=0.0, max_tokens=tokens(context), ignore_eos=True)
-        for i, prompt in enumerate(_prompts(args.decode_batch, context, seed=context)):
+        for i, prompt in enumerate(_prompts(config_file, args.decode_batch, context, seed=context)):
             engine.add_request(f"{context}-{i}", prompt, params)
         times = []
         while engine.has_unfinished_requests():
