@@ -81,7 +81,8 @@ def _free_memory_after_each_module():
     """A worker runs hundreds of test files in one process: without this its memory grew by ~0.3 GB a minute (JAX's
     compile caches, arrays in reference cycles, freed heap glibc keeps), two workers reached 10.6 + 6.7 GB near the
     suite's end, and the kernel killed one (CI's 'node down' at 99%). Collected garbage, JAX's caches dropped and the
-    free heap handed back after each file kept a worker at ~0.8 GB over five model test files (1.1 -> 1.6 GB without)."""
+    free heap handed back after each file kept a worker at ~0.8 GB over four model test files in one process (1.1 ->
+    1.9 GB without)."""
     yield
     import ctypes
     import gc
