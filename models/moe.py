@@ -167,6 +167,45 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
     return weights, ids.astype(jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterOptions:
+    """DeepSeek's router (grouped_route): how experts are scored, chosen by group, and weighted."""
+
+    scoring: str = "softmax"  # "softmax" (V2) or "sigmoid" (V3)
+    correction_bias: bool = False  # V3: e_score_correction_bias added to the scores for choosing only
+    num_groups: int = 1  # n_group; 1: no group limit
+    topk_groups: int = 1  # topk_group: the groups a token's experts may come from
+    group_score: str = "max"  # a group's rank: its best score (V2) or its top-2 sum ("top2_sum", V3)
+    renormalize: bool = False
+    scaling: float = 1.0  # routed_scaling_factor, on the weights
+
+
+def grouped_route(logits: jax.Array, top_k: int, opts: RouterOptions, bias: jax.Array | None = None):
+    """Router logits [T, E] -> (weights [T, k] float32, ids [T, k] int32) as transformers' DeepseekV2/V3TopkRouter:
+    scores (softmax or sigmoid), plus the correction bias for choosing; with groups, only the topk_groups best groups'
+    experts may be chosen (the others' scores masked: -inf with a bias, 0 without, as each version does); the weights
+    are the chosen experts' unbiased scores, renormalized (+1e-20) if asked, times the scaling factor."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits) if opts.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    t, e = choice.shape
+    if opts.num_groups > 1:
+        grouped = choice.reshape(t, opts.num_groups, e // opts.num_groups)
+        if opts.group_score == "top2_sum":
+            rank = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        else:
+            rank = jnp.max(grouped, axis=-1)
+        best = jax.lax.top_k(rank, opts.topk_groups)[1]
+        keep = jnp.sum(jax.nn.one_hot(best, opts.num_groups, dtype=jnp.int32), axis=1) > 0  # [T, groups]
+        keep = jnp.repeat(keep, e // opts.num_groups, axis=1)
+        choice = jnp.where(keep, choice, -jnp.inf if bias is not None else 0.0)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores if bias is not None else choice, ids, axis=-1)
+    if opts.renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * opts.scaling, ids.astype(jnp.int32)
+
+
 def tile_rows(assignments: int, num_experts: int) -> int:
     """Rows per full tile: about assignments / experts (a power of two, 1 to 128), so tiles stay few."""
     per_expert = -(-assignments // num_experts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxpaged.models.bloom import BloomForCausalLM
+from jaxpaged.models.deepseek import DeepseekForCausalLM
 from jaxpaged.models.falcon import FalconForCausalLM
 from jaxpaged.models.gemma import GemmaForCausalLM
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
@@ -41,6 +42,8 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": MoeForCausalLM,  # + q/k norm
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, sliding/full layers, biased MoE with clamped SwiGLU
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # multi-head latent attention (a latent cache), MoE with shared experts
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,  # + q low-rank, sigmoid router with groups and a correction bias
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
@@ -112,6 +115,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

@@ -41,6 +41,9 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 # the gate z, b, a, Mamba's x and dt), out_proj by its input; the convolutions by channel, which follow the heads; the
 # per-head parameters (dt_bias, A_log, D) and Mamba's grouped norm by head. Mamba's B and C (a group's, read by its
 # heads) stay whole: small, and whole on every device whatever n_groups and N are.
+# MLA (models/deepseek.py): q_b_proj and the latent's up-projection kv_b_proj split by head; the latent's own
+# projections (q_a_proj, kv_a_proj_with_mqa) and norms stay whole, and so does its cache (a copy per device)
+COLUMN_PARALLEL += ("q_b_proj", "kv_b_proj")
 COLUMN_PARALLEL += ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_x", "in_proj_dt")
 ROW_PARALLEL += ("out_proj",)
 SPLIT_CONVOLUTIONS = ("conv_q", "conv_k", "conv_v", "conv_x")
