@@ -6,6 +6,7 @@ from jaxpaged.models.bloom import BloomForCausalLM
 from jaxpaged.models.deepseek import DeepseekForCausalLM
 from jaxpaged.models.falcon import FalconForCausalLM
 from jaxpaged.models.gemma import GemmaForCausalLM
+from jaxpaged.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
@@ -48,6 +49,8 @@ MODEL_REGISTRY = {
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # + SigLIP and the projector (models/vision/)
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,  # per-layer embeddings, shared K/V, global layers' own head dim, MoE
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # its language model only (text prompts)
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # Qwen2 with M-RoPE + its window ViT
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,  # Qwen3, interleaved M-RoPE, DeepStack
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: CLIP + a GELU projector
@@ -121,6 +124,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
