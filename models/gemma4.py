@@ -401,6 +401,8 @@ def gemma4_config(hf_config, architecture: str) -> ModelConfig:
         "ple_vocab_size": int(getattr(text, "vocab_size_per_layer_input", 0) or text.vocab_size) if ple else 0,
         "double_wide_mlp": bool(getattr(text, "use_double_wide_mlp", False)),
         "final_logit_softcapping": None if text.final_logit_softcapping is None else float(text.final_logit_softcapping),
+        "no_tensor_parallel": f"{architecture} is not split over devices yet (its layers differ in head dim and KV "
+                              "heads, which the KV heads' split and repetition do not handle)",
     }
     if getattr(text, "enable_moe_block", False):
         e, k = int(text.num_experts), int(text.top_k_experts)

@@ -62,7 +62,9 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
 
 
 def check_divisible(cfg: ModelConfig, n: int) -> None:
-    """A ValueError naming the first size that cannot be split n ways."""
+    """A ValueError naming the first size that cannot be split n ways (or why the model does not split at all)."""
+    if n > 1 and cfg.option("no_tensor_parallel"):
+        raise ValueError(f"tensor_parallel_size={n}: {cfg.option('no_tensor_parallel')}")
     if cfg.option("moe") is not None:
         check_experts_divisible(cfg, n)
     problems = []

@@ -107,3 +107,102 @@ def test_logits_and_greedy_match_transformers(checkpoints, name, tmp_path):
     for prompt, got_logits, got_tokens in zip(prompts, logits, greedy):
         np.testing.assert_allclose(got_logits, hf_logits(hf, prompt), atol=1e-4, rtol=0)
         assert got_tokens == hf_greedy(hf, prompt, 16)
+
+
+# -- each feature moves transformers' output ---------------------------------------------------------------------
+
+
+def _without(hf, feature: str):
+    """A copy of a transformers Gemma 4 with one feature turned off (or, for shared K/V, each layer its own)."""
+    ref = copy.deepcopy(hf)
+    layers = ref.model.layers
+    with torch.no_grad():
+        if feature == "per_layer_embeddings":
+            for layer in layers:
+                layer.per_layer_projection.weight.zero_()
+        elif feature == "shared_kv":  # the same weights, but the last 3 layers compute their own K/V
+            ref = _hf_model(_moe(num_kv_shared_layers=0))
+            missing = ref.load_state_dict(hf.state_dict(), strict=False).missing_keys
+            assert missing and all(".self_attn.k_" in k or ".self_attn.v_" in k for k in missing)
+        elif feature == "layer_scalar":
+            for layer in layers:
+                layer.layer_scalar.fill_(1.0)
+        elif feature == "v_norm":
+            for layer in layers:
+                if hasattr(layer.self_attn, "v_norm"):
+                    layer.self_attn.v_norm = torch.nn.Identity()
+        elif feature == "proportional_rope":  # every angle of the full layers rotates, as default RoPE does
+            dim = hf.config.per_layer_config[5].head_dim
+            full = 1.0 / (10.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            ref.model.rotary_emb.full_attention_inv_freq.copy_(full)
+        elif feature == "final_logit_softcapping":
+            ref.config.final_logit_softcapping = None
+        elif feature == "per_expert_scale":
+            for layer in layers:
+                layer.router.per_expert_scale.fill_(1.0)
+        elif feature == "experts":
+            for layer in layers:
+                layer.experts.down_proj.zero_()
+    return ref
+
+
+@pytest.mark.parametrize("feature", ["per_layer_embeddings", "shared_kv", "layer_scalar", "v_norm", "proportional_rope",
+                                     "final_logit_softcapping", "per_expert_scale", "experts"])  # fmt: skip
+def test_the_tested_features_change_the_output(checkpoints, feature):
+    """So the parity above could fail: without each feature transformers' logits move."""
+    hf, _ = checkpoints("moe-k-eq-v" if feature in ("per_expert_scale", "experts", "shared_kv") else "dense-ple-shared-kv")
+    prompt = random_prompts(VOCAB, [77])[0]
+    assert np.abs(hf_logits(_without(hf, feature), prompt) - hf_logits(hf, prompt)).max() > 1e-2
+
+
+def test_config_reaches_the_port(checkpoints):
+    """Dense: 12 layers, 6 with K/V (5 sliding, 1 full); the other 6 read layer 4's or 5's. MoE: the full layers' one
+    KV head (k_eq_v) repeated into the cache's 2, their head dim 32 the cache's, the sliding layers' 16 padded."""
+    dense = load_model(str(checkpoints("dense-ple-shared-kv")[1]), dtype="float32").config
+    assert dense.kv_layers == tuple(range(6)) and dense.num_kv_layers == 6
+    assert dense.sliding_windows == (WINDOW,) * 5 + (None,)
+    assert [s.kv_index for s in dense.option("layers")] == [0, 1, 2, 3, 4, 5] + [4] * 5 + [5]
+    assert (dense.head_dim, dense.num_kv_heads, dense.option("ple_size")) == (32, 2, 8)
+    moe = load_model(str(checkpoints("moe-k-eq-v")[1]), dtype="float32").config
+    shapes = moe.option("layers")
+    assert [(s.head_dim, s.kv_heads, s.k_eq_v) for s in shapes[:3]] == [(16, 2, False), (16, 2, False), (32, 1, True)]
+    assert (moe.head_dim, moe.num_kv_heads) == (32, 2) and dict(moe.option("moe"))["num_experts"] == 4
+
+
+def test_tensor_parallelism_is_refused(checkpoints):
+    from jaxpaged.models.sharding import check_divisible
+
+    cfg = load_model(str(checkpoints("moe-k-eq-v")[1]), dtype="float32").config
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: Gemma4ForCausalLM is not split"):
+        check_divisible(cfg, 2)
+
+
+# -- through the engine ------------------------------------------------------------------------------------------
+
+
+def test_engine_chunked_prefill_preemption_and_no_cache_for_shared_layers(checkpoints):
+    """jaxpaged.LLM with 16-token chunks and a pool small enough to preempt: greedy tokens equal transformers', nothing
+    compiles after warm-up, every block comes back. KV cache groups cover only the 6 layers that compute K/V (5
+    sliding groups and 1 full, a layer each): the 6 sharing layers have no cache, so a token costs 6 layers' bytes."""
+    from jaxpaged import LLM, SamplingParams
+
+    hf, folder = checkpoints("dense-ple-shared-kv")
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(VOCAB, [45, 5, 30, 23, 38, 12], seed=4)
+    max_tokens = rng.integers(10, 30, size=len(prompts)).tolist()
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=6, max_num_batched_tokens=16, block_size=8, num_kv_blocks=48,
+              log_level="WARNING")  # fmt: skip
+    runner = llm.engine.runner
+    groups = runner.kv_groups
+    assert sorted(layer for layers in groups.layers for layer in layers) == list(range(6))
+    assert groups.windows.count(None) == 1 and groups.windows.count(WINDOW) == 5
+    assert runner.kv_cache.shape == (1, 2, runner.num_blocks, 2, 8, 32)  # a block id: one layer of one group
+    assert runner.block_bytes == 1 * 2 * 2 * 8 * 32 * 4
+    assert len(llm.engine.scheduler.kv.groups) == 6
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
