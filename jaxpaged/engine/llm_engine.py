@@ -613,6 +613,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles_after_warmup": self.num_compiles_after_warmup,
+            # the KV pool's bytes a token takes over every layer (and device): MLA's latent rows, K/V heads otherwise
+            "kv_bytes_per_token": self.runner.block_bytes // self.runner.block_size,
             "num_overlapped_steps": self.num_overlapped_steps,
             "warmup_seconds": self.warmup_seconds,
             **(self.spec.stats() if self.spec is not None else {}),
