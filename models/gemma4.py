@@ -233,9 +233,6 @@ class Gemma4ForCausalLM(CausalLM):
                 latest[layer.kind] = kv
         return self.norm(x), stack_new_kv(new_kv)
 
-    def run_layers(self, *args, **kwargs):
-        raise NotImplementedError("Gemma 4 runs its layers whole (forward): no pipeline stages")
-
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         logits = super().compute_logits(hidden)
         cap = self.config.option("final_logit_softcapping")
@@ -403,6 +400,8 @@ def gemma4_config(hf_config, architecture: str) -> ModelConfig:
         "final_logit_softcapping": None if text.final_logit_softcapping is None else float(text.final_logit_softcapping),
         "no_tensor_parallel": f"{architecture} is not split over devices yet (its layers differ in head dim and KV "
                               "heads, which the KV heads' split and repetition do not handle)",
+        "no_pipeline_parallel": f"{architecture} is not cut into stages (a layer sharing K/V reads an earlier "
+                                "layer's, which another stage's cache would hold)",
     }
     if getattr(text, "enable_moe_block", False):
         e, k = int(text.num_experts), int(text.top_k_experts)

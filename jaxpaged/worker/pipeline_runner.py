@@ -104,6 +104,8 @@ class PipelineRunner(ModelRunner):
 
         p, tp = self.config.pipeline_parallel_size, self.tp
         model, cfg = loaded.model, self.model_config
+        if cfg.option("no_pipeline_parallel"):
+            raise ValueError(f"pipeline_parallel_size={p}: {cfg.option('no_pipeline_parallel')}")
         self.bounds = stage_bounds(cfg.num_layers, p)
         self.stage_graphdefs = self._stage_graphdefs(model)
         self.graphdef, state = nnx.split(model)

@@ -169,12 +169,45 @@ def test_config_reaches_the_port(checkpoints):
     assert (moe.head_dim, moe.num_kv_heads) == (32, 2) and dict(moe.option("moe"))["num_experts"] == 4
 
 
-def test_tensor_parallelism_is_refused(checkpoints):
-    from jaxpaged.models.sharding import check_divisible
+def test_tensor_and_pipeline_parallelism_are_refused(checkpoints):
+    import types
 
-    cfg = load_model(str(checkpoints("moe-k-eq-v")[1]), dtype="float32").config
+    from jaxpaged.models.sharding import check_divisible
+    from jaxpaged.worker.pipeline_runner import PipelineRunner
+
+    loaded = load_model(str(checkpoints("moe-k-eq-v")[1]), dtype="float32")
     with pytest.raises(ValueError, match="tensor_parallel_size=2: Gemma4ForCausalLM is not split"):
-        check_divisible(cfg, 2)
+        check_divisible(loaded.config, 2)
+    runner = types.SimpleNamespace(config=types.SimpleNamespace(pipeline_parallel_size=2), tp=1, model_config=loaded.config)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: Gemma4ForCausalLM is not cut into stages"):
+        PipelineRunner._place(runner, loaded)
+
+
+def test_checkpoint_spellings(checkpoints, tmp_path):
+    """The image-text checkpoint's language model (`model.language_model.*`) loads with its vision tower skipped; a
+    checkpoint whose sharing layers still hold K/V projections (transformers ignores them on load) loads with them
+    skipped; a config in the hub's spelling (`global_head_dim`, `num_global_key_value_heads`, no `per_layer_config`)
+    reads the same."""
+    from safetensors.numpy import load_file, save_file
+
+    _, folder = checkpoints("image-text-checkpoint")
+    skipped = load_model(str(folder), dtype="float32").skipped_tensors
+    (reason,) = [r for r in skipped if "vision" in r]
+    assert skipped[reason] and all(n.startswith("model.vision_tower.") or n.startswith("model.embed_vision.")
+                                   for n in skipped[reason])  # fmt: skip
+    _, folder = checkpoints("moe-k-eq-v")
+    tensors = load_file(str(folder / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    extra = {f"model.layers.{i}.self_attn.{p}.weight": rng.standard_normal(shape).astype(np.float32)
+             for i in (3, 4) for p, shape in (("k_proj", (32, 64)), ("v_proj", (32, 64)), ("k_norm", (16,)))}  # fmt: skip
+    save_file(tensors | extra, str(tmp_path / "model.safetensors"))
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["per_layer_config"]
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"global_head_dim": 32, "num_global_key_value_heads": 1}))
+    loaded = load_model(str(tmp_path), dtype="float32")
+    assert loaded.config == load_model(str(folder), dtype="float32").config
+    (reason,) = [r for r in loaded.skipped_tensors if "num_kv_shared_layers" in r]
+    assert sorted(loaded.skipped_tensors[reason]) == sorted(extra)
 
 
 # -- through the engine ------------------------------------------------------------------------------------------
