@@ -29,6 +29,7 @@ from jaxpaged.models.registry import MODEL_REGISTRY
 from jaxpaged.models.tying import COPY
 from safetensors.torch import load_file, save_file
 
+import tests.models.test_deepseek as deepseek_cases
 import tests.models.test_gemma as gemma_cases
 import tests.models.test_gpt_oss as gpt_oss_cases
 import tests.models.test_hybrid_models as hybrid_cases
@@ -66,6 +67,8 @@ def _architectures() -> dict:
     for make, arch in gemma_cases.CASES.values():
         found.setdefault(arch, make)
     found.setdefault("GptOssForCausalLM", lambda: transformers.GptOssConfig(**copy.deepcopy(gpt_oss_cases.CONFIG)))
+    for name, arch in (("v2", "DeepseekV2ForCausalLM"), ("v3", "DeepseekV3ForCausalLM")):
+        found.setdefault(arch, functools.partial(lambda n: deepseek_cases._configs()[n], name))
     return found
 
 
