@@ -39,8 +39,18 @@ from flax import nnx
 from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.config import ModelConfig, RopeConfig, head_tied, model_config_from_hf, rope_from_hf, text_config
 from jaxpaged.models.layers import (
-    REFERENCE_ATTENTION, CausalLM, Embedding, GatedMLP, Linear, RMSNorm, _param, activation, apply_rope, module_list,
-    rope_table, rotary_table,
+    REFERENCE_ATTENTION,
+    CausalLM,
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    _param,
+    activation,
+    apply_rope,
+    module_list,
+    rope_table,
+    rotary_table,
 )  # fmt: skip
 from jaxpaged.models.moe import ExpertLoop, Experts, MoeOptions, SparseMoeBlock
 from jaxpaged.models.weights import WeightSpec, linear_specs
@@ -108,7 +118,7 @@ class Gemma4Attention(nnx.Module):
     def __call__(self, x, rope, kv_cache, attn_metadata, shared_kv=None):
         """shared_kv: the source layer's (k, v) of this step, already in the cache's shape, for a sharing layer."""
         (h, hd, kv), (cache_heads, cache_dim), t = self.shape, self.cache_shape, x.shape[0]
-        pad = lambda a: a if hd == cache_dim else jnp.pad(a, ((0, 0), (0, 0), (0, cache_dim - hd)))  # noqa: E731
+        pad = lambda a: a if hd == cache_dim else jnp.pad(a, ((0, 0), (0, 0), (0, cache_dim - hd)))
         q = apply_rope(self.q_norm(self.q_proj(x).reshape(t, h, hd)), rope)
         if self.k_proj is None:
             k, v = shared_kv
@@ -153,7 +163,7 @@ class Gemma4MoeBlock(SparseMoeBlock):
 class Gemma4DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         shape = _layers(cfg)[layer]
-        norm = lambda n=cfg.hidden_size: Gemma4RMSNorm(n, eps=cfg.rms_norm_eps, dtype=dtype)  # noqa: E731
+        norm = lambda n=cfg.hidden_size: Gemma4RMSNorm(n, eps=cfg.rms_norm_eps, dtype=dtype)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = Gemma4Attention(cfg, layer, dtype=dtype, attention=attention)
@@ -305,8 +315,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     SKIPPED_TENSORS = (
         ROTARY_CACHE,
         SHARED_KV_WEIGHTS,
-        (r"^model\.(vision_tower|embed_vision|audio_tower|embed_audio)\.", "the vision and audio towers and their "
-         "embedders: not ported, prompts are text"),
+        (r"^model\.(vision_tower|embed_vision|audio_tower|embed_audio)\.",
+         "the vision and audio towers and their embedders: not ported, prompts are text"),
     )  # fmt: skip
 
 

@@ -173,6 +173,7 @@ def test_tensor_and_pipeline_parallelism_are_refused(checkpoints):
     import types
 
     from jaxpaged.models.sharding import check_divisible
+
     from jaxpaged.worker.pipeline_runner import PipelineRunner
 
     loaded = load_model(str(checkpoints("moe-k-eq-v")[1]), dtype="float32")
@@ -193,8 +194,7 @@ def test_checkpoint_spellings(checkpoints, tmp_path):
     _, folder = checkpoints("image-text-checkpoint")
     skipped = load_model(str(folder), dtype="float32").skipped_tensors
     (reason,) = [r for r in skipped if "vision" in r]
-    assert skipped[reason] and all(n.startswith("model.vision_tower.") or n.startswith("model.embed_vision.")
-                                   for n in skipped[reason])  # fmt: skip
+    assert skipped[reason] and all(n.startswith(("model.vision_tower.", "model.embed_vision.")) for n in skipped[reason])
     _, folder = checkpoints("moe-k-eq-v")
     tensors = load_file(str(folder / "model.safetensors"))
     rng = np.random.default_rng(0)
