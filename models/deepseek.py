@@ -80,6 +80,9 @@ class LatentUpProjection(nnx.Module):
 
 class MlaAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
+        if getattr(attention, "batch_invariant", False):
+            raise ValueError("batch_invariant: not supported for multi-head latent attention (DeepSeek-V2/V3): its "
+                             "attention folds this step's keys before the cached ones, as the reference does")  # fmt: skip
         mla = MlaOptions.of(cfg)
         d, h = cfg.hidden_size, cfg.num_heads
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim

@@ -198,3 +198,14 @@ def test_engine_chunked_prefill_preemption_prefix_cache(tmp_path_factory):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["kv_bytes_per_token"] == 2 * (32 + 16) * 4  # 2 layers x (latent + RoPE key) x float32
     assert llm.engine.runner.kv_cache.shape[3] == 1  # one latent "head"
+
+
+def test_batch_invariant_attention_is_refused():
+    """MLA has no batch-invariant path: asking for one is a ValueError, not a silently variant result."""
+    from jaxpaged.models.deepseek import DeepseekForCausalLM, MlaAttention
+    from jaxpaged.pallas_kernels import ReferenceAttention
+
+    cfg = DeepseekForCausalLM.config_from_hf(_configs()["v3"], "DeepseekV3ForCausalLM")
+    MlaAttention(cfg, 0, dtype=np.float32, attention=ReferenceAttention())
+    with pytest.raises(ValueError, match="batch_invariant"):
+        MlaAttention(cfg, 0, dtype=np.float32, attention=ReferenceAttention(batch_invariant=True))
