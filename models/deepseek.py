@@ -19,6 +19,7 @@ transformers 5.24's modeling code computes them:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -34,7 +35,7 @@ from jaxpaged.models.moe import (
     grouped_route, regroup_expert_tensors,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
-from jaxpaged.pallas_kernels import AttentionBackend
+from jaxpaged.pallas_kernels import AttentionBackend, TritonAttention
 from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
 from jaxpaged.pallas_kernels.mla import latent_planes, mla_attention
 
@@ -102,7 +103,7 @@ class MlaAttention(nnx.Module):
         self.mla = mla
         self.num_heads = h
         self.interleaved = cfg.rope_interleaved
-        self.backend = attention  # kept for a future MLA kernel; the pure-JAX path runs on every platform
+        self.backend = attention  # Pallas (Triton): the absorbed part in pallas_kernels/mla_gpu.py; else pure JAX
 
     def __call__(self, x, rope, kv_cache, attn_metadata):
         mla, h, t = self.mla, self.num_heads, x.shape[0]
@@ -116,8 +117,13 @@ class MlaAttention(nnx.Module):
         w = self.kv_b_proj.kernel[...].reshape(rank, h, nope + mla.v_head_dim)
         w_uk, w_uv = w[..., :nope], w[..., nope:]
         n = tp_size()
+        absorbed = None  # the cached context's absorbed attention: the GPU kernel where the platform picked Pallas
+        if isinstance(self.backend, TritonAttention):
+            from jaxpaged.pallas_kernels.mla_gpu import gpu_mla_cached
+
+            absorbed = functools.partial(gpu_mla_cached, interpret=self.backend.interpret)
         out = mla_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, kv_cache, self.layer, attn_metadata, mla.scale,
-                            tp=n, tp_axis=TP_AXIS)  # fmt: skip
+                            tp=n, tp_axis=TP_AXIS, absorbed=absorbed)  # fmt: skip
         k, v = latent_planes(c_kv, k_pe)
         if n > 1:  # one copy of the latent per device (the cache's KV-head axis, split over the mesh)
             k, v = (jnp.broadcast_to(a, (t, n, a.shape[-1])) for a in (k, v))
@@ -167,6 +173,17 @@ class DeepseekForCausalLM(CausalLM):
         self.layers = module_list([DeepseekDecoderLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)
+
+    @staticmethod
+    def kernel_head_dim(cfg: ModelConfig) -> int:
+        """The head dim the platform chooses an attention backend by: the RoPE key's (a power of two, so a GPU picks
+        its Pallas kernel) when the MLA kernel takes this latent (every segment of a plane 16 wide or more), else the
+        cache's half-row (the reference then, or an explicit "pallas" refused)."""
+        from jaxpaged.pallas_kernels.mla_gpu import MIN_ROWS, segments  # Pallas is imported only where used
+
+        if min(size for _, size in segments(cfg.head_dim)) >= MIN_ROWS:
+            return MlaOptions.of(cfg).qk_rope_head_dim
+        return cfg.head_dim
 
     def regroup_tensors(self, tensors, missing=None):
         return regroup_expert_tensors(tensors, MoeOptions.of(self.config).num_experts, missing)

@@ -76,7 +76,8 @@ def _port_config(hf_config):
 
 
 def _build(cls, cfg: ModelConfig, dtype_name: str, choose_attention: Callable[[int], AttentionBackend]):
-    attention = choose_attention(cfg.head_dim)
+    # a port whose attention is not per-head K/V (MLA) says which head dim its kernels take
+    attention = choose_attention(cls.kernel_head_dim(cfg) if hasattr(cls, "kernel_head_dim") else cfg.head_dim)
     logger.info("attention backend: %s", attention.name)
     return cls(cfg, dtype=DTYPES[dtype_name], attention=attention)  # parameters are shapes until loaded
 

@@ -74,9 +74,10 @@ def naive_mla_attention(q_nope, q_pe, w_uk, w_uv, kv_cache, layer: int, attn_met
 
 
 def mla_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, kv_cache, layer: int, attn_metadata: AttentionMetadata,
-                  scale: float) -> jax.Array:  # fmt: skip
+                  scale: float, absorbed=None) -> jax.Array:  # fmt: skip
     """naive_mla_attention's result with this step's latents (c_kv [T, R], k_pe [T, P], RoPE'd) not yet in the cache.
-    q_nope [T, H, N], q_pe [T, H, P] (RoPE'd), w_uk [R, H, N], w_uv [R, H, V] -> [T, H, V]."""
+    q_nope [T, H, N], q_pe [T, H, P] (RoPE'd), w_uk [R, H, N], w_uv [R, H, V] -> [T, H, V]. absorbed: a kernel for
+    the cached part (mla_gpu.gpu_mla_cached's contract); None: the pure-JAX loop below."""
     num_tokens, num_heads, _ = q_nope.shape
     rank = w_uk.shape[0]
     dtype, prec = q_nope.dtype, _precision(q_nope.dtype)
@@ -116,10 +117,14 @@ def mla_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, kv_cache, layer: int, at
         trips = (jnp.max(cached_rows) + chunk - 1) // chunk
         return jax.lax.fori_loop(0, trips, body, _empty_softmax(n, 1, num_heads, rank))
 
-    # decode rows come first in a step ([0, S)): the prompt rows after them do not pay for their long contexts
-    split = min(attn_metadata.block_tables.shape[0], num_tokens)
-    groups = [slice(0, split)] + ([slice(split, num_tokens)] if split < num_tokens else [])
-    peak, denom, acc_lat = (jnp.concatenate(xs) for xs in zip(*[cached_part(rows) for rows in groups]))
+    if absorbed is not None:
+        peak, denom, acc = absorbed(q_abs[:, 0], kv_cache, layer, attn_metadata, scale)
+        acc_lat = acc[..., :rank]
+    else:
+        # decode rows come first in a step ([0, S)): the prompt rows after them do not pay for their long contexts
+        split = min(attn_metadata.block_tables.shape[0], num_tokens)
+        groups = [slice(0, split)] + ([slice(split, num_tokens)] if split < num_tokens else [])
+        peak, denom, acc_lat = (jnp.concatenate(xs) for xs in zip(*[cached_part(rows) for rows in groups]))
     acc = _einsum("tkgr,rgv->tkgv", acc_lat, w_uv, prec=prec)
     return _normalized(_merge(fresh, (peak, denom, acc)), dtype)
 
@@ -139,17 +144,17 @@ def _normalized(carry, dtype) -> jax.Array:
 
 
 def mla_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, kv_cache, layer: int, attn_metadata: AttentionMetadata,
-                  scale: float, *, tp: int = 1, tp_axis: str = "model") -> jax.Array:  # fmt: skip
+                  scale: float, *, tp: int = 1, tp_axis: str = "model", absorbed=None) -> jax.Array:  # fmt: skip
     """mla_reference for a model layer: its group's tables (KV cache groups), and under a tensor-parallel mesh of tp
     devices, per device under shard_map: each device's query heads, W_UK/W_UV slices and its own copy of the latent
     cache (the cache's KV-head axis holds one copy per device); no communication."""
     layer, attn_metadata = attn_metadata.for_layer(layer)
-    attend = functools.partial(mla_reference, layer=layer, scale=scale)
+    attend = functools.partial(mla_reference, layer=layer, scale=scale, absorbed=absorbed)
     if tp > 1:
         heads, weights = P(None, tp_axis, None), P(None, tp_axis, None)
         cache = jax.tree.map(lambda _: P(None, None, None, tp_axis), kv_cache)
         in_specs = (heads, heads, P(), P(), weights, weights, cache, P())
-        attend = jax.shard_map(lambda *a: mla_reference(*a[:7], layer, a[7], scale), in_specs=in_specs, out_specs=heads,
+        attend = jax.shard_map(lambda *a: mla_reference(*a[:7], layer, a[7], scale, absorbed), in_specs=in_specs, out_specs=heads,
                                check_vma=False)  # fmt: skip
         return attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, kv_cache, attn_metadata)
     return attend(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, kv_cache, attn_metadata=attn_metadata)

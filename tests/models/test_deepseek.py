@@ -39,6 +39,9 @@ def _configs():
         "v2": transformers.DeepseekV2Config(**BASE, q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.5,
                                             n_group=4, topk_group=1, topk_method="group_limited_greedy",
                                             attention_bias=True),
+        # a latent row of 48 + 16: planes of 32, which the MLA GPU kernel takes (tiles of 16 or more)
+        "v3-kernel": transformers.DeepseekV3Config(**{**BASE, "kv_lora_rank": 48}, q_lora_rank=48, n_shared_experts=1,
+                                                   n_group=4, topk_group=2),
         # V3 with rotate-half RoPE (rope_interleave false) and no groups
         "v3-half": transformers.DeepseekV3Config(**BASE, q_lora_rank=48, n_shared_experts=1, n_group=1, topk_group=1,
                                                  rope_interleave=False),
@@ -209,3 +212,21 @@ def test_batch_invariant_attention_is_refused():
     MlaAttention(cfg, 0, dtype=np.float32, attention=ReferenceAttention())
     with pytest.raises(ValueError, match="batch_invariant"):
         MlaAttention(cfg, 0, dtype=np.float32, attention=ReferenceAttention(batch_invariant=True))
+
+
+def test_engine_with_the_mla_kernel_interpreted(tmp_path_factory):
+    """attention_backend="pallas" on the CPU: the absorbed part runs pallas_kernels/mla_gpu.py's Triton kernel in
+    interpret mode (its own test checks it against the reference); greedy tokens equal transformers' through 16-token
+    chunks and decode."""
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.pallas_kernels import TritonAttention
+
+    hf, folder = _saved("v3-kernel", tmp_path_factory)
+    prompts = random_prompts(VOCAB, [45, 5, 30], seed=4)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+              attention_backend="pallas", log_level="WARNING")  # fmt: skip
+    assert isinstance(llm.engine.loaded.model.layers[0].self_attn.backend, TritonAttention)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
