@@ -28,11 +28,28 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
-from jaxpaged.models.layers import REFERENCE_ATTENTION, CausalLM, Embedding, GatedMLP, Linear, RMSNorm, _param, apply_rope, module_list
+from jaxpaged.models.layers import (
+    REFERENCE_ATTENTION,
+    CausalLM,
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    _param,
+    apply_rope,
+    module_list,
+)
 from jaxpaged.models.mixtral import MoeDecoderLayer
 from jaxpaged.models.moe import (
-    EXPERT_PROJECTIONS, ExpertLoop, Experts, MoeOptions, RouterOptions, SparseMoeBlock, expert_kernel_name,
-    grouped_route, regroup_expert_tensors,
+    EXPERT_PROJECTIONS,
+    ExpertLoop,
+    Experts,
+    MoeOptions,
+    RouterOptions,
+    SparseMoeBlock,
+    expert_kernel_name,
+    grouped_route,
+    regroup_expert_tensors,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend, TritonAttention

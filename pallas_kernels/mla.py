@@ -24,7 +24,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.pallas_kernels.reference import CHUNK_TOKENS, _empty_softmax, _fold, cached_blocks, token_layout
 

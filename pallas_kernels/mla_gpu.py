@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
 from jaxpaged.pallas_kernels.reference import token_layout
 from jaxpaged.pallas_kernels.tiles import MASK_VALUE
@@ -97,21 +96,21 @@ def gpu_mla_cached(q_abs, kv_cache, layer, attn_metadata: AttentionMetadata, sca
     tables = jnp.pad(attn_metadata.block_tables, ((0, 0), (0, -(-keys // block_size) - table_width)))
     q = jnp.pad(q_abs, ((0, 0), (0, heads - num_heads), (0, 0)))
     cache = kv_cache.reshape(num_layers * 2 * num_blocks, block_size, half)  # one KV head: the layer an offset
-    whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
     kernel = functools.partial(_kernel, kv_chunk=kv_chunk, num_blocks=num_blocks, pieces=segments(half), scale=scale,
                                precision=jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)  # fmt: skip
     acc, peak, denom = pl.pallas_call(
         kernel,
         grid=(num_tokens,),
         in_specs=[whole((1,)), whole(seq.shape), whole(cached.shape), whole(tables.shape),
-                  pl.BlockSpec((None, heads, width), lambda t: (t, 0, 0)), whole(cache.shape)],  # fmt: skip
+                  pl.BlockSpec((None, heads, width), lambda t: (t, 0, 0)), whole(cache.shape)],
         out_specs=[pl.BlockSpec((None, heads, width), lambda t: (t, 0, 0)), pl.BlockSpec((None, heads), lambda t: (t, 0)),
-                   pl.BlockSpec((None, heads), lambda t: (t, 0))],  # fmt: skip
+                   pl.BlockSpec((None, heads), lambda t: (t, 0))],
         out_shape=[jax.ShapeDtypeStruct((num_tokens, heads, width), jnp.float32),
                    jax.ShapeDtypeStruct((num_tokens, heads), jnp.float32), jax.ShapeDtypeStruct((num_tokens, heads), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=f"mla_absorbed_h{heads}_w{width}_kv{kv_chunk}",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), seq, cached, tables, q, cache)  # fmt: skip
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), seq, cached, tables, q, cache)
     acc, peak, denom = acc[:, None, :num_heads], peak[:, None, :num_heads], denom[:, None, :num_heads]
     return jnp.where(denom > 0, peak, -jnp.inf), denom, acc

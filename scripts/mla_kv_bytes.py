@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax.numpy as jnp
 import transformers
-
 from jaxpaged.models.deepseek import DeepseekForCausalLM, MlaOptions
 from jaxpaged.pallas_kernels.kv_quant import kv_bytes_per_token_head
 

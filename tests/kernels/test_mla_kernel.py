@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
-
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
 from jaxpaged.pallas_kernels.mla import mla_reference
 from jaxpaged.pallas_kernels.mla_gpu import gpu_mla_cached, segments
+
 from tests.exporting import TRITON_CALLS, export_checks, kernel_calls, lowering_for
 
 
@@ -44,7 +44,7 @@ def test_kernel_equals_reference_interpreted(rank, rope, heads):
     nope, vdim, bs, tokens = 16, 16, 8, 24
     cached, new = [70, 3, 40, 0], [1, 1, 6, 9]
     cache, md = _step(rng, rank, rope, bs, cached, new, tokens)
-    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     args = (f(tokens, heads, nope), f(tokens, heads, rope), f(tokens, rank), f(tokens, rope), f(rank, heads, nope),
             f(rank, heads, vdim), cache, 1, md, 0.1)  # fmt: skip
     want = mla_reference(*args)

@@ -140,7 +140,6 @@ def test_mla_reference_equals_its_definition():
     fresh 9-token prompt, padding; the reference (this step's latents not yet written) against the expanded definition."""
     import jax
     import jax.numpy as jnp
-
     from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape, write_kv
     from jaxpaged.pallas_kernels.attention import stack_new_kv
     from jaxpaged.pallas_kernels.mla import latent_planes, mla_reference, naive_mla_attention
@@ -158,7 +157,7 @@ def test_mla_reference_equals_its_definition():
         p = np.arange(c, c + n)
         slots[qsl[s] : qsl[s] + n] = tables[s][p // bs] * bs + p % bs
     md = AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(np.add(cached, new), np.int32), jnp.asarray(qsl))
-    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = f(t, heads, nope), f(t, heads, rope), f(t, rank), f(t, rope), f(rank, heads, nope), f(rank, heads, vdim)
     scale = 0.1
     got = mla_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, cache, 1, md, scale)
@@ -218,8 +217,9 @@ def test_engine_with_the_mla_kernel_interpreted(tmp_path_factory):
     """attention_backend="pallas" on the CPU: the absorbed part runs pallas_kernels/mla_gpu.py's Triton kernel in
     interpret mode (its own test checks it against the reference); greedy tokens equal transformers' through 16-token
     chunks and decode."""
-    from jaxpaged import LLM, SamplingParams
     from jaxpaged.pallas_kernels import TritonAttention
+
+    from jaxpaged import LLM, SamplingParams
 
     hf, folder = _saved("v3-kernel", tmp_path_factory)
     prompts = random_prompts(VOCAB, [45, 5, 30], seed=4)

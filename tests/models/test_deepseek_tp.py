@@ -15,7 +15,6 @@ def test_deepseek_tensor_parallel_suite_on_four_cpu_devices():
 @needs_devices
 def test_four_devices_split_heads_and_replicate_the_latent(tmp_path_factory):
     from jaxpaged import LLM, SamplingParams
-
     from tests.models.test_deepseek import _configs
 
     folder, prompts, expected = reference_family({}, "deepseek-v3", _configs()["v3"], tmp_path_factory, [3, 17, 30], 12)
