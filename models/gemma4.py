@@ -312,11 +312,11 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     `tie_word_embeddings`, as transformers reads it."""
 
     CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
-    SKIPPED_TENSORS = (
+    SKIPPED_TENSORS = (  # the towers first: their own k_proj/v_proj would match the shared-K/V rule
         ROTARY_CACHE,
-        SHARED_KV_WEIGHTS,
         (r"^model\.(vision_tower|embed_vision|audio_tower|embed_audio)\.",
          "the vision and audio towers and their embedders: not ported, prompts are text"),
+        SHARED_KV_WEIGHTS,
     )  # fmt: skip
 
 

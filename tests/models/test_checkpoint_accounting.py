@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 import tests.models.test_deepseek as deepseek_cases
 import tests.models.test_gemma as gemma_cases
+import tests.models.test_gemma4 as gemma4_cases
 import tests.models.test_gpt_oss as gpt_oss_cases
 import tests.models.test_hybrid_models as hybrid_cases
 import tests.models.test_model_families as family_cases
@@ -45,6 +46,7 @@ from tests.static_batch import StaticBatchRunner
 
 VOCAB = 256
 VISION = "the vision tower and projector: not ported, prompts are text"
+GEMMA4_TOWERS = "the vision and audio towers and their embedders: not ported, prompts are text"
 SIGLIP_HEAD = "SigLIP's attention-pooling head: Gemma 3 projects the last hidden states, never the pooled output"
 LLAVA_UNREAD = "the tower's final LayerNorm and pooling head: LLaVA reads a layer's hidden states, never the pooled output"
 UNKNOWN = "model.layers.0.mlp.extra_proj.weight"  # what the broken checkpoints add ...
@@ -64,7 +66,7 @@ def _architectures() -> dict:
         found.setdefault(arch, make_config)
     for config, arch in phi_cases.CASES.values():
         found.setdefault(arch, functools.partial(copy.deepcopy, config))
-    for make, arch in gemma_cases.CASES.values():
+    for make, arch in [*gemma_cases.CASES.values(), *gemma4_cases.CASES.values()]:
         found.setdefault(arch, make)
     found.setdefault("GptOssForCausalLM", lambda: transformers.GptOssConfig(**copy.deepcopy(gpt_oss_cases.CONFIG)))
     for name, arch in (("v2", "DeepseekV2ForCausalLM"), ("v3", "DeepseekV3ForCausalLM")):
@@ -223,6 +225,7 @@ def test_every_family_loads_with_nothing_unexplained(arch, tmp_path):
     assert loaded.config.architecture == arch
     expected = {"Gemma3ForConditionalGeneration": {SIGLIP_HEAD}} | dict.fromkeys(hybrid_cases.IMAGE_TEXT, {VISION})
     expected |= dict.fromkeys(llava_cases.CASES, {LLAVA_UNREAD})  # the tower's final LayerNorm (SigLIP's head)
+    expected["Gemma4ForConditionalGeneration"] = {GEMMA4_TOWERS}  # none of its 6 layers shares K/V
     assert set(loaded.skipped_tensors) == expected.get(arch, set())
     skipped = {n for names in loaded.skipped_tensors.values() for n in names}
     gone = next(n for n in sorted(load_file(str(folder / "model.safetensors"))) if ".1." in n and n not in skipped)
