@@ -7,12 +7,16 @@ the thinking (with a Hermes tool call in it, which must not be read as one), `</
 then EOS. `enable_thinking` false in chat_template_kwargs makes the template close the thinking itself (the
 prompt ends "</think>\\n\\n"), so the model answers at once. The DeepSeek-R1 template's generation prompt ends with
 `<think>`, so the model writes the rest of the same text without it (`DEEPSEEK_TEXT`). The harmony model writes
-an analysis message and then a final one, its markers as words (ordinary tokens, so they stay in the text).
+an analysis message and then a final one ended by `<|return|>`, its markers as words (ordinary tokens, so they
+stay in the text); with `tools=True` the analysis message is followed by a call of `add`, a commentary message
+`to=functions.add` whose arguments come in two tokens, ended by `<|call|>`. As in gpt-oss's checkpoints,
+`<|return|>` and `<|call|>` are end-of-sequence tokens (config.json's eos_token_id), so the text ends with them.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 from tests.cycle_model import EOS_ID, VOCAB, successor, write_cycle_model
@@ -26,8 +30,12 @@ DEEPSEEK_TEXT = "".join(THINK_WORDS[1:])
 CONTENT = "\n\n" + ANSWER  # after </think>, as the model wrote it
 
 HARMONY_WORDS = ["<|channel|>analysis<|message|>", "Think first.", "<|end|><|start|>assistant<|channel|>final<|message|>",
-                 "Final answer."]  # fmt: skip
+                 "Final answer.", "<|return|>"]  # fmt: skip
 HARMONY_REASONING, HARMONY_CONTENT = "Think first.", "Final answer."
+HARMONY_CALL_WORDS = ["<|channel|>analysis<|message|>", "Think first.",
+                      "<|end|><|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>",
+                      '{"a": ', "2}", "<|call|>"]  # fmt: skip
+HARMONY_CALL = ("add", '{"a": 2}')  # (name, arguments)
 
 _TOOLS = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n"
@@ -40,6 +48,8 @@ QWEN3_TEMPLATE = (
 )
 DEEPSEEK_TEMPLATE = _TOOLS + _MESSAGES + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>{% endif %}"
 HARMONY_TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|># Tools\n\nnamespace functions {\n{% for t in tools %}"
+    "type {{ t['function']['name'] }} = (_: any) => any;\n{% endfor %}} // namespace functions<|end|>{% endif %}"
     "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
@@ -57,7 +67,11 @@ def write_think_model(folder: Path, template: str = QWEN3_TEMPLATE) -> Path:
     return write_cycle_model(folder, words=THINK_WORDS, succ=_successor(THINK_WORDS, ord("\n")), chat_template=template)
 
 
-def write_harmony_model(folder: Path) -> Path:
-    """The generation prompt's "t" (of `assistant`) starts the analysis message."""
-    return write_cycle_model(folder, words=HARMONY_WORDS, succ=_successor(HARMONY_WORDS, ord("t")),
-                             chat_template=HARMONY_TEMPLATE)  # fmt: skip
+def write_harmony_model(folder: Path, tools: bool = False) -> Path:
+    """The generation prompt's "t" (of `assistant`) starts the analysis message; `<|return|>` and `<|call|>` end."""
+    words = HARMONY_CALL_WORDS if tools else HARMONY_WORDS
+    folder = write_cycle_model(folder, words=words, succ=_successor(words, ord("t")), chat_template=HARMONY_TEMPLATE)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = [EOS_ID, VOCAB + len(words) - 1]  # the last word: <|return|> or <|call|>
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder

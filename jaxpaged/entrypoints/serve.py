@@ -12,7 +12,7 @@ from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
 from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # tool_parsers.PARSERS, which needs the serve extra to import
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai")  # tool_parsers.PARSERS, which needs the serve extra to import
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")  # reasoning.REASONING_PARSERS, likewise
 
 
@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body in bytes; larger get 413 (default: 4 MiB)")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool_choice 'auto' reads calls from the output: hermes (<tool_call> JSON: Qwen2.5, "
-                   "Hermes) or llama3_json (Llama 3.1/3.2 JSON calls) (default: detected from the chat template; a "
-                   "template with neither gets 400 for 'auto')")
+                   "Hermes), llama3_json (Llama 3.1/3.2 JSON calls) or openai (gpt-oss's harmony calls, read by "
+                   "openai-harmony with the gpt_oss reasoning parser) (default: detected from the chat template; a "
+                   "template with none of them gets 400 for 'auto')")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag: 'auto' is served whenever a parser is known; with this flag, starting without "
                    "one is an error")

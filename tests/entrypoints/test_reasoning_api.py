@@ -155,7 +155,7 @@ def test_gpt_oss_harmony(tmp_path):
     try:
         harmony_encoding()
     except ValueError as exc:
-        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline, no TIKTOKEN_ENCODINGS_BASE): {exc}")
+        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
     proc = _serve(write_harmony_model(tmp_path / "model"), tmp_path / "log", "--reasoning-parser", "gpt_oss")
     try:
         (choice,) = _create(proc).choices

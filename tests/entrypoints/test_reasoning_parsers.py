@@ -103,7 +103,7 @@ def _harmony_or_skip():
     try:
         harmony_encoding()
     except ValueError as exc:
-        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline, no TIKTOKEN_ENCODINGS_BASE): {exc}")
+        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
 
 
 HARMONY = ("<|channel|>analysis<|message|>Think first.<|end|><|start|>assistant<|channel|>final<|message|>"

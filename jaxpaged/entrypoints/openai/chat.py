@@ -12,7 +12,7 @@ from jaxpaged.engine.async_engine import ChatPrompt, EngineDeadError
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.logprobs import chat_logprobs
 from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
-from jaxpaged.entrypoints.openai.reasoning import MARKERS, ReasoningReader, reasoning_reader
+from jaxpaged.entrypoints.openai.reasoning import MARKERS, HarmonyReader, ReasoningReader, reasoning_reader
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun, sse
 from jaxpaged.entrypoints.openai.tool_parsers import ToolCallReader, tool_reader
@@ -60,8 +60,8 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     choices = []
     for c in final.outputs:
         logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids), top, serving.token_bytes)} if body.logprobs else None
-        thinking = reasoning_reader(parser, prompt_text) if parser else None
-        message, finish = _message(_reader(serving, body), thinking, c.text, c.finish_reason)
+        reader, thinking = _readers(serving, body, prompt_text)
+        message, finish = _message(reader, thinking, c.text, c.finish_reason)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
     generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)})
@@ -72,13 +72,23 @@ def _reader(serving: Serving, body: ChatCompletionRequest) -> ToolCallReader | N
     return None if body.tool_mode is None else tool_reader(body.tool_mode, serving.tool_parser)
 
 
-def _finish(reader: ToolCallReader | None, finish_reason: str | None) -> str | None:
+def _readers(serving: Serving, body: ChatCompletionRequest, prompt_text: str):
+    """(tool-call reader, reasoning reader) of one choice. Under "auto" with the openai parser, harmony's reader is
+    both: openai-harmony reads the reasoning, the answer and the calls (`to=functions.NAME`) from the messages."""
+    if body.tool_mode == "auto" and serving.tool_parser == "openai":
+        harmony = HarmonyReader(tools=True)
+        return harmony, harmony
+    parser = serving.reasoning_parser
+    return _reader(serving, body), reasoning_reader(parser, prompt_text) if parser else None
+
+
+def _finish(reader: ToolCallReader | HarmonyReader | None, finish_reason: str | None) -> str | None:
     """"tool_calls" when the output ended by itself with calls in it; one cut short keeps its reason."""
     return "tool_calls" if reader is not None and reader.calls and finish_reason == "stop" else finish_reason
 
 
 def _message(
-    reader: ToolCallReader | None, thinking: ReasoningReader | None, text: str, finish_reason: str | None
+    reader: ToolCallReader | HarmonyReader | None, thinking: ReasoningReader | None, text: str, finish_reason: str | None
 ) -> tuple[dict, str | None]:
     """The assistant message and finish reason; with a reasoning parser the thinking as reasoning_content (and only
     the answer read for calls); under tools, the calls as tool_calls and the rest as content."""
@@ -87,7 +97,7 @@ def _message(
         message["reasoning_content"], text = thinking.parse(text)
     if reader is None:
         return {**message, "content": text}, finish_reason
-    content, calls = reader.parse(text or "")
+    content, calls = (text, reader.calls) if reader is thinking else reader.parse(text or "")
     if not calls:
         content = content or ("" if thinking is None else None)
     return {**message, "content": content, "tool_calls": [c.openai() for c in calls]}, _finish(reader, finish_reason)
@@ -99,9 +109,7 @@ async def _stream(
     meta = {**meta, "object": "chat.completion.chunk"}
     extra = {"usage": usage(run.prompt_tokens, 0) if body.continuous_usage else None} if body.include_usage else {}
     deltas = Deltas(body.n)
-    readers = [_reader(serving, body) for _ in range(body.n)]
-    parser = serving.reasoning_parser
-    thinkers = [reasoning_reader(parser, prompt_text) if parser else None for _ in range(body.n)]
+    readers, thinkers = map(list, zip(*(_readers(serving, body, prompt_text) for _ in range(body.n))))
     answers = [""] * body.n  # each choice's answer so far (its text but the thinking), which the tool reader reads
     top = body.top_logprobs or 0
     for index in range(body.n):  # OpenAI opens every choice with the role
@@ -115,7 +123,7 @@ async def _stream(
         new = [{"content": text}] if text else []
         if thinker is not None:
             new = thinker.feed(c.text) + (thinker.finish(c.text) if done else [])
-        if reader is not None:
+        if reader is not None and reader is not thinker:  # (harmony's reader sends its calls itself)
             answer = c.text if thinker is None else answers[c.index] + "".join(d.get("content", "") for d in new)
             answers[c.index] = answer
             new = [d for d in new if "reasoning_content" in d] + reader.feed(answer) + (reader.finish() if done else [])

@@ -7,7 +7,11 @@ help: a chat template may open the thinking itself (`<think>` at the end of the 
 which. qwen3: reasoning when the output opens `<think>` or the prompt left it open; otherwise (thinking off, or a
 model that answers at once) all of it is content. deepseek_r1: everything before `</think>` is reasoning (the
 template adds `<think>`; one the model writes anyway is dropped), unless the prompt closed the thinking. gpt_oss: OpenAI's harmony format, read with the `openai-harmony` package (the `harmony` extra): the
-analysis channel is reasoning, the final (and commentary) channels are content.
+analysis channel is reasoning, the final (and commentary) channels are content; with tools (the `openai` tool-call
+parser) a commentary message addressed `to=functions.NAME` is a call of NAME, its content the arguments. harmony's
+vocabulary (o200k_base.tiktoken) is read from an installed litellm wheel's copy when there is one (checked by its
+SHA-256, as openai-harmony checks it too), so nothing is downloaded; otherwise openai-harmony downloads it once, or
+reads it from $TIKTOKEN_ENCODINGS_BASE.
 
 Each parser is a reader of the choice's cumulative text that returns OpenAI deltas as it goes; the whole-text
 parse is the same reader fed the text at once, so a stream and a plain response agree. A marker split across
@@ -17,9 +21,13 @@ deltas is held back until it is known.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
 
 from jaxpaged.engine.structured_output import thinking_closed
-from jaxpaged.entrypoints.openai.tool_parsers import _partial_tag, _ws
+from jaxpaged.entrypoints.openai.tool_parsers import ToolCall, _partial_tag, _ws
 from jaxpaged.utils.extras import require
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
@@ -156,19 +164,56 @@ class ThinkReader(ReasoningReader):
 
 
 _ENCODING = None
+# o200k_base.tiktoken, the vocabulary of harmony's encoding: its SHA-256, which openai-harmony checks too
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+# litellm's wheel ships the file as a tiktoken cache entry, named by the SHA-1 of its public address: the name
+# openai-harmony's own cache gives it, so pointing TIKTOKEN_RS_CACHE_DIR at its folder loads it without a download
+BUNDLED_O200K = ("litellm", "litellm/litellm_core_utils/tokenizers/fb374d419588a4632f3f557e76b4b70aebbca790")
+
+
+def bundled_vocabulary() -> Path | None:
+    """The folder of an installed copy of o200k_base.tiktoken with harmony's SHA-256 (litellm's), or None."""
+    package, file = BUNDLED_O200K
+    try:
+        path = Path(importlib.metadata.distribution(package).locate_file(file))  # found, not imported
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != O200K_SHA256:
+        return None
+    return path.parent
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """os.environ with `values` set, as it was afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def harmony_encoding():
-    """openai-harmony's gpt-oss encoding, loaded once; a clear error when the package or its vocabulary is missing."""
+    """openai-harmony's gpt-oss encoding, loaded once; a clear error when the package or its vocabulary is missing.
+    The vocabulary: the folder in $TIKTOKEN_ENCODINGS_BASE when set, else an installed litellm's copy (no download),
+    else openai-harmony's cache or download."""
     global _ENCODING
     if _ENCODING is None:
         harmony = require("openai_harmony", "the gpt_oss reasoning parser")
+        folder = None if "TIKTOKEN_ENCODINGS_BASE" in os.environ else bundled_vocabulary()
         try:
-            _ENCODING = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+            with _environment(**({"TIKTOKEN_RS_CACHE_DIR": str(folder)} if folder else {})):
+                _ENCODING = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
         except Exception as exc:  # noqa: BLE001 - HarmonyError: it downloads o200k_base.tiktoken on first use
             raise ValueError(
                 f"the gpt_oss reasoning parser could not load openai-harmony's vocabulary ({exc}); it is downloaded "
-                "on first use, or read from the folder in TIKTOKEN_ENCODINGS_BASE when offline"
+                "on first use, read from the folder in TIKTOKEN_ENCODINGS_BASE, or from an installed litellm's "
+                "copy (pip install --no-deps litellm) when offline"
             ) from None
     return _ENCODING
 
@@ -176,15 +221,21 @@ def harmony_encoding():
 class HarmonyReader(ReasoningReader):
     """gpt-oss's harmony messages, parsed by openai-harmony's StreamableParser from the output's text (special
     tokens kept): the text is encoded with harmony's own vocabulary, so any tokenizer that spells the markers works.
-    A marker (`<|...|>`) cut at the end of a delta waits for its rest."""
+    A marker (`<|...|>`) cut at the end of a delta waits for its rest. With `tools`, a commentary message addressed
+    `to=functions.NAME` is a call (in `calls`, sent as OpenAI's tool_calls deltas: the call's id and name as its
+    header is read, then its arguments as they come); one in the analysis channel stays reasoning."""
 
-    def __init__(self):
+    def __init__(self, tools: bool = False):
         super().__init__()
         harmony = require("openai_harmony", "the gpt_oss reasoning parser")
         self._encoding = harmony_encoding()
         self._parser = harmony.StreamableParser(self._encoding, role=harmony.Role.ASSISTANT)
+        self._in_message = harmony.StreamState.CONTENT
         self.text = ""
         self._sent = 0  # text[:_sent] has gone to the parser
+        self.tools = tools
+        self.calls: list[ToolCall] = []
+        self._call: ToolCall | None = None  # the call whose arguments are being read
 
     def _advance(self, text: str | None, final: bool) -> None:
         text = self.text if text is None else text
@@ -204,12 +255,27 @@ class HarmonyReader(ReasoningReader):
                 self._parser.process_eos()
 
     def _process(self, token: int) -> None:
+        parser = self._parser
         try:
-            self._parser.process(token)
+            parser.process(token)
         except Exception:  # noqa: BLE001 - text outside harmony's shape: kept as content, not lost
             self._emit("content", self._encoding.decode([token]))
             return
-        delta = self._parser.last_content_delta
-        if delta:
-            channel = self._parser.current_channel
+        if parser.state != self._in_message:  # a header, or between messages
+            self._call = None
+            return
+        delta, channel, recipient = parser.last_content_delta, parser.current_channel, parser.current_recipient
+        if self.tools and channel == "commentary" and recipient and recipient.startswith("functions."):
+            if self._call is None:  # the header just ended: the call opens
+                self._call = ToolCall(recipient.removeprefix("functions."))
+                self.calls.append(self._call)
+                self._out.append({"tool_calls": [{"index": len(self.calls) - 1, **self._call.openai()}]})
+            if delta:
+                self._call.arguments += delta
+                last = self._out[-1]["tool_calls"][0] if self._out and "tool_calls" in self._out[-1] else {}
+                if last.get("index") == len(self.calls) - 1 and "id" not in last:  # this delta's earlier pieces
+                    last["function"]["arguments"] += delta
+                else:
+                    self._out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": delta}}]})
+        elif delta:
             self._emit("reasoning_content" if channel == "analysis" else "content", delta)

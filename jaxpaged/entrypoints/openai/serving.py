@@ -60,6 +60,14 @@ class Serving:
         self.token_bytes = TokenBytes(self.tokenizer)
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_parser = settings.tool_call_parser or detect_parser(template)
+        self.reasoning_parser = self._reasoning_parser(template)
+        if self.tool_parser == "openai" and self.reasoning_parser != "gpt_oss":  # harmony's calls are its messages
+            if settings.tool_call_parser == "openai":
+                raise ValueError("--tool-call-parser openai reads gpt-oss's harmony messages with the gpt_oss reasoning "
+                                 f"parser, which this server does not use (reasoning parser: {self.reasoning_parser})")
+            logger.warning("the chat template is gpt-oss's harmony, but without the gpt_oss reasoning parser "
+                           "tool_choice 'auto' has no tool-call parser")
+            self.tool_parser = None
         if settings.enable_auto_tool_choice and self.tool_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser: this model's chat template shows no tool-call "
@@ -67,7 +75,6 @@ class Serving:
             )
         if self.tool_parser:
             logger.info("tool_choice 'auto' reads calls with the %s parser", self.tool_parser)
-        self.reasoning_parser = self._reasoning_parser(template)
         if self.reasoning_parser:
             logger.info("reasoning_content is read with the %s reasoning parser", self.reasoning_parser)
         from jaxpaged.entrypoints.openai.lora import ServedLoRAs

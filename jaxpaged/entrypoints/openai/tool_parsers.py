@@ -1,6 +1,8 @@
 """Tool calls read from a chat model's output, whole or streamed, in the format of its own chat template
 (vLLM's `--tool-call-parser`): Hermes-style `<tool_call>` JSON (Qwen2.5, Hermes) and Llama 3.1's JSON calls for
-tool_choice "auto", plus the grammar-shaped outputs of "required" (a JSON array) and a named function.
+tool_choice "auto", plus the grammar-shaped outputs of "required" (a JSON array) and a named function. gpt-oss's
+harmony calls (`openai`, vLLM's name: a commentary message `to=functions.NAME`) are read by openai-harmony, in the
+gpt_oss reasoning parser's reader (reasoning.HarmonyReader), not here.
 
 Each format is one reader of the choice's cumulative text that returns OpenAI deltas as it goes; the whole-text
 parse is the same reader fed the text at once, so a stream and a plain response always agree. A stream cannot
@@ -14,7 +16,7 @@ import dataclasses
 import json
 import uuid
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "openai")
 ARG_KEYS = ("arguments", "parameters")  # Llama 3.1's template and vLLM's "required" array say "parameters"
 _WS = " \t\r\n"
 
@@ -27,6 +29,8 @@ def detect_parser(chat_template) -> str | None:
         return None
     if "<tool_call>" in chat_template:
         return "hermes"
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template:  # gpt-oss's harmony
+        return "openai"
     llama3 = "<|start_header_id|>" in chat_template and '"parameters"' in chat_template  # its tool instructions
     if "<|python_tag|>" in chat_template or llama3:
         return "llama3_json"
