@@ -17,7 +17,9 @@ dispatched as the engine does, forward alone, write alone, and fused; which call
 (bench_attention.py's goal cases), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off), moe
 (a MoE of Qwen3-30B-A3B's layer shape beside the dense model of its active parameters),
 warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
---with-hf). A stage that would not fit in what is left of the budget is dropped and named; a child writes its
+--with-hf), and issue 44's step 5: spec (a draft model at batch 1 and 64), lora (four adapters at batch 64), fp16
+(the workload on the float16 path of a GPU older than compute capability 8.0, forced). `STAGE@VARIANT` runs a stage
+with a variant's XLA flags (VARIANT_FLAGS: cublas, nocmdbuf), so one report holds an A/B. A stage that would not fit in what is left of the budget is dropped and named; a child writes its
 results as it goes, and the report is rewritten after every stage, so a run cut short keeps what it measured.
 """
 
@@ -43,10 +45,24 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
 STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "attention": (30, 120),
-          "warm": (30, 90), "hf_cb": (120, 300)}  # fmt: skip
+          "warm": (30, 90), "hf_cb": (120, 300), "spec": (150, 300), "lora": (120, 240), "fp16": (60, 150)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
-# stage -> its child's environment from the parent's
-STAGE_ENV = {"gemm_cublas": lambda env: {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_gpu_enable_triton_gemm=false".strip()}}
+# "stage@variant" runs the stage with these XLA flags added (an A/B in one report; the executable cache keys on them)
+VARIANT_FLAGS = {"cublas": "--xla_gpu_enable_triton_gemm=false",  # every dot to cuBLAS(Lt), none to XLA's Triton GEMMs
+                 "nocmdbuf": "--xla_gpu_enable_command_buffer=",  # no CUDA graphs: each kernel launched by itself
+                 "cublas_nocmdbuf": "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer="}  # fmt: skip
+
+
+def with_flags(env: dict, flags: str) -> dict:
+    return {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {flags}".strip()}
+
+
+def stage_env(stage: str, env: dict) -> dict:
+    """A child's environment: the variant's XLA flags, and gemm_cublas's (the gemm stage with cuBLAS)."""
+    _, _, variant = stage.partition("@")
+    if variant:
+        env = with_flags(env, VARIANT_FLAGS[variant])
+    return with_flags(env, VARIANT_FLAGS["cublas"]) if stage.startswith("gemm_cublas") else env
 
 
 def workload(vocab: int, num_requests: int, lo: int, hi: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -378,6 +394,61 @@ def stage_moe(args, out: Partial) -> None:
 stage_gemm_cublas = stage_gemm  # the same, run with XLA's Triton GEMMs off (cuBLAS for every dot): see main()
 
 
+def stage_spec(args, out: Partial) -> None:
+    """Issue 44 step 5: speculative decoding with a draft model (scripts/bench_spec_decode.py's copy workload: a
+    random Llama of SmolLM2-135M's shape that copies its prompts, drafted for by its own 2-layer cut) at batch 1 and
+    64 (forced on there), against the same engine without it."""
+    import bench_spec_decode
+
+    rows = []
+    for batch in (1, 64):
+        path = Path(args.work) / f"spec_{batch}.json"
+        argv = ["--workload", "copy", "--sides", "draft-copy", "--ks", "4", "--batch", str(batch), "--repeats", "1",
+                "--num-requests", str(batch if batch > 1 else 4), "--output-len", "16" if args.tiny else "128",
+                "--words", "8" if args.tiny else "40", "--json", str(path)]  # fmt: skip
+        if batch > 1:
+            argv += ["--disable-by-batch-size", str(batch + 1)]
+        bench_spec_decode.main(argv)
+        report = json.loads(path.read_text())
+        for side, s in report["sides"].items():
+            rows.append({"batch": batch, "side": side, "tok_s": s["tok_s"],
+                         "speedup": report["speedup"].get(side), "device": report["machine"].get("jax_device_kind")})  # fmt: skip
+        out["spec"] = rows
+
+
+def stage_lora(args, out: Partial) -> None:
+    """Issue 44 step 5: LoRA's cost at batch 64 with four rank-16 adapters mixed in every step (scripts/bench_lora.py:
+    a random base of SmolLM2-135M's shape, bfloat16), against the same engine without LoRA."""
+    import bench_lora
+
+    path = Path(args.work) / "lora.json"
+    argv = ["--dtype", "float32" if args.tiny else "bfloat16", "--num-requests", "64", "--num-adapters", "4",
+            "--repeats", "1", "--settle-s", "0", "--output-len", "16" if args.tiny else "128", "--json", str(path)]  # fmt: skip
+    if args.tiny:
+        argv += ["--num-layers", "2", "--vocab-size", "512"]
+    bench_lora.main(argv)
+    report = json.loads(path.read_text())
+    out["lora"] = [{"side": side, "tok_s": s["tok_s"]} for side, s in report["sides"].items()] + [
+        {"side": "lora / plain", "ratio": report["ratio"], "device": report["machine"]["jax_device_kind"]}]
+
+
+def stage_fp16(args, out: Partial) -> None:
+    """Issue 44 step 5: the workload in float16 on the path a GPU before compute capability 8.0 takes (T4, V100:
+    float16 as the engine's dtype, and the attention kernel sized for a T4's 64 KiB of shared memory), forced on
+    this GPU; the cold stage's start-up and workload otherwise."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        from jaxpaged.platforms import gpu
+
+        real = str(jax.devices()[0].compute_capability)
+        gpu._capability = lambda: (7, 5)
+        gpu.SHARED_MEMORY_KIB = {**gpu.SHARED_MEMORY_KIB, real: gpu.SHARED_MEMORY_KIB["7.5"]}
+        out["forced"] = {"capability": "7.5", "real_capability": real, "shared_memory_kib": gpu.SHARED_MEMORY_KIB["7.5"]}
+    args.dtype = "float16"
+    stage_cold(args, out)
+
+
 def stage_attention(args, out: Partial) -> None:
     import bench_attention
 
@@ -488,9 +559,9 @@ def main(argv=None) -> int:
         args.profile_rows, args.profile_steps = min(args.profile_rows, 16), min(args.profile_steps, 4)
     model_dir = work / ("tiny" if args.tiny else "model")
     stages = [s for s in args.stages.split(",") if s] + (["hf_cb"] if args.with_hf else [])
-    unknown = [s for s in stages if s not in STAGES]
+    unknown = [s for s in stages if s.partition("@")[0] not in STAGES or s.partition("@")[2] not in ("", *VARIANT_FLAGS)]
     if unknown:
-        p.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
+        p.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}, each optionally @{'/@'.join(VARIANT_FLAGS)}")
     report = {"budget_s": args.budget_s, "env": environment(), "stages": {}, "dropped": [],
               "workload": {"num_requests": args.num_requests, "lo": args.lo, "hi": args.hi, "config": args.config,
                            "dtype": args.dtype, "engine_args": json.loads(args.engine_args)}}  # fmt: skip
@@ -502,7 +573,7 @@ def main(argv=None) -> int:
         subprocess.run(["rm", "-rf", str(work / "cache")], check=False)
     for stage in stages:
         left = args.budget_s - (time.monotonic() - start) - RESERVE_S
-        least, most = STAGES[stage]
+        least, most = STAGES[stage.partition("@")[0]]
         if stage == "weights" and (model_dir / "config.json").exists():
             report["stages"][stage] = {"skipped": f"{model_dir} exists"}
             continue
@@ -512,7 +583,7 @@ def main(argv=None) -> int:
             continue
         result = work / f"{stage}.json"
         result.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--stage", stage, "--result", str(result), "--model-dir", str(model_dir),
+        cmd = [sys.executable, __file__, "--stage", stage.partition("@")[0], "--result", str(result), "--model-dir", str(model_dir),
                "--work", str(work), "--config", args.config, "--dtype", args.dtype, "--num-requests", str(args.num_requests),
                "--lo", str(args.lo), "--hi", str(args.hi), "--profile-rows", str(args.profile_rows),
                "--profile-steps", str(args.profile_steps), "--engine-args", args.engine_args] + ["--tiny"] * args.tiny  # fmt: skip
@@ -520,7 +591,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         load_before = os.getloadavg()
         try:
-            rc = subprocess.run(cmd, env=STAGE_ENV.get(stage, lambda e: e)(env), timeout=min(most, left)).returncode
+            rc = subprocess.run(cmd, env=stage_env(stage, env), timeout=min(most, left)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         data = json.loads(result.read_text()) if result.exists() else {}
@@ -581,8 +652,8 @@ def summary_table(report: dict) -> str:
     device = cold.get("device", {})
     lines = [f"# gpu_report: {device.get('kind', '?')}, {env.get('date')}, jax {env.get('jax')}, "
              f"transformers {env.get('transformers')}, torch {env.get('torch')}", ""]  # fmt: skip
-    for name in ("cold", "cold_fused"):
-        lines += _workload_lines(st.get(name, {}), st.get("hf_cb", {}).get("hf_cb"), "" if name == "cold" else "fused_kv_write: ")
+    for name in [n for n in st if n.startswith(("cold", "fp16"))]:
+        lines += _workload_lines(st[name], st.get("hf_cb", {}).get("hf_cb"), "" if name == "cold" else f"{name}: ")
     for key, label in (("cold_start", "cold start"), ("warm_start", "warm start")):
         s = cold.get(key) or warm.get(key)
         if s:
@@ -593,11 +664,15 @@ def summary_table(report: dict) -> str:
                          f"weights {_f(s.get('weights_read_gbs'), '{:.2f}')} GB/s), first token {s['first_token_s']:.2f} s, "
                          f"{s['executables_loaded']} executables loaded, {s['executables_compiled']} compiled"
                          + (f"; the other buckets compiled {later:.1f} s after warm-up began" if later else ""))
-    probe = st.get("probe", {}).get("probe")
-    if probe:
-        import dispatch_probe
+    for name in [n for n in st if n.startswith("probe")]:
+        probe = st[name].get("probe")
+        if probe:
+            import dispatch_probe
 
-        lines.append(dispatch_probe.table(probe))
+            lines.append(("" if name == "probe" else f"{name}: ") + dispatch_probe.table(probe))
+    for name in ("spec", "lora"):
+        for row in st.get(name, {}).get(name, []):
+            lines.append(f"{name}: " + ", ".join(f"{k} {_f(v, '{:.3g}') if isinstance(v, float) else v}" for k, v in row.items()))
     for name in ("gemm", "gemm_cublas"):
         gemm = st.get(name, {}).get("gemm")
         if not gemm:

@@ -100,3 +100,15 @@ def test_the_dispatch_probe_times_each_way_of_queueing_a_decode_step(tmp_path):
     assert variants["cache_bytes"] == sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(runner.kv_cache))
     assert np.asarray(runner.kv_cache).any()  # the writes landed
     assert "| fused |" in dispatch_probe.table(report)
+
+
+def test_a_stage_variant_adds_its_xla_flags_and_an_unknown_one_is_refused(tmp_path):
+    env = gpu_report.stage_env("cold@cublas", {"XLA_FLAGS": "--xla_dump_to=/x"})
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/x --xla_gpu_enable_triton_gemm=false"
+    assert "XLA_FLAGS" not in gpu_report.stage_env("cold", {})
+    assert gpu_report.stage_env("gemm_cublas", {})["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_report.py"), "--tiny", "--stages", "cold@nope", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unknown stages ['cold@nope']" in proc.stderr
