@@ -118,6 +118,92 @@ def test_gpt_oss_whole_and_streamed():
         assert (reasoning, content) == ("Think first.", "Final answer."), cuts
 
 
+def _calls(deltas: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments) of each call in tool_calls deltas: its opening (id, name), then its arguments' pieces."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", ()):
+            if "id" in c:
+                assert c["index"] not in calls and c["type"] == "function" and c["id"].startswith("call_")
+                calls[c["index"]] = [c["function"]["name"], c["function"]["arguments"]]
+            else:
+                calls[c["index"]][1] += c["function"]["arguments"]
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_harmony_round_trip():
+    """A conversation rendered by openai-harmony (system, developer with a function tool, user), the completions it
+    renders for the assistant (analysis, then a call `to=functions.get_weather` in the role's header; after the
+    tool's answer, a final message) read back by HarmonyReader, whole and streamed, as openai-harmony's own
+    parse_messages_from_completion_tokens reads them."""
+    _harmony_or_skip()
+    import openai_harmony as h
+
+    from jaxpaged.entrypoints.openai.reasoning import HarmonyReader
+
+    enc = harmony_encoding()
+    weather = h.ToolDescription.new("get_weather", "A city's weather", parameters={
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})  # fmt: skip
+    messages = [
+        h.Message.from_role_and_content(h.Role.SYSTEM, h.SystemContent.new()),
+        h.Message.from_role_and_content(h.Role.DEVELOPER, h.DeveloperContent.new().with_function_tools([weather])),
+        h.Message.from_role_and_content(h.Role.USER, "Weather in Oslo?"),
+    ]
+    prompt = enc.decode(enc.render_conversation_for_completion(h.Conversation.from_messages(messages), h.Role.ASSISTANT))
+    assert "namespace functions" in prompt and "type get_weather" in prompt and prompt.endswith("<|start|>assistant")
+    thought, args = "The user wants Oslo's weather: call get_weather.", '{"city": "Oslo"}'
+    turn = [
+        h.Message.from_role_and_content(h.Role.ASSISTANT, thought).with_channel("analysis"),
+        h.Message.from_role_and_content(h.Role.ASSISTANT, args).with_channel("commentary")
+        .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"),
+    ]  # fmt: skip
+    answer = [h.Message.from_role_and_content(h.Role.ASSISTANT, "3 degrees and snow.").with_channel("final")]
+    tool = h.Message.from_author_and_content(h.Author.new(h.Role.TOOL, "functions.get_weather"), '{"temp": 3}')
+    tool = tool.with_recipient("assistant").with_channel("commentary")
+    for done, completion, want in ((messages, turn, (thought, None, [("get_weather", args)])),
+                                   ([*messages, *turn, tool], answer, (None, "3 degrees and snow.", []))):  # fmt: skip
+        tokens = [t for m in completion for t in enc.render(m)]
+        assert enc.decode(tokens[-1:]) == ("<|call|>" if want[2] else "<|end|>")
+        # the model writes what follows the prompt's "<|start|>assistant"
+        conversation = enc.render_conversation_for_completion(h.Conversation.from_messages(done), h.Role.ASSISTANT)
+        assert enc.decode(conversation).endswith("<|start|>assistant") and enc.decode(tokens).startswith("<|start|>assistant")
+        text = enc.decode(tokens).removeprefix("<|start|>assistant")
+        oracle = enc.parse_messages_from_completion_tokens(enc.encode(text, allowed_special="all"), h.Role.ASSISTANT)
+        assert [m.to_dict() for m in oracle] == [m.to_dict() for m in completion]
+        for cuts in ([], range(1, len(text)), [7, 30, 90, 120]):
+            reader = HarmonyReader(tools=True)
+            reasoning, content, deltas = _streamed(reader, text, cuts)
+            assert (reasoning, content, _calls(deltas)) == want, cuts
+            assert [(c.name, c.arguments) for c in reader.calls] == want[2]
+            assert (reader.reasoning, reader.content) == want[:2]
+
+
+HARMONY_CALLS = [  # (output, reasoning, content, calls): calls in the channel's header or the role's, cut short
+    ('<|channel|>analysis<|message|>Add.<|end|><|start|>assistant<|channel|>commentary to=functions.add '
+     '<|constrain|>json<|message|>{"a": 2}<|call|>', "Add.", None, [("add", '{"a": 2}')]),
+    ('<|channel|>commentary to=functions.now json<|message|>{}<|call|><|start|>assistant to=functions.add'
+     '<|channel|>commentary json<|message|>{"a": 1}', None, None, [("now", "{}"), ("add", '{"a": 1}')]),
+    ('<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a"', None, None, [("add", '{"a"')]),
+    # a call in the analysis channel stays reasoning; a commentary message to no one is content
+    ('<|channel|>analysis to=functions.add<|message|>{"a": 3}<|end|><|start|>assistant<|channel|>commentary<|message|>'
+     'Calling.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>', '{"a": 3}', "Calling.Done.", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HARMONY_CALLS)
+def test_harmony_calls_whole_and_streamed(case):
+    _harmony_or_skip()
+    from jaxpaged.entrypoints.openai.reasoning import HarmonyReader
+
+    text, *want = case
+    for cuts in ([], range(1, len(text)), [3, 40, 41, 60]):
+        reasoning, content, deltas = _streamed(HarmonyReader(tools=True), text, cuts)
+        assert [reasoning, content, _calls(deltas)] == want, cuts
+    # without tools (tool_choice "none", or no tools) a call's arguments are content
+    reasoning, content = HarmonyReader().parse(text)
+    assert reasoning == want[0] and content == ((want[1] or "") + "".join(a for _, a in want[2]) or None)
+
+
 def test_gpt_oss_without_the_package_says_which_extra(monkeypatch):
     import sys
 
