@@ -64,6 +64,10 @@ class EngineConfig:
                                   "a GPU that second call's donation may hold the host until the forward is done; on "
                                   "XLA:CPU the fused step copies the cache, so it is slower there); not with "
                                   "pipeline_parallel_size > 1 (default: off)")  # fmt: skip
+    fuse_projections: bool = option(False, "lay each layer's q/k/v projections out as one weight, and gate/up as one, "
+                                    "at load (as vLLM stores them), so a step runs one dot for each instead of XLA "
+                                    "concatenating the weights at run time; the shared attention and gated MLP only; "
+                                    "not with enable_lora (default: off)")  # fmt: skip
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before (default: on)")
     batch_invariant: bool = option(False, "a request's tokens and logprobs never depend on the rest of the batch (one step shape; slower)")
     async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
@@ -143,6 +147,9 @@ class EngineConfig:
         from jaxpaged.models.lora import parse_targets
 
         parse_targets(self.lora_target_modules)
+        if self.enable_lora and self.fuse_projections:
+            raise ValueError("enable_lora needs fuse_projections off: adapters wrap the separate q/k/v and gate/up "
+                             "projections, which fuse_projections replaces")  # fmt: skip
         if self.enable_lora and (self.pipeline_parallel_size > 1 or self.data_parallel_size > 1):
             raise ValueError("enable_lora needs pipeline_parallel_size and data_parallel_size 1 (tensor parallelism is supported)")
         from jaxpaged import distributed
@@ -212,7 +219,7 @@ class EngineConfig:
         if self.matmul_backend not in MATMUL_BACKEND_CHOICES:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKEND_CHOICES} (got {self.matmul_backend!r})")
         for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile", "quantize_activations",
-                     "fused_kv_write"):  # fmt: skip
+                     "fused_kv_write", "fuse_projections"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if self.fused_kv_write and self.pipeline_parallel_size > 1:

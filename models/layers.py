@@ -314,12 +314,35 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
+def _merge_units(a: jax.Array) -> jax.Array:
+    return a.reshape(*a.shape[:-2], a.shape[-2] * a.shape[-1])
+
+
+def split_qkv(y: jax.Array, layout: tuple[int, int, int]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A fused q/k/v output [..., units * (q + 2k)] -> q, k, v: each unit (a tensor-parallel device's share) holds
+    its q heads' columns, then its k heads', then its v heads'."""
+    units, q, k = layout
+    y = y.reshape(*y.shape[:-1], units, q + 2 * k)
+    return _merge_units(y[..., :q]), _merge_units(y[..., q : q + k]), _merge_units(y[..., q + k :])
+
+
+def split_gate_up(y: jax.Array, units: int) -> tuple[jax.Array, jax.Array]:
+    """A fused gate/up output [..., units * 2 * f / units] -> gate, up: each unit holds its gate columns, then its up."""
+    y = y.reshape(*y.shape[:-1], units, 2, y.shape[-1] // (2 * units))
+    return _merge_units(y[..., 0, :]), _merge_units(y[..., 1, :])
+
+
 class Attention(nnx.Module):
     """q/k/v projections, optional q/k RMSNorm, RoPE (full, partial or interleaved) or ALiBi, paged attention, o_proj.
 
     The KV-head count is read from k_proj's width at run time, not stored, so tensor parallelism can
     widen k/v (replicating KV heads across devices) without rebuilding the module.
     """
+
+    # fuse_projections (models/fused_projections.py): q/k/v as one Linear, q/k/v_proj then None, and its columns'
+    # layout, (units, q columns, k columns) per unit; class attributes, so an unfused module's graph is unchanged
+    qkv_proj = None
+    qkv_layout: tuple[int, int, int] | None = None
 
     def __init__(
         self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend, scale: float | None = None,
@@ -347,7 +370,10 @@ class Attention(nnx.Module):
     def __call__(self, x, rope, kv_cache, attn_metadata: AttentionMetadata):
         """rope: rotary_table's (cos, sin) for this step's positions, None for models without RoPE."""
         (h, hd), t = self.shape, x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = split_qkv(self.qkv_proj(x), self.qkv_layout)
         if self.clip_qkv is not None:
             q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
         q, k, v = q.reshape(t, h, hd), k.reshape(t, -1, hd), v.reshape(t, -1, hd)
@@ -365,6 +391,10 @@ class Attention(nnx.Module):
 class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)): Llama, Mistral, Qwen."""
 
+    # fuse_projections: gate and up as one Linear over `gate_up_units` column groups (models/fused_projections.py)
+    gate_up_proj = None
+    gate_up_units = 1
+
     def __init__(self, cfg: ModelConfig, *, dtype):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(d, f, bias=cfg.mlp_bias, dtype=dtype)
@@ -373,7 +403,11 @@ class GatedMLP(nnx.Module):
         self.act = cfg.hidden_act
 
     def __call__(self, x):
-        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = split_gate_up(self.gate_up_proj(x), self.gate_up_units)
+        return self.down_proj(activation(self.act)(gate) * up)
 
 
 class MLP(nnx.Module):

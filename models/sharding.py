@@ -2,7 +2,8 @@
 NamedSharding, derived from its path alone in one place. The ports share parameter names
 (models/layers.py), so the rules below cover every family:
 
-- column-parallel (output features split): q_proj, k_proj, v_proj, gate_proj, up_proj, and their biases;
+- column-parallel (output features split): q_proj, k_proj, v_proj, gate_proj, up_proj, and their biases (and
+  fuse_projections' qkv_proj and gate_up_proj, whose columns are grouped by device);
 - row-parallel (input features split): o_proj, down_proj; their biases are replicated (added once,
   after GSPMD's all-reduce of the partial sums);
 - vocabulary-parallel: embed_tokens rows and lm_head columns, when the vocabulary divides by N;
@@ -33,6 +34,9 @@ from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 from jaxpaged.pallas_kernels.state_cache import HybridCache, StateArray, StateSpec, StateUpdate
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# fuse_projections' fused Linears (models/fused_projections.py): their columns grouped so that a split of N gives each
+# device its own q/k/v heads and gate/up columns
+COLUMN_PARALLEL += ("qkv_proj", "gate_up_proj")
 # vision towers and projectors (models/vision/) stay whole on every device: they run once per image, beside the
 # language model, and their heads need not divide by N
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")

@@ -33,6 +33,7 @@ from jaxpaged.core.kv_cache_coordinator import KVGroups, kv_groups
 from jaxpaged.core.kv_cache_manager import freeing_window, max_blocks_held
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models import lora
+from jaxpaged.models.fused_projections import fuse_projections
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.quantization import is_quantized, quantize_activations
 from jaxpaged.models.weights import param_bytes
@@ -229,6 +230,8 @@ class ModelRunner:
         """Lay loaded weights out in place for this runner: 8-bit activations, the platform's layout for its matmuls,
         LoRA's wrapped projections (before the split, so the graphdef holds them); the matmul path taken. Run at
         start-up, and traced again by a weight update on the new weights (worker/weight_update.py)."""
+        if self.config.fuse_projections:  # first: every layout below then treats the fused Linears as any other
+            fuse_projections(model, self.config.tensor_parallel_size)
         if self.config.quantize_activations and not quantize_activations(model, self.platform.fp8_dot_operands):
             raise ValueError("quantize_activations needs int8 or fp8 weights quantized per output channel (quantization="
                              "'int8' or 'fp8', or a compressed-tensors checkpoint); this model has none")  # fmt: skip

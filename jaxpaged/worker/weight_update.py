@@ -363,7 +363,8 @@ class WeightUpdater:
         touched = [o for o, d in enumerate(out_deps) if d & given]
         lacking = {i for o in touched for i in out_deps[o] - given}
         if lacking:
-            raise ValueError("update_weights: this engine lays these parameters out together with others, so they "
+            why = " (fuse_projections: a layer's q/k/v, and its gate/up, are one weight)" if self.runner.config.fuse_projections else ""
+            raise ValueError(f"update_weights: this engine lays these parameters out together with others{why}, so they "
                              "must come with them; also give " + shown(sorted(self.layout.paths[i] for i in lacking)))  # fmt: skip
         return _Plan(entries, inputs, given, touched, t0, copy)
 
