@@ -69,6 +69,22 @@ class TensorLedger:
         """`name`, should no parameter read it, is skipped for `why`."""
         self.named[name] = why
 
+    def skip_unread(self, where: dict, rules: Iterable[tuple[str, str]]) -> dict:
+        """`where` ({checkpoint name: file}) less the names a rule matches, each skipped for its reason without
+        being read: what no parameter could take and would cost to read (a layer past the model's, its experts
+        stacked on the host)."""
+        rules = [(re.compile(pattern), why) for pattern, why in rules]
+        if not rules:
+            return where
+        kept = {}
+        for name, file in where.items():
+            why = next((why for pattern, why in rules if pattern.search(name)), None)
+            if why is None:
+                kept[name] = file
+            else:
+                self.skip(name, why)
+        return kept
+
     def missing_as(self, name: str, tensors: list[str]) -> None:
         """Should `name` (a parameter's spec, e.g. stacked experts) be missing, name `tensors` instead."""
         self.stand_ins[name] = tensors

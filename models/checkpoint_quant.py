@@ -34,7 +34,8 @@ SUPPORTED = (
     "compressed-tensors int-quantized / naive-quantized (int8 per channel or tensor, int8 or int4 values per group), "
     "float-quantized (fp8 e4m3 per channel or tensor) and pack-quantized (int4 or int8 per group, channel or tensor); "
     "gptq (4 or 8 bits, checkpoint_format gptq or gptq_v2, without act-order); awq (4-bit GEMM with zero points); "
-    "mxfp4 (GPT-OSS experts, dequantized at load)"
+    "mxfp4 (GPT-OSS experts, dequantized at load); fp8 (block-wise or per tensor, DeepSeek-V3's and transformers' "
+    "finegrained FP8, dequantized at load)"
 )
 CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column 8c + AWQ_ORDER[i] sits in nibble i
@@ -52,8 +53,9 @@ def _refuse(method: str, what: str | None, source: str) -> ValueError:
     )
 
 
-def checkpoint_format(qcfg: dict | None, source: str) -> CheckpointFormat | None:
-    """The reader for a config.json `quantization_config`; ValueError naming what is refused."""
+def checkpoint_format(qcfg: dict | None, source: str, dtype=np.float32) -> CheckpointFormat | None:
+    """The reader for a config.json `quantization_config`; ValueError naming what is refused. dtype: what a format
+    that dequantizes at load (fp8 blocks) casts to."""
     if not qcfg:
         return None
     method = str(qcfg.get("quant_method", "unknown")).lower()
@@ -61,6 +63,10 @@ def checkpoint_format(qcfg: dict | None, source: str) -> CheckpointFormat | None
         from jaxpaged.models.mxfp4 import Mxfp4
 
         return Mxfp4(qcfg, source)
+    if method == "fp8":  # block-wise FP8 (DeepSeek-V3, Kimi K2): dequantized at load (models/fp8_blocks.py)
+        from jaxpaged.models.fp8_blocks import Fp8Blocks
+
+        return Fp8Blocks(qcfg, source, dtype)
     readers = {"compressed-tensors": CompressedTensors, "gptq": GPTQ, "awq": AWQ}
     if method not in readers:
         raise _refuse(method, None, source)

@@ -56,6 +56,8 @@ from jaxpaged.pallas_kernels import AttentionBackend, TritonAttention
 from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
 from jaxpaged.pallas_kernels.mla import latent_planes, mla_attention
 
+MTP_LAYERS = ("the multi-token-prediction layer (model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, "
+              "shared_head and a decoder layer; a draft head for speculative decoding): not run")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them without the config's eps
 
 
@@ -206,6 +208,16 @@ class DeepseekForCausalLM(CausalLM):
         return regroup_expert_tensors(tensors, MoeOptions.of(self.config).num_experts, missing)
 
     @staticmethod
+    def unread_tensors(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+        """V3's multi-token-prediction layers (`num_nextn_predict_layers`, stored as the layers after the last:
+        `model.layers.61.*` in DeepSeek-V3/R1), skipped before they are read: never dequantized, their experts never
+        stacked on the host."""
+        first, count = cfg.num_layers, int(cfg.option("mtp_layers", 0))
+        if not count:
+            return ()
+        return ((rf"^model\.layers\.({'|'.join(str(i) for i in range(first, first + count))})\.", MTP_LAYERS),)
+
+    @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:
         hf = text_config(hf_config)
         mla = mla_options_from_hf(hf)
@@ -223,10 +235,11 @@ class DeepseekForCausalLM(CausalLM):
             sparse_layers=tuple(range(first_dense, layers)),
         )  # fmt: skip
         router = router_options_from_hf(hf, v3, moe)
+        mtp = int(getattr(hf, "num_nextn_predict_layers", None) or getattr(hf, "num_mtp_layers", None) or 0)
         return model_config_from_hf(
             hf, architecture, num_kv_heads=1, head_dim=mla.latent_width // 2, rotary_dim=mla.qk_rope_head_dim,
             rope_interleaved=bool(getattr(hf, "rope_interleave", True)) if v3 else True, attention_out_bias=None,
-            options={"mla": _as_option(mla), "moe": moe.as_option(), "router": _as_option(router)},
+            options={"mla": _as_option(mla), "moe": moe.as_option(), "router": _as_option(router), "mtp_layers": mtp},
         )  # fmt: skip
 
     @staticmethod

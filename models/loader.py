@@ -136,7 +136,7 @@ def _load_tokenizer(folder: Path):
 SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
 
-def _checkpoint_quantization(hf_config, folder: Path) -> checkpoint_quant.CheckpointFormat | None:
+def _checkpoint_quantization(hf_config, folder: Path, dtype_name: str = "float32") -> checkpoint_quant.CheckpointFormat | None:
     """The reader of the checkpoint's own quantization (config.json's quantization_config, else AutoGPTQ's or
     AutoAWQ's side file); ValueError naming a method or scheme jaxpaged does not load."""
     qcfg = getattr(hf_config, "quantization_config", None)
@@ -148,7 +148,7 @@ def _checkpoint_quantization(hf_config, folder: Path) -> checkpoint_quant.Checkp
                 qcfg = {"quant_method": method, **json.loads((folder / name).read_text())}
             except ValueError as exc:
                 raise ValueError(f"could not read {folder / name}: {exc}") from exc
-    return checkpoint_quant.checkpoint_format(qcfg, str(folder))
+    return checkpoint_quant.checkpoint_format(qcfg, str(folder), np.dtype(DTYPES[dtype_name]))
 
 
 def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None):
@@ -159,16 +159,18 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
         hf_config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         raise ValueError(f"could not read {config_file}: {exc}") from exc
-    fmt = _checkpoint_quantization(hf_config, folder)
-    if fmt is not None and quantization in ("int8", "fp8"):
+    fmt = _checkpoint_quantization(hf_config, folder, dtype_name)
+    if fmt is not None and quantization in ("int8", "fp8") and not getattr(fmt, "dequantizes", False):
         logger.info("%s is already %s-quantized: loading it as stored, not as %s", folder.name, fmt.name, quantization)
         quantization = None
     cls, cfg = _port_config(hf_config)
     where = safetensors_io.open_files(_safetensors_files(folder))
+    ledger = TensorLedger(cls.SKIPPED_TENSORS)
+    # tensors a config-dependent rule skips before reading (DeepSeek's MTP layer: never dequantized nor stacked)
+    where = ledger.skip_unread(where, cls.unread_tensors(cfg) if hasattr(cls, "unread_tensors") else ())
     tying = tied_head(cls, cfg, list(where), lambda name: where[name].tensor(name))
     cfg = tying.config
     model = _build(cls, cfg, dtype_name, choose_attention)
-    ledger = TensorLedger(cls.SKIPPED_TENSORS)
     if tying.head_is_copy:
         ledger.explain(tying.head, COPY)
     tensors = _progress(_safetensors_tensors(where, fmt, ledger), len(where), "Loading weights")

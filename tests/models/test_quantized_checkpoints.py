@@ -351,7 +351,8 @@ def _write_config(tiny_hf, folder, qcfg, tensors=None):
 
 REFUSED = {
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"'bitsandbytes'-quantized"),
-    "hf-fp8-blocks": ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"'fp8'-quantized"),
+    "hf-fp8-fp4-experts": ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"},
+                           r"fp8 checkpoint with expert_dtype 'fp4'"),
     "gptq-3bit": ({"quant_method": "gptq", "bits": 3, "group_size": 32}, r"gptq checkpoint with 3-bit"),
     "gptq-marlin": ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, r"checkpoint_format 'marlin'"),
     "awq-gemv": ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"awq checkpoint with version 'gemv'"),
