@@ -135,7 +135,7 @@ def replicate_kv_heads(state, cfg: ModelConfig, n: int):
         path = dotted_path(keypath)
         if path.startswith(VISION_PREFIXES):
             return x
-        if not path.endswith(tuple(f"{p}.{leaf}" for p in ("k_proj", "v_proj") for leaf in ("kernel", "bias", "scale", "zero"))):
+        if not path.endswith(tuple(f".{p}.{leaf}" for p in ("k_proj", "v_proj") for leaf in ("kernel", "bias", "scale", "zero"))):
             return x
         heads = x.reshape(*x.shape[:-1], kv, hd)
         return jnp.repeat(heads, factor, axis=-2).reshape(*x.shape[:-1], n * hd)
