@@ -50,7 +50,8 @@ DEEPSEEK_TEMPLATE = _TOOLS + _MESSAGES + "{% if add_generation_prompt %}<|im_sta
 HARMONY_TEMPLATE = (
     "{% if tools %}<|start|>developer<|message|># Tools\n\nnamespace functions {\n{% for t in tools %}"
     "type {{ t['function']['name'] }} = (_: any) => any;\n{% endfor %}} // namespace functions<|end|>{% endif %}"
-    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 

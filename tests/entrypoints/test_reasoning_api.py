@@ -22,6 +22,7 @@ from tests.reasoning_model import (
     ANSWER,
     CONTENT,
     DEEPSEEK_TEMPLATE,
+    HARMONY_CALL,
     HARMONY_CONTENT,
     HARMONY_REASONING,
     QWEN3_TEXT,
@@ -161,6 +162,33 @@ def test_gpt_oss_harmony(tmp_path):
         (choice,) = _create(proc).choices
         assert (choice.message.reasoning_content, choice.message.content) == (HARMONY_REASONING, HARMONY_CONTENT)
         assert _streamed(proc) == (HARMONY_REASONING, HARMONY_CONTENT, "stop", [])
+    finally:
+        proc.stop()
+
+
+def test_gpt_oss_harmony_tool_calls(tmp_path):
+    """Harmony calls (a commentary message `to=functions.add`) as tool_calls, read by openai-harmony: the parsers
+    (gpt_oss, and openai for tool_choice "auto") detected from the chat template, the analysis as reasoning."""
+    from jaxpaged.entrypoints.openai.reasoning import harmony_encoding
+
+    pytest.importorskip("openai_harmony", reason="openai-harmony (the harmony extra) is not installed")
+    try:
+        harmony_encoding()
+    except ValueError as exc:
+        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
+    proc = _serve(write_harmony_model(tmp_path / "model", tools=True), tmp_path / "log")
+    try:
+        assert "reads calls with the openai parser" in proc.log() and "gpt_oss reasoning parser" in proc.log()
+        (choice,) = _create(proc, tools=TOOLS).choices
+        message = choice.message
+        assert (message.reasoning_content, message.content, choice.finish_reason) == (HARMONY_REASONING, None, "tool_calls")
+        assert [(c.type, c.function.name, c.function.arguments) for c in message.tool_calls] == [("function", *HARMONY_CALL)]
+        reasoning, content, finish, calls = _streamed(proc, tools=TOOLS)
+        assert (reasoning, content, finish) == (HARMONY_REASONING, None, "tool_calls")
+        assert calls[0].id.startswith("call_") and calls[0].function.name == HARMONY_CALL[0]
+        assert {c.index for c in calls} == {0} and all(c.id is None for c in calls[1:])
+        assert "".join(c.function.arguments or "" for c in calls) == HARMONY_CALL[1]
+        assert "Traceback" not in proc.log()
     finally:
         proc.stop()
 

@@ -71,7 +71,7 @@ def test_end_marker_split_across_deltas_is_held_back():
 
 @pytest.mark.parametrize(
     ("template", "want"),
-    [(QWEN3_TEMPLATE, "qwen3"), (DEEPSEEK_TEMPLATE, "deepseek_r1"), (HARMONY_TEMPLATE.replace("<|message|>", "<|channel|>x<|message|>"), "gpt_oss"),
+    [(QWEN3_TEMPLATE, "qwen3"), (DEEPSEEK_TEMPLATE, "deepseek_r1"), (HARMONY_TEMPLATE, "gpt_oss"),
      ("{% for m in messages %}{{ m['content'] }}{% endfor %}", None), (None, None)],
 )  # fmt: skip
 def test_detection_from_the_chat_template(template, want):
