@@ -4,6 +4,8 @@ chat templates, the flag's choices, and the grammar that waits behind the thinki
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -202,6 +204,26 @@ def test_harmony_calls_whole_and_streamed(case):
     # without tools (tool_choice "none", or no tools) a call's arguments are content
     reasoning, content = HarmonyReader().parse(text)
     assert reasoning == want[0] and content == ((want[1] or "") + "".join(a for _, a in want[2]) or None)
+
+
+def test_harmony_vocabulary_from_litellm_offline(monkeypatch):
+    """o200k_base.tiktoken from litellm's wheel (what .ci/run installs): its SHA-256 is harmony's, openai-harmony
+    loads it from there (TIKTOKEN_RS_CACHE_DIR only while it loads), and a copy with another hash is not used."""
+    pytest.importorskip("openai_harmony", reason="openai-harmony (the harmony extra) is not installed")
+    from jaxpaged.entrypoints.openai import reasoning
+
+    folder = reasoning.bundled_vocabulary()
+    if folder is None:
+        pytest.skip("litellm (pip install --no-deps litellm) is not installed here")
+    assert (folder / reasoning.BUNDLED_O200K[1].rsplit("/", 1)[1]).stat().st_size == 3613922
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+    monkeypatch.delenv("TIKTOKEN_RS_CACHE_DIR", raising=False)
+    monkeypatch.setattr(reasoning, "_ENCODING", None)
+    encoding = reasoning.harmony_encoding()
+    assert "TIKTOKEN_RS_CACHE_DIR" not in os.environ
+    assert encoding.encode("<|channel|>analysis<|message|>Hi", allowed_special="all") == [200005, 35644, 200008, 12194]
+    monkeypatch.setattr(reasoning, "O200K_SHA256", "0" * 64)
+    assert reasoning.bundled_vocabulary() is None
 
 
 def test_gpt_oss_without_the_package_says_which_extra(monkeypatch):
