@@ -181,14 +181,14 @@ def test_harmony_round_trip():
 
 
 HARMONY_CALLS = [  # (output, reasoning, content, calls): calls in the channel's header or the role's, cut short
-    ('<|channel|>analysis<|message|>Add.<|end|><|start|>assistant<|channel|>commentary to=functions.add '
-     '<|constrain|>json<|message|>{"a": 2}<|call|>', "Add.", None, [("add", '{"a": 2}')]),
-    ('<|channel|>commentary to=functions.now json<|message|>{}<|call|><|start|>assistant to=functions.add'
-     '<|channel|>commentary json<|message|>{"a": 1}', None, None, [("now", "{}"), ("add", '{"a": 1}')]),
+    (('<|channel|>analysis<|message|>Add.<|end|><|start|>assistant<|channel|>commentary to=functions.add '
+      '<|constrain|>json<|message|>{"a": 2}<|call|>'), "Add.", None, [("add", '{"a": 2}')]),
+    (('<|channel|>commentary to=functions.now json<|message|>{}<|call|><|start|>assistant to=functions.add'
+      '<|channel|>commentary json<|message|>{"a": 1}'), None, None, [("now", "{}"), ("add", '{"a": 1}')]),
     ('<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a"', None, None, [("add", '{"a"')]),
     # a call in the analysis channel stays reasoning; a commentary message to no one is content
-    ('<|channel|>analysis to=functions.add<|message|>{"a": 3}<|end|><|start|>assistant<|channel|>commentary<|message|>'
-     'Calling.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>', '{"a": 3}', "Calling.Done.", []),
+    (('<|channel|>analysis to=functions.add<|message|>{"a": 3}<|end|><|start|>assistant<|channel|>commentary<|message|>'
+      'Calling.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>'), '{"a": 3}', "Calling.Done.", []),
 ]  # fmt: skip
 
 
