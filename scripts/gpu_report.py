@@ -44,7 +44,7 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "attention": (30, 120),
+STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "attention": (30, 120),
           "warm": (30, 90), "hf_cb": (120, 300), "spec": (150, 300), "lora": (120, 240), "fp16": (60, 150)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
 # "stage@variant" runs the stage with these XLA flags added (an A/B in one report; the executable cache keys on them)
@@ -161,6 +161,14 @@ def stage_cold_fused(args, out: Partial) -> None:
     """cold again with fused_kv_write: the forward and the KV write as one executable (its own "step" executables,
     compiled here: the stored ones are the separate forward's and write's)."""
     args.engine_args = json.dumps({**json.loads(args.engine_args), "fused_kv_write": True})
+    stage_cold(args, out)
+
+
+def stage_cold_fused_proj(args, out: Partial) -> None:
+    """cold again with fuse_projections: each layer's q/k/v and gate/up weights fused once at load, so XLA runs one
+    dot on a contiguous weight for each instead of concatenating the weights every step (issue 44); beside `cold`,
+    the A/B of it (its graph differs, so it compiles its own executables)."""
+    args.engine_args = json.dumps({**json.loads(args.engine_args), "fuse_projections": True})
     stage_cold(args, out)
 
 

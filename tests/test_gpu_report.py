@@ -112,3 +112,14 @@ def test_a_stage_variant_adds_its_xla_flags_and_an_unknown_one_is_refused(tmp_pa
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 2 and "unknown stages ['cold@nope']" in proc.stderr
+
+
+def test_the_fused_projections_stage_is_cold_with_fuse_projections(monkeypatch):
+    """cold_fused_proj: the cold stage with fuse_projections added to the report's engine arguments (issue 44's A/B)."""
+    import argparse
+
+    seen = []
+    monkeypatch.setattr(gpu_report, "stage_cold", lambda args, out: seen.append(json.loads(args.engine_args)))
+    gpu_report.stage_cold_fused_proj(argparse.Namespace(engine_args='{"fused_kv_write": true}'), {})
+    assert seen == [{"fused_kv_write": True, "fuse_projections": True}]
+    assert "cold_fused_proj" in gpu_report.STAGES

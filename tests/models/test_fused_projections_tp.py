@@ -24,11 +24,12 @@ def _families():
 
     from tests.hf_reference import tiny_llama_config
 
-    qwen = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 0, "eos_token_id": 1}  # fmt: skip
+    qwen = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
+    qwen |= {"num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 0, "eos_token_id": 1}
     return {
-        "llama-gqa2-bias": tiny_llama_config(num_attention_heads=8, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
-                                             max_position_embeddings=256),  # fmt: skip
+        "llama-gqa2-bias": tiny_llama_config(
+            num_attention_heads=8, num_key_value_heads=2, attention_bias=True, mlp_bias=True, max_position_embeddings=256
+        ),
         "qwen3-qknorm": transformers.Qwen3Config(**qwen, head_dim=32),
         # one KV head, repeated on every device inside the fused weight; an ungated MLP (q/k/v only fuse)
         "falcon-mqa": transformers.FalconConfig(
