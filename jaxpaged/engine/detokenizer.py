@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         prompt_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -42,6 +43,9 @@ class IncrementalDetokenizer:
             raise ValueError("stop strings must be non-empty")
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens  # as vLLM: no stop string can end the output before min_tokens + 1 tokens
+        # the tokens that end the output by themselves (EOS unless ignored, stop_token_ids): as in vLLM, the one that
+        # does is counted but adds no text (with skip_special_tokens off, "<|im_end|>" would end every answer)
+        self._stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self._num_tokens = 0
         self.finished = False
         self.stop_reason: str | None = None
@@ -82,8 +86,10 @@ class IncrementalDetokenizer:
             raise RuntimeError("push() after flush(): the request's output is already complete")
         if self.finished:
             return ""  # a token sampled in the same step as the stop string is dropped
-        self._ids.append(int(token_id))
         self._num_tokens += 1
+        if self._ends_output(int(token_id), self._num_tokens):
+            return ""
+        self._ids.append(int(token_id))
         return self._accept(self._decode_new(final=False), final=False)
 
     def push_many(self, token_ids: Sequence[int]) -> str:
@@ -93,9 +99,16 @@ class IncrementalDetokenizer:
             raise ValueError("push_many() would miss where a stop string ends: push() token by token")
         if self._flushed:
             raise RuntimeError("push_many() after flush(): the request's output is already complete")
-        self._ids.extend(int(t) for t in token_ids)
-        self._num_tokens += len(token_ids)
+        ids = [int(t) for t in token_ids]
+        self._num_tokens += len(ids)
+        if ids and self._ends_output(ids[-1], self._num_tokens):
+            ids.pop()
+        self._ids.extend(ids)
         return self._accept(self._decode_new(final=False), final=False)
+
+    def _ends_output(self, token_id: int, num_tokens: int) -> bool:
+        """Whether this token, the num_tokens-th, ends the output by itself (the scheduler's check_stop rule)."""
+        return token_id in self._stop_token_ids and num_tokens >= self.min_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -157,7 +157,7 @@ class LLMEngine:
             self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config),
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
         )  # fmt: skip
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.mm = None  # vision-language models: prompts with images, the scheduler's encoder part (multimodal/engine.py)
         if getattr(self.runner, "mm", None) is not None:
             from jaxpaged.multimodal.engine import MultimodalFrontend

@@ -34,8 +34,9 @@ class SequenceOutputState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)  # the EOS token's text is left out of the output, as vLLM does
         self.parents: dict[str, ParentRequest] = {}  # unfinished requests by id
         self.beams: dict[str, BeamSearch] = {}  # use_beam_search requests' search state, by request id
         self._states: dict[Request, SequenceOutputState] = {}
@@ -56,6 +57,7 @@ class OutputProcessor:
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
                 include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids,
                 min_tokens=params.min_tokens,
+                stop_token_ids=(*(() if params.ignore_eos else self.eos_token_ids), *(params.stop_token_ids or ())),
             )  # fmt: skip
         final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         prompt_logprobs = [None] if seq.wants_prompt_logprobs else None

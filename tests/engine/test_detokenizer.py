@@ -230,6 +230,21 @@ def test_skip_special_tokens_both_ways(byte_level):
         assert "".join(stream(IncrementalDetokenizer(byte_level), ids)) == "🚀"
 
 
+def test_the_token_that_ends_the_output_adds_no_text(byte_level):
+    """As vLLM: the EOS or stop token that ends the output is counted but not shown, even with special tokens kept;
+    before min_tokens it is ordinary text (it cannot end the output there), and one that does not end it stays."""
+    end = encode(byte_level, "<|im_end|>")
+    assert len(end) == 1
+    ids = encode(byte_level, "Hi there") + end
+    for push_many in (False, True):
+        detok = IncrementalDetokenizer(byte_level, skip_special_tokens=False, stop_token_ids=end)
+        text = detok.push_many(ids) + detok.flush() if push_many else "".join(stream(detok, ids))
+        assert text == detok.text == "Hi there" and detok.num_tokens == len(ids)
+    early = IncrementalDetokenizer(byte_level, skip_special_tokens=False, stop_token_ids=end, min_tokens=len(ids) + 1)
+    assert "".join(stream(early, ids)) == "Hi there<|im_end|>"
+    assert "".join(stream(IncrementalDetokenizer(byte_level, skip_special_tokens=False), ids)) == "Hi there<|im_end|>"
+
+
 def test_prompt_gives_the_first_token_its_leading_space():
     """SentencePiece strips the text's first space: alone, "▁sat" reads "sat"; after a prompt, " sat"."""
     tok = sentencepiece_like()
