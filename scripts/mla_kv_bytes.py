@@ -42,12 +42,16 @@ def bytes_per_token(arch: str, hf_config, kv_cache_dtype: str = "auto", dtype=jn
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", action="store_true", help="also start a tiny DeepSeek-V3 and print its report")
+    parser.add_argument("--budget-gib", type=float, default=64.0, help="the KV budget the token counts fill (default 64 GiB)")
     args = parser.parse_args()
-    print(f"{'model':26} {'latent bf16':>12} {'latent fp8':>11} {'expanded bf16':>14} {'ratio':>7}")
+    budget = args.budget_gib * 2**30
+    print(f"{'model':26} {'latent bf16':>12} {'latent fp8':>11} {'expanded bf16':>14} {'ratio':>7}"
+          f" | tokens in {args.budget_gib:g} GiB: {'latent bf16':>11} {'latent fp8':>11} {'expanded':>9}")
     for name, (arch, make) in SHAPES.items():
         latent, expanded = bytes_per_token(arch, make())
         fp8, _ = bytes_per_token(arch, make(), "fp8")
-        print(f"{name:26} {latent / 1024:9.1f} KiB {fp8 / 1024:7.1f} KiB {expanded / 1024:10.1f} KiB {expanded / latent:6.1f}x")
+        print(f"{name:26} {latent / 1024:9.1f} KiB {fp8 / 1024:7.1f} KiB {expanded / 1024:10.1f} KiB {expanded / latent:6.1f}x"
+              f" | {'':>18}{budget // latent:>11,.0f} {budget // fp8:>11,.0f} {budget // expanded:>9,.0f}")
     if args.engine:
         import tempfile
 
