@@ -1,12 +1,25 @@
 """A mixture-of-experts model beside a dense one with the same active parameters, on the same machine, in one run.
 
-The pair (random weights, float32): a Qwen3-MoE-shaped model (--experts experts of --expert-size features, top
---top-k) and a dense Qwen3 of the same hidden size, layers and heads whose MLP is top-k x expert-size wide, so a
-token passes through as many weights in both (the router's hidden x experts per layer aside, reported). Each side is
-driven through `jaxpaged.LLM`'s engine with --batch-sizes requests of --prompt-len random tokens and --output-tokens
-greedy tokens each (EOS ignored). The sides alternate, their order flipped every round, for --rounds rounds, so
-both share the machine's noise; each run records the load around it (scripts/machine_load.py). Reported per side
-and batch size: the median output tokens/s and engine step time, and MoE / dense.
+The pair (random weights, float32), chosen by --family:
+
+- qwen3_moe (the default): a Qwen3-MoE-shaped model (--experts experts of --expert-size features, top --top-k) and a
+  dense Qwen3 of the same hidden size, layers and heads whose MLP is top-k x expert-size wide, so a token passes
+  through as many weights in both (the router's hidden x experts per layer aside, reported).
+- gpt_oss: a GPT-OSS-shaped model (`GptOssForCausalLM`: q/k/v/o biases, a learned sink logit per head, layers
+  alternating sliding (--sliding-window, 128 as in the released models) and full attention, YaRN RoPE as released
+  (factor 32 over 4096 positions, theta 150000), a router with a bias choosing --top-k of --experts experts of
+  --expert-size features, each with biases and the clamped SwiGLU) and a dense Qwen2 (`Qwen2ForCausalLM`) of the same
+  attention shape: q/k/v biases, the same heads, the same sliding/full layer types, window and RoPE, and a SiLU-gated
+  MLP top-k x expert-size wide without biases. What the dense side lacks: the sinks (heads per layer), o_proj's bias
+  (hidden per layer), the router (hidden x experts + experts per layer, and its top-k and softmax) and the active
+  experts' biases (top-k x (2 x expert-size + hidden) per layer); its activation is SiLU, not the clamped SwiGLU.
+  Qwen2 is the dense architecture closest to GPT-OSS's attention: Llama has o_proj's bias too but no per-layer
+  windows, and a window changes what the engine does (its own KV cache group, windowed attention).
+
+Each side is driven through `jaxpaged.LLM`'s engine with --batch-sizes requests of --prompt-len random tokens and
+--output-tokens greedy tokens each (EOS ignored). The sides alternate, their order flipped every round, for --rounds
+rounds, so both share the machine's noise; each run records the load around it (scripts/machine_load.py). Reported
+per side and batch size: the median output tokens/s and engine step time, and MoE / dense.
 
 --prefill measures prompts instead: by default 8 requests of 512 tokens, max_tokens=1, prefix caching off, timed as
 prompt tokens/s; --max-num-batched-tokens sets the step's token budget (the engine's default: 256 on CPU), which
@@ -14,6 +27,7 @@ decides how full the MoE's expert tiles get.
 
     python scripts/bench_moe.py --json docs/data/moe_vs_dense_cpu_2026-11-26.json
     python scripts/bench_moe.py --prefill --max-num-batched-tokens 2048 --json docs/data/moe_prefill_cpu.json
+    python scripts/bench_moe.py --family gpt_oss --experts 32 --expert-size 256 --top-k 4 --json gpt_oss.json
 """
 
 from __future__ import annotations
@@ -34,12 +48,16 @@ import machine_load  # noqa: E402 - the sibling script's module (this folder is 
 
 log = logging.getLogger("bench")
 SIDES = ("moe", "dense")
+FAMILIES = ("qwen3_moe", "gpt_oss")
 DECODE_DEFAULTS = {"batch_sizes": "1,16", "prompt_len": 32, "output_tokens": 256}
 PREFILL_DEFAULTS = {"batch_sizes": "8", "prompt_len": 512, "output_tokens": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=FAMILIES, default="qwen3_moe", help="the MoE's architecture and its dense "
+                   "counterpart: qwen3_moe (against Qwen3) or gpt_oss (against Qwen2 with GPT-OSS's attention shape); "
+                   "default: qwen3_moe")  # fmt: skip
     p.add_argument("--hidden", type=int, default=512, help="hidden size of both models (default: 512)")
     p.add_argument("--layers", type=int, default=8, help="(default: 8)")
     p.add_argument("--heads", type=int, default=8, help="attention heads (default: 8)")
@@ -50,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size; the dense MLP is "
                    "top-k x this wide (default: 512)")  # fmt: skip
     p.add_argument("--vocab", type=int, default=8192, help="(default: 8192)")
+    p.add_argument("--sliding-window", type=int, default=128, help="--family gpt_oss: the window of every other layer "
+                   "(default: 128, as in the released GPT-OSS models)")  # fmt: skip
     p.add_argument("--prefill", action="store_true", help="time prompt tokens/s of long prompts and max_tokens=1 "
                    "(prefix caching off) instead of decoding; changes the three defaults below")  # fmt: skip
     p.add_argument("--batch-sizes", default=None, help="concurrent requests per run, comma-separated (default: 1,16; "
@@ -77,9 +97,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config_pair(*, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
-                expert_size: int, vocab: int, max_positions: int = 2048) -> tuple[dict, dict]:  # fmt: skip
-    """(Qwen3-MoE config.json, dense Qwen3 config.json): equal but for the MLP, the dense one top_k x expert_size
-    wide, so both have the same active parameters apart from the router."""
+                expert_size: int, vocab: int, max_positions: int = 2048, family: str = "qwen3_moe",
+                sliding_window: int = 128) -> tuple[dict, dict]:  # fmt: skip
+    """(MoE config.json, dense config.json), equal but for the MLP, the dense one top_k x expert_size wide, so both
+    have the same active parameters apart from what parameter_counts reports as `not_in_dense`.
+
+    qwen3_moe: Qwen3-MoE and Qwen3 (only the router differs); gpt_oss: GPT-OSS and Qwen2 (see the module docstring)."""
+    if family == "gpt_oss":
+        return gpt_oss_pair(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            experts=experts, top_k=top_k, expert_size=expert_size, vocab=vocab,
+                            max_positions=max_positions, sliding_window=sliding_window)  # fmt: skip
+    if family != "qwen3_moe":
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
     shared = dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
@@ -92,29 +121,76 @@ def config_pair(*, hidden: int, layers: int, heads: int, kv_heads: int, head_dim
     return moe, dense
 
 
+# released GPT-OSS's RoPE: YaRN stretching 4096 positions 32 times (max_position_embeddings 131072)
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "rope_theta": 150000.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}  # fmt: skip
+
+
+def gpt_oss_pair(*, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, experts: int, top_k: int,
+                 expert_size: int, vocab: int, max_positions: int = 2048, sliding_window: int = 128) -> tuple[dict, dict]:  # fmt: skip
+    """(GPT-OSS config.json, dense Qwen2 config.json with the same attention shape, windows and RoPE)."""
+    shared = {
+        "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": max(max_positions, 131072),
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
+        "sliding_window": sliding_window, "rope_parameters": dict(GPT_OSS_ROPE),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+    }  # fmt: skip
+    moe = dict(shared, model_type="gpt_oss", architectures=["GptOssForCausalLM"], attention_bias=True,
+               num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=expert_size,
+               swiglu_alpha=1.702, swiglu_limit=7.0, output_router_logits=False)  # fmt: skip
+    dense = dict(shared, model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                 max_window_layers=layers, intermediate_size=top_k * expert_size, hidden_act="silu")  # fmt: skip
+    return moe, dense
+
+
 def parameter_counts(config: dict) -> dict:
-    """Parameters of a config_pair config: total, active per token (the experts a token does not use left out) and
-    the router's share of the active ones."""
+    """Parameters of a config_pair config: total, active per token (the experts a token does not use left out), the
+    router's share of the active ones, and `not_in_dense`: the active parameters the dense counterpart has no match
+    for, by kind (for Qwen3-MoE the router; for GPT-OSS also the sinks, o_proj's bias and the active experts' biases),
+    so active - sum(not_in_dense.values()) is the dense side's active count."""
     h, layers, vocab, d = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["head_dim"]
-    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    attention = h * q + 2 * h * kv + q * h + 2 * d  # q, k, v, o and the q/k norms
+    heads = config["num_attention_heads"]
+    q, kv = heads * d, config["num_key_value_heads"] * d
+    kind = config["model_type"]
+    attention = h * q + 2 * h * kv + q * h  # q, k, v, o
+    if kind in ("qwen3", "qwen3_moe"):
+        attention += 2 * d  # the q/k norms
+    if kind in ("qwen2", "gpt_oss"):
+        attention += q + 2 * kv  # q/k/v biases
     per_layer = attention + 2 * h  # and the two RMSNorms
     outer = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + h  # embeddings, LM head, final norm
-    if config["model_type"] != "qwen3_moe":
+    if kind in ("qwen3", "qwen2"):
         mlp = 3 * h * config["intermediate_size"]
         total = outer + layers * (per_layer + mlp)
-        return {"total": total, "active": total, "router": 0}
-    expert, experts, k = 3 * h * config["moe_intermediate_size"], config["num_experts"], config["num_experts_per_tok"]
-    router = h * experts
+        return {"total": total, "active": total, "router": 0, "not_in_dense": {}}
+    if kind == "qwen3_moe":
+        expert, experts, k = 3 * h * config["moe_intermediate_size"], config["num_experts"], config["num_experts_per_tok"]
+        router = h * experts
+        total = outer + layers * (per_layer + router + experts * expert)
+        return {"total": total, "active": outer + layers * (per_layer + router + k * expert), "router": layers * router,
+                "not_in_dense": {"router": layers * router}}  # fmt: skip
+    if kind != "gpt_oss":
+        raise ValueError(f"no parameter count for model_type {kind!r}")
+    i, experts, k = config["intermediate_size"], config["num_local_experts"], config["num_experts_per_tok"]
+    sinks, o_bias = heads, h
+    per_layer += sinks + o_bias
+    router = h * experts + experts  # weight and bias
+    expert_bias = 2 * i + h  # gate_up's and down's
+    expert = 3 * h * i + expert_bias
     total = outer + layers * (per_layer + router + experts * expert)
-    return {"total": total, "active": outer + layers * (per_layer + router + k * expert), "router": layers * router}
+    active = outer + layers * (per_layer + router + k * expert)
+    extra = {"router": layers * router, "sinks": layers * sinks, "o_proj_bias": layers * o_bias,
+             "expert_biases": layers * k * expert_bias}  # fmt: skip
+    return {"total": total, "active": active, "router": layers * router, "not_in_dense": extra}
 
 
 def write_configs(args, folder: Path) -> dict[str, Path]:
     moe, dense = config_pair(
         hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         experts=args.experts, top_k=args.top_k, expert_size=args.expert_size, vocab=args.vocab,
-        max_positions=max(2048, args.prompt_len + args.output_tokens + 16),
+        max_positions=max(2048, args.prompt_len + args.output_tokens + 16), family=args.family,
+        sliding_window=args.sliding_window,
     )  # fmt: skip
     paths = {}
     for side, config in zip(SIDES, (moe, dense)):
@@ -215,8 +291,10 @@ def main(argv=None) -> int:
                          run["tok_s"], run["step_ms"], watch.record["loadavg_1min"]["before"])  # fmt: skip
     compiles = {side: llms[side].engine.num_compiles_after_warmup for side in SIDES}
     rows = summary(runs, args.batch_sizes)
-    print(f"active parameters: MoE {counts['moe']['active'] / 1e6:.2f}M ({counts['moe']['router'] / 1e6:.3f}M of them "
-          f"the router) of {counts['moe']['total'] / 1e6:.2f}M, dense {counts['dense']['active'] / 1e6:.2f}M")  # fmt: skip
+    extra = counts["moe"]["not_in_dense"]
+    print(f"active parameters: MoE ({args.family}) {counts['moe']['active'] / 1e6:.3f}M of {counts['moe']['total'] / 1e6:.2f}M, "
+          f"dense ({configs['dense']['model_type']}) {counts['dense']['active'] / 1e6:.3f}M; the MoE's without a dense "
+          f"match: " + ", ".join(f"{name} {n / 1e3:.1f}K" for name, n in extra.items()))  # fmt: skip
     print(table(rows, "prompt tok/s" if args.prefill else "tok/s"))
     for line in machine_load.busy_lines({f"{r['side']} batch {r['batch']} round {r['round']}": r["load"] for r in runs}):
         print(line)

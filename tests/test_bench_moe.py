@@ -1,5 +1,7 @@
-"""scripts/bench_moe.py's model pair: the MoE and the dense model really have the same active parameters (counted on
-the transformers models the configs describe, not by the script's own arithmetic), the router aside."""
+"""scripts/bench_moe.py's model pairs: the MoE and the dense model really have the same active parameters (counted on
+the transformers models the configs describe, not by the script's own arithmetic), apart from what the script reports
+as the MoE's parameters without a dense match (the router; for GPT-OSS also the sinks, o_proj's bias and the active
+experts' biases)."""
 
 from __future__ import annotations
 
@@ -37,12 +39,97 @@ def test_config_pair_has_equal_active_parameters(experts, top_k):
     assert dense["intermediate_size"] == top_k * moe["moe_intermediate_size"]
 
 
+def meta_models(pair: tuple[dict, dict]) -> dict:
+    """The transformers models the configs describe, on the meta device (shapes only)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    models = {}
+    for name, config in zip(("moe", "dense"), pair):
+        config = dict(config)
+        with torch.device("meta"):
+            hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+            models[name] = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return models
+
+
+@pytest.mark.parametrize("experts,top_k", [(32, 4), (16, 4), (8, 2), (12, 3)])
+def test_gpt_oss_pair_has_equal_active_parameters(experts, top_k):
+    """GPT-OSS against Qwen2: every active parameter of the MoE has a dense match but the router (weight and bias), the
+    sinks, o_proj's bias and the k chosen experts' biases, each counted on transformers' models; the attention's
+    shapes, windows and RoPE are the same on both sides."""
+    layers, hidden, size = 4, 64, 24
+    moe, dense = bench_moe.config_pair(hidden=hidden, layers=layers, heads=4, kv_heads=2, head_dim=16, experts=experts,
+                                       top_k=top_k, expert_size=size, vocab=256, family="gpt_oss")  # fmt: skip
+    models = meta_models((moe, dense))
+    params = {name: dict(m.named_parameters()) for name, m in models.items()}
+    total = {name: sum(p.numel() for p in ps.values()) for name, ps in params.items()}
+
+    def summed(name, suffix):
+        return sum(p.numel() for n, p in params[name].items() if n.endswith(suffix))
+
+    router = summed("moe", "mlp.router.weight") + summed("moe", "mlp.router.bias")
+    sinks, o_bias = summed("moe", "self_attn.sinks"), summed("moe", "self_attn.o_proj.bias")
+    assert (router, sinks, o_bias) == (layers * (hidden * experts + experts), layers * 4, layers * hidden)
+    expert_weights = summed("moe", "experts.gate_up_proj") + summed("moe", "experts.down_proj")
+    expert_biases = summed("moe", "experts.gate_up_proj_bias") + summed("moe", "experts.down_proj_bias")
+    assert expert_weights == layers * experts * 3 * hidden * size and expert_biases == layers * experts * (2 * size + hidden)
+    assert not any(n.endswith("o_proj.bias") or "sinks" in n for n in params["dense"])  # what Qwen2 lacks
+    active = total["moe"] - (experts - top_k) * (expert_weights + expert_biases) // experts
+    not_in_dense = {"router": router, "sinks": sinks, "o_proj_bias": o_bias, "expert_biases": expert_biases * top_k // experts}
+    assert active - sum(not_in_dense.values()) == total["dense"]
+
+    # the same attention: every q/k/v/o weight and q/k/v bias in the same shape, the same windows and RoPE
+    attention = {name: {n: tuple(p.shape) for n, p in ps.items() if ".self_attn." in n and "sinks" not in n
+                        and not n.endswith("o_proj.bias")} for name, ps in params.items()}  # fmt: skip
+    assert attention["moe"] == attention["dense"] and len(attention["dense"]) == layers * 7
+    cfgs = {name: m.config for name, m in models.items()}
+    assert cfgs["moe"].layer_types == cfgs["dense"].layer_types == ["sliding_attention", "full_attention"] * (layers // 2)
+    assert cfgs["moe"].sliding_window == cfgs["dense"].sliding_window == 128
+    assert cfgs["moe"].rope_parameters == cfgs["dense"].rope_parameters
+    assert cfgs["moe"].rope_parameters["rope_type"] == "yarn"
+    assert dense["intermediate_size"] == top_k * moe["intermediate_size"]
+
+    counts = {"moe": bench_moe.parameter_counts(moe), "dense": bench_moe.parameter_counts(dense)}
+    assert counts["moe"]["total"] == total["moe"] and counts["dense"]["total"] == total["dense"]
+    assert counts["moe"]["active"] == active and counts["moe"]["router"] == router
+    assert counts["moe"]["not_in_dense"] == not_in_dense
+    assert counts["dense"]["active"] == total["dense"] and counts["dense"]["not_in_dense"] == {}
+
+
+def test_gpt_oss_pair_loads_with_random_weights(tmp_path):
+    """The engine's random weights for a bare GPT-OSS config.json: sinks drawn, router and expert biases present (zeros,
+    as every port's random biases), every tensor of the port filled; the dense Qwen2 gets the same windows."""
+    from jaxpaged.models.loader import model_config, random_checkpoint
+
+    moe, dense = bench_moe.config_pair(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+                                       expert_size=24, vocab=256, family="gpt_oss")  # fmt: skip
+    paths = {}
+    for name, config in (("moe", moe), ("dense", dense)):
+        (tmp_path / name).mkdir()
+        paths[name] = tmp_path / name / "config.json"
+        paths[name].write_text(__import__("json").dumps(config))
+    _, tensors = random_checkpoint(paths["moe"])
+    assert tensors["model.layers.0.self_attn.sinks"].shape == (4,) and tensors["model.layers.0.self_attn.sinks"].any()
+    assert tensors["model.layers.1.mlp.router.bias"].shape == (8,)
+    assert tensors["model.layers.1.mlp.experts.gate_up_proj_bias"].shape == (8, 48)
+    assert tensors["model.layers.1.mlp.experts.down_proj_bias"].shape == (8, 64)
+    hf = meta_models((moe, dense))["moe"]
+    assert {n: tuple(p.shape) for n, p in hf.named_parameters()} == {n: a.shape for n, a in tensors.items()}
+    for path in paths.values():
+        cfg = model_config(path)
+        assert cfg.sliding_windows == (128, None) and cfg.rope.rope_type == "yarn"
+
+
 def test_help_and_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_moe.parse_args(["--help"])
     assert exit_.value.code == 0 and "--output-tokens" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_moe.parse_args(["--experts", "2", "--top-k", "3"])
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--family", "mixtral"])
+    assert bench_moe.parse_args([]).family == "qwen3_moe" and bench_moe.parse_args(["--family", "gpt_oss"]).family == "gpt_oss"
 
 
 def test_prefill_mode_defaults_and_counts_prompt_tokens():
