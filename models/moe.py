@@ -23,6 +23,7 @@ port's `...mlp.experts.{gate,up,down}_proj.kernel` [E, in, out] before the loade
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -137,10 +138,11 @@ class Experts(nnx.Module):
         self.act = act
 
 
-def expert_glu(act):
+def expert_glu(act, float32_ops: bool = False):
     """(gate, up [m, F] float32, dtype) -> the expert's hidden [m, F] in dtype: act(gate) * up, or GPT-OSS's clamped
     SwiGLU as transformers' GptOssExperts computes it: gate clamped above at limit, up to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate)."""
+    (up + 1) * gate * sigmoid(alpha * gate). float32_ops (the Triton kernel's: it has no 16-bit division): the clamped
+    SwiGLU's ops in float32, each result (and alpha, limit) rounded to dtype as the op in dtype would round it."""
     if isinstance(act, tuple) and act[0] == "clamped_swiglu":
         _, alpha, limit = act
 
@@ -148,7 +150,13 @@ def expert_glu(act):
             g, u = jnp.minimum(g.astype(dtype), limit), jnp.clip(u.astype(dtype), -limit, limit)
             return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
 
-        return clamped
+        def clamped_float32(g, u, dtype):
+            r = lambda v: v.astype(dtype).astype(jnp.float32)  # noqa: E731
+            a, lim = (float(np.asarray(v, dtype=jnp.dtype(dtype)).astype(np.float32)) for v in (alpha, limit))
+            g, u = jnp.minimum(r(g), lim), jnp.clip(r(u), -lim, lim)
+            return (r(u + 1) * r(g * r(jax.nn.sigmoid(r(g * a))))).astype(dtype)
+
+        return clamped_float32 if float32_ops else clamped
     fn = activation(act)
     return lambda g, u, dtype: fn(g).astype(dtype) * u.astype(dtype)
 
@@ -265,15 +273,20 @@ def _expert_rows(xs, y, start, count, kernels, m: int, act: str):
     return y
 
 
-def _sorted_by_expert(ids, e: int, first_expert, num_valid) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The T*k assignments' order sorted by expert (those held elsewhere, or padding past num_valid, last), and each
-    held expert's count and start in that order."""
+def _held_experts(ids, e: int, first_expert, num_valid) -> jax.Array:
+    """Each of the T*k assignments' local expert, e for those held elsewhere (or padding past num_valid)."""
     a, k = ids.size, ids.shape[1]
     expert = ids.reshape(a) - first_expert
     held = (expert >= 0) & (expert < e)
     if num_valid is not None:
         held = held & (jnp.arange(a, dtype=jnp.int32) // k < num_valid)
-    expert = jnp.where(held, expert, e)  # e: held elsewhere (or padding), sorted last, never run
+    return jnp.where(held, expert, e)
+
+
+def _sorted_by_expert(ids, e: int, first_expert, num_valid) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The T*k assignments' order sorted by expert (those held elsewhere, or padding past num_valid, last), and each
+    held expert's count and start in that order."""
+    expert = _held_experts(ids, e, first_expert, num_valid)  # e: held elsewhere (or padding), sorted last, never run
     order = jnp.argsort(expert, stable=True)
     counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
     return order, counts, jnp.cumsum(counts) - counts
@@ -359,12 +372,87 @@ class StaticExpertTiles(ExpertLoop):
         return grouped_expert_mlp_static(*args, **kwargs)
 
 
-def use_static_expert_tiles(model: nnx.Module) -> int:
-    """Every MoE layer of `model` loops over a fixed count of tiles (a GPU: no traced trip count); how many."""
+# activations the Triton kernel lowers (no erf: exact GELU stays on StaticExpertTiles), and GPT-OSS's clamped SwiGLU
+GEMM_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu", "relu2", "clamped_swiglu")
+
+
+def gemm_tile_rows(assignments: int, num_experts: int) -> int:
+    """The grouped GEMM's rows per tile: tile_rows, at least 16 (tl.dot's smallest M)."""
+    return max(16, tile_rows(assignments, num_experts))
+
+
+@functools.lru_cache(maxsize=None)
+def _glu(act):
+    return expert_glu(act, float32_ops=True)  # one function per act: the kernel's static argument, its trace reused
+
+
+def grouped_expert_mlp_gemm(x, ids, weights, gate, up, down, *, first_expert, act, num_valid=None, interpret: bool = False,
+                            shared_memory: int | None = None) -> jax.Array:  # fmt: skip
+    """grouped_expert_mlp's sums in two kernel launches (pallas_kernels/moe_gemm.py): gate/up with the activation,
+    then down. Each expert's rows, sorted by expert, are padded to whole m-row tiles (tile i: rows i*m.., of expert
+    tile_expert[i]) over a static bound of tiles (min(T*k, (T*k + E*(m-1)) // m), the most any routing needs); the
+    kernels skip the tiles past those in use, and each assignment's output row is read back from its tile."""
+    from jaxpaged.pallas_kernels.moe_gemm import DEFAULT_SHARED_MEMORY, expert_gemm, expert_glu_gemm
+
+    gate, up, down = _leaves(gate), _leaves(up), _leaves(down)
+    t, d = x.shape
+    k, e = ids.shape[1], gate["kernel"].shape[0]
+    a, m = t * k, gemm_tile_rows(t * k, e)
+    expert = _held_experts(ids, e, first_expert, num_valid)
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
+    starts = jnp.cumsum(counts) - counts
+    tiles = -(-counts // m)
+    tile_end = jnp.cumsum(tiles)
+    tile_first = tile_end - tiles
+    num_tiles = min(a, (a + e * (m - 1)) // m)  # sum of ceil(count / m) over the experts, at most
+    tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_expert = jnp.sum(tile_end[None, :] <= tile_ids[:, None], axis=1, dtype=jnp.int32)  # e: past those in use
+    ex = jnp.minimum(tile_expert, e - 1)
+    within = ((tile_ids - tile_first[ex]) * m)[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]  # [tiles, m]
+    real = (tile_expert < e)[:, None] & (within < counts[ex][:, None])
+    token = order[jnp.minimum(starts[ex][:, None] + within, a - 1)] // k
+    xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[jnp.where(real, token, t).reshape(-1)]  # t: a zero row
+    live = tile_end[-1]
+    memory = {"shared_memory": shared_memory or DEFAULT_SHARED_MEMORY}
+    h = expert_glu_gemm(xs, gate, up, tile_expert, live, m=m, glu=_glu(act), interpret=interpret, **memory)
+    out = expert_gemm(h, down, tile_expert, live, m=m, interpret=interpret, **memory)
+    # each assignment's row: its rank within its expert's run -> that expert's tile and row
+    rank = jnp.zeros(a, jnp.int32).at[order].set(jnp.arange(a, dtype=jnp.int32))
+    held = expert < e
+    mine = jnp.minimum(expert, e - 1)
+    j = rank - starts[mine]
+    at = jnp.where(held, (tile_first[mine] + j // m) * m + j % m, 0)
+    y = jnp.where(held[:, None], out[at], jnp.zeros((), out.dtype)).reshape(t, k, d)
+    return jnp.sum(y * weights.astype(x.dtype)[:, :, None], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmExperts(ExpertLoop):
+    """The experts as two grouped-GEMM kernel launches a layer (a GPU's Pallas Triton kernel; interpret: the same
+    kernel interpreted, on a CPU, for tests). An activation the kernel does not lower runs StaticExpertTiles."""
+
+    interpret: bool = False
+    shared_memory: int | None = None  # bytes a block may use (the GPU's); None: the kernel's default
+
+    def __call__(self, *args, **kwargs) -> jax.Array:
+        act = kwargs["act"]
+        if (act[0] if isinstance(act, tuple) else act) not in GEMM_ACTIVATIONS:
+            return grouped_expert_mlp_static(*args, **kwargs)
+        return grouped_expert_mlp_gemm(*args, interpret=self.interpret, shared_memory=self.shared_memory, **kwargs)
+
+
+def use_expert_loop(model: nnx.Module, loop: ExpertLoop) -> int:
+    """Every MoE layer of `model` runs its experts with `loop`; how many layers."""
     blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoeBlock)]
     for block in blocks:
-        block.expert_loop = StaticExpertTiles()
+        block.expert_loop = loop
     return len(blocks)
+
+
+def use_static_expert_tiles(model: nnx.Module) -> int:
+    """Every MoE layer of `model` loops over a fixed count of tiles (a GPU: no traced trip count); how many."""
+    return use_expert_loop(model, StaticExpertTiles())
 
 
 class SparseMoeBlock(nnx.Module):
