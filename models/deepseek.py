@@ -52,7 +52,7 @@ from jaxpaged.models.moe import (
     regroup_expert_tensors,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
-from jaxpaged.pallas_kernels import AttentionBackend, TritonAttention
+from jaxpaged.pallas_kernels import AttentionBackend, MosaicAttention, TritonAttention
 from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
 from jaxpaged.pallas_kernels.mla import latent_planes, mla_attention
 
@@ -122,7 +122,7 @@ class MlaAttention(nnx.Module):
         self.mla = mla
         self.num_heads = h
         self.interleaved = cfg.rope_interleaved
-        self.backend = attention  # Pallas (Triton): the absorbed part in pallas_kernels/mla_gpu.py; else pure JAX
+        self.backend = attention  # Pallas: the absorbed part in pallas_kernels/mla_gpu.py (Triton) or mla_tpu.py (Mosaic)
 
     def __call__(self, x, rope, kv_cache, attn_metadata):
         mla, h, t = self.mla, self.num_heads, x.shape[0]
@@ -136,11 +136,16 @@ class MlaAttention(nnx.Module):
         w = self.kv_b_proj.kernel[...].reshape(rank, h, nope + mla.v_head_dim)
         w_uk, w_uv = w[..., :nope], w[..., nope:]
         n = tp_size()
-        absorbed = None  # the cached context's absorbed attention: the GPU kernel where the platform picked Pallas
+        absorbed = None  # the cached context's absorbed attention: a kernel where the platform picked Pallas
         if isinstance(self.backend, TritonAttention):
             from jaxpaged.pallas_kernels.mla_gpu import gpu_mla_cached
 
             absorbed = functools.partial(gpu_mla_cached, interpret=self.backend.interpret)
+        elif isinstance(self.backend, MosaicAttention):
+            from jaxpaged.pallas_kernels import mla_tpu
+
+            if mla_tpu.takes(kv_cache):  # else (blocks under 16 tokens, an 8-bit cache) the pure-JAX path
+                absorbed = functools.partial(mla_tpu.tpu_mla_cached, interpret=self.backend.interpret)
         out = mla_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, kv_cache, self.layer, attn_metadata, mla.scale,
                             tp=n, tp_axis=TP_AXIS, absorbed=absorbed)  # fmt: skip
         k, v = latent_planes(c_kv, k_pe)
