@@ -9,6 +9,7 @@ ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "fp8")  # how weights load (models/loader.py, models/quantization.py)
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")  # pallas_kernels/kv_quant.py
+MOE_KERNEL_CHOICES = ("loop", "triton")  # models/moe.py's expert loops; triton: pallas_kernels/moe_gemm.py
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -56,6 +57,10 @@ class EngineConfig:
                                     choices=ATTENTION_BACKEND_CHOICES)  # fmt: skip
     matmul_backend: str = option("auto", "matmul implementation (default: auto: native, with weights packed at load, for float32 on one "
                                  "CPU device with AVX-512; else XLA's dot)", choices=MATMUL_BACKEND_CHOICES)  # fmt: skip
+    moe_kernel: str = option("loop", "how a MoE layer runs its experts: loop (over the experts in use; on GPU a fixed count "
+                             "of row tiles) or triton (on GPU one grouped-GEMM kernel launch per expert projection and "
+                             "layer; on CPU that kernel interpreted, for tests) (default: loop)",
+                             choices=MOE_KERNEL_CHOICES)  # fmt: skip
     disable_hybrid_kv_cache_manager: bool = option(False, "models mixing windowed and global layers (Gemma 2/3, some "
         "Qwen2): keep every block for every layer, the window a mask, instead of KV cache groups whose windowed layers give "
         "back what their window left (vLLM's flag)")
@@ -218,6 +223,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES} (got {self.attention_backend!r})")
         if self.matmul_backend not in MATMUL_BACKEND_CHOICES:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKEND_CHOICES} (got {self.matmul_backend!r})")
+        if self.moe_kernel not in MOE_KERNEL_CHOICES:
+            raise ValueError(f"moe_kernel must be one of {MOE_KERNEL_CHOICES} (got {self.moe_kernel!r})")
         for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile", "quantize_activations",
                      "fused_kv_write", "fuse_projections"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):

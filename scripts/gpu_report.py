@@ -15,7 +15,8 @@ Stages run as child processes (each with the device to itself), in order of valu
 empty executable cache, first token, the workload, the profile), probe (scripts/dispatch_probe.py: the decode step
 dispatched as the engine does, forward alone, write alone, and fused; which call makes the host wait), attention
 (bench_attention.py's goal cases), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off), moe
-(a MoE of Qwen3-30B-A3B's layer shape beside the dense model of its active parameters),
+(a MoE of Qwen3-30B-A3B's layer shape beside the dense model of its active parameters; moe_kernel: the same with the
+grouped-GEMM kernel, moe_kernel="triton"),
 warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
 --with-hf), and issue 44's step 5: spec (a draft model at batch 1 and 64), lora (four adapters at batch 64), fp16
 (the workload on the float16 path of a GPU older than compute capability 8.0, forced). `STAGE@VARIANT` runs a stage
@@ -44,7 +45,7 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "attention": (30, 120),
+STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "moe_kernel": (60, 180), "attention": (30, 120),
           "warm": (30, 90), "hf_cb": (120, 300), "spec": (150, 300), "lora": (120, 240), "fp16": (60, 150)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
 # "stage@variant" runs the stage with these XLA flags added (an A/B in one report; the executable cache keys on them)
@@ -378,11 +379,18 @@ def stage_gemm(args, out: Partial) -> None:
         out["gemm"] = {**out.data["gemm"], "shapes": rows, "torch": torch.__version__}
 
 
-def stage_moe(args, out: Partial) -> None:
+def stage_moe(args, out: Partial, moe_kernel: str = "loop") -> None:
     """Issue 44 step 5: a MoE with Qwen3-30B-A3B's layer shape (hidden 2048, 32 heads over 4 KV heads of 128, 128
     experts of 768, top 8, its 151,936-token vocabulary), 6 of its 48 layers, random bf16 weights, beside the dense
-    model of equal active parameters (scripts/bench_moe.py), batch 1 and 64."""
+    model of equal active parameters (scripts/bench_moe.py), batch 1 and 64; every engine with `moe_kernel` (the
+    moe_kernel stage: "triton", the grouped-GEMM kernel; a no-op for the dense model)."""
+    import functools
+
     import bench_moe
+
+    import jaxpaged
+
+    jaxpaged.LLM = functools.partial(jaxpaged.LLM, moe_kernel=moe_kernel)  # bench_moe builds its engines with it
 
     tiny = args.tiny
     argv = ["--dtype", "float32" if tiny else args.dtype, "--rounds", "1", "--settle-s", "0",
@@ -396,7 +404,15 @@ def stage_moe(args, out: Partial) -> None:
                  "--batch-sizes", "2", "--prompt-len", "8", "--output-tokens", "8", "--num-kv-blocks", "256"]  # fmt: skip
     bench_moe.main(argv)
     report = json.loads((Path(args.work) / "moe.json").read_text())
-    out["moe"] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device")}
+    key = "moe" if moe_kernel == "loop" else "moe_kernel"
+    out[key] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device")} | {"moe_kernel": moe_kernel}
+
+
+def stage_moe_kernel(args, out: Partial) -> None:
+    """The moe stage with moe_kernel="triton": the MoE layers' experts as two grouped-GEMM launches a layer
+    (pallas_kernels/moe_gemm.py) instead of StaticExpertTiles' loop; `--stages moe,moe_kernel` is the A/B. On a CPU
+    (--tiny) the kernel runs interpreted."""
+    stage_moe(args, out, moe_kernel="triton")
 
 
 stage_gemm_cublas = stage_gemm  # the same, run with XLA's Triton GEMMs off (cuBLAS for every dot): see main()
@@ -691,11 +707,12 @@ def summary_table(report: dict) -> str:
                      f"({gemm['copy_gbs']:.0f} GB/s), jax [K,N] / jax [N,K] / torch: " + ", ".join(
                      f"{k} {_f(r.get('jax_kn_of_copy'), '{:.0%}')}/{_f(r.get('jax_nk_of_copy'), '{:.0%}')}/"
                      f"{_f(r.get('torch_of_copy'), '{:.0%}')}" for k, r in gemm["shapes"].items()))
-    moe = st.get("moe", {}).get("moe")
-    if moe:
-        for row in moe["summary"]:
-            lines.append(f"MoE at batch {row['batch']}: {row['moe']['tok_s']:.0f} tok/s against the dense model's "
-                         f"{row['dense']['tok_s']:.0f} (x{row['moe_over_dense_tok_s']:.2f}); step {row['moe']['step_ms']:.1f} ms")
+    for name in ("moe", "moe_kernel"):
+        moe = st.get(name, {}).get(name)
+        for row in moe["summary"] if moe else ():
+            lines.append(f"MoE ({moe.get('moe_kernel', 'loop')}) at batch {row['batch']}: {row['moe']['tok_s']:.0f} tok/s against the dense model's "
+                         f"{row['dense']['tok_s']:.0f} (x{row['moe_over_dense_tok_s']:.2f}); step {row['moe']['step_ms']:.1f} ms; "
+                         f"compiles after warm-up {moe['compiles_after_warmup']}")
     att = st.get("attention", {}).get("attention")
     if att:
         for g in att["goals"]:

@@ -123,3 +123,16 @@ def test_the_fused_projections_stage_is_cold_with_fuse_projections(monkeypatch):
     gpu_report.stage_cold_fused_proj(argparse.Namespace(engine_args='{"fused_kv_write": true}'), {})
     assert seen == [{"fused_kv_write": True, "fuse_projections": True}]
     assert "cold_fused_proj" in gpu_report.STAGES
+
+
+def test_the_moe_stages_are_an_ab_in_one_report():
+    """moe (the expert loop) and moe_kernel (the grouped-GEMM kernel, moe_kernel="triton") are both stages, and the
+    summary names each one's expert path beside its dense model. (`--tiny --stages moe,moe_kernel` runs both on the
+    CPU, the kernel interpreted: about 2 minutes, so not here.)"""
+    assert "moe" in gpu_report.STAGES and "moe_kernel" in gpu_report.STAGES
+    row = {"batch": 64, "moe": {"tok_s": 881.9, "step_ms": 72.6}, "dense": {"tok_s": 7911.0}, "moe_over_dense_tok_s": 0.11}
+    stages = {name: {name: {"summary": [row], "compiles_after_warmup": {"moe": 0, "dense": 0}, "moe_kernel": kernel}, "rc": 0}
+              for name, kernel in (("moe", "loop"), ("moe_kernel", "triton"))}  # fmt: skip
+    text = gpu_report.summary_table({"stages": stages, "env": {}, "dropped": []})
+    assert "MoE (loop) at batch 64: 882 tok/s against the dense model's 7911 (x0.11)" in text
+    assert "MoE (triton) at batch 64" in text

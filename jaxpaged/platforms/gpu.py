@@ -50,6 +50,17 @@ class GpuPlatform(AcceleratorPlatform):
         capability = _capability()
         return "float8" if capability is not None and capability >= (8, 9) else "bfloat16"
 
+    def expert_loop(self, moe_kernel: str):
+        """moe_kernel="triton": the grouped-GEMM kernel, compiled, sized for the first local GPU's shared memory;
+        "loop": StaticExpertTiles (no cond, so no host wait)."""
+        if moe_kernel != "triton":
+            return super().expert_loop(moe_kernel)
+        from jaxpaged.models.moe import GroupedGemmExperts
+
+        device = _first_gpu()
+        kib = SHARED_MEMORY_KIB.get(str(getattr(device, "compute_capability", "")), 0) if device is not None else 0
+        return GroupedGemmExperts(interpret=False, shared_memory=kib * 1024 or None)
+
     def kernel(self) -> TritonAttention:
         """Sized for the first local GPU; without one (exporting from a CPU host) the kernel's defaults hold."""
         device = _first_gpu()

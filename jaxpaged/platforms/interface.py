@@ -45,15 +45,32 @@ class Platform:
         """The KV array's element type for a model computing in `dtype`."""
         return jnp.dtype(dtype)
 
-    def prepare_model(self, model: nnx.Module, matmul_backend: str, *, dtype, tensor_parallel_size: int) -> str:
-        """Lay the loaded weights out, in place, for this device's matmuls; the matmul path taken."""
+    def prepare_model(self, model: nnx.Module, matmul_backend: str, *, dtype, tensor_parallel_size: int,
+                      moe_kernel: str = "loop") -> str:  # fmt: skip
+        """Lay the loaded weights out, in place, for this device's matmuls (and its MoE layers' expert loop, for
+        config.moe_kernel); the matmul path taken."""
         if matmul_backend == "native":
             raise ValueError(f"matmul_backend='native' is the packed float32 CPU matmul, and this is {self.name}")
-        if not self.device_conditionals:  # a MoE's loop over the experts in use would read its count back each layer
-            from jaxpaged.models.moe import use_static_expert_tiles
-
-            use_static_expert_tiles(model)
+        self.prepare_experts(model, moe_kernel)
         return "xla"
+
+    def expert_loop(self, moe_kernel: str):
+        """The ExpertLoop a MoE layer runs for config.moe_kernel; None: the layer's own (the loop over the experts in
+        use, with a traced trip count)."""
+        if moe_kernel == "triton":
+            raise ValueError(f"moe_kernel='triton' is the GPU's grouped GEMM (Pallas Triton), and this is {self.name}")
+        if not self.device_conditionals:  # a MoE's loop over the experts in use would read its count back each layer
+            from jaxpaged.models.moe import StaticExpertTiles
+
+            return StaticExpertTiles()
+        return None
+
+    def prepare_experts(self, model: nnx.Module, moe_kernel: str) -> None:
+        loop = self.expert_loop(moe_kernel)
+        if loop is not None:
+            from jaxpaged.models.moe import use_expert_loop
+
+            use_expert_loop(model, loop)
 
     def num_kv_blocks(self, config: EngineConfig, *, block_bytes: int, weight_bytes: int, table_width: int,
                       reserved_bytes: int = 0) -> int:  # fmt: skip

@@ -236,8 +236,9 @@ class ModelRunner:
             raise ValueError("quantize_activations needs int8 or fp8 weights quantized per output channel (quantization="
                              "'int8' or 'fp8', or a compressed-tensors checkpoint); this model has none")  # fmt: skip
         backend = self.platform.prepare_model(
-            model, self.config.matmul_backend, dtype=self.dtype, tensor_parallel_size=self.config.devices_per_replica
-        )
+            model, self.config.matmul_backend, dtype=self.dtype, tensor_parallel_size=self.config.devices_per_replica,
+            moe_kernel=self.config.moe_kernel,
+        )  # fmt: skip
         if self.config.enable_lora:
             lora.attach(model, self.lora_targets)
         return backend

@@ -292,3 +292,50 @@ def test_quantized_experts_per_expert_and_channel(saved, case, kind):
     float_logits = hf_logits(hf, prompt)
     assert np.max(np.abs(got - float_logits)) < (0.1 if kind == "int8" else 0.5) * np.max(np.abs(float_logits))
 
+
+
+# -- the grouped-GEMM kernel (moe_kernel="triton") ---------------------------------------------------
+
+
+def test_moe_kernel_is_a_platform_choice():
+    """GPU: the compiled kernel for "triton", the static tiles for "loop"; CPU: the kernel interpreted (tests), the
+    loop over the experts in use kept for "loop"; TPU: "triton" refused; an unknown name refused by EngineConfig."""
+    from jaxpaged import platforms
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.models.moe import GroupedGemmExperts, StaticExpertTiles
+
+    gpu, cpu, tpu = (platforms.get(name) for name in ("gpu", "cpu", "tpu"))
+    assert gpu.expert_loop("triton") == GroupedGemmExperts(interpret=False)  # no GPU here: the kernel's defaults
+    assert gpu.expert_loop("loop") == StaticExpertTiles()
+    assert cpu.expert_loop("triton") == GroupedGemmExperts(interpret=True)
+    assert cpu.expert_loop("loop") is None and tpu.expert_loop("loop") is None
+    with pytest.raises(ValueError, match="moe_kernel='triton'"):
+        tpu.expert_loop("triton")
+    with pytest.raises(ValueError, match="moe_kernel must be one of"):
+        EngineConfig(moe_kernel="cutlass")
+
+
+def test_engine_with_the_grouped_gemm_kernel_interpreted(saved):
+    """moe_kernel="triton" on the CPU runs the GPU's kernel in Pallas' interpret mode in every MoE layer: through the
+    engine (prefill chunks and decode) the greedy tokens are the loop's and transformers', with no compile after
+    warm-up."""
+    from flax import nnx
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.models.moe import GroupedGemmExperts, SparseMoeBlock
+
+    _, hf, folder = saved("qwen3moe-8x-top2-normed-qknorm")
+    prompts = random_prompts(VOCAB, [5, 23, 40], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    tokens = {}
+    for kernel in ("triton", "loop"):
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+                  moe_kernel=kernel, log_level="WARNING")  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[kernel] = [o.outputs[0].token_ids for o in outs]
+        assert llm.get_stats()["num_compiles_after_warmup"] == 0
+        if kernel == "triton":
+            model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
+            loops = [m.expert_loop for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoeBlock)]
+            assert len(loops) == 2 and all(loop == GroupedGemmExperts(interpret=True) for loop in loops)
+    assert tokens["triton"] == tokens["loop"] == [hf_greedy(hf, p, 10) for p in prompts]

@@ -77,6 +77,19 @@ def test_four_devices_equal_one(name, tmp_path_factory):
 
 
 @needs_devices
+@pytest.mark.parametrize("name", ["mixtral-8x", "gpt-oss-6x"])
+def test_four_devices_with_the_grouped_gemm_kernel(name, tmp_path_factory):
+    """moe_kernel="triton" (the GPU's kernel, interpreted here) inside each device's shard: experts split (Mixtral)
+    or each expert's features split (GPT-OSS: its gate/up biases in the kernel), transformers' tokens either way."""
+    from jaxpaged import LLM
+
+    folder, prompts, expected = reference_family(_CACHE, name, _configs()[name], tmp_path_factory, [3, 17, 30], 16)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+              tensor_parallel_size=4, attention_backend="reference", moe_kernel="triton", log_level="WARNING")  # fmt: skip
+    assert _greedy(llm, prompts, 16) == expected
+
+
+@needs_devices
 def test_experts_that_split_neither_way_are_a_clear_error(tmp_path):
     import transformers
 

@@ -73,6 +73,14 @@ class CpuPlatform(Platform):
             return cpu_attention.NativeCpuAttention()
         return ReferenceAttention(batch_invariant)
 
+    def expert_loop(self, moe_kernel: str):
+        """moe_kernel="triton": the GPU's grouped-GEMM kernel in Pallas' interpret mode (slow; for tests)."""
+        if moe_kernel == "triton":
+            from jaxpaged.models.moe import GroupedGemmExperts
+
+            return GroupedGemmExperts(interpret=True)
+        return super().expert_loop(moe_kernel)
+
     def kv_storage_dtype(self, dtype) -> jnp.dtype:
         """16-bit floats as uint16 bits: XLA:CPU turns a 16-bit scatter into a float32 round trip of the whole
         cache, while integer scatters stay in place (readers reinterpret only the blocks they gather)."""
@@ -80,9 +88,11 @@ class CpuPlatform(Platform):
             return jnp.dtype(jnp.uint16)
         return jnp.dtype(dtype)
 
-    def prepare_model(self, model: nnx.Module, matmul_backend: str, *, dtype, tensor_parallel_size: int) -> str:
+    def prepare_model(self, model: nnx.Module, matmul_backend: str, *, dtype, tensor_parallel_size: int,
+                      moe_kernel: str = "loop") -> str:  # fmt: skip
         if isinstance(model, CausalLM) and tensor_parallel_size == 1:  # partitioned, the conditional lost its shards
             model.shared = ComputedOnce()
+        self.prepare_experts(model, moe_kernel)
         backend = cpu_matmul.resolve_matmul_backend(
             matmul_backend, platform=self.name, dtype=dtype, tensor_parallel_size=tensor_parallel_size
         )
