@@ -430,14 +430,18 @@ def grouped_expert_mlp_gemm(x, ids, weights, gate, up, down, *, first_expert, ac
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmExperts(ExpertLoop):
     """The experts as two grouped-GEMM kernel launches a layer (a GPU's Pallas Triton kernel; interpret: the same
-    kernel interpreted, on a CPU, for tests). An activation the kernel does not lower runs StaticExpertTiles."""
+    kernel interpreted, on a CPU, for tests). An activation the kernel does not lower, or expert kernels of 2^31
+    elements or more (the kernel's offsets are 32-bit: DeepSeek-V3's [256, 7168, 2048] on one device), run
+    StaticExpertTiles."""
 
     interpret: bool = False
     shared_memory: int | None = None  # bytes a block may use (the GPU's); None: the kernel's default
 
-    def __call__(self, *args, **kwargs) -> jax.Array:
+    def __call__(self, x, ids, weights, *projections, **kwargs) -> jax.Array:
         act = kwargs["act"]
-        if (act[0] if isinstance(act, tuple) else act) not in GEMM_ACTIVATIONS:
+        args = (x, ids, weights, *projections)
+        too_big = any(a.size >= 2**31 for p in projections for a in _leaves(p).values())
+        if too_big or (act[0] if isinstance(act, tuple) else act) not in GEMM_ACTIVATIONS:
             return grouped_expert_mlp_static(*args, **kwargs)
         return grouped_expert_mlp_gemm(*args, interpret=self.interpret, shared_memory=self.shared_memory, **kwargs)
 

@@ -231,3 +231,10 @@ def test_exact_gelu_stays_on_the_static_tiles():
     """erf has no Triton lowering: an exact-GELU MoE runs StaticExpertTiles (no kernel, the same sums)."""
     module = _export(8, 8, 2, 64, 32, jnp.float32, act="gelu")
     assert not kernel_calls(module, TRITON_CALLS)
+
+
+def test_experts_past_32_bit_offsets_stay_on_the_static_tiles():
+    """DeepSeek-V3's experts on one device ([256, 7168, 2048]: 3.8G elements) would overflow the kernel's 32-bit
+    offsets: the static tiles run them; split over 4 devices (expert parallelism), each shard's 940M take the kernel."""
+    assert not kernel_calls(_export(8, 256, 8, 7168, 2048, jnp.bfloat16), TRITON_CALLS)
+    assert len(kernel_calls(_export(8, 64, 8, 7168, 2048, jnp.bfloat16), TRITON_CALLS)) == 2
