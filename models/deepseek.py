@@ -200,9 +200,10 @@ class DeepseekForCausalLM(CausalLM):
 
     @staticmethod
     def kernel_head_dim(cfg: ModelConfig) -> int:
-        """The head dim the platform chooses an attention backend by: the RoPE key's (a power of two, so a GPU picks
-        its Pallas kernel) when the MLA kernel takes this latent (every segment of a plane 16 wide or more), else the
-        cache's half-row (the reference then, or an explicit "pallas" refused)."""
+        """The head dim the platform chooses an attention backend by: the RoPE key's (a power of two, so a GPU or TPU
+        picks its Pallas kernel) when the GPU's MLA kernel takes this latent (every segment of a plane 16 wide or
+        more: every released MLA model's 288), else the cache's half-row (the reference then, or an explicit "pallas"
+        refused). The TPU's kernel takes any half-row (padded to 128 lanes), and checks its block size at the call."""
         from jaxpaged.pallas_kernels.mla_gpu import MIN_ROWS, segments  # Pallas is imported only where used
 
         if min(size for _, size in segments(cfg.head_dim)) >= MIN_ROWS:
