@@ -36,3 +36,28 @@ def test_four_devices_split_heads_and_replicate_the_latent(tmp_path_factory):
     assert all(s.data.shape[-1] * 2 == 32 + 16 for s in cache.addressable_shards)
     experts = runner.state["layers"][1]["mlp"]["experts"]["down_proj"]["kernel"][...]
     assert all(s.data.shape[0] == 2 for s in experts.addressable_shards)  # 8 experts, 2 per device
+
+
+@needs_devices
+def test_the_mla_tpu_kernel_runs_per_device():
+    """The MLA TPU kernel (pallas_kernels/mla_tpu.py, interpreted) under shard_map on 4 devices, each with its 4 of 16
+    heads and its own copy of the latent cache: equal to the pure-JAX path on one device."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jaxpaged.pallas_kernels.mla import mla_attention
+    from jaxpaged.pallas_kernels.mla_tpu import tpu_mla_cached
+
+    from tests.kernels.test_mla_tpu_kernel import CACHED, NEW, _args
+
+    args = _args(np.random.default_rng(1), 16, 64, 16, CACHED, NEW, sum(NEW) + 4, jnp.float32)
+    want = np.asarray(mla_attention(*args[:7], 1, args[8], args[9]))
+    cache = jnp.broadcast_to(args[6], args[6].shape[:3] + (4,) + args[6].shape[4:])  # a copy per device
+    absorbed = functools.partial(tpu_mla_cached, interpret=True)
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:4]), ("model",))):
+        got = jax.jit(lambda *a: mla_attention(*a[:7], 1, a[7], args[9], tp=4, absorbed=absorbed))(*args[:6], cache, args[8])
+    live = sum(NEW)
+    np.testing.assert_allclose(np.asarray(got)[:live], want[:live], rtol=0, atol=2e-5)
