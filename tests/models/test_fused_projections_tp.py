@@ -1,6 +1,7 @@
 """fuse_projections under tensor parallelism on 4 CPU devices: the fused q/k/v and gate/up weights split N ways give
 each device its own heads and columns, so TP=2 and TP=4 (2 KV heads widened to 4, and a single KV head) decode as
-transformers does, int8 weights with their scales too, and a weight update writes the fused shards."""
+transformers does, int8 weights with their scales too, pipeline stages of TP=2 too, and a weight update writes the
+fused shards."""
 
 from __future__ import annotations
 
@@ -102,4 +103,14 @@ def test_weight_update_writes_the_fused_shards(tmp_path_factory):
     llm.update_weights({name: jax.device_put(jnp.asarray(t.detach().numpy()), one) for name, t in other.state_dict().items()})
     assert [x.sharding for x in jax.tree_util.tree_leaves(llm.engine.runner.state)] == shardings
     assert _greedy(llm, prompts) == [hf_greedy(other, p, MAX_TOKENS) for p in prompts]
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
+
+
+@needs_devices
+def test_pipeline_stages_with_tensor_parallel_fused(tmp_path_factory):
+    """P=2 x T=2: each stage's layers fused before the stages are cut, their columns split over the stage's devices."""
+    folder, prompts, expected = reference_family(_PREPARED, "llama-gqa2-bias", _families()["llama-gqa2-bias"],
+                                                 tmp_path_factory, PROMPT_LENGTHS, MAX_TOKENS, VOCAB)  # fmt: skip
+    llm = _llm(folder, 2, pipeline_parallel_size=2)
+    assert _greedy(llm, prompts) == expected
     assert llm.get_stats()["num_compiles_after_warmup"] == 0
