@@ -8,7 +8,7 @@ so a tile's rows are tokens x heads (heads padded to a multiple of 16). Every to
 context (this step's own keys are the expanded part, in JAX), so the mask is one per tile: key position < cached.
 The cache and the block tables stay in HBM; each program DMAs only its sequence's live pages (0 .. ceil(cached / bs)
 - 1) into VMEM, double-buffered, starting the next program's first pages before it finishes, and walks its table row
-in SMEM chunks of TABLE_CHUNK entries, double-buffered (tpu_attention.py's scheme without the sliding window).
+in SMEM chunks of TABLE_CHUNK entries, double-buffered: tpu_pipeline.py's pipeline, shared with tpu_attention.py.
 The layer is a scalar operand: a model's layers share one compiled kernel.
 
 Lanes. The cache row [c, k_pe] lies in the KV array as a K plane and a V plane of (R + P) / 2 values each (288 for
@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata
-from jaxpaged.pallas_kernels.tiles import MASK_VALUE, query_tiles
+from jaxpaged.pallas_kernels.tiles import MASK_VALUE, query_tiles, token_tiles
+from jaxpaged.pallas_kernels.tpu_pipeline import PagePipeline, div, softmax_fold, softmax_init
 
 ROWS = 64  # query rows per program (tokens x padded heads); one token when the heads fill it (DeepSeek-V3: 128)
 HEAD_ROWS = 16  # heads padded to a multiple of this: a bfloat16 sublane tile
@@ -51,11 +52,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _div(a, b: int):
-    """a // b for a >= 0 (Mosaic lowers floor division through sign(), which needs a TPU to lower)."""
-    return jax.lax.div(a, jnp.int32(b))
-
-
 def takes(kv_cache) -> bool:
     """Whether the kernel takes this latent cache: a float one (not 8-bit) with blocks of 16 to 256 tokens (a power of
     two). Under tensor parallelism the cache holds a copy per device, and each device's (one KV head) is the kernel's."""
@@ -67,7 +63,8 @@ def takes(kv_cache) -> bool:
 
 class _Tile(NamedTuple):
     seq: jax.Array
-    num_pages: jax.Array  # it reads its sequence's cached pages 0 .. num_pages - 1
+    first_page: int  # 0: it reads its sequence's cached pages 0 .. num_pages - 1
+    num_pages: jax.Array
     num_groups: jax.Array  # ... in groups of pages_per_iter
 
 
@@ -81,7 +78,6 @@ def _kernel(layer_ref, tile_seq_ref, tile_len_ref, query_start_ref, seq_lens_ref
     _, keys, _ = lat_buf.shape
     block_size, num_blocks = cache_hbm.shape[4], cache_hbm.shape[2]
     pages_per_iter = keys // block_size
-    table_chunk = table_buf.shape[1]
     layer = jnp.clip(layer_ref[0], 0, cache_hbm.shape[0] - 1)
 
     def cached_of(seq):
@@ -90,133 +86,47 @@ def _kernel(layer_ref, tile_seq_ref, tile_len_ref, query_start_ref, seq_lens_ref
     def tile_info(i) -> _Tile:
         seq = tile_seq_ref[i]
         cached = cached_of(seq)
-        num_pages = jnp.where((tile_len_ref[i] > 0) & (cached > 0), _div(cached + block_size - 1, block_size), 0)
-        return _Tile(seq, num_pages, _div(num_pages + pages_per_iter - 1, pages_per_iter))
-
-    # Table chunks as tpu_attention.py's: a program's units 0 .. n_table - 1 are its own chunks (chunk k: the entries
-    # of its pages k * table_chunk ..., a multiple of pages_per_iter, so a group lies in one chunk; the last moved left
-    # to end at the row's end), unit n_table the next program's chunk 0; unit u goes to slot (tbase + u) % 2.
-    def chunk_col(k):
-        return jnp.minimum(k * table_chunk, width - table_chunk)
-
-    def table_copy(t: _Tile, k, tslot):
-        src = tables_hbm.at[t.seq, pl.ds(chunk_col(k), table_chunk)]
-        return pltpu.make_async_copy(src, table_buf.at[tslot], table_sems.at[tslot])
+        num_pages = jnp.where((tile_len_ref[i] > 0) & (cached > 0), div(cached + block_size - 1, block_size), 0)
+        return _Tile(seq, 0, num_pages, div(num_pages + pages_per_iter - 1, pages_per_iter))
 
     def page_dst(slot, p, plane):
         return lat_buf.at[slot, pl.ds(p * block_size, block_size), pl.ds(plane * half_pad, half)]
 
-    def page_copies(t: _Tile, group, slot, tbase):
-        """(needed, copy) for the K and V planes of each page of a group; its table chunk must be in table_buf."""
-        copies = []
-        for p in range(pages_per_iter):
-            i = group * pages_per_iter + p
-            page = jnp.minimum(i, jnp.maximum(t.num_pages - 1, 0))
-            k = _div(page, table_chunk)
-            entry = jnp.clip(page - chunk_col(k), 0, table_chunk - 1)
-            block = jnp.clip(table_buf[jax.lax.rem(tbase + k, 2), entry], 0, num_blocks - 1)
-            for plane in (0, 1):
-                copy = pltpu.make_async_copy(cache_hbm.at[layer, plane, block, 0], page_dst(slot, p, plane), sems.at[slot])
-                copies.append((i < t.num_pages, copy))
-        return copies
+    def page_copies(t: _Tile, slot, p, block):
+        """The K and V planes of one page into their lanes of position p of buffer `slot`."""
+        return [pltpu.make_async_copy(cache_hbm.at[layer, plane, block, 0], page_dst(slot, p, plane), sems.at[slot])
+                for plane in (0, 1)]  # fmt: skip
 
-    def page_waits(t: _Tile, group, slot):
-        """Waits for a group's pages: the same sizes and semaphore, no table entry read."""
-        return [(group * pages_per_iter + p < t.num_pages,
-                 pltpu.make_async_copy(cache_hbm.at[0, plane, 0, 0], page_dst(slot, p, plane), sems.at[slot]))
-                for p in range(pages_per_iter) for plane in (0, 1)]  # fmt: skip
-
-    def start(copies):
-        for needed, copy in copies:
-            pl.when(needed)(copy.start)
-
-    def wait(copies):
-        for needed, copy in copies:
-            pl.when(needed)(copy.wait)
+    def page_waits(slot, p):
+        return [pltpu.make_async_copy(cache_hbm.at[0, plane, 0, 0], page_dst(slot, p, plane), sems.at[slot])
+                for plane in (0, 1)]  # fmt: skip
 
     cur = tile_info(tile)
     cached = cached_of(cur.seq)
     nxt = tile_info(jnp.minimum(tile + 1, num_tiles - 1))
-    prefetch_next = (tile + 1 < num_tiles) & (nxt.num_groups > 0)
-    # state_ref: [slot of this program's first group, whether the previous program started it (having fetched this
-    # program's table chunk 0 for it), table_buf slot of this program's chunk 0]
-    first_program = tile == 0
-    base = jnp.where(first_program, 0, state_ref[0])
-    started = jnp.where(first_program, 0, state_ref[1]) == 1
-    tbase = jnp.where(first_program, 0, state_ref[2])
-    n_table = _div(cur.num_pages + table_chunk - 1, table_chunk)
-    tbase_next = jax.lax.rem(tbase + n_table, 2)
+    pipe = PagePipeline(
+        cur, nxt, (tile + 1 < num_tiles) & (nxt.num_groups > 0), tile == 0, tables_hbm=tables_hbm, table_buf=table_buf,
+        table_sems=table_sems, state_ref=state_ref, width=width, pages_per_iter=pages_per_iter, num_blocks=num_blocks,
+        page_copies=page_copies, page_waits=page_waits,
+    )  # fmt: skip
+    pipe.start_first()
 
-    def start_table_unit(u):
-        tslot = jax.lax.rem(tbase + u, 2)
-        pl.when(u < n_table)(lambda: table_copy(cur, u, tslot).start())
-        pl.when((u == n_table) & prefetch_next)(lambda: table_copy(nxt, 0, tslot).start())
-
-    def wait_table_unit(u):
-        table_copy(cur, 0, jax.lax.rem(tbase + u, 2)).wait()  # the same size and semaphore for every unit
-
-    @pl.when((cur.num_groups > 0) & ~started)
-    def _():
-        table_copy(cur, 0, tbase).start()
-        table_copy(cur, 0, tbase).wait()
-        start(page_copies(cur, 0, base, tbase))
-
-    pl.when(n_table > 0)(lambda: start_table_unit(1))
-
-    @pl.when((cur.num_groups == 0) & prefetch_next)
-    def _():
-        start_table_unit(0)
-        wait_table_unit(0)
-        start(page_copies(nxt, 0, base, tbase_next))
-
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-    peak_ref[...] = jnp.full_like(peak_ref, MASK_VALUE)
-    denom_ref[...] = jnp.zeros_like(denom_ref)
+    softmax_init(acc_ref, peak_ref, denom_ref)
     q = q_ref[...]
     row_of = jax.lax.broadcasted_iota(jnp.int32, (keys, lanes), 0)
     lane = jax.lax.broadcasted_iota(jnp.int32, (keys, lanes), 1)
     data_lane = (lane < half) | ((lane >= half_pad) & (lane < half_pad + half))
 
-    def fold(slot, live):
+    def fold_group(group, slot):
         """The group in buffer `slot`, its first `live` keys in the context: one select keeps the DMA'd values only."""
+        live = cached - group * keys
         x = jnp.where(data_lane & (row_of < live), lat_buf[slot], 0).astype(q.dtype)
         s = jax.lax.dot_general(q, x, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         mask = jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 1) < live
         s = jnp.where(mask, s * scale, MASK_VALUE)
-        peak = peak_ref[...]
-        new_peak = jnp.maximum(peak, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - new_peak), 0.0)
-        correction = jnp.exp(peak - new_peak)
-        pv = jnp.dot(p.astype(x.dtype), x, precision=precision, preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * correction + pv
-        denom_ref[...] = denom_ref[...] * correction + jnp.sum(p, axis=1, keepdims=True)
-        peak_ref[...] = new_peak
+        softmax_fold(acc_ref, peak_ref, denom_ref, s, mask, x, precision=precision)
 
-    def context_group(group, carry):
-        slot = jax.lax.rem(base + group, 2)
-        last = group + 1 == cur.num_groups
-        k = _div((group + 1) * pages_per_iter, table_chunk)
-        new_chunk = jax.lax.rem((group + 1) * pages_per_iter, table_chunk) == 0
-
-        @pl.when(~last)
-        def _():
-            pl.when(new_chunk)(lambda: wait_table_unit(k))
-            start(page_copies(cur, group + 1, 1 - slot, tbase))
-            pl.when(new_chunk)(lambda: start_table_unit(k + 1))
-
-        @pl.when(last & prefetch_next)
-        def _():
-            wait_table_unit(n_table)
-            start(page_copies(nxt, 0, 1 - slot, tbase_next))
-
-        wait(page_waits(cur, group, slot))
-        fold(slot, cached - group * keys)
-        return carry
-
-    jax.lax.fori_loop(0, cur.num_groups, context_group, 0)
-    state_ref[0] = jax.lax.rem(base + cur.num_groups, 2)
-    state_ref[1] = prefetch_next.astype(jnp.int32)
-    state_ref[2] = tbase_next
+    pipe.fold_groups(fold_group)
 
     acc_out[...] = acc_ref[...]
     stat_lane = jax.lax.broadcasted_iota(jnp.int32, (rows, LANES), 1)
@@ -275,7 +185,7 @@ def tpu_mla_cached(q_abs, kv_cache, layer, attn_metadata: AttentionMetadata, sca
                 pltpu.VMEM((rows, lanes), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.SMEM((3,), jnp.int32),  # carried from program to program (see _kernel)
+                pltpu.SMEM((3,), jnp.int32),  # carried from program to program (tpu_pipeline.PagePipeline)
             ],
         ),
         out_shape=[jax.ShapeDtypeStruct((num_tiles, rows, width_), jnp.float32) for width_ in (lanes, LANES)],
@@ -287,17 +197,11 @@ def tpu_mla_cached(q_abs, kv_cache, layer, attn_metadata: AttentionMetadata, sca
         q_tiles, attn_metadata.block_tables, kv_cache,
     )  # fmt: skip
 
-    # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.
-    rows_idx = jnp.arange(num_tokens, dtype=jnp.int32)
-    tok_seq = jnp.minimum(jnp.searchsorted(qsl[1:], rows_idx, side="right"), qsl.shape[0] - 2)
-    valid = rows_idx < qsl[-1]
-    per_seq = (qsl[1:] - qsl[:-1] + tokens_per_tile - 1) // tokens_per_tile
-    first_tile = jnp.cumsum(per_seq) - per_seq
-    offset = rows_idx - qsl[tok_seq]
-    tile_of = jnp.clip(first_tile[tok_seq] + offset // tokens_per_tile, 0, num_tiles - 1)
-    acc = acc_tiles.reshape(num_tiles, tokens_per_tile, heads, 2, half_pad)[tile_of, offset % tokens_per_tile, :num_heads]
+    # Back to token order.
+    tile_of, row, valid = token_tiles(qsl, num_tokens, tokens_per_tile, num_tiles)
+    acc = acc_tiles.reshape(num_tiles, tokens_per_tile, heads, 2, half_pad)[tile_of, row, :num_heads]
     acc = acc[..., :half].reshape(num_tokens, num_heads, width)
-    stats = stats.reshape(num_tiles, tokens_per_tile, heads, LANES)[tile_of, offset % tokens_per_tile, :num_heads]
+    stats = stats.reshape(num_tiles, tokens_per_tile, heads, LANES)[tile_of, row, :num_heads]
     denom = jnp.where(valid[:, None], stats[..., 1], 0.0)
     peak = jnp.where(denom > 0, stats[..., 0], -jnp.inf)
     acc = jnp.where(valid[:, None, None], acc, 0.0)

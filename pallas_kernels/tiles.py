@@ -46,6 +46,19 @@ def query_tiles(query_start_loc: jax.Array, num_tokens: int, tokens_per_tile: in
     return seq, start.astype(jnp.int32), length.astype(jnp.int32)
 
 
+def token_tiles(query_start_loc: jax.Array, num_tokens: int, tokens_per_tile: int, num_tiles: int):
+    """query_tiles' layout read back: -> (tile [T], row [T], valid [T]): flat row t of sequence s sits in row
+    (t - q_start) % tokens_per_tile of tile first_tile[s] + (t - q_start) // tokens_per_tile; valid: t is a real row."""
+    rows_idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    tok_seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], rows_idx, side="right"), query_start_loc.shape[0] - 2)
+    valid = rows_idx < query_start_loc[-1]
+    per_seq = (query_start_loc[1:] - query_start_loc[:-1] + tokens_per_tile - 1) // tokens_per_tile
+    first_tile = jnp.cumsum(per_seq) - per_seq
+    offset = rows_idx - query_start_loc[tok_seq]
+    tile_of = jnp.clip(first_tile[tok_seq] + offset // tokens_per_tile, 0, num_tiles - 1)
+    return tile_of, offset % tokens_per_tile, valid
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

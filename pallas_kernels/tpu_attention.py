@@ -13,7 +13,8 @@ page loop advances, and fetches the next program's first chunk before starting t
 DMA, so SMEM holds a few KiB whatever the table width. The layer is a scalar operand, so a model's layers
 share one compiled kernel. Queries and outputs are laid out tile-major by the wrapper because a
 BlockSpec cannot start at a ragged row. An int8 or fp8 cache (a QuantizedKV) is DMA'd in 8 bits, each
-page's scales beside it, decoded in VMEM and scaled on the scores' and probabilities' columns.
+page's scales beside it, decoded in VMEM and scaled on the scores' and probabilities' columns. The page
+and table pipeline and the online softmax are tpu_pipeline.py's, shared with the MLA kernel (mla_tpu.py).
 
 Checked on CPU in interpret mode (TPU interpret mode counts its DMAs and looks for races) and by
 exporting for "tpu"; no TPU was at hand to run it compiled.
@@ -29,7 +30,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
-from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, decode_kv, kv_operands, query_tiles, tile_shape
+from jaxpaged.pallas_kernels.tiles import (
+    MASK_VALUE,
+    check_head_dim,
+    decode_kv,
+    kv_operands,
+    query_tiles,
+    tile_shape,
+    token_tiles,
+)
+from jaxpaged.pallas_kernels.tpu_pipeline import PagePipeline, div, softmax_fold, softmax_init, start, wait
 
 ROWS = 16  # query rows per program: tokens x padded group
 KV_TOKENS_PER_ITER = 64
@@ -37,15 +47,11 @@ NEW_KEYS_PER_ITER = 32
 TABLE_CHUNK = 128  # block-table entries per DMA into SMEM (512 bytes; two slots)
 
 
-def _div(a, b: int):
-    """a // b for a >= 0. Mosaic lowers floor division through sign(), which needs a TPU to lower."""
-    return jax.lax.div(a, jnp.int32(b))
-
-
 class _Tile(NamedTuple):
-    """Where one query tile's work lies (scalars read from SMEM)."""
+    """Where one program's work lies (scalars read from SMEM): a query tile and a KV head."""
 
     seq: jax.Array
+    head: jax.Array  # the KV head
     t0: jax.Array  # first flat row
     n_tok: jax.Array
     q_start: jax.Array  # its sequence's first flat row
@@ -84,106 +90,49 @@ def _kernel(
     num_blocks = cache_hbm.shape[2]
     layer = jnp.clip(layer_ref[0], 0, cache_hbm.shape[0] - 1)
 
-    def tile_info(i) -> _Tile:
+    def tile_info(i, h) -> _Tile:
         n_tok = tile_len_ref[i]
         seq, t0 = tile_seq_ref[i], tile_start_ref[i]
         q_start, q_end = query_start_ref[seq], query_start_ref[seq + 1]
         cached = seq_lens_ref[seq] - (q_end - q_start)
         pos0 = cached + t0 - q_start
         lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
-        first_page = _div(lowest, block_size)
-        end_page = _div(cached + block_size - 1, block_size)
+        first_page = div(lowest, block_size)
+        end_page = div(cached + block_size - 1, block_size)
         num_pages = jnp.where((n_tok > 0) & (cached > lowest), end_page - first_page, 0)
-        num_groups = _div(num_pages + pages_per_iter - 1, pages_per_iter)
-        return _Tile(seq, t0, n_tok, q_start, cached, pos0, lowest, first_page, num_pages, num_groups)
+        num_groups = div(num_pages + pages_per_iter - 1, pages_per_iter)
+        return _Tile(seq, h, t0, n_tok, q_start, cached, pos0, lowest, first_page, num_pages, num_groups)
 
-    # The block tables stay in HBM: table entries come in chunks of `table_chunk` columns (the whole row if it
-    # is narrower), DMA'd into the two slots of table_buf. A tile's chunk k holds the entries of its pages
-    # k * table_chunk .. (k + 1) * table_chunk - 1 (a multiple of pages_per_iter, so a group lies in one chunk)
-    # and starts at column chunk_col(t, k), moved left at the row's end so the DMA stays inside the row.
-    # A program's table "units" 0 .. n_table - 1 are its own chunks and unit n_table the next program's
-    # chunk 0 (for the first group this program starts for it); unit u goes to slot (tbase + u) % 2.
-    table_chunk = table_buf.shape[1]
-
-    def num_table_chunks(t: _Tile):
-        return _div(t.num_pages + table_chunk - 1, table_chunk)
-
-    def chunk_col(t: _Tile, k):
-        return jnp.minimum(t.first_page + k * table_chunk, width - table_chunk)
-
-    def table_copy(t: _Tile, k, tslot):
-        src = tables_hbm.at[t.seq, pl.ds(chunk_col(t, k), table_chunk)]
-        return pltpu.make_async_copy(src, table_buf.at[tslot], table_sems.at[tslot])
-
-    def page_copies(t: _Tile, h, group, slot, tbase):
-        """(needed, copy) for K and V of each page of a group; pages past the tile's last are neither fetched
-        nor folded. The group's table chunk must be in table_buf (slot (tbase + its chunk) % 2)."""
-        copies = []
-        for p in range(pages_per_iter):
-            i = group * pages_per_iter + p
-            page = jnp.minimum(i, jnp.maximum(t.num_pages - 1, 0))
-            k = _div(page, table_chunk)
-            entry = jnp.clip(t.first_page + page - chunk_col(t, k), 0, table_chunk - 1)
-            block = jnp.clip(table_buf[jax.lax.rem(tbase + k, 2), entry], 0, num_blocks - 1)
-            for kv, buf in ((0, k_buf), (1, v_buf)):
-                src = cache_hbm.at[layer, kv, block, h]
-                copies.append((i < t.num_pages, pltpu.make_async_copy(src, buf.at[slot, p], sems.at[0, slot])))
-            for kv, buf in ((0, k_scale_buf), (1, v_scale_buf)) if kv_kind else ():
-                src = scale_hbm.at[layer, kv, block, h]
-                copies.append((i < t.num_pages, pltpu.make_async_copy(src, buf.at[slot, p], sems.at[2, slot])))
+    def page_copies(t: _Tile, slot, p, block):
+        """K and V of one page (and an 8-bit cache's scales) into position p of buffer `slot`."""
+        copies = [pltpu.make_async_copy(cache_hbm.at[layer, kv, block, t.head], buf.at[slot, p], sems.at[0, slot])
+                  for kv, buf in ((0, k_buf), (1, v_buf))]  # fmt: skip
+        copies += [pltpu.make_async_copy(scale_hbm.at[layer, kv, block, t.head], buf.at[slot, p], sems.at[2, slot])
+                   for kv, buf in (((0, k_scale_buf), (1, v_scale_buf)) if kv_kind else ())]  # fmt: skip
         return copies
 
-    def page_waits(t: _Tile, group, slot):
-        """Waits for a group's pages: the same sizes and semaphore, no table entry read."""
-        copies = []
-        for p in range(pages_per_iter):
-            for kv, buf in ((0, k_buf), (1, v_buf)):
-                copy = pltpu.make_async_copy(cache_hbm.at[0, kv, 0, 0], buf.at[slot, p], sems.at[0, slot])
-                copies.append((group * pages_per_iter + p < t.num_pages, copy))
-            for kv, buf in ((0, k_scale_buf), (1, v_scale_buf)) if kv_kind else ():
-                copy = pltpu.make_async_copy(scale_hbm.at[0, kv, 0, 0], buf.at[slot, p], sems.at[2, slot])
-                copies.append((group * pages_per_iter + p < t.num_pages, copy))
+    def page_waits(slot, p):
+        copies = [pltpu.make_async_copy(cache_hbm.at[0, kv, 0, 0], buf.at[slot, p], sems.at[0, slot])
+                  for kv, buf in ((0, k_buf), (1, v_buf))]  # fmt: skip
+        copies += [pltpu.make_async_copy(scale_hbm.at[0, kv, 0, 0], buf.at[slot, p], sems.at[2, slot])
+                   for kv, buf in (((0, k_scale_buf), (1, v_scale_buf)) if kv_kind else ())]  # fmt: skip
         return copies
 
-    def start(copies):
-        for needed, copy in copies:
-            pl.when(needed)(copy.start)
-
-    def wait(copies):
-        for needed, copy in copies:
-            pl.when(needed)(copy.wait)
-
-    cur = tile_info(tile)
-    # The program after this one (the grid runs in order, heads innermost) and whether it reads any page: if so,
-    # this program starts its first group's DMA, so no program waits for its first pages from scratch.
+    cur = tile_info(tile, head)
+    # The program after this one (the grid runs in order, heads innermost) and whether it reads any page.
     last_head = head == num_heads - 1
-    next_head = jnp.where(last_head, 0, head + 1)
     next_tile = jnp.where(last_head, tile + 1, tile)
-    nxt = tile_info(jnp.minimum(next_tile, num_tiles - 1))
-    prefetch_next = (next_tile < num_tiles) & (nxt.num_groups > 0)
-    # state_ref: [slot of this program's first group, whether the previous program started that group (having
-    # fetched this program's table chunk 0 for it), table_buf slot of this program's chunk 0].
-    first_program = (tile == 0) & (head == 0)
-    base = jnp.where(first_program, 0, state_ref[0])
-    started = jnp.where(first_program, 0, state_ref[1]) == 1
-    tbase = jnp.where(first_program, 0, state_ref[2])
-    n_table = num_table_chunks(cur)
-    tbase_next = jax.lax.rem(tbase + n_table, 2)
-
-    def start_table_unit(u):
-        """Starts table unit u's DMA (own chunk u, or the next program's chunk 0 for u == n_table)."""
-        tslot = jax.lax.rem(tbase + u, 2)
-        pl.when(u < n_table)(lambda: table_copy(cur, u, tslot).start())
-        pl.when((u == n_table) & prefetch_next)(lambda: table_copy(nxt, 0, tslot).start())
-
-    def wait_table_unit(u):
-        tslot = jax.lax.rem(tbase + u, 2)
-        table_copy(cur, 0, tslot).wait()  # the size and semaphore are the same for every unit
+    nxt = tile_info(jnp.minimum(next_tile, num_tiles - 1), jnp.where(last_head, 0, head + 1))
+    pipe = PagePipeline(
+        cur, nxt, (next_tile < num_tiles) & (nxt.num_groups > 0), (tile == 0) & (head == 0), tables_hbm=tables_hbm,
+        table_buf=table_buf, table_sems=table_sems, state_ref=state_ref, width=width, pages_per_iter=pages_per_iter,
+        num_blocks=num_blocks, page_copies=page_copies, page_waits=page_waits,
+    )  # fmt: skip
 
     # This step's keys the tile reads: aligned chunks from the first one the window reaches to its last row.
-    first_chunk = _div(jnp.maximum(cur.q_start, cur.lowest - cur.cached + cur.q_start), new_per_iter)
+    first_chunk = div(jnp.maximum(cur.q_start, cur.lowest - cur.cached + cur.q_start), new_per_iter)
     last_new = cur.t0 + cur.n_tok if tile_end_ref is None else jnp.maximum(cur.t0 + cur.n_tok, tile_end_ref[tile])
-    num_chunks = jnp.where(cur.n_tok > 0, _div(last_new - 1, new_per_iter) - first_chunk + 1, 0)
+    num_chunks = jnp.where(cur.n_tok > 0, div(last_new - 1, new_per_iter) - first_chunk + 1, 0)
 
     def chunk_copies(chunk, slot):
         return [
@@ -191,38 +140,15 @@ def _kernel(
             for src, buf in ((k_new_hbm, k_new_buf), (v_new_hbm, v_new_buf))
         ]
 
-    # Table chunk 0 (unless the previous program fetched it), then unit 1: chunk 1, or the next program's chunk 0
-    # when this program reads at most one chunk. Units 0 and 1 use different slots, and neither holds entries
-    # still to be read (the previous program's last chunk was read when it started its last group).
-    @pl.when((cur.num_groups > 0) & ~started)
-    def _():
-        table_copy(cur, 0, tbase).start()
-        table_copy(cur, 0, tbase).wait()
-        start(page_copies(cur, head, 0, base, tbase))
-
-    pl.when(n_table > 0)(lambda: start_table_unit(1))
-
-    @pl.when((cur.num_groups == 0) & prefetch_next)
-    def _():
-        start_table_unit(0)
-        wait_table_unit(0)
-        start(page_copies(nxt, next_head, 0, base, tbase_next))
-
+    pipe.start_first()
     pl.when(num_chunks > 0)(lambda: start(chunk_copies(0, 0)))  # arrives while the context is folded
-
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-    if use_sinks:  # each row's sink: a key of that score and value 0, so it joins only the denominator
-        peak_ref[...] = sink_ref[...]
-        denom_ref[...] = jnp.ones_like(denom_ref)
-    else:
-        peak_ref[...] = jnp.full_like(peak_ref, MASK_VALUE)
-        denom_ref[...] = jnp.zeros_like(denom_ref)
+    softmax_init(acc_ref, peak_ref, denom_ref, sink_ref if use_sinks else None)
 
     def fold(k, v, key_pos, extra_mask, k_scale=None, v_scale=None):
         """k_scale, v_scale [1, keys]: a quantized page's per-key scales, applied to the scores' columns
         (q . k s = (q . k) s) and to p's (p . v s = (p s) . v) rather than to the page's head_dim-wide rows."""
         q = q_ref[...]
-        row_pos = cur.pos0 + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, k.shape[0]), 0), group_pad)
+        row_pos = cur.pos0 + div(jax.lax.broadcasted_iota(jnp.int32, (rows, k.shape[0]), 0), group_pad)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         s = s * scale if k_scale is None else s * (k_scale * scale)
         if soft_cap is not None:
@@ -234,36 +160,9 @@ def _kernel(
         if sliding_window is not None:
             mask &= key_pos > row_pos - sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
-        peak = peak_ref[...]
-        new_peak = jnp.maximum(peak, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - new_peak), 0.0)
-        correction = jnp.exp(peak - new_peak)
-        pv = jnp.dot((p if v_scale is None else p * v_scale).astype(v.dtype), v, precision=precision,
-                     preferred_element_type=jnp.float32)  # fmt: skip
-        acc_ref[...] = acc_ref[...] * correction + pv
-        denom_ref[...] = denom_ref[...] * correction + jnp.sum(p, axis=1, keepdims=True)
-        peak_ref[...] = new_peak
+        softmax_fold(acc_ref, peak_ref, denom_ref, s, mask, v, precision=precision, p_scale=v_scale)
 
-    def context_group(group, carry):
-        slot = jax.lax.rem(base + group, 2)
-        last = group + 1 == cur.num_groups
-        # The next group's table chunk k: if it is a new one (k >= 1), wait for it; once that group's DMAs are
-        # started, chunk k - 1 is done with, so its slot takes unit k + 1.
-        k = _div((group + 1) * pages_per_iter, table_chunk)
-        new_chunk = jax.lax.rem((group + 1) * pages_per_iter, table_chunk) == 0
-
-        @pl.when(~last)
-        def _():
-            pl.when(new_chunk)(lambda: wait_table_unit(k))
-            start(page_copies(cur, head, group + 1, 1 - slot, tbase))
-            pl.when(new_chunk)(lambda: start_table_unit(k + 1))
-
-        @pl.when(last & prefetch_next)
-        def _():
-            wait_table_unit(n_table)
-            start(page_copies(nxt, next_head, 0, 1 - slot, tbase_next))
-
-        wait(page_waits(cur, group, slot))
+    def fold_group(group, slot):
         for p in range(pages_per_iter):
             i = group * pages_per_iter + p
 
@@ -276,12 +175,7 @@ def _kernel(
                 else:
                     fold(k_buf[slot, p], v_buf[slot, p], key_pos, key_pos < cur.cached)
 
-        return carry
-
-    jax.lax.fori_loop(0, cur.num_groups, context_group, 0)
-    state_ref[0] = jax.lax.rem(base + cur.num_groups, 2)
-    state_ref[1] = prefetch_next.astype(jnp.int32)
-    state_ref[2] = tbase_next
+    pipe.fold_groups(fold_group)
 
     def new_keys(chunk, carry):
         slot = jax.lax.rem(chunk, 2)
@@ -391,7 +285,7 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
                 pltpu.VMEM((rows, head_dim), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.SMEM((3,), jnp.int32),  # carried from program to program (see _kernel)
+                pltpu.SMEM((3,), jnp.int32),  # carried from program to program (tpu_pipeline.PagePipeline)
                 *scale_scratch,
             ],
         ),
@@ -404,16 +298,9 @@ def tpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata: AttentionMetada
         q_tiles, slopes, sink_rows, tables, kv_cache, kn, vn, *scale_operands, *end_operands,
     )  # fmt: skip
 
-    # Back to token order: token t of sequence s sits in tile first_tile[s] + (t - q_start) // tokens_per_tile.
-    rows_idx = jnp.arange(num_tokens, dtype=jnp.int32)
-    query_start_loc = attn_metadata.query_start_loc
-    tok_seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], rows_idx, side="right"), query_start_loc.shape[0] - 2)
-    valid = rows_idx < query_start_loc[-1]
-    per_seq = (query_start_loc[1:] - query_start_loc[:-1] + tokens_per_tile - 1) // tokens_per_tile
-    first_tile = jnp.cumsum(per_seq) - per_seq
-    offset = rows_idx - query_start_loc[tok_seq]
-    tile_of = jnp.clip(first_tile[tok_seq] + offset // tokens_per_tile, 0, num_tiles - 1)
+    # Back to token order.
+    tile_of, row, valid = token_tiles(attn_metadata.query_start_loc, num_tokens, tokens_per_tile, num_tiles)
     out = out_tiles.reshape(num_tiles, num_kv_heads, tokens_per_tile, group_pad, head_dim)
-    out = out[tile_of, :, offset % tokens_per_tile, :group]  # [T, H_kv, G, D]
+    out = out[tile_of, :, row, :group]  # [T, H_kv, G, D]
     out = jnp.where(valid[:, None, None, None], out, 0)
     return out.reshape(num_tokens, num_heads, head_dim)
