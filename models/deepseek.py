@@ -51,7 +51,14 @@ from jaxpaged.models.moe import (
     grouped_route,
     regroup_expert_tensors,
 )  # fmt: skip
-from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.models.weights import (
+    WeightSpec,
+    decoder_specs,
+    layer_prefixes,
+    linear_specs,
+    projection_specs,
+    scale_specs,
+)
 from jaxpaged.pallas_kernels import AttentionBackend, MosaicAttention, TritonAttention
 from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
 from jaxpaged.pallas_kernels.mla import latent_planes, mla_attention
@@ -252,13 +259,9 @@ class DeepseekForCausalLM(CausalLM):
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         moe, mla = MoeOptions.of(cfg), MlaOptions.of(cfg)
         router = RouterOptions(**dict(cfg.option("router")))
-        specs = {"model.embed_tokens.weight": WeightSpec("embed_tokens.embedding"), "model.norm.weight": WeightSpec("norm.scale")}
-        if not cfg.tie_word_embeddings:
-            specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
-        for i in range(cfg.num_layers):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
-            specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
+        specs = decoder_specs(cfg.tie_word_embeddings)
+        for i, hf, ours in layer_prefixes(cfg.num_layers):
+            specs |= scale_specs(hf, ours)
             a, b = f"{hf}.self_attn", f"{ours}.self_attn"
             if mla.q_lora_rank:
                 specs |= linear_specs(f"{a}.q_a_proj", f"{b}.q_a_proj", bias=cfg.attention_bias)
@@ -272,17 +275,15 @@ class DeepseekForCausalLM(CausalLM):
             specs |= linear_specs(f"{a}.o_proj", f"{b}.o_proj", bias=cfg.attention_bias)
             mlp = f"{ours}.mlp"
             if i not in moe.sparse_layers:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    specs |= linear_specs(f"{hf}.mlp.{proj}", f"{mlp}.{proj}", bias=False)
+                specs |= projection_specs(f"{hf}.mlp", mlp, bias=False)
                 continue
             specs[f"{hf}.mlp.gate.weight"] = WeightSpec(f"{mlp}.gate.kernel", transpose=True)
             if router.correction_bias:
                 specs[f"{hf}.mlp.gate.e_score_correction_bias"] = WeightSpec(f"{mlp}.e_score_correction_bias")
             for proj in EXPERT_PROJECTIONS:
                 specs[expert_kernel_name(hf, proj)] = WeightSpec(f"{mlp}.experts.{proj}.kernel")
-            if moe.shared_expert_size:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    specs |= linear_specs(f"{hf}.mlp.shared_experts.{proj}", f"{mlp}.shared_experts.{proj}", bias=False)
+            if moe.shared_expert_size:  # DeepSeek's shared_experts (plural), with no gate of their own
+                specs |= projection_specs(f"{hf}.mlp.shared_experts", f"{mlp}.shared_experts", bias=False)
         return specs
 
 

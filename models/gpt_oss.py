@@ -23,7 +23,7 @@ from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Emb
 from jaxpaged.models.llama import attention_specs
 from jaxpaged.models.mixtral import MoeDecoderLayer
 from jaxpaged.models.moe import ExpertLoop, Experts, MoeOptions, SparseMoeBlock, moe_options_from_hf
-from jaxpaged.models.weights import WeightSpec
+from jaxpaged.models.weights import WeightSpec, decoder_specs, layer_prefixes, scale_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
 
@@ -83,13 +83,9 @@ class GptOssForCausalLM(CausalLM):
 
     @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-        specs = {"model.embed_tokens.weight": WeightSpec("embed_tokens.embedding"), "model.norm.weight": WeightSpec("norm.scale")}
-        if not cfg.tie_word_embeddings:
-            specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
-        for i in range(cfg.num_layers):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
-            specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
+        specs = decoder_specs(cfg.tie_word_embeddings)
+        for _, hf, ours in layer_prefixes(cfg.num_layers):
+            specs |= scale_specs(hf, ours)
             specs |= attention_specs(cfg, hf, ours)
             specs[f"{hf}.self_attn.sinks"] = WeightSpec(f"{ours}.self_attn.sinks")
             specs[f"{hf}.mlp.router.weight"] = WeightSpec(f"{ours}.mlp.router.kernel", transpose=True)

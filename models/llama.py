@@ -15,20 +15,20 @@ from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
 from jaxpaged.models.accounting import ROTARY_CACHE
-from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.models.weights import (
+    WeightSpec, decoder_specs, layer_prefixes, linear_specs, projection_specs, scale_specs,
+)  # fmt: skip
 from jaxpaged.pallas_kernels import AttentionBackend
 
 
 def attention_specs(cfg: ModelConfig, hf: str, ours: str) -> dict[str, WeightSpec]:
     """A Llama-style layer's self_attn tensors (q/k/v/o with the config's biases, q/k norms), shared by the ports
     whose attention is Llama's."""
-    specs = {}
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        specs |= linear_specs(f"{hf}.self_attn.{proj}", f"{ours}.self_attn.{proj}", bias=cfg.attention_bias)
-    specs |= linear_specs(f"{hf}.self_attn.o_proj", f"{ours}.self_attn.o_proj", bias=cfg.out_bias)
+    attn, mine = f"{hf}.self_attn", f"{ours}.self_attn"
+    specs = projection_specs(attn, mine, ("q_proj", "k_proj", "v_proj"), bias=cfg.attention_bias)
+    specs |= linear_specs(f"{attn}.o_proj", f"{mine}.o_proj", bias=cfg.out_bias)
     if cfg.qk_norm:
-        specs[f"{hf}.self_attn.q_norm.weight"] = WeightSpec(f"{ours}.self_attn.q_norm.scale")
-        specs[f"{hf}.self_attn.k_norm.weight"] = WeightSpec(f"{ours}.self_attn.k_norm.scale")
+        specs |= scale_specs(attn, mine, ("q_norm", "k_norm"))
     return specs
 
 
@@ -68,15 +68,9 @@ class LlamaForCausalLM(CausalLM):
     @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         """Every HF tensor name this port needs, and where it goes."""
-        specs = {"model.embed_tokens.weight": WeightSpec("embed_tokens.embedding")}
-        specs["model.norm.weight"] = WeightSpec("norm.scale")
-        if not cfg.tie_word_embeddings:
-            specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
-        for i in range(cfg.num_layers):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
-            specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
+        specs = decoder_specs(cfg.tie_word_embeddings)
+        for _, hf, ours in layer_prefixes(cfg.num_layers):
+            specs |= scale_specs(hf, ours)
             specs |= attention_specs(cfg, hf, ours)
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                specs |= linear_specs(f"{hf}.mlp.{proj}", f"{ours}.mlp.{proj}", bias=cfg.mlp_bias)
+            specs |= projection_specs(f"{hf}.mlp", f"{ours}.mlp", bias=cfg.mlp_bias)
         return specs

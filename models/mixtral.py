@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
-from jaxpaged.models.moe import EXPERT_PROJECTIONS, MoeOptions, SparseMoeBlock, expert_kernel_name, moe_options_from_hf, regroup_expert_tensors
+from jaxpaged.models.moe import MoeOptions, SparseMoeBlock, moe_mlp_specs, moe_options_from_hf, regroup_expert_tensors
 from jaxpaged.models.accounting import ROTARY_CACHE
-from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.models.weights import WeightSpec, decoder_specs, layer_prefixes, scale_specs
 from jaxpaged.models.llama import attention_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -79,24 +79,10 @@ class MoeForCausalLM(CausalLM):
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         """Every tensor this port needs, and where it goes; experts by their stacked names (moe.expert_kernel_name)."""
         moe = MoeOptions.of(cfg)
-        specs = {"model.embed_tokens.weight": WeightSpec("embed_tokens.embedding"), "model.norm.weight": WeightSpec("norm.scale")}
-        if not cfg.tie_word_embeddings:
-            specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
-        for i in range(cfg.num_layers):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
-            specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
+        specs = decoder_specs(cfg.tie_word_embeddings)
+        for i, hf, ours in layer_prefixes(cfg.num_layers):
+            specs |= scale_specs(hf, ours)
             specs |= attention_specs(cfg, hf, ours)
-            if i not in moe.sparse_layers:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    specs |= linear_specs(f"{hf}.mlp.{proj}", f"{ours}.mlp.{proj}", bias=False)
-                continue
-            specs[f"{hf}.mlp.gate.weight"] = WeightSpec(f"{ours}.mlp.gate.kernel", transpose=True)
-            for proj in EXPERT_PROJECTIONS:
-                specs[expert_kernel_name(hf, proj)] = WeightSpec(f"{ours}.mlp.experts.{proj}.kernel")
-            if moe.shared_expert_size:
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    specs |= linear_specs(f"{hf}.mlp.shared_expert.{proj}", f"{ours}.mlp.shared_expert.{proj}", bias=False)
-                specs[f"{hf}.mlp.shared_expert_gate.weight"] = WeightSpec(f"{ours}.mlp.shared_expert_gate.kernel", transpose=True)
+            specs |= moe_mlp_specs(moe, i, hf, ours)
         return specs
 

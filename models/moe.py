@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged.models.accounting import shown
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.layers import GatedMLP, Linear, _param, activation
+from jaxpaged.models.weights import WeightSpec, projection_specs
 from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -531,6 +532,22 @@ _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 def expert_kernel_name(layer: str, projection: str) -> str:
     """The name weight_specs gives a stacked expert kernel ([E, in, out], our layout)."""
     return f"{layer}.mlp.experts.{projection}.kernel"
+
+
+def moe_mlp_specs(moe: MoeOptions | None, layer: int, hf: str, ours: str) -> dict[str, WeightSpec]:
+    """Layer `layer`'s MLP tensors (hf, ours: the layer's prefixes) in the Mixtral / Qwen MoE layout: a gated MLP on
+    a dense layer (or without `moe`); else the router `gate`, the stacked experts and an optional gated
+    `shared_expert`."""
+    mlp, mine = f"{hf}.mlp", f"{ours}.mlp"
+    if moe is None or layer not in moe.sparse_layers:
+        return projection_specs(mlp, mine, bias=False)
+    specs = {f"{mlp}.gate.weight": WeightSpec(f"{mine}.gate.kernel", transpose=True)}
+    for proj in EXPERT_PROJECTIONS:
+        specs[expert_kernel_name(hf, proj)] = WeightSpec(f"{mine}.experts.{proj}.kernel")
+    if moe.shared_expert_size:
+        specs |= projection_specs(f"{mlp}.shared_expert", f"{mine}.shared_expert", bias=False)
+        specs[f"{mlp}.shared_expert_gate.weight"] = WeightSpec(f"{mine}.shared_expert_gate.kernel", transpose=True)
+    return specs
 
 
 def regroup_expert_tensors(

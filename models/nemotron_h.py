@@ -25,7 +25,9 @@ from flax import nnx
 from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
 from jaxpaged.models.hybrid import CausalConv1d, ConcatSplit, GatedRMSNorm, HybridCausalLM
 from jaxpaged.models.layers import MLP, REFERENCE_ATTENTION, Attention, Embedding, Linear, _param, activation, module_list
-from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.models.weights import (
+    WeightSpec, decoder_specs, layer_prefixes, linear_specs, projection_specs, scale_specs,
+)  # fmt: skip
 from jaxpaged.pallas_kernels import AttentionBackend
 from jaxpaged.pallas_kernels.ssd import ssd_scan
 from jaxpaged.pallas_kernels.state_cache import StateArray, causal_conv
@@ -206,19 +208,15 @@ class NemotronHForCausalLM(HybridCausalLM):
     @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         m, types = MambaDims.of(cfg), cfg.option("block_types")
-        specs = {"model.embeddings.weight": WeightSpec("embed_tokens.embedding"), "model.norm_f.weight": WeightSpec("norm.scale")}
-        if not cfg.tie_word_embeddings:
-            specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
-        for i, block in enumerate(types):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            specs[f"{hf}.norm.weight"] = WeightSpec(f"{ours}.norm.scale")
+        specs = decoder_specs(cfg.tie_word_embeddings, embed="model.embeddings.weight", norm="model.norm_f.weight")
+        for i, hf, ours in layer_prefixes(len(types)):
+            block = types[i]
+            specs |= scale_specs(hf, ours, ("norm",))
             mix, our_mix = f"{hf}.mixer", f"{ours}.mixer"
             if block == "full_attention":
-                for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                    specs |= linear_specs(f"{mix}.{proj}", f"{our_mix}.{proj}", bias=False)
+                specs |= projection_specs(mix, our_mix, ("q_proj", "k_proj", "v_proj", "o_proj"), bias=False)
             elif block == "mlp":
-                for proj in ("up_proj", "down_proj"):
-                    specs |= linear_specs(f"{mix}.{proj}", f"{our_mix}.{proj}", bias=cfg.mlp_bias)
+                specs |= projection_specs(mix, our_mix, ("up_proj", "down_proj"), bias=cfg.mlp_bias)
             else:
                 specs |= _mamba_specs(m, mix, our_mix)
         return specs

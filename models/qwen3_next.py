@@ -30,8 +30,9 @@ from jaxpaged.models.hybrid import (
     CausalConv1d, ConcatSplit, GatedRMSNorm, GroupedSplit, HybridCausalLM, ZeroCenteredRMSNorm,
 )  # fmt: skip
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Embedding, GatedMLP, Linear, _param, activation, apply_rope, module_list
-from jaxpaged.models.moe import EXPERT_PROJECTIONS, MoeOptions, SparseMoeBlock, expert_kernel_name, moe_options_from_hf, regroup_expert_tensors
-from jaxpaged.models.weights import WeightSpec, linear_specs
+from jaxpaged.models.llama import attention_specs
+from jaxpaged.models.moe import MoeOptions, SparseMoeBlock, moe_mlp_specs, moe_options_from_hf, regroup_expert_tensors
+from jaxpaged.models.weights import WeightSpec, decoder_specs, layer_prefixes, linear_specs, scale_specs
 from jaxpaged.pallas_kernels import AttentionBackend, AttentionSpec, paged_attention
 from jaxpaged.pallas_kernels.gated_delta import gated_delta_rule
 from jaxpaged.pallas_kernels.state_cache import StateArray, causal_conv
@@ -256,16 +257,14 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         """Every tensor this port needs, and where it goes; fused projections split (models/hybrid.py)."""
         g, types = GdnDims.of(cfg), cfg.option("layer_types")
         moe = MoeOptions.of(cfg) if cfg.option("moe") is not None else None
-        specs = {"model.embed_tokens.weight": WeightSpec("embed_tokens.embedding"), "model.norm.weight": WeightSpec("norm.scale")}
-        if not cfg.tie_word_embeddings:
-            specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
-        for i in range(cfg.num_layers):
-            hf, ours = f"model.layers.{i}", f"layers.{i}"
-            specs[f"{hf}.input_layernorm.weight"] = WeightSpec(f"{ours}.input_layernorm.scale")
-            specs[f"{hf}.post_attention_layernorm.weight"] = WeightSpec(f"{ours}.post_attention_layernorm.scale")
-            specs |= _linear_attn_specs(cfg, g, f"{hf}.linear_attn", f"{ours}.linear_attn") if types[i] == "linear_attention" \
-                else _attention_specs(cfg, f"{hf}.self_attn", f"{ours}.self_attn")  # fmt: skip
-            specs |= _mlp_specs(moe, i, f"{hf}.mlp", f"{ours}.mlp", hf)
+        specs = decoder_specs(cfg.tie_word_embeddings)
+        for i, hf, ours in layer_prefixes(cfg.num_layers):
+            specs |= scale_specs(hf, ours)
+            if types[i] == "linear_attention":
+                specs |= _linear_attn_specs(cfg, g, f"{hf}.linear_attn", f"{ours}.linear_attn")
+            else:  # Llama's, with q/k norms (qk_norm) and o_proj's bias q/k/v's
+                specs |= attention_specs(cfg, hf, ours)
+            specs |= moe_mlp_specs(moe, i, hf, ours)
         return specs
 
 
@@ -274,15 +273,6 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
 
     CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
     SKIPPED_TENSORS = (ROTARY_CACHE, MTP, VISION)
-
-
-def _attention_specs(cfg: ModelConfig, hf: str, ours: str) -> dict[str, WeightSpec]:
-    specs = {}
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        specs |= linear_specs(f"{hf}.{proj}", f"{ours}.{proj}", bias=cfg.attention_bias)
-    specs[f"{hf}.q_norm.weight"] = WeightSpec(f"{ours}.q_norm.scale")
-    specs[f"{hf}.k_norm.weight"] = WeightSpec(f"{ours}.k_norm.scale")
-    return specs
 
 
 def _linear_attn_specs(cfg: ModelConfig, g: GdnDims, hf: str, ours: str) -> dict[str, WeightSpec]:
@@ -308,17 +298,3 @@ def _linear_attn_specs(cfg: ModelConfig, g: GdnDims, hf: str, ours: str) -> dict
     return specs
 
 
-def _mlp_specs(moe: MoeOptions | None, layer: int, hf: str, ours: str, hf_layer: str) -> dict[str, WeightSpec]:
-    specs = {}
-    if moe is None or layer not in moe.sparse_layers:
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            specs |= linear_specs(f"{hf}.{proj}", f"{ours}.{proj}", bias=False)
-        return specs
-    specs[f"{hf}.gate.weight"] = WeightSpec(f"{ours}.gate.kernel", transpose=True)
-    for proj in EXPERT_PROJECTIONS:
-        specs[expert_kernel_name(hf_layer, proj)] = WeightSpec(f"{ours}.experts.{proj}.kernel")
-    if moe.shared_expert_size:
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            specs |= linear_specs(f"{hf}.shared_expert.{proj}", f"{ours}.shared_expert.{proj}", bias=False)
-        specs[f"{hf}.shared_expert_gate.weight"] = WeightSpec(f"{ours}.shared_expert_gate.kernel", transpose=True)
-    return specs

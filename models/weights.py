@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -69,6 +69,40 @@ def norm_specs(hf: str, ours: str, *, bias: bool = True) -> dict[str, WeightSpec
     if bias:
         specs[f"{hf}.bias"] = WeightSpec(f"{ours}.bias")
     return specs
+
+
+GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def projection_specs(hf: str, ours: str, names: Iterable[str] = GATED_MLP, *, bias: bool) -> dict[str, WeightSpec]:
+    """Several torch Linears under one prefix, each `{hf}.{name}` -> `{ours}.{name}` (a gated MLP's by default)."""
+    specs = {}
+    for name in names:
+        specs |= linear_specs(f"{hf}.{name}", f"{ours}.{name}", bias=bias)
+    return specs
+
+
+def scale_specs(hf: str, ours: str, names: Iterable[str] = DECODER_NORMS) -> dict[str, WeightSpec]:
+    """Bias-free norms under one prefix, each `{hf}.{name}.weight` -> `{ours}.{name}.scale` (a decoder layer's two by
+    default)."""
+    return {f"{hf}.{name}.weight": WeightSpec(f"{ours}.{name}.scale") for name in names}
+
+
+def decoder_specs(tied: bool, *, embed: str = "model.embed_tokens.weight", norm: str = "model.norm.weight",
+                  ) -> dict[str, WeightSpec]:  # fmt: skip
+    """The tensors around a decoder's layers: the embedding, the final norm and, unless tied to the embedding, the
+    lm_head."""
+    specs = {embed: WeightSpec("embed_tokens.embedding"), norm: WeightSpec("norm.scale")}
+    if not tied:
+        specs["lm_head.weight"] = WeightSpec("lm_head.kernel", transpose=True)
+    return specs
+
+
+def layer_prefixes(num_layers: int) -> Iterator[tuple[int, str, str]]:
+    """(i, HF prefix, port prefix) of each decoder layer: `model.layers.{i}`, `layers.{i}`."""
+    for i in range(num_layers):
+        yield i, f"model.layers.{i}", f"layers.{i}"
 
 
 def fused_qkv_specs(hf: str, attn: str, split: QKVSplit, *, bias: bool, transpose: bool = True) -> dict[str, WeightSpec]:
