@@ -5,6 +5,7 @@ bandwidth, in at most --budget-s seconds, start-up included.
     python scripts/gpu_report.py --budget-s 420                  # on the GPU machine: writes gpu_report.json + .md
     python scripts/gpu_report.py --budget-s 240 --with-hf        # add transformers' continuous batching (~150 s)
     python scripts/gpu_report.py --tiny --budget-s 200           # every stage on a tiny model (a CPU, the tests)
+    python scripts/gpu_report.py --budget-s 300 --stages moe_gpt_oss,mla   # issue 48's new families (no weights stage)
 
 The workload (issue 33): 256 requests whose prompt and output lengths are drawn uniformly from 100-1024 by Python's
 random.Random(0) (per request: prompt length, its ids with randrange(10, vocab - 10), output length: 139,291
@@ -16,7 +17,8 @@ empty executable cache, first token, the workload, the profile), probe (scripts/
 dispatched as the engine does, forward alone, write alone, and fused; which call makes the host wait), attention
 (bench_attention.py's goal cases), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off), moe
 (a MoE of Qwen3-30B-A3B's layer shape beside the dense model of its active parameters; moe_kernel: the same with the
-grouped-GEMM kernel, moe_kernel="triton"),
+grouped-GEMM kernel, moe_kernel="triton"; moe_gpt_oss: the moe stage at GPT-OSS-20B's layer shape beside its dense
+model), mla (a DeepSeek-V2-Lite-shaped model decoding with the MLA GPU kernel against the pure-JAX MLA path),
 warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
 --with-hf), and issue 44's step 5: spec (a draft model at batch 1 and 64), lora (four adapters at batch 64), fp16
 (the workload on the float16 path of a GPU older than compute capability 8.0, forced). `STAGE@VARIANT` runs a stage
@@ -45,7 +47,7 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "moe_kernel": (60, 180), "attention": (30, 120),
+STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "moe_kernel": (60, 180), "moe_gpt_oss": (60, 150), "mla": (60, 140), "attention": (30, 120),
           "warm": (30, 90), "hf_cb": (120, 300), "spec": (150, 300), "lora": (120, 240), "fp16": (60, 150)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
 # "stage@variant" runs the stage with these XLA flags added (an A/B in one report; the executable cache keys on them)
@@ -379,11 +381,12 @@ def stage_gemm(args, out: Partial) -> None:
         out["gemm"] = {**out.data["gemm"], "shapes": rows, "torch": torch.__version__}
 
 
-def stage_moe(args, out: Partial, moe_kernel: str = "loop") -> None:
+def stage_moe(args, out: Partial, moe_kernel: str = "loop", family: str = "qwen3_moe") -> None:
     """Issue 44 step 5: a MoE with Qwen3-30B-A3B's layer shape (hidden 2048, 32 heads over 4 KV heads of 128, 128
     experts of 768, top 8, its 151,936-token vocabulary), 6 of its 48 layers, random bf16 weights, beside the dense
     model of equal active parameters (scripts/bench_moe.py), batch 1 and 64; every engine with `moe_kernel` (the
-    moe_kernel stage: "triton", the grouped-GEMM kernel; a no-op for the dense model)."""
+    moe_kernel stage: "triton", the grouped-GEMM kernel; a no-op for the dense model). family "gpt_oss": the
+    moe_gpt_oss stage's shape (stage_moe_gpt_oss)."""
     import functools
 
     import bench_moe
@@ -393,19 +396,45 @@ def stage_moe(args, out: Partial, moe_kernel: str = "loop") -> None:
     jaxpaged.LLM = functools.partial(jaxpaged.LLM, moe_kernel=moe_kernel)  # bench_moe builds its engines with it
 
     tiny = args.tiny
-    argv = ["--dtype", "float32" if tiny else args.dtype, "--rounds", "1", "--settle-s", "0",
-            "--json", str(Path(args.work) / "moe.json")]  # fmt: skip
-    if not tiny:
+    key = "moe_gpt_oss" if family == "gpt_oss" else "moe" if moe_kernel == "loop" else "moe_kernel"
+    path = Path(args.work) / f"{key}_bench.json"  # not {key}.json: that is the parent's result file for the stage
+    argv = ["--family", family, "--dtype", "float32" if tiny else args.dtype, "--rounds", "1", "--settle-s", "0",
+            "--json", str(path)]  # fmt: skip
+    if family == "gpt_oss":  # GPT-OSS-20B's layer shape (its 24 layers cut to 4, sliding 128 / full alternating)
+        argv += (["--hidden", "2880", "--layers", "4", "--heads", "64", "--kv-heads", "8", "--head-dim", "64",
+                  "--experts", "32", "--top-k", "4", "--expert-size", "2880", "--vocab", "201088", "--sliding-window", "128",
+                  "--batch-sizes", "1,64", "--prompt-len", "128", "--output-tokens", "128", "--num-kv-blocks", "8192"]
+                 if not tiny else
+                 ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--experts", "4",
+                  "--top-k", "2", "--expert-size", "32", "--vocab", "512", "--sliding-window", "8", "--batch-sizes", "2",
+                  "--prompt-len", "12", "--output-tokens", "8", "--num-kv-blocks", "256"])  # fmt: skip
+    elif not tiny:
         argv += ["--hidden", "2048", "--layers", "6", "--heads", "32", "--kv-heads", "4", "--head-dim", "128",
                  "--experts", "128", "--top-k", "8", "--expert-size", "768", "--vocab", "151936",
                  "--batch-sizes", "1,64", "--prompt-len", "128", "--output-tokens", "128", "--num-kv-blocks", "8192"]  # fmt: skip
     else:
         argv += ["--hidden", "64", "--layers", "2", "--experts", "4", "--expert-size", "32", "--vocab", "512",
                  "--batch-sizes", "2", "--prompt-len", "8", "--output-tokens", "8", "--num-kv-blocks", "256"]  # fmt: skip
+    # each timed run into the report as it ends (bench_moe writes its JSON at the end only): a stage cut short keeps them
+    make_llm, run_once, sides, runs = bench_moe.make_llm, bench_moe.run_once, {}, []
+
+    def made(config_path, bench_args):
+        llm = make_llm(config_path, bench_args)
+        sides[id(llm)] = Path(config_path).parent.name  # bench_moe.write_configs: <folder>/<side>/config.json
+        return llm
+
+    def ran(llm, bench_args, batch, max_tokens):
+        run = run_once(llm, bench_args, batch, max_tokens)
+        if max_tokens == bench_args.output_tokens:  # not a warm-up
+            runs.append({"side": sides.get(id(llm)), "batch": batch, "tok_s": run["tok_s"], "step_ms": run["step_ms"]})
+            out["runs"] = runs
+        return run
+
+    bench_moe.make_llm, bench_moe.run_once = made, ran
     bench_moe.main(argv)
-    report = json.loads((Path(args.work) / "moe.json").read_text())
-    key = "moe" if moe_kernel == "loop" else "moe_kernel"
-    out[key] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device")} | {"moe_kernel": moe_kernel}
+    report = json.loads(path.read_text())
+    out[key] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device")} | {
+        "moe_kernel": moe_kernel, "family": family, "config": report["configs"]["moe"]}
 
 
 def stage_moe_kernel(args, out: Partial) -> None:
@@ -413,6 +442,177 @@ def stage_moe_kernel(args, out: Partial) -> None:
     (pallas_kernels/moe_gemm.py) instead of StaticExpertTiles' loop; `--stages moe,moe_kernel` is the A/B. On a CPU
     (--tiny) the kernel runs interpreted."""
     stage_moe(args, out, moe_kernel="triton")
+
+
+def stage_moe_gpt_oss(args, out: Partial) -> None:
+    """Issue 48 step 5: the moe stage for GPT-OSS (scripts/bench_moe.py --family gpt_oss): GPT-OSS-20B's layer shape
+    (hidden 2880, 64 heads of 64 over 8 KV heads, 32 experts of 2880 features, top 4, sinks, YaRN, its 201,088-token
+    vocabulary, layers alternating sliding 128 / full), 4 of its 24 layers, random bf16 weights, beside the dense Qwen2
+    of equal active parameters and the same attention shape, batch 1 and 64; the expert loop (moe_kernel "loop")."""
+    stage_moe(args, out, family="gpt_oss")
+
+
+# DeepSeek-V2-Lite's released config.json (deepseek-ai/DeepSeek-V2-Lite: MLA with kv_lora_rank 512 + qk_rope_head_dim
+# 64, 16 heads, no q low-rank path; 64 routed experts of 1408, top 6, two shared; the first layer dense), its 27 layers
+# cut to 4: a bare config.json, so the engine draws random weights
+MLA_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "attention_bias": False,
+    "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 4,
+    "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "tie_word_embeddings": False,
+    "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400,
+}  # fmt: skip
+# --tiny: scripts/mla_kv_bytes.py's tiny DeepSeek-V3 (transformers.DeepseekV3Config's other defaults)
+MLA_TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16,
+            "v_head_dim": 24, "qk_nope_head_dim": 32, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+            "num_experts_per_tok": 2}  # fmt: skip
+# (side, attention_backend): the platform's default (on a GPU the MLA Triton kernel, pallas_kernels/mla_gpu.py), then
+# the pure-JAX MLA path (ReferenceAttention: MlaAttention runs pallas_kernels/mla.py's absorbed form in JAX)
+MLA_SIDES = (("kernel", "auto"), ("reference", "reference"))
+
+
+def _mla_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    """Greedy requests through the engine step by step, timed in two windows: the prompts' steps (until every request
+    is past its prompt), then the decode steps with the whole batch decoding, until the first request has its
+    max_tokens; the others are then aborted, so the batch never drains through smaller step shapes (each a compile
+    with precompile off). Each request's tokens (an aborted one's as far as it got), and the compiles during the run."""
+    from jaxpaged import RequestOutputKind, SamplingParams
+    from jaxpaged.utils import compile_monitor
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    sched, tokens, compiles = engine.scheduler, {}, compile_monitor.compile_count()
+    steps, t0, prefill, decode = 0, time.perf_counter(), None, None  # (seconds, steps, tokens) at each window's end
+    past_prompts = False
+
+    def sampled() -> int:  # tokens sampled so far (not those still in flight on the device)
+        return sum(len(t) for t in tokens.values()) + sum(r.num_sampled_tokens for r in sched.running)
+
+    while engine.has_unfinished_requests():
+        finished = [o for o in engine.step() if o.finished]
+        steps += 1
+        tokens |= {o.request_id: list(o.outputs[0].token_ids) for o in finished}
+        if prefill is None and past_prompts:  # a step later: with async scheduling the last prompt step is queued, not run
+            prefill = (time.perf_counter() - t0, steps, sampled())
+        past_prompts = not sched.waiting and all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in sched.running)
+        if finished and decode is None:
+            decode = (time.perf_counter() - t0, steps, sampled())
+            for rid in ids:
+                if rid not in tokens:
+                    aborted = engine.abort_request_with_output(rid)
+                    tokens[rid] = [t for t in aborted.outputs[0].token_ids if t >= 0] if aborted else []  # no placeholders
+    seconds = time.perf_counter() - t0
+    prefill = prefill or (seconds, steps, 0)
+    decode = decode or (seconds, steps, sum(len(t) for t in tokens.values()))
+    window_s, window_steps, window_tokens = decode[0] - prefill[0], decode[1] - prefill[1], decode[2] - prefill[2]
+    if window_steps <= 0:  # a request done before every prompt was: no step had the whole batch decoding
+        window_s = window_steps = window_tokens = 0
+    return {"batch": len(prompts), "output_tokens": sum(len(t) for t in tokens.values()), "seconds": seconds, "steps": steps,
+            "tok_s": sum(len(t) for t in tokens.values()) / seconds, "prefill_s": prefill[0], "prefill_steps": prefill[1],
+            "decode_tokens": window_tokens, "decode_steps": window_steps, "decode_s": window_s,
+            "decode_tok_s": window_tokens / window_s if window_s > 0 and window_tokens else None,
+            "decode_step_ms": 1e3 * window_s / window_steps if window_steps else None,
+            "compiles": compile_monitor.compile_count() - compiles, "tokens": [tokens[i] for i in ids]}  # fmt: skip
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Two sides' greedy tokens, request by request, over the tokens both have (an aborted request's may stop a step
+    apart): how many requests agree, and the earliest token that differs."""
+    first, identical = None, 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        at = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        identical += at is None
+        if at is not None and (first is None or at < first["token"]):
+            first = {"request": i, "token": at}
+    return {"equal": first is None and len(a) == len(b), "identical_requests": identical, "requests": len(a),
+            "compared_tokens": sum(min(len(x), len(y)) for x, y in zip(a, b)), "first_divergence": first}  # fmt: skip
+
+
+def stage_mla(args, out: Partial) -> None:
+    """Issue 48 step 5: multi-head latent attention on this device. A DeepSeek-V2-Lite-shaped random model (MLA_CONFIG:
+    its released shape, 4 layers, the first dense) in bfloat16 decodes at batch 1 and 64 (prompts of 1000 random
+    tokens, up to 128 greedy tokens, EOS ignored, prefix caching off) with the platform's default attention (on a GPU
+    the MLA Triton kernel) and then with attention_backend "reference" (the pure-JAX MLA path): tok/s and step ms of
+    the decode steps with the whole batch decoding (after every prompt, until the first request has its 128 tokens:
+    the rest are aborted there, _mla_run), the whole run's tok/s, the engine's kv_bytes_per_token beside the same
+    attention's expanded K/V (scripts/mla_kv_bytes.py), and whether the two sides' greedy tokens are equal (else the
+    first that differs: bfloat16 sums in another order may). Each batch runs once untimed first (its step shapes
+    compiled on first use: precompile off), and again if its timed run still compiled. --tiny: a tiny DeepSeek-V3,
+    float32, on the CPU (both sides the pure-JAX path there, unless the CPU platform picks otherwise)."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+    import mla_kv_bytes
+    import numpy as np
+    import transformers
+
+    from jaxpaged import LLM
+
+    tiny = args.tiny
+    folder = Path(args.work) / ("mla-tiny" if tiny else "mla-v2-lite")
+    folder.mkdir(parents=True, exist_ok=True)
+    if tiny:
+        config = transformers.DeepseekV3Config(**MLA_TINY)
+        config.architectures = ["DeepseekV3ForCausalLM"]
+        config.save_pretrained(folder)
+    else:
+        (folder / "config.json").write_text(json.dumps(MLA_CONFIG, indent=1))
+    hf = transformers.AutoConfig.from_pretrained(folder)
+    dtype = "float32" if tiny else args.dtype
+    # --tiny: two prompts over the CPU's 256-token step budget, so the second's prompt ends a step later (the abort)
+    batches, prompt_len, output_tokens = ((1, 2), 160, 8) if tiny else ((1, 64), 1000, 128)
+    latent, expanded = mla_kv_bytes.bytes_per_token(hf.architectures[0], hf, dtype=jnp.dtype(dtype))
+    rng = np.random.default_rng(0)
+    prompts = {b: [rng.integers(10, hf.vocab_size - 10, prompt_len).tolist() for _ in range(b)] for b in batches}
+    result = {"model": "DeepSeek-V3 (tiny)" if tiny else "DeepSeek-V2-Lite shape, 4 layers", "config": json.loads((folder / "config.json").read_text()),
+              "dtype": dtype, "prompt_len": prompt_len, "output_tokens": output_tokens, "device": jax.devices()[0].device_kind,
+              "formula_bytes_per_token": latent, "expanded_bytes_per_token": expanded, "sides": {}, "summary": []}  # fmt: skip
+    out["mla"] = result
+    tokens = {}
+    for side, backend in MLA_SIDES:
+        t0 = time.perf_counter()
+        llm = LLM(str(folder / "config.json"), dtype=dtype, attention_backend=backend, max_num_seqs=max(batches),
+                  max_model_len=prompt_len + output_tokens + 16, num_kv_blocks=256 if tiny else 8192,
+                  enable_prefix_caching=False, precompile=False, log_level="WARNING")  # fmt: skip
+        engine = llm.engine
+        chosen = engine.loaded.model.layers[0].self_attn.backend
+        # MlaAttention runs the cached context in a kernel for these two backends (Mosaic's where it takes the cache)
+        path = {"TritonAttention": "the MLA Triton kernel", "MosaicAttention": "the MLA Mosaic kernel"}.get(type(chosen).__name__, "pure JAX")
+        entry = {"attention_backend": backend, "attention": f"{type(chosen).__name__}: {path}",
+                 "kv_bytes_per_token": llm.get_stats()["kv_bytes_per_token"], "start_s": time.perf_counter() - t0, "runs": []}  # fmt: skip
+        result["sides"][side] = entry
+        out["mla"] = result
+        for batch in batches:
+            t1 = time.perf_counter()
+            # untimed: long enough that the whole batch decodes together, so the timed run's step shapes are met
+            prompt_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
+            _mla_run(engine, prompts[batch], min(output_tokens, prompt_steps + 8), f"w{batch}-")
+            run = _mla_run(engine, prompts[batch], output_tokens, f"t{batch}-")
+            if run["compiles"]:
+                run = {**_mla_run(engine, prompts[batch], output_tokens, f"r{batch}-"), "retimed_after_compiles": run["compiles"]}
+            run["warmup_and_runs_s"] = time.perf_counter() - t1
+            tokens[side, batch] = run.pop("tokens")
+            entry["runs"].append(run)
+            entry["compiles_after_warmup"] = engine.num_compiles_after_warmup
+            if side != MLA_SIDES[0][0] and (MLA_SIDES[0][0], batch) in tokens:
+                mine, theirs = run, next(r for r in result["sides"][MLA_SIDES[0][0]]["runs"] if r["batch"] == batch)
+                figures = lambda r: {k: r[k] for k in ("decode_tok_s", "decode_step_ms", "tok_s", "compiles")}
+                ratio = theirs["decode_tok_s"] / mine["decode_tok_s"] if theirs["decode_tok_s"] and mine["decode_tok_s"] else None
+                result["summary"].append({"batch": batch, "kernel": figures(theirs), "reference": figures(mine),
+                                          "kernel_over_reference_decode_tok_s": ratio,
+                                          "tokens": first_divergence(tokens[MLA_SIDES[0][0], batch], tokens[side, batch])})  # fmt: skip
+            out["mla"] = result
+        del llm, engine
+        gc.collect()
 
 
 stage_gemm_cublas = stage_gemm  # the same, run with XLA's Triton GEMMs off (cuBLAS for every dot): see main()
@@ -668,6 +868,34 @@ def _workload_lines(stage: dict, hf: dict | None, prefix: str) -> list[str]:
     return lines
 
 
+def _mla_lines(mla: dict | None) -> list[str]:
+    """The mla stage: each side's attention and KV bytes a token, then per batch the kernel's decode against the
+    pure-JAX path's and whether their greedy tokens agree (a side's runs alone while the other has not run)."""
+    if not mla:
+        return []
+    lines, compared = [], {row["batch"] for row in mla["summary"]}
+    for side, s in mla["sides"].items():
+        kv = s["kv_bytes_per_token"]
+        lines.append(f"MLA {side} side ({s['attention']}, {mla['model']}, {mla['dtype']}): KV {kv} bytes a token "
+                     f"(formula {mla['formula_bytes_per_token']}), expanded K/V would be {mla['expanded_bytes_per_token']} "
+                     f"(x{mla['expanded_bytes_per_token'] / kv:.1f}); compiles after warm-up {s.get('compiles_after_warmup')}")
+        for r in s["runs"]:
+            if r["batch"] not in compared:
+                lines.append(f"MLA {side} at batch {r['batch']}: decode {_f(r['decode_tok_s'], '{:.0f}')} tok/s, step "
+                             f"{_f(r['decode_step_ms'], '{:.2f}')} ms; the whole run {r['tok_s']:.0f} tok/s")
+    for row in mla["summary"]:
+        k, r, t = row["kernel"], row["reference"], row["tokens"]
+        first = t["first_divergence"]
+        agree = ("greedy tokens equal" if t["equal"] else f"greedy tokens {t['identical_requests']} of {t['requests']} requests "
+                 f"equal, the first difference at request {first['request']}, token {first['token']}" if first else "greedy tokens differ")
+        lines.append(f"MLA at batch {row['batch']} ({mla['prompt_len']}-token prompts, up to {mla['output_tokens']} out): kernel decode "
+                     f"{_f(k['decode_tok_s'], '{:.0f}')} tok/s, step {_f(k['decode_step_ms'], '{:.2f}')} ms, against the "
+                     f"pure-JAX path's {_f(r['decode_tok_s'], '{:.0f}')} tok/s, {_f(r['decode_step_ms'], '{:.2f}')} ms "
+                     f"(x{_f(row['kernel_over_reference_decode_tok_s'], '{:.2f}')}); whole runs {k['tok_s']:.0f} / {r['tok_s']:.0f} tok/s; "
+                     f"{agree}")  # fmt: skip
+    return lines
+
+
 def summary_table(report: dict) -> str:
     """The short table the run prints last: what each goal of issue 33 asks, and what was measured."""
     st = report["stages"]
@@ -707,12 +935,18 @@ def summary_table(report: dict) -> str:
                      f"({gemm['copy_gbs']:.0f} GB/s), jax [K,N] / jax [N,K] / torch: " + ", ".join(
                      f"{k} {_f(r.get('jax_kn_of_copy'), '{:.0%}')}/{_f(r.get('jax_nk_of_copy'), '{:.0%}')}/"
                      f"{_f(r.get('torch_of_copy'), '{:.0%}')}" for k, r in gemm["shapes"].items()))
-    for name in ("moe", "moe_kernel"):
+    for name in ("moe", "moe_kernel", "moe_gpt_oss"):
         moe = st.get(name, {}).get(name)
+        label = "GPT-OSS MoE" if moe and moe.get("family") == "gpt_oss" else "MoE"
+        if not moe:  # cut short: the runs it finished
+            for run in st.get(name, {}).get("runs", ()):
+                lines.append(f"{name} (stopped before its summary): {run['side']} at batch {run['batch']} {run['tok_s']:.0f} tok/s, "
+                             f"step {run['step_ms']:.1f} ms")  # fmt: skip
         for row in moe["summary"] if moe else ():
-            lines.append(f"MoE ({moe.get('moe_kernel', 'loop')}) at batch {row['batch']}: {row['moe']['tok_s']:.0f} tok/s against the dense model's "
+            lines.append(f"{label} ({moe.get('moe_kernel', 'loop')}) at batch {row['batch']}: {row['moe']['tok_s']:.0f} tok/s against the dense model's "
                          f"{row['dense']['tok_s']:.0f} (x{row['moe_over_dense_tok_s']:.2f}); step {row['moe']['step_ms']:.1f} ms; "
                          f"compiles after warm-up {moe['compiles_after_warmup']}")
+    lines += _mla_lines(st.get("mla", {}).get("mla"))
     att = st.get("attention", {}).get("attention")
     if att:
         for g in att["goals"]:

@@ -136,3 +136,40 @@ def test_the_moe_stages_are_an_ab_in_one_report():
     text = gpu_report.summary_table({"stages": stages, "env": {}, "dropped": []})
     assert "MoE (loop) at batch 64: 882 tok/s against the dense model's 7911 (x0.11)" in text
     assert "MoE (triton) at batch 64" in text
+
+
+def test_the_new_families_stages_are_summarized():
+    """Issue 48 step 5's stages: moe_gpt_oss (bench_moe --family gpt_oss) as the moe stage is, and mla (the MLA kernel
+    against the pure-JAX path: decode figures, KV bytes a token against the expanded form's, greedy tokens compared),
+    a side's runs named alone while the other side has not run them. (`--tiny --stages moe_gpt_oss,mla` runs both on
+    the CPU: about 2 minutes, so not here.)"""
+    assert {"moe_gpt_oss", "mla"} <= set(gpu_report.STAGES)
+    assert gpu_report.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]])["equal"]
+    diff = gpu_report.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 8, 6]])
+    assert diff == {"equal": False, "identical_requests": 0, "requests": 2, "compared_tokens": 6,
+                    "first_divergence": {"request": 1, "token": 1}}
+    row = {"batch": 64, "moe": {"tok_s": 500.0, "step_ms": 120.0}, "dense": {"tok_s": 2000.0}, "moe_over_dense_tok_s": 0.25}
+    gpt_oss = {"summary": [row], "compiles_after_warmup": {"moe": 0, "dense": 0}, "moe_kernel": "loop", "family": "gpt_oss"}
+    run = lambda batch, tok_s: {"batch": batch, "decode_tok_s": tok_s, "decode_step_ms": 1e3 * batch / tok_s, "tok_s": tok_s / 2,
+                                "compiles": 0}  # fmt: skip
+    figures = lambda r: {k: r[k] for k in ("decode_tok_s", "decode_step_ms", "tok_s", "compiles")}
+    side = lambda name, runs: {"attention": name, "kv_bytes_per_token": 4608, "compiles_after_warmup": 0, "runs": runs}
+    mla = {"model": "DeepSeek-V2-Lite shape, 4 layers", "dtype": "bfloat16", "prompt_len": 1000, "output_tokens": 128,
+           "formula_bytes_per_token": 4608, "expanded_bytes_per_token": 40960,
+           "sides": {"kernel": side("TritonAttention: the MLA Triton kernel", [run(1, 100.0), run(64, 3200.0)]),
+                     "reference": side("ReferenceAttention: pure JAX", [run(1, 80.0)])},
+           "summary": [{"batch": 1, "kernel": figures(run(1, 100.0)), "reference": figures(run(1, 80.0)),
+                        "kernel_over_reference_decode_tok_s": 1.25,
+                        "tokens": gpu_report.first_divergence([[1, 2, 3]], [[1, 2, 7]])}]}  # fmt: skip
+    stages = {"moe_gpt_oss": {"moe_gpt_oss": gpt_oss, "rc": 0}, "mla": {"mla": mla, "rc": 0}}
+    text = gpu_report.summary_table({"stages": stages, "env": {}, "dropped": []})
+    assert "GPT-OSS MoE (loop) at batch 64: 500 tok/s against the dense model's 2000 (x0.25)" in text
+    assert "MLA kernel side (TritonAttention: the MLA Triton kernel, DeepSeek-V2-Lite shape, 4 layers, bfloat16): KV 4608 bytes a token (formula 4608), expanded K/V would be 40960 (x8.9)" in text
+    assert ("MLA at batch 1 (1000-token prompts, up to 128 out): kernel decode 100 tok/s, step 10.00 ms, against the pure-JAX "
+            "path's 80 tok/s, 12.50 ms (x1.25); whole runs 50 / 40 tok/s; greedy tokens 0 of 1 requests equal, the first "
+            "difference at request 0, token 2") in text  # fmt: skip
+    assert "MLA kernel at batch 64: decode 3200 tok/s, step 20.00 ms; the whole run 1600 tok/s" in text
+    assert "MLA reference at batch" not in text and "stage " not in text
+    cut = {"moe_gpt_oss": {"runs": [{"side": "moe", "batch": 1, "tok_s": 40.0, "step_ms": 25.0}], "rc": "timeout"}}
+    text = gpu_report.summary_table({"stages": cut, "env": {}, "dropped": []})
+    assert "moe_gpt_oss (stopped before its summary): moe at batch 1 40 tok/s, step 25.0 ms" in text
