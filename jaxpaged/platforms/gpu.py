@@ -20,6 +20,11 @@ def _first_gpu():
     return device if device.platform == "gpu" else None
 
 
+def _shared_memory(device) -> int:
+    """Bytes of shared memory a block may opt into on this GPU; 0 for a compute capability not in the table."""
+    return SHARED_MEMORY_KIB.get(str(getattr(device, "compute_capability", "")), 0) * 1024
+
+
 def _capability() -> tuple[int, ...] | None:
     """The first local GPU's compute capability, (major, minor); None without a GPU or when it cannot be read."""
     device = _first_gpu()
@@ -58,13 +63,11 @@ class GpuPlatform(AcceleratorPlatform):
         from jaxpaged.models.moe import GroupedGemmExperts
 
         device = _first_gpu()
-        kib = SHARED_MEMORY_KIB.get(str(getattr(device, "compute_capability", "")), 0) if device is not None else 0
-        return GroupedGemmExperts(interpret=False, shared_memory=kib * 1024 or None)
+        return GroupedGemmExperts(interpret=False, shared_memory=None if device is None else _shared_memory(device) or None)
 
     def kernel(self) -> TritonAttention:
         """Sized for the first local GPU; without one (exporting from a CPU host) the kernel's defaults hold."""
         device = _first_gpu()
         if device is None:
             return TritonAttention(interpret=False)
-        kib = SHARED_MEMORY_KIB.get(str(getattr(device, "compute_capability", "")), 0)
-        return TritonAttention(interpret=False, num_cores=int(getattr(device, "core_count", 0) or 0), shared_memory=kib * 1024)
+        return TritonAttention(interpret=False, num_cores=int(getattr(device, "core_count", 0) or 0), shared_memory=_shared_memory(device))
