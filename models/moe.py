@@ -287,7 +287,12 @@ def _held_experts(ids, e: int, first_expert, num_valid) -> jax.Array:
 def _sorted_by_expert(ids, e: int, first_expert, num_valid) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The T*k assignments' order sorted by expert (those held elsewhere, or padding past num_valid, last), and each
     held expert's count and start in that order."""
-    expert = _held_experts(ids, e, first_expert, num_valid)  # e: held elsewhere (or padding), sorted last, never run
+    return _sort_held(_held_experts(ids, e, first_expert, num_valid), e)
+
+
+def _sort_held(expert, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """_held_experts' vector -> its order by expert (e, held elsewhere or padding, sorted last, never run), and each
+    held expert's count and start in that order."""
     order = jnp.argsort(expert, stable=True)
     counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
     return order, counts, jnp.cumsum(counts) - counts
@@ -400,9 +405,7 @@ def grouped_expert_mlp_gemm(x, ids, weights, gate, up, down, *, first_expert, ac
     k, e = ids.shape[1], gate["kernel"].shape[0]
     a, m = t * k, gemm_tile_rows(t * k, e)
     expert = _held_experts(ids, e, first_expert, num_valid)
-    order = jnp.argsort(expert, stable=True)
-    counts = jnp.zeros(e + 1, jnp.int32).at[expert].add(1)[:e]
-    starts = jnp.cumsum(counts) - counts
+    order, counts, starts = _sort_held(expert, e)
     tiles = -(-counts // m)
     tile_end = jnp.cumsum(tiles)
     tile_first = tile_end - tiles
