@@ -193,6 +193,32 @@ def test_gpt_oss_harmony_tool_calls(tmp_path):
         proc.stop()
 
 
+def test_gpt_oss_the_output_constraint_starts_at_the_final_channel(tmp_path):
+    """Harmony's thinking is the analysis channel: a response_format's grammar waits behind
+    `<|channel|>final<|message|>`, so the analysis comes back as the model wrote it and only the final message
+    follows the schema, whole and streamed (the openai client on the gpt_oss format, as qwen3's test above)."""
+    from jaxpaged.entrypoints.openai.reasoning import harmony_encoding
+
+    pytest.importorskip("openai_harmony", reason="openai-harmony (the harmony extra) is not installed")
+    try:
+        harmony_encoding()
+    except ValueError as exc:
+        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
+    proc = _serve(write_harmony_model(tmp_path / "model"), tmp_path / "log", "--reasoning-parser", "gpt_oss")
+    fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}, "max_tokens": 120}
+    try:
+        (choice,) = _create(proc).choices  # unconstrained, the final message is not JSON: the grammar is what makes it so
+        assert choice.message.content == HARMONY_CONTENT
+        (choice,) = _create(proc, **fields).choices
+        got = [(choice.message.reasoning_content, choice.message.content, choice.finish_reason), _streamed(proc, **fields)[:3]]
+        for reasoning, content, finish in got:
+            assert reasoning == HARMONY_REASONING and finish == "stop"
+            jsonschema.validate(json.loads(content), SCHEMA)
+        assert "Traceback" not in proc.log()
+    finally:
+        proc.stop()
+
+
 def test_an_unknown_parser_stops_the_start(cycle_model_dir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     args = ["--model", str(cycle_model_dir), "--reasoning-parser", "r1", "--port", "1", *ENGINE_ARGS]
