@@ -19,7 +19,9 @@ The pair (random weights, float32), chosen by --family:
 Each side is driven through `jaxpaged.LLM`'s engine with --batch-sizes requests of --prompt-len random tokens and
 --output-tokens greedy tokens each (EOS ignored). The sides alternate, their order flipped every round, for --rounds
 rounds, so both share the machine's noise; each run records the load around it (scripts/machine_load.py). Reported
-per side and batch size: the median output tokens/s and engine step time, and MoE / dense.
+per side and batch size: the median output tokens/s and engine step time, and MoE / dense. --moe-kernel picks how the
+MoE's layers run their experts (EngineConfig.moe_kernel: loop, or triton, the GPU's grouped-GEMM kernel, interpreted
+on a CPU); it is passed to both sides' engines (the dense model has no expert to run) and recorded in the JSON.
 
 --prefill measures prompts instead: by default 8 requests of 512 tokens, max_tokens=1, prefix caching off, timed as
 prompt tokens/s; --max-num-batched-tokens sets the step's token budget (the engine's default: 256 on CPU), which
@@ -28,6 +30,9 @@ decides how full the MoE's expert tiles get.
     python scripts/bench_moe.py --json docs/data/moe_vs_dense_cpu_2026-11-26.json
     python scripts/bench_moe.py --prefill --max-num-batched-tokens 2048 --json docs/data/moe_prefill_cpu.json
     python scripts/bench_moe.py --family gpt_oss --experts 32 --expert-size 256 --top-k 4 --json gpt_oss.json
+
+From Python, `main(argv, on_run=f)` calls f with each timed run's record as it ends (the JSON is written at the end
+only), so a caller stopped part-way keeps the runs it finished (scripts/gpu_report.py's moe stages).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ PREFILL_DEFAULTS = {"batch_sizes": "8", "prompt_len": 512, "output_tokens": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from jaxpaged.config import MOE_KERNEL_CHOICES
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=FAMILIES, default="qwen3_moe", help="the MoE's architecture and its dense "
                    "counterpart: qwen3_moe (against Qwen3) or gpt_oss (against Qwen2 with GPT-OSS's attention shape); "
@@ -83,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "GPU each would otherwise size its pool from the free memory; default: the engine's)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="times each (side, batch size) runs, sides alternating (default: 3)")
     p.add_argument("--matmul-backend", default="auto", help="EngineConfig.matmul_backend of both sides (default: auto)")
+    p.add_argument("--moe-kernel", choices=MOE_KERNEL_CHOICES, default="loop", help="EngineConfig.moe_kernel of both "
+                   "sides: loop (the expert loop) or triton (the GPU's grouped-GEMM kernel; on a CPU interpreted) "
+                   "(default: loop)")  # fmt: skip
     p.add_argument("--settle-s", type=float, default=30.0, help="wait up to this long for the load to drop before each run")
     p.add_argument("--json", default=None, help="write the configs, every run and the summary here")
     args = p.parse_args(argv)
@@ -209,7 +219,8 @@ def make_llm(path: Path, args):
     if args.num_kv_blocks:
         extra["num_kv_blocks"] = args.num_kv_blocks
     return LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.batch_sizes), matmul_backend=args.matmul_backend,
-               max_model_len=args.prompt_len + args.output_tokens + 16, log_level="WARNING", **extra)  # fmt: skip
+               moe_kernel=args.moe_kernel, max_model_len=args.prompt_len + args.output_tokens + 16, log_level="WARNING",
+               **extra)  # fmt: skip
 
 
 def prompts(args, batch: int) -> list[list[int]]:
@@ -261,7 +272,8 @@ def table(rows: list[dict], unit: str = "tok/s") -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None, on_run=None) -> int:
+    """on_run: called with each timed run's record ({"side", "batch", "round", ...run_once's keys, "load"}) as it ends."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     import jax
@@ -287,6 +299,8 @@ def main(argv=None) -> int:
                 with machine_load.SideWatch(side) as watch:
                     run = run_once(llms[side], args, batch, args.output_tokens)
                 runs.append({"side": side, "batch": batch, "round": round_, **run, "load": watch.record})
+                if on_run is not None:
+                    on_run(runs[-1])
                 log.info("round %d, batch %d, %s: %.1f tok/s, %.1f ms a step, load before %.2f", round_, batch, side,
                          run["tok_s"], run["step_ms"], watch.record["loadavg_1min"]["before"])  # fmt: skip
     compiles = {side: llms[side].engine.num_compiles_after_warmup for side in SIDES}
@@ -303,7 +317,8 @@ def main(argv=None) -> int:
     if args.json:
         out = {"date": datetime.date.today().isoformat(), "cpu": machine_load.cpu_model(), "cores": machine_load.cores(),
                "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
-               "args": vars(args), "configs": configs, "parameters": counts, "compiles_after_warmup": compiles,
+               "args": vars(args), "moe_kernel": args.moe_kernel, "configs": configs, "parameters": counts,
+               "compiles_after_warmup": compiles,
                "matmul_backend": {side: llms[side].engine.runner.matmul_backend for side in SIDES},
                "summary": rows, "runs": runs}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=1))

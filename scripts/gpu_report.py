@@ -387,19 +387,13 @@ def stage_moe(args, out: Partial, moe_kernel: str = "loop", family: str = "qwen3
     model of equal active parameters (scripts/bench_moe.py), batch 1 and 64; every engine with `moe_kernel` (the
     moe_kernel stage: "triton", the grouped-GEMM kernel; a no-op for the dense model). family "gpt_oss": the
     moe_gpt_oss stage's shape (stage_moe_gpt_oss)."""
-    import functools
-
     import bench_moe
-
-    import jaxpaged
-
-    jaxpaged.LLM = functools.partial(jaxpaged.LLM, moe_kernel=moe_kernel)  # bench_moe builds its engines with it
 
     tiny = args.tiny
     key = "moe_gpt_oss" if family == "gpt_oss" else "moe" if moe_kernel == "loop" else "moe_kernel"
     path = Path(args.work) / f"{key}_bench.json"  # not {key}.json: that is the parent's result file for the stage
-    argv = ["--family", family, "--dtype", "float32" if tiny else args.dtype, "--rounds", "1", "--settle-s", "0",
-            "--json", str(path)]  # fmt: skip
+    argv = ["--family", family, "--moe-kernel", moe_kernel, "--dtype", "float32" if tiny else args.dtype, "--rounds", "1",
+            "--settle-s", "0", "--json", str(path)]  # fmt: skip
     if family == "gpt_oss":  # GPT-OSS-20B's layer shape (its 24 layers cut to 4, sliding 128 / full alternating)
         argv += (["--hidden", "2880", "--layers", "4", "--heads", "64", "--kv-heads", "8", "--head-dim", "64",
                   "--experts", "32", "--top-k", "4", "--expert-size", "2880", "--vocab", "201088", "--sliding-window", "128",
@@ -416,25 +410,16 @@ def stage_moe(args, out: Partial, moe_kernel: str = "loop", family: str = "qwen3
         argv += ["--hidden", "64", "--layers", "2", "--experts", "4", "--expert-size", "32", "--vocab", "512",
                  "--batch-sizes", "2", "--prompt-len", "8", "--output-tokens", "8", "--num-kv-blocks", "256"]  # fmt: skip
     # each timed run into the report as it ends (bench_moe writes its JSON at the end only): a stage cut short keeps them
-    make_llm, run_once, sides, runs = bench_moe.make_llm, bench_moe.run_once, {}, []
+    runs = []
 
-    def made(config_path, bench_args):
-        llm = make_llm(config_path, bench_args)
-        sides[id(llm)] = Path(config_path).parent.name  # bench_moe.write_configs: <folder>/<side>/config.json
-        return llm
+    def ran(run: dict) -> None:
+        runs.append({k: run[k] for k in ("side", "batch", "tok_s", "step_ms")})
+        out["runs"] = runs
 
-    def ran(llm, bench_args, batch, max_tokens):
-        run = run_once(llm, bench_args, batch, max_tokens)
-        if max_tokens == bench_args.output_tokens:  # not a warm-up
-            runs.append({"side": sides.get(id(llm)), "batch": batch, "tok_s": run["tok_s"], "step_ms": run["step_ms"]})
-            out["runs"] = runs
-        return run
-
-    bench_moe.make_llm, bench_moe.run_once = made, ran
-    bench_moe.main(argv)
+    bench_moe.main(argv, on_run=ran)
     report = json.loads(path.read_text())
-    out[key] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device")} | {
-        "moe_kernel": moe_kernel, "family": family, "config": report["configs"]["moe"]}
+    out[key] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device", "moe_kernel")} | {
+        "family": family, "config": report["configs"]["moe"]}
 
 
 def stage_moe_kernel(args, out: Partial) -> None:

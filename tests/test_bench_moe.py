@@ -130,6 +130,9 @@ def test_help_and_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         bench_moe.parse_args(["--family", "mixtral"])
     assert bench_moe.parse_args([]).family == "qwen3_moe" and bench_moe.parse_args(["--family", "gpt_oss"]).family == "gpt_oss"
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--moe-kernel", "grouped"])
+    assert bench_moe.parse_args([]).moe_kernel == "loop" and bench_moe.parse_args(["--moe-kernel", "triton"]).moe_kernel == "triton"
 
 
 def test_prefill_mode_defaults_and_counts_prompt_tokens():
@@ -160,3 +163,62 @@ def test_prefill_mode_defaults_and_counts_prompt_tokens():
     run = bench_moe.run_once(llm, args, 3, 1)
     assert (run["prompt_tokens"], run["output_tokens"], run["steps"]) == (48, 3, 1)
     assert run["tok_s"] == pytest.approx(48 / run["seconds"])
+
+
+class FakeEngine:
+    """An engine that finishes every request in one step with max_tokens tokens."""
+
+    num_compiles_after_warmup = 0
+
+    def __init__(self):
+        import types
+
+        self.pending, self.runner = [], types.SimpleNamespace(matmul_backend="xla")
+
+    def add_request(self, request_id, prompt, params):
+        self.pending.append(params.max_tokens)
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        import types
+
+        done, self.pending = self.pending, []
+        return [types.SimpleNamespace(finished=True, outputs=[types.SimpleNamespace(token_ids=[7] * n)]) for n in done]
+
+
+def test_moe_kernel_reaches_every_engine_and_each_timed_run_is_reported_as_it_ends(tmp_path, monkeypatch):
+    """--moe-kernel goes to both sides' engines and into the JSON; main's on_run gets every timed run (no warm-up) as
+    it ends, before the JSON is written, so a caller stopped part-way keeps the runs it finished."""
+    import json
+
+    import jaxpaged
+
+    built = []
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            built.append((model, kwargs))
+            self.engine = FakeEngine()
+
+    monkeypatch.setattr(jaxpaged, "LLM", FakeLLM)
+    out = tmp_path / "bench.json"
+    seen = []
+
+    def on_run(run):
+        assert not out.exists()  # before the JSON: the run reaches the caller as it ends
+        seen.append(run)
+
+    argv = ["--moe-kernel", "triton", "--batch-sizes", "1,2", "--rounds", "2", "--output-tokens", "3", "--prompt-len", "4",
+            "--vocab", "64", "--settle-s", "0", "--json", str(out)]  # fmt: skip
+    assert bench_moe.main(argv, on_run=on_run) == 0
+    assert [(m.split("/")[-2], kw["moe_kernel"]) for m, kw in built] == [("moe", "triton"), ("dense", "triton")]
+    assert [(r["round"], r["batch"], r["side"]) for r in seen] == [
+        (0, 1, "moe"), (0, 1, "dense"), (0, 2, "moe"), (0, 2, "dense"),
+        (1, 1, "dense"), (1, 1, "moe"), (1, 2, "dense"), (1, 2, "moe")]  # fmt: skip
+    assert all(r["output_tokens"] == 3 * r["batch"] for r in seen)  # timed runs only: the warm-ups ask for 4 tokens
+    report = json.loads(out.read_text())
+    assert report["moe_kernel"] == report["args"]["moe_kernel"] == "triton"
+    assert report["runs"] == json.loads(json.dumps(seen))
+    assert report["summary"][0]["moe"]["runs"] == report["summary"][0]["dense"]["runs"] == 2

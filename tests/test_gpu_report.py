@@ -138,6 +138,50 @@ def test_the_moe_stages_are_an_ab_in_one_report():
     assert "MoE (triton) at batch 64" in text
 
 
+def test_the_moe_stage_drives_bench_moe_through_its_arguments_and_on_run(tmp_path, monkeypatch):
+    """stage_moe hands bench_moe the stage's --moe-kernel and --family and collects each timed run through main's on_run
+    into the stage's results as it ends: a stage stopped before bench_moe's summary still reports the runs it finished."""
+    import argparse
+    from pathlib import Path
+
+    import bench_moe
+
+    calls, cut_short = [], []
+
+    def fake_main(argv, on_run=None):
+        calls.append(argv)
+        args = bench_moe.parse_args(argv)
+        for side in ("moe", "dense"):
+            on_run({"side": side, "batch": 2, "round": 0, "tok_s": 40.0, "step_ms": 25.0, "load": {}})
+            if cut_short:
+                raise TimeoutError("cut short")  # as if the stage's time ran out after its first run
+        row = {"batch": 2, "moe": {"tok_s": 40.0, "step_ms": 25.0}, "dense": {"tok_s": 80.0}, "moe_over_dense_tok_s": 0.5}
+        report = {"parameters": {}, "summary": [row], "compiles_after_warmup": {"moe": 0, "dense": 0}, "device": "cpu",
+                  "moe_kernel": args.moe_kernel, "configs": {"moe": {"model_type": "qwen3_moe"}}}  # fmt: skip
+        Path(args.json).write_text(json.dumps(report))
+        return 0
+
+    monkeypatch.setattr(bench_moe, "main", fake_main)
+    args = argparse.Namespace(tiny=True, work=str(tmp_path), dtype="bfloat16")
+    gpu_report.stage_moe_kernel(args, gpu_report.Partial(tmp_path / "moe_kernel.json"))
+    assert calls[0][calls[0].index("--moe-kernel") + 1] == "triton"
+    saved = json.loads((tmp_path / "moe_kernel.json").read_text())
+    assert [r["side"] for r in saved["runs"]] == ["moe", "dense"] and saved["moe_kernel"]["moe_kernel"] == "triton"
+    text = gpu_report.summary_table({"stages": {"moe_kernel": {**saved, "rc": 0}}, "env": {}, "dropped": []})
+    assert "MoE (triton) at batch 2: 40 tok/s against the dense model's 80 (x0.50)" in text
+
+    cut_short.append(True)
+    try:
+        gpu_report.stage_moe_gpt_oss(args, gpu_report.Partial(tmp_path / "moe_gpt_oss.json"))
+    except TimeoutError:
+        pass
+    assert calls[1][calls[1].index("--moe-kernel") + 1] == "loop" and calls[1][calls[1].index("--family") + 1] == "gpt_oss"
+    saved = json.loads((tmp_path / "moe_gpt_oss.json").read_text())
+    assert "moe_gpt_oss" not in saved and saved["runs"] == [{"side": "moe", "batch": 2, "tok_s": 40.0, "step_ms": 25.0}]
+    text = gpu_report.summary_table({"stages": {"moe_gpt_oss": {**saved, "rc": "timeout"}}, "env": {}, "dropped": []})
+    assert "moe_gpt_oss (stopped before its summary): moe at batch 2 40 tok/s, step 25.0 ms" in text
+
+
 def test_the_new_families_stages_are_summarized():
     """Issue 48 step 5's stages: moe_gpt_oss (bench_moe --family gpt_oss) as the moe stage is, and mla (the MLA kernel
     against the pure-JAX path: decode figures, KV bytes a token against the expanded form's, greedy tokens compared),
