@@ -27,9 +27,10 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.registry import resolve_architecture
 from jaxpaged.models.tying import COPY
 from jaxpaged.models.tying import decide as tied_head
-from jaxpaged.models.weights import load_tensors_into, param_bytes, random_tensors
+from jaxpaged.models.weights import WeightPrograms, load_tensors_into, param_bytes, random_tensors
 from jaxpaged.pallas_kernels import AttentionBackend
 from jaxpaged.platforms import Platform
+from jaxpaged.worker.executable_cache import ExecutableCache
 from tqdm.auto import tqdm
 
 logger = logging.getLogger("jaxpaged.loader")
@@ -56,6 +57,9 @@ class LoadedModel:
     quantization: str | None = None  # the scheme the weights were loaded with (a GGUF's platform default resolved)
     weights_seconds: float = 0.0  # of the load, reading the weights onto the device (the rest: config, imports, tokenizer)
     skipped_tensors: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # reason -> checkpoint names
+    # the rest of the load where an HF folder's reader times it: "config" (AutoConfig, transformers' imports with it),
+    # "tokenizer"; a start-up report's breakdown of what is not weights
+    load_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -151,7 +155,11 @@ def _checkpoint_quantization(hf_config, folder: Path, dtype_name: str = "float32
     return checkpoint_quant.checkpoint_format(qcfg, str(folder), np.dtype(DTYPES[dtype_name]))
 
 
-def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None):
+def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None, timed: dict | None = None,
+                    programs: WeightPrograms | None = None):  # fmt: skip
+    """timed: filled with the seconds of the config's read (imports included) and the tokenizer's."""
+    timed = {} if timed is None else timed
+    t0 = time.perf_counter()
     from transformers import AutoConfig
 
     config_file = folder / "config.json"
@@ -159,6 +167,7 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
         hf_config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         raise ValueError(f"could not read {config_file}: {exc}") from exc
+    timed["config"] = time.perf_counter() - t0
     fmt = _checkpoint_quantization(hf_config, folder, dtype_name)
     if fmt is not None and quantization in ("int8", "fp8") and not getattr(fmt, "dequantizes", False):
         logger.info("%s is already %s-quantized: loading it as stored, not as %s", folder.name, fmt.name, quantization)
@@ -174,11 +183,15 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     if tying.head_is_copy:
         ledger.explain(tying.head, COPY)
     tensors = _progress(_safetensors_tensors(where, fmt, ledger), len(where), "Loading weights")
-    weights_s = load_tensors_into(model, tying.specs(cls.weight_specs(cfg)), tensors, DTYPES[dtype_name], quantization, ledger)
-    return model, cfg, hf_config, _load_tokenizer(folder), weights_s, ledger.closed
+    weights_s = load_tensors_into(model, tying.specs(cls.weight_specs(cfg)), tensors, DTYPES[dtype_name], quantization, ledger, programs)
+    t0 = time.perf_counter()
+    tokenizer = _load_tokenizer(folder)
+    timed["tokenizer"] = time.perf_counter() - t0
+    return model, cfg, hf_config, tokenizer, weights_s, ledger.closed
 
 
-def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool, quantization: str | None):
+def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool, quantization: str | None,
+               timed: dict | None = None, programs: WeightPrograms | None = None):  # fmt: skip
     """quantization="gguf": Q8_0, Q4_0, Q4_1 and Q4_K tensors stay quantized (models/quantization.py), other types
     are dequantized to dtype. Otherwise every tensor is dequantized, once (the floats are cached as an HF folder
     for the next start), then quantized at load if quantization is "int8" or "fp8"."""
@@ -188,13 +201,14 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
         tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
         cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
         tensors = gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config, keep_quantized=True)
-        weights_s = load_tensors_into(model, specs, _progress(tensors, len(specs), "Loading GGUF"), DTYPES[dtype_name], quantization)
+        weights_s = load_tensors_into(model, specs, _progress(tensors, len(specs), "Loading GGUF"), DTYPES[dtype_name], quantization,
+                                      programs=programs)  # fmt: skip
         return model, cfg, hf_config, tokenizer, weights_s, {}
     t0 = time.perf_counter()
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
         logger.info("loading converted %s from cache %s", path.name, entry)
-        return _load_hf_folder(entry, dtype_name, choose_attention, quantization)
+        return _load_hf_folder(entry, dtype_name, choose_attention, quantization, timed, programs)
     reader = gguf_io.open_gguf(str(path))
     hf_config = gguf_io.gguf_hf_config(reader, str(path))
     tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
@@ -204,7 +218,8 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
         name: array.astype(np_dtype)
         for name, array, _ in _progress(gguf_io.gguf_tensors(reader, str(path), list(specs), hf_config), len(specs), "Converting GGUF")
     }
-    weights_s = load_tensors_into(model, specs, ((n, a, str(path)) for n, a in converted.items()), DTYPES[dtype_name], quantization)
+    weights_s = load_tensors_into(model, specs, ((n, a, str(path)) for n, a in converted.items()), DTYPES[dtype_name], quantization,
+                                  programs=programs)  # fmt: skip
     logger.info("converted %s in %.1fs", path.name, time.perf_counter() - t0)
     if use_cache:
         convert_cache.save_entry(entry, converted, hf_config, tokenizer)
@@ -222,11 +237,12 @@ def _config_json(config_file: Path):
         raise ValueError(f"could not read model config {config_file}: {exc}") from exc
 
 
-def _load_random(config_file: Path, dtype_name: str, choose_attention, quantization: str | None = None):
+def _load_random(config_file: Path, dtype_name: str, choose_attention, quantization: str | None = None,
+                 programs: WeightPrograms | None = None):  # fmt: skip
     """A bare config.json: random weights in its shapes, for benchmarks and tests."""
     hf_config = _config_json(config_file)
     cfg, model, specs = _abstract_model(hf_config, dtype_name, choose_attention)
-    weights_s = load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization)
+    weights_s = load_tensors_into(model, specs, random_tensors(specs, model), DTYPES[dtype_name], quantization, programs=programs)
     folder = config_file.parent
     return model, cfg, hf_config, _load_tokenizer(folder), weights_s, {}
 
@@ -279,6 +295,9 @@ def load_model(
             "(random weights) or a Hugging Face Hub id (org/name)"
         )
     t0 = time.perf_counter()
+    timed: dict[str, float] = {}  # the readers' own phases besides the weights (LoadedModel.load_seconds)
+    # the weights' cast and transpose programs, kept with the steps' executables (a warm start compiles none)
+    programs = WeightPrograms(ExecutableCache(convert_cache.cache_root(cache_dir) / "executables") if use_cache else None)
     orbax_item = orbax_io.checkpoint_item(path) if path.is_dir() and not any(path.glob("*.safetensors")) else None
     for name, value in (("hf_config", hf_config), ("checkpoint_mapping", checkpoint_mapping)):
         if value is not None and orbax_item is None:
@@ -302,11 +321,11 @@ def load_model(
         result = orbax_io.load(path, dtype_name, choose_attention, hf_config=hf_config, mapping=checkpoint_mapping,
                                devices=devices, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     elif path.is_dir():
-        result = _load_hf_folder(path, dtype_name, choose_attention, quantization)
+        result = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs)
     elif path.suffix == ".gguf":
-        result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization)
+        result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization, timed, programs)
     elif path.suffix == ".json":
-        result = _load_random(path, dtype_name, choose_attention, quantization)
+        result = _load_random(path, dtype_name, choose_attention, quantization, programs)
     else:
         raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
     module, cfg, hf_config, tokenizer, weights_s, skipped = result
@@ -315,4 +334,4 @@ def load_model(
         "loaded %s (%s, %.1f MB of %s weights%s) in %.1fs", path.name, cfg.architecture, size / 1e6, dtype_name,
         f", quantization {quantization}" if quantization not in (None, "none") else "", time.perf_counter() - t0,
     )
-    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s, skipped)
+    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s, skipped, timed)

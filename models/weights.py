@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -187,24 +188,56 @@ def checkpoint_name(port, name: str, specs: dict[str, WeightSpec]) -> str:
     return name
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
 def _finish(x: jax.Array, dtype, transpose: bool) -> jax.Array:
-    """A weight's cast and transpose, on the device: one small program per weight shape (a model has a handful)."""
     return (x.T if transpose else x).astype(dtype)
 
 
-def place(part: np.ndarray, dtype) -> jax.Array:
+class WeightPrograms:
+    """The programs that finish a weight on its device (cast, transpose, a copy out of the file's pages), one per
+    shape and dtype: a model has a handful. With `executables` (worker/executable_cache.py) the default device's are
+    stored, so a warm start compiles none (on a GPU a compile costs a start a good part of a second)."""
+
+    _compiled: dict[tuple, Any] = {}  # (shape, dtypes, transpose, device) -> executable, for the process, as jax.jit's cache
+
+    def __init__(self, executables=None):
+        self.executables = executables
+
+    def __call__(self, x: jax.Array, dtype, transpose: bool) -> jax.Array:
+        (device,) = x.devices()
+        key = (x.shape, x.dtype, jnp.dtype(dtype), transpose, device)
+        program = self._compiled.get(key)
+        if program is None:
+            jitted = jax.jit(functools.partial(_finish, dtype=jnp.dtype(dtype), transpose=transpose))
+            if self.executables is not None and device == jax.devices()[0]:  # the cache holds the default device's
+                name = f"weight_{jnp.dtype(dtype).name}{'_transposed' if transpose else ''}"
+                program = self.executables.compile(name, jitted, (x,))
+            else:
+                program = jitted.lower(x).compile()
+            self._compiled[key] = program
+        return program(x)
+
+
+@functools.cache
+def _device_put_aliases(device) -> bool:
+    """Whether device_put hands `device` aligned read-only host memory itself rather than a copy (XLA:CPU does)."""
+    host = np.frombuffer(mmap.mmap(-1, 1 << 16), np.float32)  # page-aligned
+    host.flags.writeable = False
+    return jax.device_put(host, device).unsafe_buffer_pointer() == host.ctypes.data
+
+
+def place(part: np.ndarray, dtype, programs: WeightPrograms | None = None) -> jax.Array:
     """A host weight on the default device as a C-contiguous `dtype` array, copied once on the host side at most.
 
     It goes as stored and is cast and transposed there (a Linear's [out, in] checkpoint weight as our [in, out]
     kernel): numpy's strided copies and casts run at a few hundred MB/s, a device's at memory speed. A read-only
-    array (a view of a checkpoint's memory map) always passes through that program, because a CPU device may
-    alias read-only host memory rather than copy it, and a weight must not live in a file that can change."""
+    array (a view of a checkpoint's memory map) is copied by that program too where the device would alias it
+    (a CPU), because a weight must not live in a file that can change."""
     transpose = part.ndim == 2 and not part.flags.c_contiguous and part.T.flags.c_contiguous
     host = part.T if transpose else np.ascontiguousarray(part)  # copies only a strided split's part
     on_device = jax.device_put(host)
-    if transpose or host.dtype != jnp.dtype(dtype) or not host.flags.writeable:
-        return _finish(on_device, jnp.dtype(dtype), transpose)
+    aliased = not host.flags.writeable and _device_put_aliases(next(iter(on_device.devices())))
+    if transpose or host.dtype != jnp.dtype(dtype) or aliased:
+        return (programs or WeightPrograms())(on_device, dtype, transpose)
     return on_device
 
 
@@ -215,6 +248,7 @@ def load_tensors_into(
     dtype,
     quantization: str | None = None,
     ledger: TensorLedger | None = None,
+    programs: WeightPrograms | None = None,
 ) -> float:
     """Fill model's params from (hf_name, array, source) triples; raise on a missing or misshapen tensor, and on one
     no parameter reads unless a rule of the port's SKIPPED_TENSORS (or the caller, in `ledger`) explains it
@@ -222,8 +256,9 @@ def load_tensors_into(
 
     An array may be a quantized weight (models/quantization.py: ChannelQuantized, GroupQuantized), installed as
     stored (quantization None or "gguf"); "int8"|"fp8" quantizes float Linear kernels on the host as they arrive, so
-    the device never holds the float weights; "none" dequantizes quantized ones instead. Returns the seconds it took,
-    the device's copies done.
+    the device never holds the float weights; "none" dequantizes quantized ones instead. programs: where the cast and
+    transpose programs come from (default: compiled, kept for the process). Returns the seconds it took, the device's
+    copies done.
     """
     from jaxpaged.models.quantization import ChannelQuantized, GroupQuantized, quantize_channels
 
@@ -274,7 +309,7 @@ def load_tensors_into(
                     q, scale = quantize_channels(part, quantization)
                     _install(owner, "kernel", ChannelQuantized(q.T, scale), True, dtype, name, source)
             else:
-                _set(var, place(part, dtype))
+                _set(var, place(part, dtype, programs))
         filled.add(name)
     ledger.close(set(specs) - filled, getattr(model.config, "architecture", type(model).__name__))
     jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(model)))

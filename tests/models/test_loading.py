@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -165,6 +168,30 @@ def test_loaded_weights_do_not_live_in_the_file(tiny_hf, tmp_path, dtype):
     for b, a in zip(before, after):
         assert np.array_equal(b, a)
     assert np.abs(before[1]).max() > 0  # the overwritten region held real weights
+
+
+_LOAD_AND_COUNT = """
+import json, sys
+from jax import monitoring
+compiles = []
+monitoring.register_event_duration_secs_listener(lambda event, s, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+from jaxpaged.models.loader import load_model
+loaded = load_model(sys.argv[1], dtype="bfloat16")
+print(json.dumps({"compiles": len(compiles), "q": float(abs(loaded.model.layers[0].self_attn.q_proj.kernel[...].astype("float32")).sum())}))
+"""
+
+
+def test_a_second_start_compiles_no_weight_programs(tiny_hf, tmp_path):
+    """The weights' cast and transpose programs are kept with the steps' executables: a new process loading the
+    same shapes compiles none of them (on a GPU each is a good part of a second of start-up) and gets the same weights."""
+    folder = save_hf_model(tiny_hf, tmp_path / "m")
+    env = {**os.environ, "JAXPAGED_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _LOAD_AND_COUNT, str(folder)], env=env, check=True,
+                                      capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]  # fmt: skip
+    assert runs[0]["compiles"] >= 3  # float32 -> bfloat16 casts, transposed and not
+    assert runs[1]["compiles"] == 0
+    assert runs[1]["q"] == runs[0]["q"] > 0
+    assert list((tmp_path / "cache" / "executables").glob("*/weight_bfloat16*.exe"))
 
 
 def test_corrupt_gguf_is_named(tmp_path):
