@@ -2,7 +2,8 @@
 `<think>` reasoning `</think>` and an answer, which the server splits into message.reasoning_content and content
 (streamed as delta.reasoning_content and delta.content) with the parser it found in the chat template (qwen3,
 deepseek_r1) or was given (gpt_oss); chat_template_kwargs turn the thinking off; tool calls are read from the
-answer only; an output constraint starts after `</think>`.
+answer only; an output constraint starts after `</think>` (qwen3, deepseek_r1) or harmony's
+`<|channel|>final<|message|>` (gpt_oss).
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ def test_deepseek_r1_reads_an_output_without_the_opening_tag(tmp_path):
         (choice,) = _create(proc).choices
         assert (choice.message.reasoning_content, choice.message.content) == (REASONING, CONTENT)
         assert _streamed(proc) == (REASONING, CONTENT, "stop", [])
+        # the prompt opened the thinking: a constraint waits for the </think> the model writes
+        fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}, "max_tokens": 120}
+        (choice,) = _create(proc, **fields).choices
+        assert (choice.message.reasoning_content, choice.finish_reason) == (REASONING, "stop")
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     finally:
         proc.stop()
 
