@@ -896,7 +896,8 @@ def summary_table(report: dict) -> str:
         if s:
             ph = s["phases_s"]
             later = s.get("all_buckets_compiled_after_warmup_began_s")
-            lines.append(f"{label}: ready {s['ready_s']:.1f} s (backend {_f(ph.get('backend'))}, load {_f(ph.get('load'))} of which weights {_f(ph.get('weights'))}, "
+            lines.append(f"{label}: ready {s['ready_s']:.1f} s (backend {_f(ph.get('backend'))}, load {_f(ph.get('load'))} of which weights {_f(ph.get('weights'))}, config {_f(ph.get('config'))}, "
+                         f"tokenizer {_f(ph.get('tokenizer'))}, "
                          f"warm-up {_f(ph.get('warmup'))}; "
                          f"weights {_f(s.get('weights_read_gbs'), '{:.2f}')} GB/s), first token {s['first_token_s']:.2f} s, "
                          f"{s['executables_loaded']} executables loaded, {s['executables_compiled']} compiled"
