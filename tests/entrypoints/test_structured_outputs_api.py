@@ -168,6 +168,61 @@ def test_instructor_json_schema_mode(server):
         assert isinstance(answer, ClosedAnswer) and 0 <= answer.count <= 99
 
 
+# instructor 1.6's JSON_SCHEMA mode, run in its own interpreter (the installed instructor is 1.17): the request's
+# response_format, then the parsed answer, one JSON line each
+_INSTRUCTOR_1_6 = """
+import json, sys
+from typing import Literal
+import httpx, instructor, openai, pydantic
+sent = []
+class Recorded(httpx.HTTPTransport):
+    # records response_format; drops the system message instructor adds (the schema again, in words), which the
+    # test server's 512-token context cannot hold: what constrains the answer is response_format
+    def handle_request(self, request):
+        body = json.loads(request.content)
+        sent.append(body.get("response_format"))
+        body["messages"] = [m for m in body["messages"] if m["role"] != "system"]
+        request = httpx.Request(request.method, request.url, headers={k: v for k, v in request.headers.items()
+                                if k.lower() != "content-length"}, json=body)
+        return super().handle_request(request)
+class ClosedAnswer(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    ok: bool
+    color: Literal["red", "green", "blue"]
+    count: int = pydantic.Field(ge=0, le=99)
+http = httpx.Client(transport=Recorded(), timeout=120)
+client = instructor.from_openai(openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, http_client=http),
+                                mode=instructor.Mode.JSON_SCHEMA)
+for temperature in (0.0, 1.0):
+    answer = client.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "answer"}],
+                                            response_model=ClosedAnswer, max_tokens=200, temperature=temperature, seed=4,
+                                            max_retries=0)
+    print(json.dumps({"instructor": instructor.__file__, "response_format": sent[-1], "answer": answer.model_dump()}))
+"""
+
+
+def test_instructor_1_6_json_schema_mode_sends_json_object_with_a_schema(server):
+    """The form the issue names, from instructor itself: its JSON_SCHEMA mode sent {"type": "json_object", "schema": ...}
+    until 1.7 (1.17 sends json_schema: the test above). .ci/run installs instructor 1.6.4 apart and names its folder."""
+    import os
+    import subprocess
+    import sys
+
+    folder = os.environ.get("JAXPAGED_TEST_INSTRUCTOR_1_6")
+    if not folder:
+        pytest.skip("JAXPAGED_TEST_INSTRUCTOR_1_6 names a folder holding instructor==1.6.4 (pip install --no-deps --target); .ci/run sets it")
+    env = {**os.environ, "PYTHONPATH": folder}
+    out = subprocess.run([sys.executable, "-c", _INSTRUCTOR_1_6, f"{server.url}/v1", CYCLE_MODEL], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(runs) == 2 and all(r["instructor"].startswith(folder) for r in runs)
+    for run in runs:
+        assert run["response_format"]["type"] == "json_object"
+        assert run["response_format"]["schema"] == ClosedAnswer.model_json_schema()
+        assert ClosedAnswer(**run["answer"]).count <= 99
+
+
 def _schema_rf(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
 
