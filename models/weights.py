@@ -13,7 +13,7 @@ import mmap
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -197,7 +197,7 @@ class WeightPrograms:
     shape and dtype: a model has a handful. With `executables` (worker/executable_cache.py) the default device's are
     stored, so a warm start compiles none (on a GPU a compile costs a start a good part of a second)."""
 
-    _compiled: dict[tuple, Any] = {}  # (shape, dtypes, transpose, device) -> executable, for the process, as jax.jit's cache
+    _compiled: ClassVar[dict[tuple, Any]] = {}  # (shape, dtypes, transpose, device) -> executable, for the process, as jax.jit's cache
 
     def __init__(self, executables=None):
         self.executables = executables

@@ -5,7 +5,7 @@ executable cache, so that repr must be stable across processes."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -80,9 +80,11 @@ class TritonAttention(PallasAttention):
 
     num_cores: int = 0
     shared_memory: int = 0
+    launch: Any = None  # a gpu_attention.LaunchConfig for every bucket instead of launch_config's choice (a tuning sweep)
 
     def options(self) -> dict:
         options = {"interpret": self.interpret, "num_cores": self.num_cores}
+        options |= {"launch": self.launch} if self.launch is not None else {}
         return options | ({"shared_memory": self.shared_memory} if self.shared_memory else {})
 
     def kernel(self):

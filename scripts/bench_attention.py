@@ -22,6 +22,7 @@ Pallas kernel runs in interpret mode, whose times say nothing about kernel speed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -36,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jaxpaged import platforms  # noqa: E402
 from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, kv_cache_shape, paged_attention  # noqa: E402
+from jaxpaged.pallas_kernels.backends import TritonAttention  # noqa: E402
 
 TARGET = {"batch": 64, "context": 2048, "head_dim": 128, "kv_heads": 8, "dtype": "bfloat16"}
 LONG = {"batch": 1, "context": 32768, "head_dim": 128, "kv_heads": 8, "dtype": "bfloat16"}  # one request, long context
@@ -125,7 +127,91 @@ def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_si
     return row
 
 
-def main(argv=None) -> dict:
+# The report workload's decode step (gpu_report.py: Llama-3.2-1B's attention, 256 rows at about its mean context)
+WORKLOAD_STEP = {"name": "decode_batch256_ctx562_llama1b", "batch": 256, "context": 562, "heads": 32, "kv_heads": 8,
+                 "head_dim": 64, "dtype": "bfloat16"}  # fmt: skip
+SWEEP_CHUNKS, SWEEP_WARPS, SWEEP_STAGES, SWEEP_SPLITS = (32, 64, 128, 256), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16)
+
+
+def sweep_cases(tiny: bool) -> list[dict]:
+    if tiny:  # interpreted on a CPU: the sweep's plumbing, not its times
+        return [{"name": "tiny", "batch": 2, "context": 40, "heads": 4, "kv_heads": 2, "head_dim": 64, "dtype": "float32"}]
+    return [WORKLOAD_STEP] + [{k: g[k] for k in ("name", "batch", "context", "kv_heads", "head_dim", "dtype")} | {"heads": 32}
+                              for g in GOALS]  # fmt: skip
+
+
+def sweep(backend, cases: list[dict], *, block_size: int, iters: int, bandwidth: float, tiny: bool = False,
+          deadline: float = float("inf"), on_case=None) -> list[dict]:  # fmt: skip
+    """The GPU decode kernel's launch (keys a chunk, warps, pipeline stages, then KV splits) tuned per case: each
+    launch that fits the device's shared memory is timed, first at the default's splits, then the best one's splits
+    varied; a launch whose output differs from the default's is marked and never best. Per case: the default
+    launch_config's figure, the best, and every launch tried (failed ones with their error), so DECODE_CONFIGS can be
+    set from a GPU's data. Past `deadline` (time.perf_counter()) no new launch is tried; on_case(row) as each ends."""
+    from jaxpaged.pallas_kernels.gpu_attention import DEFAULT_SHARED_MEMORY, SHARED_MEMORY_MARGIN, launch_config, shared_memory_estimate
+
+    memory = backend.shared_memory or DEFAULT_SHARED_MEMORY
+    out = []
+    for case in cases:
+        dtype = jnp.dtype(case["dtype"])
+        args, kv_bytes = make_step(np.random.default_rng(0), q_lens=[1] * case["batch"], seq_lens=[case["context"]] * case["batch"],
+                                   heads=case["heads"], kv_heads=case["kv_heads"], head_dim=case["head_dim"],
+                                   block_size=block_size, dtype=dtype)  # fmt: skip
+        tried: dict = {}
+        tolerance = 1e-4 if dtype == jnp.float32 else 2e-2
+        expected = []  # the default launch's output
+
+        def measure(launch):
+            if launch in tried or (tried and time.perf_counter() > deadline):
+                return
+            tuned = dataclasses.replace(backend, launch=launch)
+            fn = jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, 0, m, AttentionSpec(case["head_dim"] ** -0.5), backend=tuned))
+            try:
+                got = np.asarray(fn(*args).astype(jnp.float32))
+                seconds = _time(fn, *args, iters=iters)
+            except Exception as exc:  # noqa: BLE001 - a launch Triton cannot build (registers, resources): recorded, skipped
+                tried[launch] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                return
+            expected.append(got) if not expected else None
+            error = float(np.abs(got - expected[0]).max())
+            tried[launch] = {"ms": seconds * 1e3, "kv_gbps": kv_bytes / seconds / 1e9, "of_copy_bw": kv_bytes / seconds / bandwidth,
+                             "max_error_vs_default": error, "agrees": error <= tolerance}  # fmt: skip
+
+        default = launch_config(case["batch"], case["batch"], case["head_dim"], dtype.itemsize, shared_memory=memory,
+                                num_cores=backend.num_cores, num_kv_heads=case["kv_heads"])  # fmt: skip
+        measure(default)
+        grid = [(16, 32, 4, 2)] if tiny else [(16, c, w, st) for c in SWEEP_CHUNKS for w in SWEEP_WARPS for st in SWEEP_STAGES]
+        for rows, chunk, warps, stages in grid:
+            if shared_memory_estimate(rows, chunk, case["head_dim"], dtype.itemsize, stages) <= memory * SHARED_MEMORY_MARGIN:
+                measure(dataclasses.replace(default, rows=rows, kv_chunk=chunk, num_warps=warps, num_stages=stages))
+        timed = lambda: [(launch, r) for launch, r in tried.items() if r.get("agrees")]  # noqa: E731
+        fastest = lambda: min(timed(), key=lambda item: item[1]["ms"], default=(None, None))  # noqa: E731
+        for splits in ((1, 2) if tiny else SWEEP_SPLITS) if fastest()[0] else ():
+            measure(dataclasses.replace(fastest()[0], num_splits=splits))
+        best, result = fastest()
+        row = {**case, "kv_bytes": kv_bytes, "default": {"launch": dataclasses.asdict(default), **tried.get(default, {})},
+               "best": {"launch": dataclasses.asdict(best), **result} if best else None,
+               "tried": [{"launch": dataclasses.asdict(launch), **r} for launch, r in tried.items()]}  # fmt: skip
+        out.append(row)
+        print(sweep_line(row), flush=True)
+        if on_case is not None:
+            on_case(row)
+    return out
+
+
+def sweep_line(row: dict) -> str:
+    """'decode_batch64_ctx2k: default (16, 128, 4, 3, 8) 0.321 ms 61% of copy bw; best (16, 64, 8, 3, 16) 0.250 ms 78%'."""
+    def cell(entry):
+        launch = tuple(entry["launch"].values())
+        return f"{launch} {entry['ms']:.3f} ms {entry['of_copy_bw']:.0%}" if "ms" in entry else f"{launch} failed"
+
+    failed = sum("error" in t for t in row["tried"])
+    best = cell(row["best"]) if row["best"] else "none agreed with the default"
+    return (f"sweep {row['name']}: default {cell(row['default'])} of copy bw; best {best} "
+            f"(launch: rows, kv_chunk, warps, stages, splits; {len(row['tried'])} tried, {failed} failed)")
+
+
+def main(argv=None, on_case=None) -> dict:
+    """on_case(row): each --sweep case's result as it ends."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few small cases, plus the goals' two cases on GPU/TPU (the default on CPU)")
     p.add_argument("--dtype", default=None, help="bfloat16 (default on GPU/TPU) or float32 (default on CPU)")
@@ -133,7 +219,11 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=None, help="timed repetitions per case (median reported)")
     p.add_argument("--backends", default=None, help="comma-separated: pallas, native, reference (default: the platform's kernel and the reference)")
     p.add_argument("--json", default=None, help="write the rows and environment here")
+    p.add_argument("--sweep", action="store_true", help="tune the GPU decode kernel's launch on the goals' cases and the "
+                   "report workload's decode step instead of the grid (on a CPU: one tiny case, interpreted)")
+    p.add_argument("--deadline-s", type=float, default=None, help="--sweep tries no new launch after this many seconds")
     args = p.parse_args(argv)
+    started = time.perf_counter()
 
     platform = platforms.get().name
     quick = args.quick or platform == "cpu"
@@ -145,6 +235,21 @@ def main(argv=None) -> dict:
     print(f"device: {device} ({platform}), jax {jax.__version__}, copy bandwidth {bandwidth / 1e9:.1f} GB/s, {dtype.name}")
     if platform == "cpu" and "pallas" in backends:
         print("note: on CPU the kernel runs in interpret mode; its times are not kernel speed")
+
+    if args.sweep:
+        backend = platforms.get().attention_backend("pallas", 64)
+        if not isinstance(backend, TritonAttention):
+            p.error(f"--sweep tunes the GPU (Triton) kernel, and {platform}'s is {type(backend).__name__}")
+        tiny = platform == "cpu"
+        deadline = started + args.deadline_s if args.deadline_s is not None else float("inf")
+        rows = sweep(backend, sweep_cases(tiny), block_size=args.block_size, iters=1 if tiny else (args.iters or 20),
+                     bandwidth=bandwidth, tiny=tiny, deadline=deadline, on_case=on_case)  # fmt: skip
+        env = {"device": device, "platform": platform, "jax": jax.__version__, "copy_bandwidth_gbps": bandwidth / 1e9,
+               "date": datetime.date.today().isoformat(), "num_cores": backend.num_cores, "shared_memory": backend.shared_memory}  # fmt: skip
+        report = {"env": env, "sweep": rows}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return report
 
     goal_cases = [(g["batch"], g["context"]) for g in GOALS]
     if quick:

@@ -15,7 +15,7 @@ shape written once by transformers' save_pretrained, so every engine reads the s
 Stages run as child processes (each with the device to itself), in order of value: weights, cold (start-up with an
 empty executable cache, first token, the workload, the profile), probe (scripts/dispatch_probe.py: the decode step
 dispatched as the engine does, forward alone, write alone, and fused; which call makes the host wait), attention
-(bench_attention.py's goal cases), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off), moe
+(bench_attention.py's goal cases; attention_sweep: the decode kernel's launch tuned on them and this workload's step), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off), moe
 (a MoE of Qwen3-30B-A3B's layer shape beside the dense model of its active parameters; moe_kernel: the same with the
 grouped-GEMM kernel, moe_kernel="triton"; moe_gpt_oss: the moe stage at GPT-OSS-20B's layer shape beside its dense
 model), mla (a DeepSeek-V2-Lite-shaped model decoding with the MLA GPU kernel against the pure-JAX MLA path),
@@ -47,7 +47,7 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "moe_kernel": (60, 180), "moe_gpt_oss": (60, 150), "mla": (60, 140), "attention": (30, 120),
+STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "moe_kernel": (60, 180), "moe_gpt_oss": (60, 150), "mla": (60, 140), "attention": (30, 120), "attention_sweep": (40, 180),
           "warm": (30, 90), "hf_cb": (120, 300), "spec": (150, 300), "lora": (120, 240), "fp16": (60, 150)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
 # "stage@variant" runs the stage with these XLA flags added (an A/B in one report; the executable cache keys on them)
@@ -665,6 +665,22 @@ def stage_attention(args, out: Partial) -> None:
     out["attention"] = {"env": report["env"], "goals": report["goals"], "rows": report["rows"]}
 
 
+def stage_attention_sweep(args, out: Partial) -> None:
+    """The decode kernel's launch tuned (bench_attention.py --sweep) on the goals' cases and this workload's decode
+    step: each case's default launch, its best and every launch tried, kept as each case ends."""
+    import bench_attention
+
+    rows = []
+
+    def keep(row):
+        rows.append(row)
+        out["attention_sweep"] = {"rows": rows}
+
+    limit = STAGES["attention_sweep"][1]
+    report = bench_attention.main(["--sweep", "--deadline-s", str(limit - 30), "--json", str(Path(args.work) / "attention_sweep.json")], on_case=keep)
+    out["attention_sweep"] = {"env": report["env"], "rows": rows}
+
+
 def stage_hf_cb(args, out: Partial) -> None:
     """transformers' continuous batching (paged attention, its own scheduler) on the same workload and weights."""
     import torch
@@ -938,6 +954,10 @@ def summary_table(report: dict) -> str:
         for g in att["goals"]:
             lines.append(f"attention {g.get('name', '')}: {_f(g.get('of_copy_bw'), '{:.1%}')} of copy bandwidth "
                          f"(goal {g.get('min_of_copy_bw', 0):.0%}), passed {g.get('passed')}")
+    if st.get("attention_sweep", {}).get("attention_sweep"):
+        import bench_attention
+
+        lines += [bench_attention.sweep_line(row) for row in st["attention_sweep"]["attention_sweep"]["rows"]]
     for name, stage in st.items():
         if stage.get("error") or stage.get("rc") not in (0, None):
             lines.append(f"stage {name}: rc {stage.get('rc')} {stage.get('error', '')}")

@@ -217,3 +217,31 @@ def test_the_new_families_stages_are_summarized():
     cut = {"moe_gpt_oss": {"runs": [{"side": "moe", "batch": 1, "tok_s": 40.0, "step_ms": 25.0}], "rc": "timeout"}}
     text = gpu_report.summary_table({"stages": cut, "env": {}, "dropped": []})
     assert "moe_gpt_oss (stopped before its summary): moe at batch 1 40 tok/s, step 25.0 ms" in text
+
+
+def test_the_attention_sweep_times_launches_and_never_picks_a_wrong_one(monkeypatch):
+    """bench_attention --sweep (interpreted here): the default launch and the best are timed, every launch's output is
+    checked against the default's, and one that disagrees (here: a launch made to drop the context) is never best."""
+    import dataclasses
+
+    import bench_attention
+    from jaxpaged.pallas_kernels import gpu_attention
+
+    kernel = gpu_attention.gpu_paged_attention
+
+    def wrong_with_splits(*args, launch=None, **kwargs):  # splits=2 as a broken launch: the output halved
+        out = kernel(*args, launch=launch, **kwargs)
+        return out * 0.5 if launch is not None and launch.num_splits == 2 else out
+
+    monkeypatch.setattr(gpu_attention, "gpu_paged_attention", wrong_with_splits)
+    monkeypatch.setattr(bench_attention, "SWEEP_SPLITS", (1, 2))
+    seen = []
+    report = bench_attention.main(["--sweep"], on_case=seen.append)
+    (row,) = report["sweep"]
+    assert seen == [row] and "ms" in row["default"] and row["best"]["agrees"]
+    by_splits = {t["launch"]["num_splits"]: t for t in row["tried"] if t["launch"]["kv_chunk"] == row["best"]["launch"]["kv_chunk"]}
+    assert by_splits[2]["agrees"] is False and by_splits[2]["max_error_vs_default"] > 0.01
+    assert row["best"]["launch"]["num_splits"] == 1
+    assert dataclasses.asdict(gpu_attention.LaunchConfig(**row["best"]["launch"])) == row["best"]["launch"]
+    assert "sweep tiny: default" in gpu_report.summary_table({"stages": {"attention_sweep": {"attention_sweep": {"rows": [row]}}},
+                                                               "env": {}, "dropped": []})  # fmt: skip

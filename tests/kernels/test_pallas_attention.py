@@ -191,7 +191,7 @@ def test_each_platform_hands_models_a_backend_object():
     assert platforms.get("tpu").attention_backend("auto", 128) == MosaicAttention(interpret=False)
     assert platforms.get("cpu").attention_backend("pallas", 128) == TritonAttention(interpret=True)
     # stable: keys the executable cache
-    assert repr(TritonAttention(interpret=False)) == "TritonAttention(interpret=False, num_cores=0, shared_memory=0)"
+    assert repr(TritonAttention(interpret=False)) == "TritonAttention(interpret=False, num_cores=0, shared_memory=0, launch=None)"
     with pytest.raises(ValueError, match="platform"):
         platforms.get("quantum")
 
