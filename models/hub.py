@@ -11,7 +11,10 @@ from pathlib import Path
 
 logger = logging.getLogger("jaxpaged.hub")
 
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+# tiktoken.model and tokenization_*.py: a remote-code tiktoken tokenizer's vocabulary and the file its pre-tokenizer
+# pattern is read from as text (models/tiktoken_folder.py; never imported nor run)
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "tiktoken.model", "tokenization_*.py", "*.tiktoken", "*.txt",
+             "*.jinja"]  # fmt: skip
 LOCAL_SUFFIXES = (".gguf", ".json")  # names of local files, never repo ids
 
 

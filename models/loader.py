@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jaxpaged import platforms
 from jaxpaged.config import QUANTIZATION_CHOICES
-from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, orbax_io, safetensors_io
+from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, orbax_io, safetensors_io, tiktoken_folder
 from jaxpaged.models.accounting import TensorLedger
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
@@ -131,7 +131,11 @@ def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        # a tiktoken.model behind a remote-code tokenizer (Kimi K2, Moonlight): rebuilt without that code
+        if remote := tiktoken_folder.remote_tiktoken_class(folder):
+            return tiktoken_folder.load_tiktoken_folder(folder, remote)
+        # never a checkpoint's own code (trust_remote_code None would ask on a terminal whether to run it)
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:
         raise ValueError(f"could not load the tokenizer in {folder}: {exc}") from exc
 
@@ -164,9 +168,12 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
 
     config_file = folder / "config.json"
     try:
-        hf_config = AutoConfig.from_pretrained(str(folder))
+        # never a checkpoint's own code (trust_remote_code None would ask on a terminal whether to run it)
+        hf_config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as exc:
-        raise ValueError(f"could not read {config_file}: {exc}") from exc
+        hf_config = _aliased_config(config_file)
+        if hf_config is None:
+            raise ValueError(f"could not read {config_file}: {exc}") from exc
     timed["config"] = time.perf_counter() - t0
     fmt = _checkpoint_quantization(hf_config, folder, dtype_name)
     if fmt is not None and quantization in ("int8", "fp8") and not getattr(fmt, "dequantizes", False):
@@ -227,6 +234,35 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
     return model, cfg, hf_config, tokenizer, weights_s, {}
 
 
+# model_types transformers does not know, of checkpoints that are an architecture jaxpaged runs: config.json read
+# into that architecture's transformers config where its `architectures` names it (the checkpoint's auto_map points
+# at its own copy of that class, remote code that is never run). model_type -> (architecture, model_type read as)
+CONFIG_ALIASES = {
+    "kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3"),  # Kimi K2 (-Base, -Instruct): DeepSeek-V3's fields
+}
+
+
+def _aliased_config(config_file: Path):
+    """config.json as CONFIG_ALIASES reads it, or None where no alias applies (or the file is no JSON object)."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    alias = CONFIG_ALIASES.get(raw.get("model_type")) if isinstance(raw, dict) else None
+    if alias is None or alias[0] not in (raw.get("architectures") or []):
+        return None
+    architecture, model_type = alias
+    try:
+        hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+    except Exception as exc:
+        raise ValueError(f"could not read {config_file} as {model_type}: {exc}") from exc
+    logger.info("%s: model_type %r (unknown to transformers) read as %s for %s, the auto_map's code not run", config_file,
+                raw["model_type"], type(hf_config).__name__, architecture)  # fmt: skip
+    return hf_config
+
+
 def _config_json(config_file: Path):
     from transformers import AutoConfig
 
@@ -234,6 +270,8 @@ def _config_json(config_file: Path):
         raw = json.loads(config_file.read_text())
         return AutoConfig.for_model(raw.pop("model_type"), **raw)
     except (ValueError, KeyError) as exc:
+        if (hf_config := _aliased_config(config_file)) is not None:
+            return hf_config
         raise ValueError(f"could not read model config {config_file}: {exc}") from exc
 
 
