@@ -186,6 +186,11 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def harmony(self) -> bool:
+        """Whether chat prompts are rendered by openai-harmony (GPT-OSS), not the chat template."""
+        return bool(getattr(self.engine, "harmony", False))
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

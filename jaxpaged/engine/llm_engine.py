@@ -123,6 +123,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context ({model_len})")
         self.max_model_len = config.max_model_len or model_len
+        self.harmony = self._uses_harmony()  # GPT-OSS: chat prompts rendered by openai-harmony, not the template
         self.eos_token_ids = self._eos_ids()
         executables = cache_root(config.cache_dir) / "executables"
         draft = None  # speculative_config's draft_model: placed before the target's KV pool, which is sized from what is left
@@ -195,16 +196,40 @@ class LLMEngine:
         self.weight_sync = WeightSync(self)  # update_weights, sleep and wake_up (engine/weight_sync.py)
 
     def _eos_ids(self) -> list[int]:
+        """The config's and the tokenizer's EOS, and under harmony its `<|return|>` and `<|call|>` (GPT-OSS's
+        config.json may name only the first: its generation_config.json names both)."""
         ids = set(self.loaded.config.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None:
             ids.add(int(eos))
+        if self.harmony:
+            from jaxpaged.utils.harmony import stop_token_ids
+
+            ids.update(t for t in stop_token_ids() if t < self.loaded.config.vocab_size)
         return sorted(ids)
+
+    def _uses_harmony(self) -> bool:
+        """GPT-OSS renders its chat prompts with openai-harmony (the `harmony` extra); without the package or its
+        vocabulary the chat template does, with a warning."""
+        from jaxpaged.utils.harmony import harmony_encoding, uses_harmony
+
+        if not uses_harmony(self.loaded.config.architecture):
+            return False
+        try:
+            harmony_encoding("GPT-OSS's harmony chat format")
+        except (ImportError, ValueError) as exc:
+            logger.warning("GPT-OSS's chat prompts go through the checkpoint's chat template, not openai-harmony: %s", exc)
+            return False
+        return True
 
     # -- requests ------------------------------------------------------------------------------
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, ChatPrompt):
+            if self.harmony:
+                from jaxpaged.utils.harmony import render_harmony_chat
+
+                return None, render_harmony_chat(prompt)
             return None, render_chat_prompt(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

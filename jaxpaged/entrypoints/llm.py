@@ -175,8 +175,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Each conversation through the tokenizer's chat template, then generate. `tools` (OpenAI tool dicts, as
         vLLM's LLM.chat) go to the template, which describes them to the model; the calls are left in the text.
-        `chat_template_kwargs` are more template variables (vLLM's), e.g. {"enable_thinking": False}."""
-        if self.engine.tokenizer is None:
+        `chat_template_kwargs` are more template variables (vLLM's), e.g. {"enable_thinking": False}. GPT-OSS's
+        conversations are rendered by openai-harmony instead (utils/harmony.py), its reasoning effort from
+        chat_template_kwargs' "reasoning_effort" (the variable gpt-oss's own template reads)."""
+        if self.engine.tokenizer is None and not getattr(self.engine, "harmony", False):
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]

@@ -1,4 +1,5 @@
-"""A conversation as prompt token ids, through the tokenizer's chat template."""
+"""A conversation as prompt token ids, through the tokenizer's chat template (GPT-OSS's through openai-harmony:
+utils/harmony.py, which the engine picks by the model's architecture)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     tools: list[dict] | None = None  # OpenAI tool dicts, for templates that describe tools to the model
     template_kwargs: dict | None = None  # more variables for the template (a request's chat_template_kwargs)
+    reasoning_effort: str | None = None  # "low", "medium" or "high": GPT-OSS's harmony system message (a template's variable otherwise)
 
 
 def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
@@ -36,7 +38,8 @@ def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer, so it has no chat template")
     try:
-        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.tools, prompt.template_kwargs)
+        kwargs = {**(prompt.template_kwargs or {}), **({"reasoning_effort": prompt.reasoning_effort} if prompt.reasoning_effort else {})}
+        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.tools, kwargs or None)
     except ValueError:
         raise
     except Exception as exc:  # a template's own raise_exception(), or a message it cannot render

@@ -210,7 +210,7 @@ def test_harmony_vocabulary_from_litellm_offline(monkeypatch):
     """o200k_base.tiktoken from litellm's wheel (what .ci/run installs): its SHA-256 is harmony's, openai-harmony
     loads it from there (TIKTOKEN_RS_CACHE_DIR only while it loads), and a copy with another hash is not used."""
     pytest.importorskip("openai_harmony", reason="openai-harmony (the harmony extra) is not installed")
-    from jaxpaged.entrypoints.openai import reasoning
+    from jaxpaged.utils import harmony as reasoning  # the vocabulary's loader (reasoning.py re-exports it)
 
     folder = reasoning.bundled_vocabulary()
     if folder is None:
@@ -229,7 +229,7 @@ def test_harmony_vocabulary_from_litellm_offline(monkeypatch):
 def test_gpt_oss_without_the_package_says_which_extra(monkeypatch):
     import sys
 
-    from jaxpaged.entrypoints.openai import reasoning
+    from jaxpaged.utils import harmony as reasoning  # where the encoding is cached
     from jaxpaged.utils.extras import MissingExtraError
 
     monkeypatch.setitem(sys.modules, "openai_harmony", None)

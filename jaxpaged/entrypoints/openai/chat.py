@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the conversation through the model's chat template, n choices."""
+"""POST /v1/chat/completions: the conversation through the model's chat template (GPT-OSS's through openai-harmony,
+with the request's reasoning_effort: utils/harmony.py), n choices."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     params = serving.sampling_params(body, fields, reasoning=MARKERS[parser] if parser else None)
     exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none
     tools = None if exclude else body.tools or None
-    prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs)
+    prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs, body.reasoning_effort)
     request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages", model=body.model)
     prompt_text = serving.prompt_text(run) if parser else ""
     meta = {"id": request_id, "created": int(time.time()), "model": serving.response_model(body.model)}

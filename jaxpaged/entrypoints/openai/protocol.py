@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from jaxpaged.entrypoints.openai.errors import FieldError, rename_constraint
 from jaxpaged.sampling_params import STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_OPTIONS, SamplingParams, StructuredOutputsParams
+from jaxpaged.utils.harmony import check_reasoning_effort
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_PROMPTS = 128  # prompts in one completions request
@@ -235,6 +236,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call
+    reasoning_content: str | None = None  # an assistant's earlier thinking (GPT-OSS: its analysis message)
+    reasoning: str | None = None  # the same, by the name newer clients send
     content: str | list[dict] | None = Field(None, validate_default=True)  # last: its check reads the fields above
 
     @field_validator("role")
@@ -299,6 +302,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
+    reasoning_effort: str | None = None  # OpenAI's: "low", "medium" or "high" (GPT-OSS's harmony system message)
 
     @field_validator("messages")
     @classmethod
@@ -306,6 +310,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if not value:
             raise ValueError("messages must not be empty")
         return value
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _reasoning_effort(cls, value):
+        return check_reasoning_effort(value)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -394,7 +403,7 @@ class ChatCompletionRequest(_SamplingRequest):
         out = []
         for m in self.messages:
             msg = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for key in ("name", "tool_calls", "tool_call_id"):
+            for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
                 if getattr(m, key):
                     msg[key] = getattr(m, key)
             out.append(msg)

@@ -9,9 +9,8 @@ model that answers at once) all of it is content. deepseek_r1: everything before
 template adds `<think>`; one the model writes anyway is dropped), unless the prompt closed the thinking. gpt_oss: OpenAI's harmony format, read with the `openai-harmony` package (the `harmony` extra): the
 analysis channel is reasoning, the final (and commentary) channels are content; with tools (the `openai` tool-call
 parser) a commentary message addressed `to=functions.NAME` is a call of NAME, its content the arguments. harmony's
-vocabulary (o200k_base.tiktoken) is read from an installed litellm wheel's copy when there is one (checked by its
-SHA-256, as openai-harmony checks it too), so nothing is downloaded; otherwise openai-harmony downloads it once, or
-reads it from $TIKTOKEN_ENCODINGS_BASE.
+encoding and its vocabulary (o200k_base.tiktoken, read offline from an installed litellm's copy when there is one)
+come from jaxpaged/utils/harmony.py, which also renders GPT-OSS's chat prompts.
 
 Each parser is a reader of the choice's cumulative text that returns OpenAI deltas as it goes; the whole-text
 parse is the same reader fed the text at once, so a stream and a plain response agree. A marker split across
@@ -21,14 +20,13 @@ deltas is held back until it is known.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.metadata
-import os
-from pathlib import Path
 
 from jaxpaged.engine.structured_output import thinking_closed
 from jaxpaged.entrypoints.openai.tool_parsers import ToolCall, _partial_tag, _ws
 from jaxpaged.utils.extras import require
+
+# harmony's encoding and its offline vocabulary (re-exported: the engine renders GPT-OSS's prompts with them too)
+from jaxpaged.utils.harmony import BUNDLED_O200K, O200K_SHA256, bundled_vocabulary, harmony_encoding  # noqa: F401
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 THINK = ("<think>", "</think>")
@@ -161,61 +159,6 @@ class ThinkReader(ReasoningReader):
                 self._emit("content", t[self.pos :])
                 self.pos = len(t)
                 return
-
-
-_ENCODING = None
-# o200k_base.tiktoken, the vocabulary of harmony's encoding: its SHA-256, which openai-harmony checks too
-O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
-# litellm's wheel ships the file as a tiktoken cache entry, named by the SHA-1 of its public address: the name
-# openai-harmony's own cache gives it, so pointing TIKTOKEN_RS_CACHE_DIR at its folder loads it without a download
-BUNDLED_O200K = ("litellm", "litellm/litellm_core_utils/tokenizers/fb374d419588a4632f3f557e76b4b70aebbca790")
-
-
-def bundled_vocabulary() -> Path | None:
-    """The folder of an installed copy of o200k_base.tiktoken with harmony's SHA-256 (litellm's), or None."""
-    package, file = BUNDLED_O200K
-    try:
-        path = Path(importlib.metadata.distribution(package).locate_file(file))  # found, not imported
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != O200K_SHA256:
-        return None
-    return path.parent
-
-
-@contextlib.contextmanager
-def _environment(**values: str):
-    """os.environ with `values` set, as it was afterwards."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def harmony_encoding():
-    """openai-harmony's gpt-oss encoding, loaded once; a clear error when the package or its vocabulary is missing.
-    The vocabulary: the folder in $TIKTOKEN_ENCODINGS_BASE when set, else an installed litellm's copy (no download),
-    else openai-harmony's cache or download."""
-    global _ENCODING
-    if _ENCODING is None:
-        harmony = require("openai_harmony", "the gpt_oss reasoning parser")
-        folder = None if "TIKTOKEN_ENCODINGS_BASE" in os.environ else bundled_vocabulary()
-        try:
-            with _environment(**({"TIKTOKEN_RS_CACHE_DIR": str(folder)} if folder else {})):
-                _ENCODING = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
-        except Exception as exc:  # noqa: BLE001 - HarmonyError: it downloads o200k_base.tiktoken on first use
-            raise ValueError(
-                f"the gpt_oss reasoning parser could not load openai-harmony's vocabulary ({exc}); it is downloaded "
-                "on first use, read from the folder in TIKTOKEN_ENCODINGS_BASE, or from an installed litellm's "
-                "copy (pip install --no-deps litellm) when offline"
-            ) from None
-    return _ENCODING
 
 
 class HarmonyReader(ReasoningReader):

@@ -59,7 +59,8 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
         template = getattr(self.tokenizer, "chat_template", None)
-        self.tool_parser = settings.tool_call_parser or detect_parser(template)
+        self.harmony = bool(getattr(engine, "harmony", False))  # GPT-OSS: prompts rendered by openai-harmony
+        self.tool_parser = settings.tool_call_parser or ("openai" if self.harmony else detect_parser(template))
         self.reasoning_parser = self._reasoning_parser(template)
         if self.tool_parser == "openai" and self.reasoning_parser != "gpt_oss":  # harmony's calls are its messages
             if settings.tool_call_parser == "openai":
@@ -84,10 +85,13 @@ class Serving:
             self.loras.add(name, path)
 
     def _reasoning_parser(self, template) -> str | None:
-        """The flag's parser, or the one the chat template shows (a detected gpt_oss without openai-harmony's
-        vocabulary is left off, with a warning: the flag makes that an error)."""
+        """The flag's parser; gpt_oss for a model whose prompts openai-harmony renders (GPT-OSS); or the one the chat
+        template shows (a detected gpt_oss without openai-harmony's vocabulary is left off, with a warning: the flag
+        makes that an error)."""
         if self.settings.reasoning_parser is not None:
             return None if self.settings.reasoning_parser == "none" else self.settings.reasoning_parser
+        if self.harmony:  # the engine renders harmony, so the output is harmony (its encoding is loaded already)
+            return "gpt_oss"
         generation_prompt = None
         with contextlib.suppress(Exception):  # a template that wants more than one user turn: judged on its text alone
             generation_prompt = self.tokenizer.apply_chat_template(
