@@ -155,7 +155,8 @@ def test_flag_none_keeps_the_thinking_in_content(tmp_path):
         proc.stop()
 
 
-def test_gpt_oss_harmony(tmp_path):
+def _needs_harmony() -> None:
+    """Skip unless openai-harmony and its o200k vocabulary load here (.ci/run installs both)."""
     from jaxpaged.entrypoints.openai.reasoning import harmony_encoding
 
     pytest.importorskip("openai_harmony", reason="openai-harmony (the harmony extra) is not installed")
@@ -163,6 +164,10 @@ def test_gpt_oss_harmony(tmp_path):
         harmony_encoding()
     except ValueError as exc:
         pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
+
+
+def test_gpt_oss_harmony(tmp_path):
+    _needs_harmony()
     proc = _serve(write_harmony_model(tmp_path / "model"), tmp_path / "log", "--reasoning-parser", "gpt_oss")
     try:
         (choice,) = _create(proc).choices
@@ -175,13 +180,7 @@ def test_gpt_oss_harmony(tmp_path):
 def test_gpt_oss_harmony_tool_calls(tmp_path):
     """Harmony calls (a commentary message `to=functions.add`) as tool_calls, read by openai-harmony: the parsers
     (gpt_oss, and openai for tool_choice "auto") detected from the chat template, the analysis as reasoning."""
-    from jaxpaged.entrypoints.openai.reasoning import harmony_encoding
-
-    pytest.importorskip("openai_harmony", reason="openai-harmony (the harmony extra) is not installed")
-    try:
-        harmony_encoding()
-    except ValueError as exc:
-        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
+    _needs_harmony()
     proc = _serve(write_harmony_model(tmp_path / "model", tools=True), tmp_path / "log")
     try:
         assert "reads calls with the openai parser" in proc.log() and "gpt_oss reasoning parser" in proc.log()
@@ -203,13 +202,7 @@ def test_gpt_oss_the_output_constraint_starts_at_the_final_channel(tmp_path):
     """Harmony's thinking is the analysis channel: a response_format's grammar waits behind
     `<|channel|>final<|message|>`, so the analysis comes back as the model wrote it and only the final message
     follows the schema, whole and streamed (the openai client on the gpt_oss format, as qwen3's test above)."""
-    from jaxpaged.entrypoints.openai.reasoning import harmony_encoding
-
-    pytest.importorskip("openai_harmony", reason="openai-harmony (the harmony extra) is not installed")
-    try:
-        harmony_encoding()
-    except ValueError as exc:
-        pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
+    _needs_harmony()
     proc = _serve(write_harmony_model(tmp_path / "model"), tmp_path / "log", "--reasoning-parser", "gpt_oss")
     fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}, "max_tokens": 120}
     try:
