@@ -211,7 +211,7 @@ class LLMEngine:
     def _uses_harmony(self) -> bool:
         """GPT-OSS renders its chat prompts with openai-harmony (the `harmony` extra); without the package or its
         vocabulary the chat template does, with a warning."""
-        from jaxpaged.utils.harmony import harmony_encoding, uses_harmony
+        from jaxpaged.utils.harmony import harmony_encoding, stop_token_ids, uses_harmony
 
         if not uses_harmony(self.loaded.config.architecture):
             return False
@@ -219,6 +219,10 @@ class LLMEngine:
             harmony_encoding("GPT-OSS's harmony chat format")
         except (ImportError, ValueError) as exc:
             logger.warning("GPT-OSS's chat prompts go through the checkpoint's chat template, not openai-harmony: %s", exc)
+            return False
+        if max(stop_token_ids()) >= self.loaded.config.vocab_size:  # a cut-down vocabulary (a test model) lacks them
+            logger.warning("GPT-OSS's chat prompts go through the checkpoint's chat template: its %d-token vocabulary "
+                           "lacks harmony's tokens", self.loaded.config.vocab_size)  # fmt: skip
             return False
         return True
 
