@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -88,9 +88,10 @@ def expert_partition_spec(projection: str, leaf: str, shape: tuple[int, ...], n:
         return P()
     if expert_parallel(shape[0], n):
         return P(TP_AXIS, *(None,) * (len(shape) - 1))
+    stacked = leaf in ("kernel", "mx_scale")  # [E, in, out]-shaped (MXFP4's codes and scales: [E, Kp / 2 or 32, out])
     if projection == "down_proj":  # row-parallel: its input (intermediate) axis splits, its scale is whole
-        return P(None, TP_AXIS, None) if leaf == "kernel" else P()
-    return P(None, None, TP_AXIS) if leaf == "kernel" else P(None, TP_AXIS)
+        return P(None, TP_AXIS, None) if stacked else P()
+    return P(None, None, TP_AXIS) if stacked else P(None, TP_AXIS)
 
 
 def check_experts_divisible(cfg: ModelConfig, n: int) -> None:
@@ -121,10 +122,25 @@ class ExpertLinear(nnx.Module):
         self.kernel = nnx.Param(jax.device_put(np.stack([q for q, _ in pairs])))
         self.scale = nnx.Param(jax.device_put(np.stack([s for _, s in pairs])))
 
+    def load_mxfp4(self, codes: np.ndarray, scales: np.ndarray, in_features: int) -> None:
+        """MXFP4 kept 4-bit (models/mxfp4.py PackedMxfp4): kernel <- codes uint8 [E, Kp / 2, out] and mx_scale <-
+        scales uint8 [E, Kp / 32, out], in the grouped GEMM's layout (pallas_kernels/moe_gemm.py); 4.25 bits a value."""
+        e, k, n = self.kernel.shape
+        padded = -(-k // 64) * 64
+        want = ((e, padded // 2, n), (e, padded // 32, n))
+        if in_features != k or (codes.shape, scales.shape) != want:
+            raise ValueError(f"MXFP4 codes {codes.shape} and scales {scales.shape} of {in_features} inner values do not "
+                             f"fit experts [{e}, {k}, {n}] (expected {want[0]} and {want[1]})")  # fmt: skip
+        put = lambda a: nnx.Param(jax.device_put(np.require(a, np.uint8, ("C", "W"))))  # noqa: E731
+        self.kernel, self.mx_scale = put(codes), put(scales)
+
     def arrays(self) -> dict[str, jax.Array]:
-        """{"kernel", and "scale" when quantized, "bias" when biased}: the leaves the expert loop reads."""
-        scale = getattr(self, "scale", None)  # set by load_quantized
-        out = {"kernel": self.kernel[...]} | ({} if scale is None else {"scale": scale[...]})
+        """{"kernel", and "scale" when quantized (int8/fp8) or "mx_scale" when MXFP4 (kernel: the packed codes),
+        "bias" when biased}: the leaves the expert loop reads."""
+        out = {"kernel": self.kernel[...]}
+        for leaf in ("scale", "mx_scale"):  # set by load_quantized, load_mxfp4
+            if getattr(self, leaf, None) is not None:
+                out[leaf] = getattr(self, leaf)[...]
         return out | ({} if self.bias is None else {"bias": self.bias[...]})
 
 
@@ -227,11 +243,28 @@ def tail_sizes(m: int) -> tuple[int, ...]:
     return tuple(m >> i for i in range(min(3, m.bit_length() - 1) + 1))
 
 
+def dequantize_mxfp4_packed(codes: jax.Array, scales: jax.Array, in_features: int, dtype) -> jax.Array:
+    """One expert's MXFP4 leaves in the grouped GEMM's layout (codes uint8 [Kp / 2, N], scales uint8 [Kp / 32, N])
+    -> [in_features, N] in dtype, decoded as the kernel decodes them: for the loops that are not the kernel (a model
+    kept 4-bit run by StaticExpertTiles or the loop over the experts in use: slower, the same sums)."""
+    from jaxpaged.pallas_kernels.moe_gemm import e2m1_values, e8m0_values
+
+    c = codes.astype(jnp.int32)
+    half, n = c.shape
+    c = c.reshape(half // 32, 32, n)
+    values = e2m1_values(jnp.stack([c & 15, c >> 4], axis=1).reshape(2 * half, n))
+    scale = jnp.repeat(e8m0_values(scales.astype(jnp.int32)), 32, axis=0)
+    return (values * scale).astype(dtype)[:in_features]
+
+
 def _expert_matmul(x: jax.Array, weights: dict[str, jax.Array]) -> jax.Array:
     """x [m, in] times one expert's kernel [in, out] (times its scale [out] when quantized, plus its bias [out]
-    when biased) -> [m, out] f32."""
+    when biased; MXFP4 leaves decoded first) -> [m, out] f32."""
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.dot(x, weights["kernel"].astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    kernel = weights["kernel"]
+    if "mx_scale" in weights:
+        kernel = dequantize_mxfp4_packed(kernel, weights["mx_scale"], x.shape[1], x.dtype)
+    y = jnp.dot(x, kernel.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
     if "scale" in weights:
         y = y * weights["scale"].astype(jnp.float32)[None, :]
     if "bias" in weights:  # rounded to x's dtype first, as torch adds a bias to a product in that dtype
@@ -368,6 +401,10 @@ class ExpertLoop:
     """How a MoE layer loops over its experts: over the experts in use, each run's tiles (grouped_expert_mlp); a
     platform whose device cannot branch without the host swaps in StaticExpertTiles (prepare_model)."""
 
+    # whether MXFP4 experts stay 4-bit for this loop (models/mxfp4.py); a loop without it runs them dequantized once
+    # at load (it would decode them per expert or tile each step otherwise)
+    reads_mxfp4: ClassVar[bool] = False
+
     def __call__(self, *args, **kwargs) -> jax.Array:
         return grouped_expert_mlp(*args, **kwargs)
 
@@ -440,6 +477,7 @@ class GroupedGemmExperts(ExpertLoop):
 
     interpret: bool = False
     shared_memory: int | None = None  # bytes a block may use (the GPU's); None: the kernel's default
+    reads_mxfp4: ClassVar[bool] = True  # decoded in the kernel's inner loop (pallas_kernels/moe_gemm.py)
 
     def __call__(self, x, ids, weights, *projections, **kwargs) -> jax.Array:
         act = kwargs["act"]
@@ -509,6 +547,11 @@ class SparseMoeBlock(nnx.Module):
             return loop(x, ids, weights, *projections, first_expert=0, act=ex.act, num_valid=num_valid)
         num_experts = projections[0]["kernel"].shape[0]
         ep = expert_parallel(num_experts, n)
+        features = projections[0]["kernel"].shape[2]
+        if not ep and "mx_scale" in projections[2] and features % (64 * n):  # down's inner rows: whole 64-row blocks
+            raise ValueError(f"MXFP4 experts split by feature over {n} devices need {64 * n} to divide their "
+                             f"{features} features; load them dequantized (quantization='none') or use a "
+                             f"tensor_parallel_size that divides the {num_experts} experts")  # fmt: skip
         specs = tuple(
             {leaf: expert_partition_spec(p, leaf, a.shape, n) for leaf, a in arrays.items()}
             for p, arrays in zip(EXPERT_PROJECTIONS, projections)

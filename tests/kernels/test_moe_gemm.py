@@ -1,9 +1,10 @@
 """The MoE grouped-GEMM kernel (pallas_kernels/moe_gemm.py, models/moe.py's grouped_expert_mlp_gemm): interpreted on
 the CPU against the loop over the experts in use, the GPU's loop of static tiles and a per-token reference, for
 random routings, empty experts, one expert taking every token, bucket padding, experts held elsewhere (expert
-parallelism), float32 and bfloat16, shapes that are not multiples of the blocks, quantized experts and GPT-OSS's
-biases with its clamped SwiGLU; its launches fit every GPU's shared memory; and it lowers (exported) for cuda at
-Qwen3-30B-A3B's and GPT-OSS's shapes: two Triton calls a layer."""
+parallelism), float32 and bfloat16, shapes that are not multiples of the blocks, quantized experts, GPT-OSS's
+biases with its clamped SwiGLU, and MXFP4 experts kept 4-bit (decoded in the kernel, against models/mxfp4.py's
+dequantization followed by the float kernel and the loop); its launches fit every GPU's shared memory; and it lowers
+(exported) for cuda at Qwen3-30B-A3B's and GPT-OSS's shapes, MXFP4 included: two Triton calls a layer."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import numpy as np
 import pytest
 from jax import export
 from jaxpaged.models.moe import (
-    GroupedGemmExperts, gemm_tile_rows, grouped_expert_mlp, grouped_expert_mlp_gemm, grouped_expert_mlp_static, route,
+    GroupedGemmExperts, dequantize_mxfp4_packed, gemm_tile_rows, grouped_expert_mlp, grouped_expert_mlp_gemm,
+    grouped_expert_mlp_static, route,
 )  # fmt: skip
+from jaxpaged.models.mxfp4 import dequantize_mxfp4, pack_mxfp4
 from jaxpaged.pallas_kernels.moe_gemm import (
     SHARED_MEMORY_MARGIN, GemmLaunch, expert_gemm, expert_glu_gemm, launch_config, shared_memory_estimate,
 )  # fmt: skip
@@ -185,6 +188,135 @@ def test_tile_rows_and_launches_fit_every_gpu():
                     assert 16 <= launch.block_n <= max(16, n * 2) and 16 <= launch.block_k <= max(16, k * 2)
 
 
+# -- MXFP4 experts kept 4-bit -----------------------------------------------------------------------
+
+
+def _mxfp4(rng, experts, k, n, dtype, bias=False):
+    """A random MXFP4 projection as a checkpoint stores it (blocks [E, n, k / 32, 16], every code in both nibbles;
+    scales 2^-6 .. 2^1) -> (its packed leaves, the same weights dequantized by models/mxfp4.dequantize_mxfp4 in
+    dtype: exact, e2m1 values times powers of two)."""
+    blocks = rng.integers(0, 256, size=(experts, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(121, 129, size=(experts, n, k // 32), dtype=np.uint8)
+    codes, mx_scale = pack_mxfp4(blocks, scales)
+    packed = {"kernel": jnp.asarray(codes), "mx_scale": jnp.asarray(mx_scale)}
+    floats = {"kernel": jnp.asarray(dequantize_mxfp4(blocks, scales), dtype)}
+    assert np.array_equal(np.asarray(floats["kernel"], np.float32), dequantize_mxfp4(blocks, scales))  # exact in dtype
+    if bias:
+        b = jnp.asarray(rng.standard_normal((experts, n), dtype=np.float32), dtype)
+        packed["bias"] = floats["bias"] = b
+    return packed, floats
+
+
+def test_mxfp4_layout_decodes_to_the_dequantized_values():
+    """pack_mxfp4's layout (byte row 32b + r: inner rows 64b + r low and 64b + 32 + r high; one scale row per 32)
+    decoded as the kernel decodes it equals dequantize_mxfp4 exactly, K padded to 64 with zeros; 4.25 bits a value."""
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, size=(2, 24, 3, 16), dtype=np.uint8)  # K = 96: padded to 128
+    # every scale whose products stay normal float32s (the CPU, as a GPU, flushes a denormal result to zero)
+    scales = rng.integers(2, 255, size=(2, 24, 3), dtype=np.uint8)
+    codes, mx_scale = pack_mxfp4(blocks, scales)
+    assert codes.shape == (2, 64, 24) and mx_scale.shape == (2, 4, 24) and codes.dtype == mx_scale.dtype == np.uint8
+    assert not (codes[:, 32:] >> 4).any() and (mx_scale[:, 3] == 127).all()  # the padding (inner 96..127): zero codes
+    want = dequantize_mxfp4(blocks, scales)
+    for e in range(2):
+        got = dequantize_mxfp4_packed(jnp.asarray(codes[e]), jnp.asarray(mx_scale[e]), 96, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), want[e])
+    low = codes[0, 5, 7] & 15
+    assert dequantize_mxfp4(blocks, np.full_like(scales, 127))[0, 5, 7] == [0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6][low]
+    blocks_k = 4096 * 2880
+    assert (blocks_k // 2 + blocks_k // 32) * 8 / blocks_k == 4.25
+
+
+MXFP4_CASES = [  # tokens, experts, top_k, d, f, routing
+    (1, 8, 2, 96, 64, "random"),  # decode; d = 96: K padded to 128, a ragged 64-block
+    (37, 8, 2, 128, 32, "empty_experts"),  # f = 32: down's K is half a block (its high half all padding)
+    (24, 8, 2, 64, 96, "one_expert"),
+    (300, 4, 2, 64, 160, "random"),  # 128-row tiles; N ragged against the column blocks
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("act", ["silu", CLAMPED], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("tokens,experts,top_k,d,f,routing", MXFP4_CASES)
+def test_mxfp4_kernel_equals_dequantized_experts(tokens, experts, top_k, d, f, routing, act, dtype):
+    """The grouped GEMM reading MXFP4 codes and scales (decoded in its inner loop) against the same experts
+    dequantized once (models/mxfp4.dequantize_mxfp4, checked against transformers' in tests/models/test_gpt_oss.py)
+    run by the float kernel and by the loop over the experts in use: GPT-OSS's clamped SwiGLU with alpha, limit and
+    gate/up biases, and plain SiLU without; ragged expert counts, empty experts, one expert taking every token."""
+    rng = np.random.default_rng(tokens + d + f)
+    bias = act == CLAMPED
+    x = jnp.asarray(rng.standard_normal((tokens, d), dtype=np.float32) * (2 if bias else 1), dtype)
+    (gate, gate_f), (up, up_f), (down, down_f) = (_mxfp4(rng, experts, *kn, dtype, bias=bias and i < 2)
+                                                  for i, kn in enumerate(((d, f), (d, f), (f, d))))  # fmt: skip
+    ids, weights = _ids(rng, routing, tokens, experts, top_k)
+    got = np.asarray(GEMM(x, ids, weights, gate, up, down, first_expert=0, act=act), np.float32)
+    floats = (x, ids, weights, gate_f, up_f, down_f)
+    kernel = np.asarray(GEMM(*floats, first_expert=0, act=act), np.float32)
+    loop = np.asarray(LOOP(*floats, first_expert=0, act=act), np.float32)
+    scale = np.max(np.abs(loop))
+    if dtype == jnp.float32:  # the same products, summed in 32-row halves instead of 64-row blocks
+        np.testing.assert_allclose(got, kernel, atol=1e-6 * scale, rtol=1e-6)
+        np.testing.assert_allclose(got, loop, atol=1e-6 * scale, rtol=1e-6)
+    else:  # the same bfloat16 operands; a float32 sum's order differs, so h may round a step apart
+        np.testing.assert_allclose(got, kernel, atol=2 ** -8 * scale, rtol=0)
+        np.testing.assert_allclose(got, loop, atol=2 ** -6 * scale, rtol=0)
+    # the loops that are not the kernel decode a model kept 4-bit per expert (or tile): the same sums
+    np.testing.assert_allclose(np.asarray(LOOP(x, ids, weights, gate, up, down, first_expert=0, act=act), np.float32),
+                               loop, atol=1e-6 * scale if dtype == jnp.float32 else 0, rtol=0)  # fmt: skip
+    static = np.asarray(STATIC(x, ids, weights, gate, up, down, first_expert=0, act=act), np.float32)
+    np.testing.assert_allclose(static, np.asarray(STATIC(*floats, first_expert=0, act=act), np.float32), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_mxfp4_explicit_launch_and_dead_tiles(dtype):
+    """expert_glu_gemm / expert_gemm alone on MXFP4 leaves, tiles given by hand: dead tiles past num_live left
+    unwritten, 16-wide N blocks over ragged edges, K = 96 (a block and a half); each live tile equals x times its
+    expert's dequantized kernels, biases added as torch adds them. A launch whose K block is not 64 is refused."""
+    rng = np.random.default_rng(4)
+    m, k_dim, n_dim, experts = 16, 96, 40, 5
+    tile_expert = jnp.asarray([4, 0, 2, 2, 5, 5], jnp.int32)  # the last two dead
+    x = jnp.asarray(rng.standard_normal((6 * m, k_dim), dtype=np.float32), dtype)
+    (gate, gate_f), (up, up_f) = (_mxfp4(rng, experts, k_dim, n_dim, dtype, bias=True) for _ in range(2))
+    down, down_f = _mxfp4(rng, experts, n_dim + 24, k_dim, dtype)  # K = 64: h's 40 columns and 24 more
+    launch = GemmLaunch(block_n=16, block_k=64, num_warps=4, num_stages=2)
+    glu = lambda g, u, dtype: (jax.nn.silu(g) * u).astype(dtype)  # noqa: E731
+    h = expert_glu_gemm(x, gate, up, tile_expert, 4, m=m, glu=glu, interpret=True, launch=launch)
+    h_f = expert_glu_gemm(x, gate_f, up_f, tile_expert, 4, m=m, glu=glu, interpret=True)
+    dead = np.asarray(h[4 * m :], np.float32)
+    assert np.isnan(dead).all() or not dead.any()  # dead tiles: unwritten (interpret mode fills outputs with NaN)
+    h64 = jnp.pad(h, ((0, 0), (0, 24)))
+    y = expert_gemm(h64, down, tile_expert, 4, m=m, interpret=True)
+    hp = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    close = lambda a, b: np.testing.assert_allclose(  # noqa: E731
+        np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0,
+        atol=(1e-6 if dtype == jnp.float32 else 2 ** -7) * np.max(np.abs(np.asarray(b, np.float32))))  # fmt: skip
+    for i in range(4):
+        rows, e = slice(i * m, (i + 1) * m), int(tile_expert[i])
+        g, u = (jnp.dot(x[rows], w["kernel"][e], precision=hp, preferred_element_type=jnp.float32).astype(dtype).astype(jnp.float32)
+                + w["bias"][e].astype(jnp.float32) for w in (gate_f, up_f))  # fmt: skip
+        close(h[rows], glu(g, u, dtype))
+        close(h[rows], h_f[rows])
+        close(y[rows], jnp.dot(h64[rows], down_f["kernel"][e], precision=hp, preferred_element_type=jnp.float32))
+    with pytest.raises(ValueError, match="64-deep inner blocks"):
+        expert_gemm(h64, down, tile_expert, 4, m=m, interpret=True, launch=GemmLaunch(16, 32))
+
+
+def test_mxfp4_launches_fit_every_gpu():
+    """MXFP4's K block is always 64 (the packed layout's); the stages, then the N block, give way to fit, and the
+    estimate counts the 4.25-bit blocks as stored and decoded."""
+    memories = sorted({kib * 1024 for kib in SHARED_MEMORY_KIB.values()})
+    for m in (16, 32, 64, 128):
+        for num_weights, (n, k) in ((2, (2880, 2880)), (1, (2880, 2880)), (2, (40, 96))):
+            for itemsize in (2, 4):
+                for memory in memories:
+                    launch = launch_config(m, n, k, num_weights, itemsize, 1, shared_memory=memory, mxfp4=True)
+                    assert launch.block_k == 64
+                    used = shared_memory_estimate(m, launch.block_n, 64, num_weights, itemsize, 1, launch.num_stages, mxfp4=True)
+                    assert used <= memory * SHARED_MEMORY_MARGIN, (m, n, k, memory, launch)
+    # per stage: x [m, 64] and per weight 32 code bytes + 2 scale bytes a column; once, the decoded [64, bn] blocks
+    assert shared_memory_estimate(16, 64, 64, 2, 2, 1, 3, mxfp4=True) == 3 * (16 * 64 * 2 + 2 * (32 * 64 + 2 * 64)) + 2 * 64 * 64 * 2
+
+
 # Lowering without the hardware, as the attention kernels' tests do: jax.export for "cuda" on the CPU.
 _sd = jax.ShapeDtypeStruct
 
@@ -193,6 +325,11 @@ def _export(tokens, experts, top_k, d, f, dtype, act="silu", w_dtype=None, bias=
     w_dtype = w_dtype or dtype
 
     def leaf(shape):
+        if w_dtype == "mxfp4":  # codes and scales in the packed layout
+            padded = -(-shape[1] // 64) * 64
+            out = {"kernel": _sd((experts, padded // 2, shape[2]), jnp.uint8),
+                   "mx_scale": _sd((experts, padded // 32, shape[2]), jnp.uint8)}  # fmt: skip
+            return out | ({"bias": _sd((experts, shape[2]), dtype)} if bias else {})
         out = {"kernel": _sd(shape, w_dtype)}
         if w_dtype != dtype:
             out["scale"] = _sd((experts, shape[2]), jnp.float32)
@@ -238,3 +375,15 @@ def test_experts_past_32_bit_offsets_stay_on_the_static_tiles():
     offsets: the static tiles run them; split over 4 devices (expert parallelism), each shard's 940M take the kernel."""
     assert not kernel_calls(_export(8, 256, 8, 7168, 2048, jnp.bfloat16), TRITON_CALLS)
     assert len(kernel_calls(_export(8, 64, 8, 7168, 2048, jnp.bfloat16), TRITON_CALLS)) == 2
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+def test_lowers_for_cuda_with_mxfp4_experts(dtype, tokens):
+    """GPT-OSS-20B's experts kept MXFP4 (32 of 2880 over 2880, top 4, biases, clamped SwiGLU): the decode (16-row
+    tiles) and a prefill (128-row tiles) lower to the same two Triton launches a layer, on an H100's shared memory
+    and on the default's."""
+    for memory in (227 * 1024, None):
+        module = _export(tokens, 32, 4, 2880, 2880, dtype, act=CLAMPED, w_dtype="mxfp4", bias=True, shared_memory=memory)
+        assert len(kernel_calls(module, TRITON_CALLS)) == 2
+        assert "stablehlo.while" not in module
