@@ -34,7 +34,7 @@ SUPPORTED = (
     "compressed-tensors int-quantized / naive-quantized (int8 per channel or tensor, int8 or int4 values per group), "
     "float-quantized (fp8 e4m3 per channel or tensor) and pack-quantized (int4 or int8 per group, channel or tensor); "
     "gptq (4 or 8 bits, checkpoint_format gptq or gptq_v2, without act-order); awq (4-bit GEMM with zero points); "
-    "mxfp4 (GPT-OSS experts, dequantized at load); fp8 (block-wise or per tensor, DeepSeek-V3's and transformers' "
+    "mxfp4 (GPT-OSS experts: 4-bit with moe_kernel='triton', else dequantized at load); fp8 (block-wise or per tensor, DeepSeek-V3's and transformers' "
     "finegrained FP8, dequantized at load)"
 )
 CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
@@ -53,16 +53,17 @@ def _refuse(method: str, what: str | None, source: str) -> ValueError:
     )
 
 
-def checkpoint_format(qcfg: dict | None, source: str, dtype=np.float32) -> CheckpointFormat | None:
+def checkpoint_format(qcfg: dict | None, source: str, dtype=np.float32, keep_mxfp4: bool = False) -> CheckpointFormat | None:
     """The reader for a config.json `quantization_config`; ValueError naming what is refused. dtype: what a format
-    that dequantizes at load (fp8 blocks) casts to."""
+    that dequantizes at load (fp8 blocks) casts to. keep_mxfp4: MXFP4 experts stay 4-bit (the engine's expert loop
+    reads them: Platform.keeps_mxfp4), else they are dequantized at load."""
     if not qcfg:
         return None
     method = str(qcfg.get("quant_method", "unknown")).lower()
-    if method == "mxfp4":  # GPT-OSS's experts: dequantized at load (models/mxfp4.py)
+    if method == "mxfp4":  # GPT-OSS's experts: kept 4-bit for the grouped GEMM, else dequantized at load (models/mxfp4.py)
         from jaxpaged.models.mxfp4 import Mxfp4
 
-        return Mxfp4(qcfg, source)
+        return Mxfp4(qcfg, source, keep=keep_mxfp4)
     if method == "fp8":  # block-wise FP8 (DeepSeek-V3, Kimi K2): dequantized at load (models/fp8_blocks.py)
         from jaxpaged.models.fp8_blocks import Fp8Blocks
 

@@ -144,7 +144,8 @@ def _load_tokenizer(folder: Path):
 SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
 
-def _checkpoint_quantization(hf_config, folder: Path, dtype_name: str = "float32") -> checkpoint_quant.CheckpointFormat | None:
+def _checkpoint_quantization(hf_config, folder: Path, dtype_name: str = "float32",
+                             keep_mxfp4: bool = False) -> checkpoint_quant.CheckpointFormat | None:  # fmt: skip
     """The reader of the checkpoint's own quantization (config.json's quantization_config, else AutoGPTQ's or
     AutoAWQ's side file); ValueError naming a method or scheme jaxpaged does not load."""
     qcfg = getattr(hf_config, "quantization_config", None)
@@ -156,12 +157,13 @@ def _checkpoint_quantization(hf_config, folder: Path, dtype_name: str = "float32
                 qcfg = {"quant_method": method, **json.loads((folder / name).read_text())}
             except ValueError as exc:
                 raise ValueError(f"could not read {folder / name}: {exc}") from exc
-    return checkpoint_quant.checkpoint_format(qcfg, str(folder), np.dtype(DTYPES[dtype_name]))
+    return checkpoint_quant.checkpoint_format(qcfg, str(folder), np.dtype(DTYPES[dtype_name]), keep_mxfp4)
 
 
 def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None, timed: dict | None = None,
-                    programs: WeightPrograms | None = None):  # fmt: skip
-    """timed: filled with the seconds of the config's read (imports included) and the tokenizer's."""
+                    programs: WeightPrograms | None = None, keep_mxfp4: bool = False):  # fmt: skip
+    """timed: filled with the seconds of the config's read (imports included) and the tokenizer's. keep_mxfp4: an
+    MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py)."""
     timed = {} if timed is None else timed
     t0 = time.perf_counter()
     from transformers import AutoConfig
@@ -175,7 +177,7 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
         if hf_config is None:
             raise ValueError(f"could not read {config_file}: {exc}") from exc
     timed["config"] = time.perf_counter() - t0
-    fmt = _checkpoint_quantization(hf_config, folder, dtype_name)
+    fmt = _checkpoint_quantization(hf_config, folder, dtype_name, keep_mxfp4)
     if fmt is not None and quantization in ("int8", "fp8") and not getattr(fmt, "dequantizes", False):
         logger.info("%s is already %s-quantized: loading it as stored, not as %s", folder.name, fmt.name, quantization)
         quantization = None
@@ -313,11 +315,14 @@ def load_model(
     checkpoint_mapping=None,
     devices=None,
     tensor_parallel_size: int = 1,
+    moe_kernel: str = "loop",
 ) -> LoadedModel:
     """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port whose attention `platform`
     (default: the one JAX runs on) resolves from `attention_backend`. quantization: EngineConfig.quantization.
     An Orbax checkpoint (models/orbax_io.py) takes hf_config and checkpoint_mapping, and is restored onto `devices`
-    (split as a tensor_parallel_size engine splits it)."""
+    (split as a tensor_parallel_size engine splits it). moe_kernel: EngineConfig.moe_kernel, the expert loop the
+    engine will run: where the platform's reads MXFP4 (Platform.keeps_mxfp4: the grouped GEMM), an MXFP4 checkpoint's
+    experts stay 4-bit unless quantization is "none"; else they are dequantized once at load."""
     dtype_name = resolve_dtype(dtype)
     if quantization not in (None, *QUANTIZATION_CHOICES):
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} or None (got {quantization!r})")
@@ -359,7 +364,8 @@ def load_model(
         result = orbax_io.load(path, dtype_name, choose_attention, hf_config=hf_config, mapping=checkpoint_mapping,
                                devices=devices, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     elif path.is_dir():
-        result = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs)
+        keep_mxfp4 = quantization != "none" and platform.keeps_mxfp4(moe_kernel)
+        result = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs, keep_mxfp4)
     elif path.suffix == ".gguf":
         result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization, timed, programs)
     elif path.suffix == ".json":

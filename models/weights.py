@@ -275,6 +275,10 @@ def load_tensors_into(
         if spec is None:
             ledger.unused(name, source)
             continue
+        if hasattr(array, "install_experts"):  # MXFP4 experts kept 4-bit (models/mxfp4.py PackedMxfp4)
+            array.install_experts([_owner(model, p)[0] for p in spec.paths], spec.split, name, source)
+            filled.add(name)
+            continue
         if isinstance(array, (ChannelQuantized, GroupQuantized)):
             if quantization == "none":
                 array = array.dequantize()

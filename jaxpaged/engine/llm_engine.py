@@ -115,7 +115,7 @@ class LLMEngine:
                 config.model, dtype=config.dtype, attention_backend=config.attention_backend, cache_dir=config.cache_dir,
                 batch_invariant=config.batch_invariant, revision=config.revision, platform=platform,
                 quantization=config.quantization, hf_config=config.hf_config, checkpoint_mapping=config.checkpoint_mapping,
-                devices=devices, tensor_parallel_size=config.tensor_parallel_size,
+                devices=devices, tensor_parallel_size=config.tensor_parallel_size, moe_kernel=config.moe_kernel,
             )
         load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer

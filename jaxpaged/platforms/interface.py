@@ -65,6 +65,13 @@ class Platform:
             return StaticExpertTiles()
         return None
 
+    def keeps_mxfp4(self, moe_kernel: str) -> bool:
+        """Whether an MXFP4 checkpoint's experts (GPT-OSS) load kept 4-bit for config.moe_kernel: where the expert
+        loop reads them (the grouped-GEMM kernel, moe_kernel="triton": a GPU's compiled, a CPU's interpreted); else
+        they are dequantized once at load (models/mxfp4.py). The engine asks before loading (load_model's moe_kernel),
+        so the loader and the model never ask which device they are on."""
+        return bool(getattr(self.expert_loop(moe_kernel), "reads_mxfp4", False))
+
     def prepare_experts(self, model: nnx.Module, moe_kernel: str) -> None:
         loop = self.expert_loop(moe_kernel)
         if loop is not None:

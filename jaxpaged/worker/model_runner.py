@@ -176,6 +176,8 @@ class ModelRunner:
         # what the plan reports: the scheme asked for (or a GGUF's platform default), else what the checkpoint holds
         self.weight_scheme = loaded.quantization if loaded.quantization not in (None, "none") else (
             "pre-quantized checkpoint" if quantized else "none")  # fmt: skip
+        if any(getattr(m, "mx_scale", None) is not None for _, m in nnx.iter_modules(loaded.model)):
+            self.weight_scheme = "MXFP4 experts kept 4-bit (the grouped GEMM decodes them)"  # models/mxfp4.py
         if config.quantize_activations:
             self.weight_scheme += " x 8-bit activations"
         self.lora_targets = lora.parse_targets(config.lora_target_modules) if config.enable_lora else ()

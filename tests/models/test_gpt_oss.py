@@ -1,6 +1,8 @@
 """GPT-OSS against transformers in float32: logits within 1e-4 and greedy tokens identical (attention sinks, alternating
 sliding/full layers, the biased router and experts with the clamped SwiGLU engaged); through the engine with chunked
-prefill, preemption and KV cache groups; MXFP4 experts dequantized as transformers does."""
+prefill, preemption and KV cache groups; MXFP4 experts dequantized as transformers does, and kept 4-bit for the
+grouped-GEMM kernel (moe_kernel "triton", interpreted on this CPU) with the same logits and greedy tokens and the
+smaller weight bytes in the engine's memory plan."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import numpy as np
 import pytest
 import transformers
+from flax import nnx
 from jaxpaged.models.loader import load_model
 
 from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
@@ -118,13 +121,16 @@ def test_mxfp4_dequantization_equals_transformers():
     np.testing.assert_array_equal(got, want)
 
 
-def test_mxfp4_checkpoint_loads_dequantized(saved, tmp_path):
-    """A checkpoint with quant_method mxfp4 (experts as _blocks/_scales, the rest as floats): the logits equal
-    transformers' with the experts transformers' dequantization gives, in float32 and (loosely) bfloat16."""
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(saved, tmp_path_factory):
+    """The saved model with its experts rewritten as an MXFP4 checkpoint (random _blocks/_scales, every code; scales
+    2^-6 .. 2^-2; the rest as floats), and transformers' model holding the experts transformers' dequantization
+    gives."""
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     hf, folder = saved
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     tensors = load_file(str(folder / "model.safetensors"))
     ref = __import__("copy").deepcopy(hf)
     rng = np.random.default_rng(1)
@@ -136,15 +142,92 @@ def test_mxfp4_checkpoint_loads_dequantized(saved, tmp_path):
         deq = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
         with torch.no_grad():
             ref.get_parameter(name).copy_(deq)
-    (tmp_path / "model.safetensors").unlink(missing_ok=True)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                      "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(config))
+    return ref, out
+
+
+def test_mxfp4_checkpoint_loads_dequantized(mxfp4_checkpoint):
+    """A checkpoint with quant_method mxfp4 (experts as _blocks/_scales, the rest as floats), loaded for the loop over
+    the experts (moe_kernel "loop", the default): dequantized once; the logits equal transformers' with the experts
+    transformers' dequantization gives, in float32 and (loosely) bfloat16."""
+    ref, folder = mxfp4_checkpoint
     prompt = random_prompts(VOCAB, [30], seed=5)[0]
     want = hf_logits(ref, prompt)
-    got = StaticBatchRunner(load_model(str(tmp_path), dtype="float32")).prompt_logits([prompt])[0]
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.model.layers[0].mlp.experts.gate_proj.kernel[...].dtype == np.dtype("float32")
+    got = StaticBatchRunner(loaded).prompt_logits([prompt])[0]
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    half = load_model(str(tmp_path), dtype="bfloat16")
+    half = load_model(str(folder), dtype="bfloat16")
     assert half.model.layers[0].mlp.experts.gate_proj.kernel[...].dtype == np.dtype("bfloat16")
+
+
+def _expert_bytes(model) -> int:
+    from jaxpaged.models.moe import ExpertLinear
+    from jaxpaged.models.weights import param_bytes
+
+    return sum(param_bytes(nnx.state(m, nnx.Param)) for _, m in nnx.iter_modules(model) if isinstance(m, ExpertLinear))
+
+
+def test_mxfp4_experts_stay_4bit_for_the_grouped_gemm(mxfp4_checkpoint):
+    """Loaded for the grouped-GEMM kernel (moe_kernel "triton"; on this CPU the kernel interpreted), the experts stay
+    MXFP4: uint8 codes and scales in the kernel's layout, 4.25 bits a value (down's 32 inner values padded to one
+    64-row block), and the logits equal those of the same checkpoint dequantized once (float32: the decoded values are
+    the dequantized ones exactly, so only the sums' order differs, two 32-row dots a block instead of one) and
+    transformers'."""
+    from jaxpaged import platforms
+    from jaxpaged.models.moe import GroupedGemmExperts, use_expert_loop
+
+    ref, folder = mxfp4_checkpoint
+    assert platforms.get().keeps_mxfp4("triton") and not platforms.get().keeps_mxfp4("loop")
+    packed = load_model(str(folder), dtype="float32", moe_kernel="triton")
+    floats = load_model(str(folder), dtype="float32")
+    e, d, f = CONFIG["num_local_experts"], CONFIG["hidden_size"], CONFIG["intermediate_size"]
+    for layer in packed.model.layers:
+        ex = layer.mlp.experts
+        for proj, (k, n) in (("gate_proj", (d, f)), ("up_proj", (d, f)), ("down_proj", (f, d))):
+            codes, scales = getattr(ex, proj).kernel[...], getattr(ex, proj).mx_scale[...]
+            padded = -(-k // 64) * 64
+            assert codes.dtype == scales.dtype == np.uint8
+            assert codes.shape == (e, padded // 2, n) and scales.shape == (e, padded // 32, n)
+            if k % 64 == 0:
+                assert (codes.nbytes + scales.nbytes) * 8 / (e * k * n) == 4.25
+    float_bytes = _expert_bytes(floats.model)
+    assert _expert_bytes(packed.model) < float_bytes / 5  # float32 experts: 32 bits a value (biases aside)
+    use_expert_loop(packed.model, GroupedGemmExperts(interpret=True))  # what the engine's CPU platform picks for triton
+    prompt = random_prompts(VOCAB, [30], seed=5)[0]
+    got = StaticBatchRunner(packed).prompt_logits([prompt])[0]
+    want = StaticBatchRunner(floats).prompt_logits([prompt])[0]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, hf_logits(ref, prompt), atol=1e-4, rtol=0)
+    # quantization="none" dequantizes them whatever the loop
+    none = load_model(str(folder), dtype="float32", moe_kernel="triton", quantization="none")
+    assert none.model.layers[0].mlp.experts.down_proj.kernel[...].dtype == np.dtype("float32")
+
+
+def test_mxfp4_engine_greedy_and_memory_plan(mxfp4_checkpoint):
+    """Through jaxpaged.LLM with moe_kernel="triton" (the interpreted kernel): the greedy tokens of the engine that
+    kept the experts 4-bit equal those of the engine that dequantized them (moe_kernel "loop") and transformers'; its
+    memory plan counts the 4-bit bytes (the float32 experts' bytes less the codes and scales) and says so."""
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.models.weights import param_bytes
+
+    ref, folder = mxfp4_checkpoint
+    prompts = random_prompts(VOCAB, [7, 19], seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for kernel in ("triton", "loop"):
+        llm = LLM(str(folder), dtype="float32", moe_kernel=kernel, max_num_seqs=2, max_num_batched_tokens=32,
+                  block_size=8, num_kv_blocks=16, log_level="WARNING")  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runner = llm.engine.runner
+        runs[kernel] = ([o.outputs[0].token_ids for o in outs], param_bytes(runner.state), runner.memory_plan(),
+                        _expert_bytes(llm.engine.loaded.model))  # fmt: skip
+    (tokens, weights, plan, experts), (tokens_f, weights_f, plan_f, experts_f) = runs["triton"], runs["loop"]
+    assert tokens == tokens_f == [hf_greedy(ref, p, 8) for p in prompts]
+    assert weights_f - weights == experts_f - experts > 0
+    assert f"weights {weights / 1e6:.1f} MB" in plan and f"weights {weights_f / 1e6:.1f} MB" in plan_f
+    assert "MXFP4 experts kept 4-bit" in plan and "MXFP4" not in plan_f
