@@ -59,7 +59,8 @@ class EngineConfig:
                                  "CPU device with AVX-512; else XLA's dot)", choices=MATMUL_BACKEND_CHOICES)  # fmt: skip
     moe_kernel: str = option("loop", "how a MoE layer runs its experts: loop (over the experts in use; on GPU a fixed count "
                              "of row tiles) or triton (on GPU one grouped-GEMM kernel launch per expert projection and "
-                             "layer; on CPU that kernel interpreted, for tests) (default: loop)",
+                             "layer, which also keeps an MXFP4 checkpoint's experts 4-bit; on CPU that kernel "
+                             "interpreted, for tests) (default: loop)",
                              choices=MOE_KERNEL_CHOICES)  # fmt: skip
     disable_hybrid_kv_cache_manager: bool = option(False, "models mixing windowed and global layers (Gemma 2/3, some "
         "Qwen2): keep every block for every layer, the window a mask, instead of KV cache groups whose windowed layers give "

@@ -7,8 +7,10 @@
 - MoE on every layer: a router with a bias, top-k of its logits softmaxed over the k chosen; experts with biases,
   `gate_up_proj` [E, D, 2I] interleaved (gate = columns 0, 2, .., up = 1, 3, ..), split at load into our gate/up
   stacks, and the clamped SwiGLU (moe.expert_glu); models/moe.py's grouped expert loop runs them;
-- MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released ones): `*_blocks` / `*_scales` are
-  dequantized once at load to the engine's dtype (models/mxfp4.py); nothing runs in 4 bits.
+- MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released ones): `*_blocks` / `*_scales` stay 4-bit
+  where the engine's expert loop is the grouped-GEMM kernel (moe_kernel="triton": compiled on a GPU, interpreted on a
+  CPU; pallas_kernels/moe_gemm.py decodes them in its inner loop; not yet run on a GPU), and are dequantized once at
+  load to the engine's dtype for every other loop (models/mxfp4.py; Platform.keeps_mxfp4 decides).
 """
 
 from __future__ import annotations

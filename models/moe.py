@@ -17,7 +17,9 @@ its own share of every token's experts under shard_map and one psum adds the sha
 Checkpoints store experts one tensor per expert (`experts.N.{gate,up,down}_proj.weight`, Mixtral's
 `block_sparse_moe.experts.N.w1/w3/w2.weight`) or fused as transformers 5 holds them in memory
 (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]); `regroup_expert_tensors` stacks either into the
-port's `...mlp.experts.{gate,up,down}_proj.kernel` [E, in, out] before the loader sees them.
+port's `...mlp.experts.{gate,up,down}_proj.kernel` [E, in, out] before the loader sees them. GPT-OSS's MXFP4
+experts may stay 4-bit (ExpertLinear.load_mxfp4: codes as `kernel`, `mx_scale`) where the expert loop reads them
+(GroupedGemmExperts.reads_mxfp4: the kernel decodes them); the other loops decode them per expert or tile if given.
 """
 
 from __future__ import annotations
