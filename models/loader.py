@@ -140,6 +140,8 @@ def _load_tokenizer(folder: Path):
         raise ValueError(f"could not load the tokenizer in {folder}: {exc}") from exc
 
 
+WEIGHT_COMPILE_THREADS = 4  # the weights' cast/transpose programs compiled at once on a first start (models/weights.py)
+
 # Where AutoGPTQ and AutoAWQ wrote their settings before config.json carried a quantization_config.
 SIDE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
@@ -340,7 +342,9 @@ def load_model(
     t0 = time.perf_counter()
     timed: dict[str, float] = {}  # the readers' own phases besides the weights (LoadedModel.load_seconds)
     # the weights' cast and transpose programs, kept with the steps' executables (a warm start compiles none)
-    programs = WeightPrograms(ExecutableCache(convert_cache.cache_root(cache_dir) / "executables") if use_cache else None)
+    # (compiled on threads while the weights stream in; closed below)
+    programs = WeightPrograms(ExecutableCache(convert_cache.cache_root(cache_dir) / "executables") if use_cache else None,
+                              threads=WEIGHT_COMPILE_THREADS)  # fmt: skip
     orbax_item = orbax_io.checkpoint_item(path) if path.is_dir() and not any(path.glob("*.safetensors")) else None
     for name, value in (("hf_config", hf_config), ("checkpoint_mapping", checkpoint_mapping)):
         if value is not None and orbax_item is None:
@@ -358,20 +362,23 @@ def load_model(
         quantization = platform.gguf_quantization
         logger.info("GGUF weights: %s on %s (quantization=%r)", GGUF_DEFAULTS[quantization], platform.name, quantization)
     choose_attention = functools.partial(platform.attention_backend, attention_backend, batch_invariant=batch_invariant)
-    if orbax_item is not None:
-        if quantization not in (None, "none"):
-            raise ValueError(f"quantization={quantization!r} is not supported for an Orbax checkpoint (its floats load as dtype)")
-        result = orbax_io.load(path, dtype_name, choose_attention, hf_config=hf_config, mapping=checkpoint_mapping,
-                               devices=devices, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
-    elif path.is_dir():
-        keep_mxfp4 = quantization != "none" and platform.keeps_mxfp4(moe_kernel)
-        result = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs, keep_mxfp4)
-    elif path.suffix == ".gguf":
-        result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization, timed, programs)
-    elif path.suffix == ".json":
-        result = _load_random(path, dtype_name, choose_attention, quantization, programs)
-    else:
-        raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
+    try:
+        if orbax_item is not None:
+            if quantization not in (None, "none"):
+                raise ValueError(f"quantization={quantization!r} is not supported for an Orbax checkpoint (its floats load as dtype)")
+            result = orbax_io.load(path, dtype_name, choose_attention, hf_config=hf_config, mapping=checkpoint_mapping,
+                                   devices=devices, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        elif path.is_dir():
+            keep_mxfp4 = quantization != "none" and platform.keeps_mxfp4(moe_kernel)
+            result = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs, keep_mxfp4)
+        elif path.suffix == ".gguf":
+            result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization, timed, programs)
+        elif path.suffix == ".json":
+            result = _load_random(path, dtype_name, choose_attention, quantization, programs)
+        else:
+            raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
+    finally:
+        programs.close()
     module, cfg, hf_config, tokenizer, weights_s, skipped = result
     size = param_bytes(nnx.state(module, nnx.Param))
     logger.info(

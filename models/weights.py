@@ -13,6 +13,7 @@ import mmap
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import jax
@@ -195,26 +196,61 @@ def _finish(x: jax.Array, dtype, transpose: bool) -> jax.Array:
 class WeightPrograms:
     """The programs that finish a weight on its device (cast, transpose, a copy out of the file's pages), one per
     shape and dtype: a model has a handful. With `executables` (worker/executable_cache.py) the default device's are
-    stored, so a warm start compiles none (on a GPU a compile costs a start a good part of a second)."""
+    stored, so a warm start compiles none (on a GPU a compile costs a start a good part of a second). With `threads`,
+    a first start compiles them on threads while later weights stream in: a weight whose program is not ready waits
+    on the device as it arrived, and is finished when it is (`drain`)."""
 
     _compiled: ClassVar[dict[tuple, Any]] = {}  # (shape, dtypes, transpose, device) -> executable, for the process, as jax.jit's cache
 
-    def __init__(self, executables=None):
+    def __init__(self, executables=None, threads: int = 0):
         self.executables = executables
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxpaged-weights") if threads else None
+        self._compiling: dict[tuple, Future] = {}
+        self._waiting: list[tuple[tuple, jax.Array, Callable]] = []  # (program key, raw weight, where it goes)
 
-    def __call__(self, x: jax.Array, dtype, transpose: bool) -> jax.Array:
+    def finish(self, x: jax.Array, dtype, transpose: bool, install: Callable[[jax.Array], None]) -> None:
+        """install(x cast to dtype and transposed), now or when its program is compiled."""
         (device,) = x.devices()
         key = (x.shape, x.dtype, jnp.dtype(dtype), transpose, device)
-        program = self._compiled.get(key)
-        if program is None:
-            jitted = jax.jit(functools.partial(_finish, dtype=jnp.dtype(dtype), transpose=transpose))
-            if self.executables is not None and device == jax.devices()[0]:  # the cache holds the default device's
-                name = f"weight_{jnp.dtype(dtype).name}{'_transposed' if transpose else ''}"
-                program = self.executables.compile(name, jitted, (x,))
+        if key in self._compiled:
+            install(self._compiled[key](x))
+            return
+        abstract = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if self._pool is None:
+            install(self._compile(key, abstract)(x))
+            return
+        if key not in self._compiling:
+            self._compiling[key] = self._pool.submit(self._compile, key, abstract)
+        self._waiting.append((key, x, install))
+        self.drain(wait=False)
+
+    def drain(self, wait: bool = True) -> None:
+        """Finish the waiting weights whose programs are ready (all of them with `wait`, which also stores the
+        programs compiled on threads, here on the caller's: see ExecutableCache.store_pending)."""
+        waiting, self._waiting = self._waiting, []
+        for key, x, install in waiting:
+            if wait or self._compiling[key].done():
+                install(self._compiling[key].result()(x))
             else:
-                program = jitted.lower(x).compile()
-            self._compiled[key] = program
-        return program(x)
+                self._waiting.append((key, x, install))
+        if wait and self.executables is not None:
+            self.executables.store_pending()
+
+    def close(self) -> None:
+        """Stop the compile threads (a load that failed leaves its waiting weights unfinished)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _compile(self, key: tuple, abstract: jax.ShapeDtypeStruct):
+        _, _, dtype, transpose, device = key
+        jitted = jax.jit(functools.partial(_finish, dtype=dtype, transpose=transpose))
+        if self.executables is not None and device == jax.devices()[0]:  # the cache holds the default device's
+            name = f"weight_{dtype.name}{'_transposed' if transpose else ''}"
+            program = self.executables.compile(name, jitted, (abstract,), store_now=self._pool is None)
+        else:
+            program = jitted.lower(abstract).compile()
+        self._compiled[key] = program
+        return program
 
 
 @functools.cache
@@ -225,8 +261,9 @@ def _device_put_aliases(device) -> bool:
     return jax.device_put(host, device).unsafe_buffer_pointer() == host.ctypes.data
 
 
-def place(part: np.ndarray, dtype, programs: WeightPrograms | None = None) -> jax.Array:
-    """A host weight on the default device as a C-contiguous `dtype` array, copied once on the host side at most.
+def place(part: np.ndarray, dtype, install: Callable[[jax.Array], None], programs: WeightPrograms | None = None) -> None:
+    """install(a host weight on the default device as a C-contiguous `dtype` array), copied once on the host side at
+    most; now, or when `programs` has compiled the program that finishes it.
 
     It goes as stored and is cast and transposed there (a Linear's [out, in] checkpoint weight as our [in, out]
     kernel): numpy's strided copies and casts run at a few hundred MB/s, a device's at memory speed. A read-only
@@ -237,8 +274,9 @@ def place(part: np.ndarray, dtype, programs: WeightPrograms | None = None) -> ja
     on_device = jax.device_put(host)
     aliased = not host.flags.writeable and _device_put_aliases(next(iter(on_device.devices())))
     if transpose or host.dtype != jnp.dtype(dtype) or aliased:
-        return (programs or WeightPrograms())(on_device, dtype, transpose)
-    return on_device
+        (programs or WeightPrograms()).finish(on_device, dtype, transpose, install)
+    else:
+        install(on_device)
 
 
 def load_tensors_into(
@@ -313,8 +351,10 @@ def load_tensors_into(
                     q, scale = quantize_channels(part, quantization)
                     _install(owner, "kernel", ChannelQuantized(q.T, scale), True, dtype, name, source)
             else:
-                _set(var, place(part, dtype, programs))
+                place(part, dtype, functools.partial(_set, var), programs)
         filled.add(name)
+    if programs is not None:
+        programs.drain()
     ledger.close(set(specs) - filled, getattr(model.config, "architecture", type(model).__name__))
     jax.block_until_ready(jax.tree_util.tree_leaves(nnx.state(model)))
     return time.perf_counter() - t0
