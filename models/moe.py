@@ -91,9 +91,19 @@ def expert_partition_spec(projection: str, leaf: str, shape: tuple[int, ...], n:
     if expert_parallel(shape[0], n):
         return P(TP_AXIS, *(None,) * (len(shape) - 1))
     stacked = leaf in ("kernel", "mx_scale")  # [E, in, out]-shaped (MXFP4's codes and scales: [E, Kp / 2 or 32, out])
+    if leaf == "mx_scale" and projection == "down_proj" and shape[1] % (2 * n):  # down's inner rows: whole 64-row blocks
+        raise mxfp4_split_error(shape[1] * 32, shape[0], n)
     if projection == "down_proj":  # row-parallel: its input (intermediate) axis splits, its scale is whole
         return P(None, TP_AXIS, None) if stacked else P()
     return P(None, None, TP_AXIS) if stacked else P(None, TP_AXIS)
+
+
+def mxfp4_split_error(features: int, num_experts: int, n: int) -> ValueError:
+    """MXFP4 experts kept 4-bit split by feature: each device's share of down's inner rows must be whole 64-row
+    blocks of the packed layout (pallas_kernels/moe_gemm.py)."""
+    return ValueError(f"MXFP4 experts split by feature over {n} devices need {64 * n} to divide their {features} "
+                      f"features (padded to whole 64-row blocks); load them dequantized (quantization='none') or use "
+                      f"a tensor_parallel_size that divides the {num_experts} experts")  # fmt: skip
 
 
 def check_experts_divisible(cfg: ModelConfig, n: int) -> None:
@@ -551,9 +561,7 @@ class SparseMoeBlock(nnx.Module):
         ep = expert_parallel(num_experts, n)
         features = projections[0]["kernel"].shape[2]
         if not ep and "mx_scale" in projections[2] and features % (64 * n):  # down's inner rows: whole 64-row blocks
-            raise ValueError(f"MXFP4 experts split by feature over {n} devices need {64 * n} to divide their "
-                             f"{features} features; load them dequantized (quantization='none') or use a "
-                             f"tensor_parallel_size that divides the {num_experts} experts")  # fmt: skip
+            raise mxfp4_split_error(features, num_experts, n)
         specs = tuple(
             {leaf: expert_partition_spec(p, leaf, a.shape, n) for leaf, a in arrays.items()}
             for p, arrays in zip(EXPERT_PROJECTIONS, projections)

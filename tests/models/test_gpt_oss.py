@@ -121,19 +121,16 @@ def test_mxfp4_dequantization_equals_transformers():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.fixture(scope="module")
-def mxfp4_checkpoint(saved, tmp_path_factory):
-    """The saved model with its experts rewritten as an MXFP4 checkpoint (random _blocks/_scales, every code; scales
-    2^-6 .. 2^-2; the rest as floats), and transformers' model holding the experts transformers' dequantization
-    gives."""
+def write_mxfp4_checkpoint(hf, folder, out, seed: int = 1):
+    """hf's checkpoint in `folder` rewritten into `out` as an MXFP4 one (its experts random _blocks/_scales: every
+    code; scales 2^-6 .. 2^-2; the rest as floats) -> transformers' model holding the experts transformers'
+    dequantization gives."""
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    hf, folder = saved
-    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     tensors = load_file(str(folder / "model.safetensors"))
     ref = __import__("copy").deepcopy(hf)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         experts, rows_in, rows = tensors.pop(name).shape  # [E, in, out]: stored as out rows of in / 32 blocks
         blocks = rng.integers(0, 256, size=(experts, rows, rows_in // 32, 16), dtype=np.uint8)
@@ -142,12 +139,21 @@ def mxfp4_checkpoint(saved, tmp_path_factory):
         deq = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
         with torch.no_grad():
             ref.get_parameter(name).copy_(deq)
+    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                      "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config))
-    return ref, out
+    return ref
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(saved, tmp_path_factory):
+    """The saved model as an MXFP4 checkpoint, and transformers' model with its experts dequantized."""
+    hf, folder = saved
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    return write_mxfp4_checkpoint(hf, folder, out), out
 
 
 def test_mxfp4_checkpoint_loads_dequantized(mxfp4_checkpoint):

@@ -1,6 +1,6 @@
 """MoE on 4 CPU devices: experts split over the "model" axis (expert parallelism) when it divides their count, else
 each expert's intermediate features split; either way greedy tokens equal one device's and transformers' (GPT-OSS:
-expert biases, attention sinks split by head).
+expert biases, attention sinks split by head; its MXFP4 experts kept 4-bit for the grouped GEMM, split either way).
 
 As in test_tensor_parallel.py, the first test re-runs this file in a subprocess with 4 simulated devices.
 """
@@ -102,3 +102,53 @@ def test_experts_that_split_neither_way_are_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="num_experts=6"):
         LLM(str(folder), dtype="float32", tensor_parallel_size=4, log_level="WARNING")
 
+
+
+@needs_devices
+@pytest.mark.parametrize("experts,intermediate", [(8, 32), (6, 256)], ids=["expert-parallel", "feature-split"])
+def test_four_devices_with_mxfp4_experts_kept_4bit(experts, intermediate, tmp_path_factory):
+    """An MXFP4 GPT-OSS checkpoint with moe_kernel="triton" on 4 devices: its experts kept 4-bit (uint8 codes and
+    scales) and split over the devices (8 experts: 2 each; 6 experts of 256 features: 64 features, one whole packed
+    block, each); greedy tokens equal one device's with the experts dequantized once. Features that do not split
+    into whole 64-row blocks (6 experts of 32) are a ValueError naming the fix."""
+    import transformers
+
+    from jaxpaged import LLM
+    from tests.hf_reference import random_hf_model, random_prompts, save_hf_model
+    from tests.models.test_gpt_oss import write_mxfp4_checkpoint
+
+    config = transformers.GptOssConfig(**BASE, intermediate_size=intermediate, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=16, num_local_experts=experts, num_experts_per_tok=2, sliding_window=8)  # fmt: skip
+    hf = random_hf_model(config)
+    root = tmp_path_factory.mktemp(f"gpt-oss-mxfp4-{experts}")
+    folder = root / "mxfp4"
+    write_mxfp4_checkpoint(hf, save_hf_model(hf, root / "float"), folder)
+    prompts = random_prompts(VOCAB, [3, 17, 30], seed=5)
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8, attention_backend="reference",
+              log_level="WARNING")  # fmt: skip
+    expected = _greedy(LLM(str(folder), **kw), prompts, 12)  # one device, dequantized
+    llm = LLM(str(folder), tensor_parallel_size=4, moe_kernel="triton", **kw)
+    experts_state = llm.engine.runner.state["layers"][0]["mlp"]["experts"]
+    codes, scales = experts_state["down_proj"]["kernel"][...], experts_state["down_proj"]["mx_scale"][...]
+    assert codes.dtype == scales.dtype == "uint8"
+    split = 0 if experts == 8 else 1
+    assert all(s.data.shape[split] == codes.shape[split] // 4 for s in codes.addressable_shards)
+    assert all(s.data.shape[split] == scales.shape[split] // 4 for s in scales.addressable_shards)
+    assert _greedy(llm, prompts, 12) == expected
+
+
+@needs_devices
+def test_mxfp4_features_that_do_not_split_into_blocks_are_a_clear_error(tmp_path):
+    import transformers
+
+    from jaxpaged import LLM
+    from tests.hf_reference import random_hf_model, save_hf_model
+    from tests.models.test_gpt_oss import write_mxfp4_checkpoint
+
+    config = transformers.GptOssConfig(**BASE, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=16, num_local_experts=6, num_experts_per_tok=2, sliding_window=8)  # fmt: skip
+    hf = random_hf_model(config)
+    write_mxfp4_checkpoint(hf, save_hf_model(hf, tmp_path / "float"), tmp_path / "mxfp4")
+    with pytest.raises(ValueError, match="MXFP4 experts split by feature"):
+        LLM(str(tmp_path / "mxfp4"), dtype="float32", tensor_parallel_size=4, moe_kernel="triton", max_num_batched_tokens=16,
+            max_num_seqs=4, log_level="WARNING")  # fmt: skip
