@@ -19,7 +19,6 @@ says whether it reads MXFP4, `Platform.keeps_mxfp4`):
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 

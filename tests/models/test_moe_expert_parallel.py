@@ -124,8 +124,8 @@ def test_four_devices_with_mxfp4_experts_kept_4bit(experts, intermediate, tmp_pa
     folder = root / "mxfp4"
     write_mxfp4_checkpoint(hf, save_hf_model(hf, root / "float"), folder)
     prompts = random_prompts(VOCAB, [3, 17, 30], seed=5)
-    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8, attention_backend="reference",
-              log_level="WARNING")  # fmt: skip
+    kw = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 8,
+          "attention_backend": "reference", "log_level": "WARNING"}  # fmt: skip
     expected = _greedy(LLM(str(folder), **kw), prompts, 12)  # one device, dequantized
     llm = LLM(str(folder), tensor_parallel_size=4, moe_kernel="triton", **kw)
     experts_state = llm.engine.runner.state["layers"][0]["mlp"]["experts"]
