@@ -59,9 +59,14 @@ def _in_new_process(model: Path, cache: Path) -> dict:
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
+def _step_entries(root) -> list:
+    """The runner's stored executables under `root`, not the loader's weight programs (`weight_*`, models/weights.py)."""
+    return sorted(p for p in root.rglob("*.exe") if not p.name.startswith("weight_"))
+
+
 def test_a_second_start_loads_every_executable_and_compiles_nothing(model_dir, tmp_path):
     first = _in_new_process(model_dir, tmp_path)  # a process of its own: the first compile of each program in it
-    stored = sorted((tmp_path / "executables").rglob("*.exe"))
+    stored = _step_entries(tmp_path / "executables")
     runner = _engine(model_dir, tmp_path / "buckets", precompile=False).runner
     rows = {runner.bucket_for(t)[1] for t in runner.buckets}  # buckets with as many sampling rows share a sampler
     count = 2 * len(runner.buckets) + len(rows) + 1  # forward and write per bucket, sample per row count; copy
@@ -81,7 +86,7 @@ def test_a_program_compiled_twice_in_a_process_is_stored_once(model_dir, tmp_pat
     ("Function ... not found"): only the first compile is stored, and what was stored runs in a new process."""
     want = _greedy(_engine(model_dir, tmp_path / "one"), PROMPTS)
     again = _engine(model_dir, tmp_path / "two")  # the same programs, compiled again here
-    assert again.runner.executables.num_compiled > 0 and not list((tmp_path / "two").rglob("*.exe"))
+    assert again.runner.executables.num_compiled > 0 and not _step_entries(tmp_path / "two")
     assert _greedy(again, PROMPTS) == want
     assert _in_new_process(model_dir, tmp_path / "one")["tokens"] == want
 
@@ -97,7 +102,7 @@ class _Records(logging.Handler):
 
 def test_a_damaged_entry_is_compiled_again_and_rewritten(model_dir, tmp_path):
     want = _in_new_process(model_dir, tmp_path)["tokens"]
-    entries = list((tmp_path / "executables").rglob("*.exe"))
+    entries = _step_entries(tmp_path / "executables")
     for entry in entries:
         entry.write_bytes(b"not an executable")
     records = _Records()  # on the logger itself: jaxpaged's loggers do not propagate once LLM() has set them up
@@ -302,7 +307,7 @@ def test_an_entry_this_process_already_holds_is_not_deserialized_again(tmp_path,
     # them (programs it compiled before, as other tests' samplers, it does not store: see the test above)
     model_dir = save_hf_model(random_hf_model(tiny_llama_config(num_key_value_heads=2, intermediate_size=192)), tmp_path / "m")
     first = _engine(model_dir, tmp_path)
-    stored = len(list(tmp_path.rglob("*.exe")))
+    stored = len(_step_entries(tmp_path))
     assert stored > 0
     want = _greedy(first, PROMPTS)
 
