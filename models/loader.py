@@ -294,12 +294,13 @@ def model_config(config_file: str | Path) -> ModelConfig:
     return _port_config(_config_json(Path(config_file)))[1]
 
 
-def random_checkpoint(config_file: str | Path):
+def random_checkpoint(config_file: str | Path, draw=None):
     """(HF config, {HF name: float32 array}): the random weights that loading `config_file` makes, so a
-    benchmark can write them once as an HF folder that every engine it compares loads."""
+    benchmark can write them once as an HF folder that every engine it compares loads. draw: a predicate on HF
+    names; those it refuses are not drawn and map to their shape (a tuple) instead (models/weights.py random_tensors)."""
     hf_config = _config_json(Path(config_file))
     _, model, specs = _abstract_model(hf_config, "float32", functools.partial(platforms.get().attention_backend, "auto"))
-    return hf_config, {name: array for name, array, _ in random_tensors(specs, model)}
+    return hf_config, {name: array for name, array, _ in random_tensors(specs, model, draw=draw)}
 
 
 def load_model(

@@ -360,10 +360,13 @@ def load_tensors_into(
     return time.perf_counter() - t0
 
 
-def random_tensors(specs: dict[str, WeightSpec], model: nnx.Module, seed: int = 0, std: float = 0.02):
+def random_tensors(specs: dict[str, WeightSpec], model: nnx.Module, seed: int = 0, std: float = 0.02,
+                   draw: Callable[[str], bool] | None = None):  # fmt: skip
     """HF-named random weights in the model's shapes, for benchmarks on a bare config.json.
 
-    Norm scales are ones and biases zeros (told apart by the port's parameter names).
+    Norm scales are ones and biases zeros (told apart by the port's parameter names). draw: the HF names to draw
+    (default: all); any other comes back as its shape (a tuple), undrawn (a caller writing it otherwise, as
+    scripts/bench_moe.py --mxfp4 writes the experts).
     """
     rng = np.random.default_rng(seed)
     for name, spec in specs.items():
@@ -372,6 +375,9 @@ def random_tensors(specs: dict[str, WeightSpec], model: nnx.Module, seed: int = 
         if spec.transpose:
             shape = shape[::-1]
         path = spec.paths[0]
+        if draw is not None and not draw(name):
+            yield name, shape, "not drawn"
+            continue
         if path.endswith(".scale"):
             array = np.ones(shape, np.float32)
         elif path.endswith("bias"):

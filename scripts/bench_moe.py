@@ -23,6 +23,14 @@ per side and batch size: the median output tokens/s and engine step time, and Mo
 MoE's layers run their experts (EngineConfig.moe_kernel: loop, or triton, the GPU's grouped-GEMM kernel, interpreted
 on a CPU); it is passed to both sides' engines (the dense model has no expert to run) and recorded in the JSON.
 
+--mxfp4 (with --family gpt_oss) gives the MoE side the released models' checkpoint format instead of a bare
+config.json: an HF folder whose config.json says `quantization_config: {quant_method: mxfp4}` and whose
+model.safetensors holds every expert weight as MXFP4 `_blocks`/`_scales` (uniform random 4-bit codes, scales near
+1/sqrt(inner features) so activations stay finite) and every other tensor as random bfloat16 (write_mxfp4_folder).
+With --moe-kernel triton the engine keeps those experts 4-bit (the grouped GEMM decodes them); with --moe-kernel
+loop it dequantizes them once at load: the A/B of the 4-bit path. The dense side is unchanged. The JSON records
+`mxfp4` and each side's weight bytes and memory plan, where the 4-bit saving shows.
+
 --prefill measures prompts instead: by default 8 requests of 512 tokens, max_tokens=1, prefix caching off, timed as
 prompt tokens/s; --max-num-batched-tokens sets the step's token budget (the engine's default: 256 on CPU), which
 decides how full the MoE's expert tiles get.
@@ -30,6 +38,7 @@ decides how full the MoE's expert tiles get.
     python scripts/bench_moe.py --json docs/data/moe_vs_dense_cpu_2026-11-26.json
     python scripts/bench_moe.py --prefill --max-num-batched-tokens 2048 --json docs/data/moe_prefill_cpu.json
     python scripts/bench_moe.py --family gpt_oss --experts 32 --expert-size 256 --top-k 4 --json gpt_oss.json
+    python scripts/bench_moe.py --family gpt_oss --mxfp4 --moe-kernel triton --json gpt_oss_mxfp4.json
 
 From Python, `main(argv, on_run=f)` calls f with each timed run's record as it ends (the JSON is written at the end
 only), so a caller stopped part-way keeps the runs it finished (scripts/gpu_report.py's moe stages).
@@ -56,6 +65,9 @@ SIDES = ("moe", "dense")
 FAMILIES = ("qwen3_moe", "gpt_oss")
 DECODE_DEFAULTS = {"batch_sizes": "1,16", "prompt_len": 32, "output_tokens": 256}
 PREFILL_DEFAULTS = {"batch_sizes": "8", "prompt_len": 512, "output_tokens": 1}
+MXFP4_GROUP = 32  # values a scale (models/mxfp4.py GROUP)
+MXFP4_EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # GptOssExperts' [E, in, out] weights
+E2M1_RMS = 2.926  # the root mean square of e2m1's 16 values, each code equally likely
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-kernel", choices=MOE_KERNEL_CHOICES, default="loop", help="EngineConfig.moe_kernel of both "
                    "sides: loop (the expert loop) or triton (the GPU's grouped-GEMM kernel; on a CPU interpreted) "
                    "(default: loop)")  # fmt: skip
+    p.add_argument("--mxfp4", action="store_true", help="--family gpt_oss only: the MoE side loads an MXFP4 checkpoint "
+                   "(random 4-bit experts, bfloat16 elsewhere), kept 4-bit with --moe-kernel triton, dequantized once "
+                   "with loop; --hidden and --expert-size must be multiples of 32")  # fmt: skip
     p.add_argument("--settle-s", type=float, default=30.0, help="wait up to this long for the load to drop before each run")
     p.add_argument("--json", default=None, help="write the configs, every run and the summary here")
     args = p.parse_args(argv)
@@ -103,6 +118,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if args.top_k > args.experts or min(args.batch_sizes, default=0) < 1:
         p.error("--top-k must be at most --experts, and every batch size at least 1")
+    if args.mxfp4 and args.family != "gpt_oss":
+        p.error(f"--mxfp4 needs --family gpt_oss (MXFP4 checkpoints are GPT-OSS's; got --family {args.family})")
+    if args.mxfp4 and (args.hidden % MXFP4_GROUP or args.expert_size % MXFP4_GROUP):
+        p.error(f"--mxfp4 needs --hidden and --expert-size to be multiples of {MXFP4_GROUP} (an MXFP4 block's values; "
+                f"got {args.hidden} and {args.expert_size})")  # fmt: skip
     return args
 
 
@@ -207,7 +227,56 @@ def write_configs(args, folder: Path) -> dict[str, Path]:
         (folder / side).mkdir(parents=True, exist_ok=True)
         paths[side] = folder / side / "config.json"  # a bare config.json: the engine draws random weights
         paths[side].write_text(json.dumps(config, indent=1))
+    if getattr(args, "mxfp4", False):
+        write_mxfp4_folder(paths["moe"])
     return paths
+
+
+def model_path(paths: dict[str, Path], side: str) -> Path:
+    """What the side's engine loads: its folder where a checkpoint sits beside the config.json, else the bare config."""
+    folder = paths[side].parent
+    return folder if (folder / "model.safetensors").exists() else paths[side]
+
+
+def mxfp4_scale_center(inner: int) -> int:
+    """The E8M0 scale (2^(s - 127)) that gives uniform random e2m1 codes a root mean square of about 1/sqrt(inner):
+    a layer's outputs then about as large as its inputs."""
+    import math
+
+    return int(min(127, max(100, round(127 - math.log2(E2M1_RMS * math.sqrt(inner))))))
+
+
+def write_mxfp4_folder(config_path: Path, seed: int = 0) -> dict[str, tuple]:
+    """Turn the bare GPT-OSS config.json at config_path into an MXFP4 checkpoint beside it: config.json gets
+    `quantization_config: {quant_method: mxfp4}` (transformers' modules_to_not_convert, as the released models), and
+    model.safetensors every expert weight X [E, in, out] as X_blocks uint8 [E, out, in / 32, 16] (uniform random
+    codes) and X_scales uint8 [E, out, in / 32] (mxfp4_scale_center(in) +- 1), every other tensor random bfloat16
+    in its HF name (models/loader.py random_checkpoint, the experts not drawn). -> {expert weight: its [E, in, out]}."""
+    import ml_dtypes
+    import numpy as np
+    from jaxpaged.models.loader import random_checkpoint
+    from safetensors.numpy import save_file
+
+    _, tensors = random_checkpoint(config_path, draw=lambda name: not name.endswith(MXFP4_EXPERT_WEIGHTS))
+    rng = np.random.default_rng(seed)
+    out, experts = {}, {}
+    for name, value in tensors.items():
+        if not name.endswith(MXFP4_EXPERT_WEIGHTS):
+            out[name] = np.asarray(value).astype(ml_dtypes.bfloat16)
+            continue
+        e, inner, rows = experts[name] = tuple(value)
+        groups = inner // MXFP4_GROUP
+        center = mxfp4_scale_center(inner)
+        out[name + "_blocks"] = rng.integers(0, 256, size=(e, rows, groups, 16), dtype=np.uint8)
+        out[name + "_scales"] = rng.integers(center - 1, center + 2, size=(e, rows, groups), dtype=np.uint8)
+    if not experts:
+        raise ValueError(f"{config_path}: no expert weights ({', '.join(MXFP4_EXPERT_WEIGHTS)}) to write as MXFP4")
+    save_file(out, str(config_path.parent / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = json.loads(config_path.read_text())
+    hf_config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    config_path.write_text(json.dumps(hf_config, indent=1))
+    return experts
 
 
 def make_llm(path: Path, args):
@@ -221,6 +290,16 @@ def make_llm(path: Path, args):
     return LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.batch_sizes), matmul_backend=args.matmul_backend,
                moe_kernel=args.moe_kernel, max_model_len=args.prompt_len + args.output_tokens + 16, log_level="WARNING",
                **extra)  # fmt: skip
+
+
+def weight_record(llm) -> dict:
+    """The engine's weights on the device: {"bytes": the runner's parameters' bytes, "plan": its memory plan (how they
+    are stored: "MXFP4 experts kept 4-bit ..." where they are)}; None for what the engine does not tell."""
+    from jaxpaged.models.weights import param_bytes
+
+    runner = llm.engine.runner
+    state, plan = getattr(runner, "state", None), getattr(runner, "memory_plan", None)
+    return {"bytes": None if state is None else param_bytes(state), "plan": None if plan is None else plan()}
 
 
 def prompts(args, batch: int) -> list[list[int]]:
@@ -279,14 +358,17 @@ def main(argv=None, on_run=None) -> int:
     import jax
 
     with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
         paths = write_configs(args, Path(tmp))
+        if args.mxfp4:
+            log.info("moe: MXFP4 checkpoint written in %.1fs", time.perf_counter() - t0)
         configs = {side: json.loads(paths[side].read_text()) for side in SIDES}
         counts = {side: parameter_counts(configs[side]) for side in SIDES}
         log.info("parameters: %s", counts)
         llms = {}
         for side in SIDES:
             t0 = time.perf_counter()
-            llms[side] = make_llm(paths[side], args)
+            llms[side] = make_llm(model_path(paths, side), args)
             for batch in args.batch_sizes:  # untimed: every step shape of the workload, and first-use costs
                 run_once(llms[side], args, batch, 4)
             log.info("%s: loaded and warmed up in %.1fs", side, time.perf_counter() - t0)
@@ -304,12 +386,16 @@ def main(argv=None, on_run=None) -> int:
                 log.info("round %d, batch %d, %s: %.1f tok/s, %.1f ms a step, load before %.2f", round_, batch, side,
                          run["tok_s"], run["step_ms"], watch.record["loadavg_1min"]["before"])  # fmt: skip
     compiles = {side: llms[side].engine.num_compiles_after_warmup for side in SIDES}
+    weights = {side: weight_record(llms[side]) for side in SIDES}
     rows = summary(runs, args.batch_sizes)
     extra = counts["moe"]["not_in_dense"]
     print(f"active parameters: MoE ({args.family}) {counts['moe']['active'] / 1e6:.3f}M of {counts['moe']['total'] / 1e6:.2f}M, "
           f"dense ({configs['dense']['model_type']}) {counts['dense']['active'] / 1e6:.3f}M; the MoE's without a dense "
           f"match: " + ", ".join(f"{name} {n / 1e3:.1f}K" for name, n in extra.items()))  # fmt: skip
     print(table(rows, "prompt tok/s" if args.prefill else "tok/s"))
+    if all(w["bytes"] is not None for w in weights.values()):
+        print(f"weights: MoE{' (MXFP4 checkpoint)' if args.mxfp4 else ''} {weights['moe']['bytes'] / 1e6:.1f} MB "
+              f"({weights['moe']['plan'].partition(';')[0]}), dense {weights['dense']['bytes'] / 1e6:.1f} MB")  # fmt: skip
     for line in machine_load.busy_lines({f"{r['side']} batch {r['batch']} round {r['round']}": r["load"] for r in runs}):
         print(line)
     if any(compiles.values()):
@@ -317,7 +403,9 @@ def main(argv=None, on_run=None) -> int:
     if args.json:
         out = {"date": datetime.date.today().isoformat(), "cpu": machine_load.cpu_model(), "cores": machine_load.cores(),
                "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
-               "args": vars(args), "moe_kernel": args.moe_kernel, "configs": configs, "parameters": counts,
+               "args": vars(args), "moe_kernel": args.moe_kernel, "mxfp4": args.mxfp4, "configs": configs,
+               "parameters": counts, "weight_bytes": {side: weights[side]["bytes"] for side in SIDES},
+               "memory_plan": {side: weights[side]["plan"] for side in SIDES},
                "compiles_after_warmup": compiles,
                "matmul_backend": {side: llms[side].engine.runner.matmul_backend for side in SIDES},
                "summary": rows, "runs": runs}  # fmt: skip

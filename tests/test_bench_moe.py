@@ -222,3 +222,107 @@ def test_moe_kernel_reaches_every_engine_and_each_timed_run_is_reported_as_it_en
     assert report["moe_kernel"] == report["args"]["moe_kernel"] == "triton"
     assert report["runs"] == json.loads(json.dumps(seen))
     assert report["summary"][0]["moe"]["runs"] == report["summary"][0]["dense"]["runs"] == 2
+
+
+# --mxfp4: the MoE side from an MXFP4 checkpoint (GPT-OSS-only), at stage_moe's --tiny gpt_oss sizes
+TINY_GPT_OSS = ["--family", "gpt_oss", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim",
+                "16", "--experts", "4", "--top-k", "2", "--expert-size", "32", "--vocab", "512", "--sliding-window", "8",
+                "--batch-sizes", "2", "--prompt-len", "12", "--output-tokens", "8", "--num-kv-blocks", "256"]  # fmt: skip
+
+
+def test_mxfp4_needs_gpt_oss_and_whole_blocks(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_moe.parse_args(["--mxfp4"])
+    assert exit_.value.code == 2 and "--mxfp4 needs --family gpt_oss" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--family", "qwen3_moe", "--mxfp4", "--moe-kernel", "triton"])
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--family", "gpt_oss", "--mxfp4", "--expert-size", "48"])
+    assert "multiples of 32" in capsys.readouterr().err
+    assert bench_moe.parse_args(["--family", "gpt_oss", "--mxfp4"]).mxfp4 and not bench_moe.parse_args([]).mxfp4
+    assert "--mxfp4" in bench_moe.__doc__
+
+
+def test_mxfp4_folder_holds_every_expert_as_blocks_and_scales_and_loads_4bit(tmp_path):
+    """The MoE side's folder: config.json with quantization_config mxfp4; every expert weight of the HF model as uint8
+    _blocks [E, out, in / 32, 16] and _scales [E, out, in / 32] (scales near 1/sqrt(in)), nothing else quantized and the
+    rest bfloat16 in HF names, the same names as transformers' model but for the experts. Loaded for the grouped GEMM
+    (moe_kernel "triton") it stays 4-bit (the memory plan says so, fewer weight bytes than loaded for the loop, which
+    dequantizes it) and the greedy run's log-probabilities are finite. The dense side stays a bare config.json."""
+    import json
+
+    import numpy as np
+    from jaxpaged.models.loader import load_model
+    from safetensors.numpy import load_file
+
+    args = bench_moe.parse_args([*TINY_GPT_OSS, "--mxfp4", "--moe-kernel", "triton"])
+    paths = bench_moe.write_configs(args, tmp_path)
+    moe, dense = bench_moe.model_path(paths, "moe"), bench_moe.model_path(paths, "dense")
+    assert moe == tmp_path / "moe" and dense == paths["dense"] and not (tmp_path / "dense" / "model.safetensors").exists()
+    config = json.loads((moe / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4" and config["model_type"] == "gpt_oss"
+    tensors = load_file(str(moe / "model.safetensors"))
+    hf = {n: tuple(p.shape) for n, p in meta_models(bench_moe.config_pair(
+        hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, expert_size=32, vocab=512,
+        family="gpt_oss"))["moe"].named_parameters()}  # fmt: skip
+    experts = [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 2 * 2
+    for name in experts:
+        e, inner, out = hf[name]
+        blocks, scales = tensors[name + "_blocks"], tensors[name + "_scales"]
+        assert blocks.dtype == scales.dtype == np.uint8
+        assert blocks.shape == (e, out, inner // 32, 16) and scales.shape == (e, out, inner // 32)
+        center = bench_moe.mxfp4_scale_center(inner)
+        assert 110 <= center <= 127 and set(np.unique(scales)) <= {center - 1, center, center + 1}
+        assert name not in tensors
+    rest = {n: a for n, a in tensors.items() if not n.endswith(("_blocks", "_scales"))}
+    assert set(rest) == set(hf) - set(experts) and {str(a.dtype) for a in rest.values()} == {"bfloat16"}
+    assert {n: a.shape for n, a in rest.items()} == {n: hf[n] for n in rest}
+
+    kept = load_model(str(moe), dtype="float32", moe_kernel="triton")
+    gate = kept.model.layers[0].mlp.experts.gate_proj
+    assert gate.kernel[...].dtype == np.uint8 and gate.mx_scale[...].dtype == np.uint8
+    floats = load_model(str(moe), dtype="float32")  # the loop: dequantized once
+    assert floats.model.layers[0].mlp.experts.gate_proj.kernel[...].dtype == np.float32
+    from tests.static_batch import StaticBatchRunner
+
+    # the 4-bit values decode to the dequantized ones exactly, so finite logits here are finite ones there
+    logits = StaticBatchRunner(floats, block_size=8).prompt_logits([bench_moe.prompts(args, 1)[0]])[0]
+    assert np.isfinite(logits).all() and np.abs(logits).max() < 1e3
+
+
+def test_mxfp4_run_loads_the_folder_and_records_the_flag_and_each_sides_weight_bytes(tmp_path, monkeypatch):
+    """main with --mxfp4: the MoE engine is built from the written folder (its checkpoint beside config.json), the dense
+    one from its bare config.json, both with the run's --moe-kernel; the JSON records mxfp4 and each side's weight
+    bytes and memory plan (what the engine's runner reports). (The real engines: `python scripts/bench_moe.py --family
+    gpt_oss --mxfp4 --moe-kernel triton` at these sizes, about a minute on a CPU, so not here.)"""
+    import json
+    import types
+
+    import jaxpaged
+
+    built = []
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            path = Path(model)
+            built.append((path.name, kwargs["moe_kernel"], path.is_dir() and (path / "model.safetensors").exists()))
+            self.engine = FakeEngine()
+            kept = path.is_dir() and "quantization_config" in (path / "config.json").read_text()
+            nbytes = 1000 if kept else 4000
+            self.engine.runner = types.SimpleNamespace(
+                matmul_backend="xla", state={"w": __import__("numpy").zeros(nbytes, "uint8")},
+                memory_plan=lambda: f"weights {nbytes / 1e6:.1f} MB" + (" (MXFP4 experts kept 4-bit)" if kept else ""))
+
+    monkeypatch.setattr(jaxpaged, "LLM", FakeLLM)
+    out = tmp_path / "bench.json"
+    argv = [*TINY_GPT_OSS, "--mxfp4", "--moe-kernel", "triton", "--rounds", "1", "--output-tokens", "3", "--settle-s", "0",
+            "--json", str(out)]  # fmt: skip
+    assert bench_moe.main(argv) == 0
+    assert built == [("moe", "triton", True), ("config.json", "triton", False)]
+    report = json.loads(out.read_text())
+    assert report["mxfp4"] is True and report["moe_kernel"] == "triton"
+    assert report["weight_bytes"] == {"moe": 1000, "dense": 4000}
+    assert "MXFP4 experts kept 4-bit" in report["memory_plan"]["moe"]
+    assert report["configs"]["moe"]["quantization_config"]["quant_method"] == "mxfp4"
+    assert "quantization_config" not in report["configs"]["dense"]
