@@ -14,6 +14,11 @@ transformers 5.24's modeling code computes them:
   softmax scores, greedy or group-limited (a group's best score); V3 sigmoid scores plus e_score_correction_bias for
   choosing, groups ranked by their top-2 sum, weights renormalized (norm_topk_prob); both scaled by
   routed_scaling_factor.
+
+DeepSeek-V3.2 (DeepseekV32ForCausalLM) is V3 plus DeepSeek Sparse Attention: a lightning indexer per layer picks the
+`index_topk` cached tokens each query attends to. While a sequence is no longer than index_topk every visible token is
+picked, so V3's dense MLA is exactly the model's attention; past it, it is not. The indexer's tensors are skipped
+unread and the model's context (max_position_embeddings, which bounds max_model_len) is capped at index_topk.
 """
 
 from __future__ import annotations
@@ -65,6 +70,11 @@ from jaxpaged.pallas_kernels.mla import latent_planes, mla_attention
 
 MTP_LAYERS = ("the multi-token-prediction layer (model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, "
               "shared_head and a decoder layer; a draft head for speculative decoding): not run")
+INDEXER = ("DeepSeek-V3.2's sparse-attention indexer (self_attn.indexer.*: wq_b, wk, k_norm, weights_proj): not run; "
+           "dense MLA is the model's attention while a sequence fits index_topk, at which max_model_len is capped")
+V32_CONTEXT = ("DeepSeek-V3.2 runs here as dense MLA, which equals its sparse attention (each query's top "
+               "index_topk={topk} tokens) only while a sequence is at most index_topk tokens; past it the dense path "
+               "is not the model's attention, so max_model_len is at most index_topk ({topk})")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them without the config's eps
 
 
@@ -226,9 +236,10 @@ class DeepseekForCausalLM(CausalLM):
         `model.layers.61.*` in DeepSeek-V3/R1), skipped before they are read: never dequantized, their experts never
         stacked on the host."""
         first, count = cfg.num_layers, int(cfg.option("mtp_layers", 0))
+        rules = ((r"(^|\.)self_attn\.indexer\.", INDEXER),) if cfg.option("index_topk") else ()
         if not count:
-            return ()
-        return ((rf"^model\.layers\.({'|'.join(str(i) for i in range(first, first + count))})\.", MTP_LAYERS),)
+            return rules
+        return rules + ((rf"^model\.layers\.({'|'.join(str(i) for i in range(first, first + count))})\.", MTP_LAYERS),)
 
     @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:
@@ -237,23 +248,34 @@ class DeepseekForCausalLM(CausalLM):
         if (mla.latent_width) % 2:
             raise ValueError(f"kv_lora_rank + qk_rope_head_dim = {mla.latent_width} must be even (the latent cache "
                              "row is stored as two halves)")  # fmt: skip
-        v3 = architecture == "DeepseekV3ForCausalLM"
+        v32 = architecture == "DeepseekV32ForCausalLM"  # V3 and its sparse attention's indexer (not run)
+        v3 = v32 or architecture == "DeepseekV3ForCausalLM"
         experts = int(hf.n_routed_experts)
         layers = int(hf.num_hidden_layers)
         first_dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+        sparse = tuple(range(first_dense, layers))
+        if mlp_types := getattr(hf, "mlp_layer_types", None):  # V3.2's "dense"/"sparse" a layer
+            sparse = tuple(i for i, t in enumerate(mlp_types) if t == "sparse")
         moe = MoeOptions(
             num_experts=experts, top_k=int(hf.num_experts_per_tok), intermediate_size=int(hf.moe_intermediate_size),
             renormalize=bool(v3 and hf.norm_topk_prob),
             shared_expert_size=int(hf.moe_intermediate_size) * int(getattr(hf, "n_shared_experts", 0) or 0),
-            sparse_layers=tuple(range(first_dense, layers)),
+            sparse_layers=sparse,
         )  # fmt: skip
         router = router_options_from_hf(hf, v3, moe)
         mtp = int(getattr(hf, "num_nextn_predict_layers", None) or getattr(hf, "num_mtp_layers", None) or 0)
-        return model_config_from_hf(
+        options = {"mla": _as_option(mla), "moe": moe.as_option(), "router": _as_option(router), "mtp_layers": mtp}
+        if v32:  # the engine reads context_limit: why max_model_len stops at max_position_embeddings (see V32_CONTEXT)
+            topk = int(hf.index_topk)
+            options |= {"index_topk": topk, "context_limit": V32_CONTEXT.format(topk=topk)}
+        cfg = model_config_from_hf(
             hf, architecture, num_kv_heads=1, head_dim=mla.latent_width // 2, rotary_dim=mla.qk_rope_head_dim,
-            rope_interleaved=bool(getattr(hf, "rope_interleave", True)) if v3 else True, attention_out_bias=None,
-            options={"mla": _as_option(mla), "moe": moe.as_option(), "router": _as_option(router), "mtp_layers": mtp},
+            rope_interleaved=bool(getattr(hf, "rope_interleave", True)) if v3 and not v32 else True,  # V3.2: always
+            attention_out_bias=None, options=options,
         )  # fmt: skip
+        if v32:
+            cfg = dataclasses.replace(cfg, max_position_embeddings=min(cfg.max_position_embeddings, topk))
+        return cfg
 
     @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:

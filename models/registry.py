@@ -45,6 +45,7 @@ MODEL_REGISTRY = {
     "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, sliding/full layers, biased MoE with clamped SwiGLU
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # multi-head latent attention (a latent cache), MoE with shared experts
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,  # + q low-rank, sigmoid router with groups and a correction bias
+    "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # V3's dense MLA, its sparse indexer not run: up to index_topk
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
@@ -120,6 +121,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

@@ -120,8 +120,12 @@ class LLMEngine:
         load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
+        limit = self.loaded.config.option("context_limit")  # why a port caps the context below the checkpoint's
         if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context ({model_len})")
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's context ({model_len})"
+                             + (f": {limit}" if limit else ""))  # fmt: skip
+        if config.max_model_len is None and limit:
+            logger.info("max_model_len is %d: %s", model_len, limit)
         self.max_model_len = config.max_model_len or model_len
         self.harmony = self._uses_harmony()  # GPT-OSS: chat prompts rendered by openai-harmony, not the template
         self.eos_token_ids = self._eos_ids()

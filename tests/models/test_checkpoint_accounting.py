@@ -23,6 +23,7 @@ import pytest
 import torch
 import transformers
 from jaxpaged.models import checkpoint_quant, lora
+from jaxpaged.models.deepseek import INDEXER
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.loader import _port_config, load_model
 from jaxpaged.models.registry import MODEL_REGISTRY
@@ -30,6 +31,7 @@ from jaxpaged.models.tying import COPY
 from safetensors.torch import load_file, save_file
 
 import tests.models.test_deepseek as deepseek_cases
+import tests.models.test_deepseek_v32 as deepseek_v32_cases
 import tests.models.test_gemma as gemma_cases
 import tests.models.test_gemma4 as gemma4_cases
 import tests.models.test_gpt_oss as gpt_oss_cases
@@ -71,6 +73,7 @@ def _architectures() -> dict:
     found.setdefault("GptOssForCausalLM", lambda: transformers.GptOssConfig(**copy.deepcopy(gpt_oss_cases.CONFIG)))
     for name, arch in (("v2", "DeepseekV2ForCausalLM"), ("v3", "DeepseekV3ForCausalLM")):
         found.setdefault(arch, functools.partial(lambda n: deepseek_cases._configs()[n], name))
+    found.setdefault("DeepseekV32ForCausalLM", deepseek_v32_cases.v32_config)
     return found
 
 
@@ -226,6 +229,7 @@ def test_every_family_loads_with_nothing_unexplained(arch, tmp_path):
     expected = {"Gemma3ForConditionalGeneration": {SIGLIP_HEAD}} | dict.fromkeys(hybrid_cases.IMAGE_TEXT, {VISION})
     expected |= dict.fromkeys(llava_cases.CASES, {LLAVA_UNREAD})  # the tower's final LayerNorm (SigLIP's head)
     expected["Gemma4ForConditionalGeneration"] = {GEMMA4_TOWERS}  # none of its 6 layers shares K/V
+    expected["DeepseekV32ForCausalLM"] = {INDEXER}  # the sparse-attention indexer: dense MLA within index_topk
     assert set(loaded.skipped_tensors) == expected.get(arch, set())
     skipped = {n for names in loaded.skipped_tensors.values() for n in names}
     gone = next(n for n in sorted(load_file(str(folder / "model.safetensors"))) if ".1." in n and n not in skipped)
