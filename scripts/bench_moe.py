@@ -394,8 +394,9 @@ def main(argv=None, on_run=None) -> int:
           f"match: " + ", ".join(f"{name} {n / 1e3:.1f}K" for name, n in extra.items()))  # fmt: skip
     print(table(rows, "prompt tok/s" if args.prefill else "tok/s"))
     if all(w["bytes"] is not None for w in weights.values()):
+        how = {side: (w["plan"] or "").partition(";")[0].partition(" MB ")[2] for side, w in weights.items()}  # "(dtype, ...)"
         print(f"weights: MoE{' (MXFP4 checkpoint)' if args.mxfp4 else ''} {weights['moe']['bytes'] / 1e6:.1f} MB "
-              f"({weights['moe']['plan'].partition(';')[0]}), dense {weights['dense']['bytes'] / 1e6:.1f} MB")  # fmt: skip
+              f"{how['moe']}, dense {weights['dense']['bytes'] / 1e6:.1f} MB {how['dense']}")  # fmt: skip
     for line in machine_load.busy_lines({f"{r['side']} batch {r['batch']} round {r['round']}": r["load"] for r in runs}):
         print(line)
     if any(compiles.values()):

@@ -18,7 +18,8 @@ dispatched as the engine does, forward alone, write alone, and fused; which call
 (bench_attention.py's goal cases; attention_sweep: the decode kernel's launch tuned on them and this workload's step), gemm (each decode matmul's weight bandwidth, JAX's GEMM and torch's; gemm_cublas: XLA's Triton GEMMs off), moe
 (a MoE of Qwen3-30B-A3B's layer shape beside the dense model of its active parameters; moe_kernel: the same with the
 grouped-GEMM kernel, moe_kernel="triton"; moe_gpt_oss: the moe stage at GPT-OSS-20B's layer shape beside its dense
-model), mla (a DeepSeek-V2-Lite-shaped model decoding with the MLA GPU kernel against the pure-JAX MLA path),
+model; moe_gpt_oss_mxfp4: moe_gpt_oss from an MXFP4 checkpoint, its experts kept 4-bit for the grouped-GEMM kernel,
+with the weight bytes that saves), mla (a DeepSeek-V2-Lite-shaped model decoding with the MLA GPU kernel against the pure-JAX MLA path),
 warm (start-up again, executables stored), hf_cb (transformers' continuous batching on the same workload, with
 --with-hf), and issue 44's step 5: spec (a draft model at batch 1 and 64), lora (four adapters at batch 64), fp16
 (the workload on the float16 path of a GPU older than compute capability 8.0, forced). `STAGE@VARIANT` runs a stage
@@ -47,7 +48,7 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vo
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
 # stage -> (seconds it needs at least to be worth starting, seconds it may take at most)
-STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "moe_kernel": (60, 180), "moe_gpt_oss": (60, 150), "mla": (60, 140), "attention": (30, 120), "attention_sweep": (40, 150),
+STAGES = {"weights": (20, 120), "cold": (60, 300), "cold_fused": (60, 150), "cold_fused_proj": (60, 150), "probe": (40, 150), "gemm": (20, 60), "gemm_cublas": (20, 60), "moe": (60, 180), "moe_kernel": (60, 180), "moe_gpt_oss": (60, 150), "moe_gpt_oss_mxfp4": (60, 170), "mla": (60, 140), "attention": (30, 120), "attention_sweep": (40, 150),
           "warm": (30, 90), "hf_cb": (120, 300), "spec": (150, 300), "lora": (120, 240), "fp16": (60, 150)}  # fmt: skip
 RESERVE_S = 10  # kept back for writing the report
 # "stage@variant" runs the stage with these XLA flags added (an A/B in one report; the executable cache keys on them)
@@ -381,19 +382,21 @@ def stage_gemm(args, out: Partial) -> None:
         out["gemm"] = {**out.data["gemm"], "shapes": rows, "torch": torch.__version__}
 
 
-def stage_moe(args, out: Partial, moe_kernel: str = "loop", family: str = "qwen3_moe") -> None:
+def stage_moe(args, out: Partial, moe_kernel: str = "loop", family: str = "qwen3_moe", mxfp4: bool = False) -> None:
     """Issue 44 step 5: a MoE with Qwen3-30B-A3B's layer shape (hidden 2048, 32 heads over 4 KV heads of 128, 128
     experts of 768, top 8, its 151,936-token vocabulary), 6 of its 48 layers, random bf16 weights, beside the dense
     model of equal active parameters (scripts/bench_moe.py), batch 1 and 64; every engine with `moe_kernel` (the
     moe_kernel stage: "triton", the grouped-GEMM kernel; a no-op for the dense model). family "gpt_oss": the
-    moe_gpt_oss stage's shape (stage_moe_gpt_oss)."""
+    moe_gpt_oss stage's shape (stage_moe_gpt_oss). mxfp4 (gpt_oss only): the MoE side from an MXFP4 checkpoint
+    (bench_moe --mxfp4; the moe_gpt_oss_mxfp4 stage)."""
     import bench_moe
 
     tiny = args.tiny
     key = "moe_gpt_oss" if family == "gpt_oss" else "moe" if moe_kernel == "loop" else "moe_kernel"
+    key += "_mxfp4" if mxfp4 else ""
     path = Path(args.work) / f"{key}_bench.json"  # not {key}.json: that is the parent's result file for the stage
     argv = ["--family", family, "--moe-kernel", moe_kernel, "--dtype", "float32" if tiny else args.dtype, "--rounds", "1",
-            "--settle-s", "0", "--json", str(path)]  # fmt: skip
+            "--settle-s", "0", "--json", str(path)] + ["--mxfp4"] * mxfp4  # fmt: skip
     if family == "gpt_oss":  # GPT-OSS-20B's layer shape (its 24 layers cut to 4, sliding 128 / full alternating)
         argv += (["--hidden", "2880", "--layers", "4", "--heads", "64", "--kv-heads", "8", "--head-dim", "64",
                   "--experts", "32", "--top-k", "4", "--expert-size", "2880", "--vocab", "201088", "--sliding-window", "128",
@@ -419,7 +422,8 @@ def stage_moe(args, out: Partial, moe_kernel: str = "loop", family: str = "qwen3
     bench_moe.main(argv, on_run=ran)
     report = json.loads(path.read_text())
     out[key] = {k: report[k] for k in ("parameters", "summary", "compiles_after_warmup", "device", "moe_kernel")} | {
-        "family": family, "config": report["configs"]["moe"]}
+        "family": family, "config": report["configs"]["moe"]} | {
+        k: report[k] for k in ("mxfp4", "weight_bytes", "memory_plan") if k in report}
 
 
 def stage_moe_kernel(args, out: Partial) -> None:
@@ -435,6 +439,14 @@ def stage_moe_gpt_oss(args, out: Partial) -> None:
     vocabulary, layers alternating sliding 128 / full), 4 of its 24 layers, random bf16 weights, beside the dense Qwen2
     of equal active parameters and the same attention shape, batch 1 and 64; the expert loop (moe_kernel "loop")."""
     stage_moe(args, out, family="gpt_oss")
+
+
+def stage_moe_gpt_oss_mxfp4(args, out: Partial) -> None:
+    """Issue 48: moe_gpt_oss with the MoE side loaded from an MXFP4 checkpoint (bench_moe --mxfp4: random 4-bit
+    experts, bfloat16 elsewhere) and its experts kept 4-bit for the grouped-GEMM kernel (moe_kernel "triton", which
+    decodes them in its inner loop); the weight bytes of both sides recorded, so the report shows the 4-bit saving.
+    `--stages moe_gpt_oss,moe_gpt_oss_mxfp4` puts it beside the expert loop on float weights."""
+    stage_moe(args, out, moe_kernel="triton", family="gpt_oss", mxfp4=True)
 
 
 # DeepSeek-V2-Lite's released config.json (deepseek-ai/DeepSeek-V2-Lite: MLA with kv_lora_rank 512 + qk_rope_head_dim
@@ -897,6 +909,21 @@ def _mla_lines(mla: dict | None) -> list[str]:
     return lines
 
 
+def _mxfp4_kept(moe: dict) -> bool:
+    """Whether a moe stage's MoE engine kept its MXFP4 experts 4-bit (its memory plan says so)."""
+    return "MXFP4 experts kept 4-bit" in ((moe.get("memory_plan") or {}).get("moe") or "")
+
+
+def _mxfp4_line(name: str, moe: dict) -> str:
+    """How a moe stage from an MXFP4 checkpoint held its experts, and the weight bytes of both sides."""
+    how = "experts kept 4-bit (the grouped GEMM decodes them)" if _mxfp4_kept(moe) else f"experts dequantized once at load ({moe.get('moe_kernel', 'loop')})"
+    weights = moe.get("weight_bytes") or {}
+    dense = weights.get("dense")
+    sizes = "" if weights.get("moe") is None else (
+        f"; weights {weights['moe'] / 1e6:.1f} MB against the dense model's {_f(None if dense is None else dense / 1e6)} MB")
+    return f"{name}: MXFP4 checkpoint, {how}{sizes}"
+
+
 def summary_table(report: dict) -> str:
     """The short table the run prints last: what each goal of issue 33 asks, and what was measured."""
     st = report["stages"]
@@ -937,17 +964,22 @@ def summary_table(report: dict) -> str:
                      f"({gemm['copy_gbs']:.0f} GB/s), jax [K,N] / jax [N,K] / torch: " + ", ".join(
                      f"{k} {_f(r.get('jax_kn_of_copy'), '{:.0%}')}/{_f(r.get('jax_nk_of_copy'), '{:.0%}')}/"
                      f"{_f(r.get('torch_of_copy'), '{:.0%}')}" for k, r in gemm["shapes"].items()))
-    for name in ("moe", "moe_kernel", "moe_gpt_oss"):
+    for name in ("moe", "moe_kernel", "moe_gpt_oss", "moe_gpt_oss_mxfp4"):
         moe = st.get(name, {}).get(name)
         label = "GPT-OSS MoE" if moe and moe.get("family") == "gpt_oss" else "MoE"
+        kernel = moe.get("moe_kernel", "loop") if moe else ""
+        if moe and moe.get("mxfp4"):
+            kernel += ", MXFP4 experts " + ("4-bit" if _mxfp4_kept(moe) else "dequantized")
         if not moe:  # cut short: the runs it finished
             for run in st.get(name, {}).get("runs", ()):
                 lines.append(f"{name} (stopped before its summary): {run['side']} at batch {run['batch']} {run['tok_s']:.0f} tok/s, "
                              f"step {run['step_ms']:.1f} ms")  # fmt: skip
         for row in moe["summary"] if moe else ():
-            lines.append(f"{label} ({moe.get('moe_kernel', 'loop')}) at batch {row['batch']}: {row['moe']['tok_s']:.0f} tok/s against the dense model's "
+            lines.append(f"{label} ({kernel}) at batch {row['batch']}: {row['moe']['tok_s']:.0f} tok/s against the dense model's "
                          f"{row['dense']['tok_s']:.0f} (x{row['moe_over_dense_tok_s']:.2f}); step {row['moe']['step_ms']:.1f} ms; "
                          f"compiles after warm-up {moe['compiles_after_warmup']}")
+        if moe and moe.get("mxfp4"):
+            lines.append(_mxfp4_line(name, moe))
     lines += _mla_lines(st.get("mla", {}).get("mla"))
     att = st.get("attention", {}).get("attention")
     if att:

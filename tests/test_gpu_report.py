@@ -182,6 +182,60 @@ def test_the_moe_stage_drives_bench_moe_through_its_arguments_and_on_run(tmp_pat
     assert "moe_gpt_oss (stopped before its summary): moe at batch 2 40 tok/s, step 25.0 ms" in text
 
 
+def test_the_mxfp4_stage_passes_mxfp4_and_triton_and_its_summary_says_4bit(tmp_path, monkeypatch):
+    """moe_gpt_oss_mxfp4: stage_moe with family gpt_oss, the grouped-GEMM kernel and bench_moe's --mxfp4 (the MoE side
+    from an MXFP4 checkpoint, its experts kept 4-bit); its results keep bench_moe's mxfp4, weight bytes and memory
+    plans under the stage's own key, and the summary says the experts were 4-bit and what the weights weighed.
+    (`--tiny --stages moe_gpt_oss_mxfp4` runs it on the CPU, the kernel interpreted: about a minute, so not here.)"""
+    import argparse
+    from pathlib import Path
+
+    import bench_moe
+
+    least, most = gpu_report.STAGES["moe_gpt_oss_mxfp4"]
+    assert 0 < least < most and "moe_gpt_oss_mxfp4" in gpu_report.__doc__
+    calls = []
+
+    def fake_main(argv, on_run=None):
+        calls.append(argv)
+        args = bench_moe.parse_args(argv)  # what bench_moe accepts: --mxfp4 with --family gpt_oss
+        on_run({"side": "moe", "batch": 2, "round": 0, "tok_s": 40.0, "step_ms": 25.0, "load": {}})
+        row = {"batch": 2, "moe": {"tok_s": 40.0, "step_ms": 25.0}, "dense": {"tok_s": 80.0}, "moe_over_dense_tok_s": 0.5}
+        report = {"parameters": {}, "summary": [row], "compiles_after_warmup": {"moe": 0, "dense": 0}, "device": "cpu",
+                  "moe_kernel": args.moe_kernel, "mxfp4": args.mxfp4, "configs": {"moe": {"model_type": "gpt_oss"}},
+                  "weight_bytes": {"moe": 1_500_000, "dense": 4_000_000},
+                  "memory_plan": {"moe": "weights 1.5 MB (float32, quantization: MXFP4 experts kept 4-bit (the grouped "
+                                         "GEMM decodes them)); KV cache ...", "dense": "weights 4.0 MB (float32, ...)"}}  # fmt: skip
+        Path(args.json).write_text(json.dumps(report))
+        return 0
+
+    monkeypatch.setattr(bench_moe, "main", fake_main)
+    args = argparse.Namespace(tiny=True, work=str(tmp_path), dtype="bfloat16")
+    gpu_report.stage_moe_gpt_oss_mxfp4(args, gpu_report.Partial(tmp_path / "moe_gpt_oss_mxfp4.json"))
+    (argv,) = calls
+    assert "--mxfp4" in argv and argv[argv.index("--moe-kernel") + 1] == "triton" and argv[argv.index("--family") + 1] == "gpt_oss"
+    assert argv[argv.index("--json") + 1].endswith("moe_gpt_oss_mxfp4_bench.json")
+    saved = json.loads((tmp_path / "moe_gpt_oss_mxfp4.json").read_text())
+    result = saved["moe_gpt_oss_mxfp4"]
+    assert result["mxfp4"] is True and result["moe_kernel"] == "triton" and result["weight_bytes"]["moe"] == 1_500_000
+    text = gpu_report.summary_table({"stages": {"moe_gpt_oss_mxfp4": {**saved, "rc": 0}}, "env": {}, "dropped": []})
+    assert "GPT-OSS MoE (triton, MXFP4 experts 4-bit) at batch 2: 40 tok/s against the dense model's 80 (x0.50)" in text
+    assert ("moe_gpt_oss_mxfp4: MXFP4 checkpoint, experts kept 4-bit (the grouped GEMM decodes them); weights 1.5 MB "
+            "against the dense model's 4.0 MB") in text  # fmt: skip
+    # the moe stages without mxfp4 pass no --mxfp4, and their summaries are as before
+    gpu_report.stage_moe_gpt_oss(args, gpu_report.Partial(tmp_path / "moe_gpt_oss.json"))
+    assert "--mxfp4" not in calls[1] and calls[1][calls[1].index("--moe-kernel") + 1] == "loop"
+    saved = json.loads((tmp_path / "moe_gpt_oss.json").read_text())
+    assert saved["moe_gpt_oss"]["mxfp4"] is False
+    text = gpu_report.summary_table({"stages": {"moe_gpt_oss": {**saved, "rc": 0}}, "env": {}, "dropped": []})
+    assert "GPT-OSS MoE (loop) at batch 2" in text and "MXFP4" not in text
+    # a loop run of the same folder: dequantized once, said so
+    dequantized = {**result, "moe_kernel": "loop", "memory_plan": {"moe": "weights 6.0 MB (float32, quantization: none)"}}
+    text = gpu_report.summary_table({"stages": {"moe_gpt_oss_mxfp4": {"moe_gpt_oss_mxfp4": dequantized, "rc": 0}},
+                                     "env": {}, "dropped": []})  # fmt: skip
+    assert "GPT-OSS MoE (loop, MXFP4 experts dequantized)" in text and "experts dequantized once at load (loop)" in text
+
+
 def test_the_new_families_stages_are_summarized():
     """Issue 48 step 5's stages: moe_gpt_oss (bench_moe --family gpt_oss) as the moe stage is, and mla (the MLA kernel
     against the pure-JAX path: decode figures, KV bytes a token against the expanded form's, greedy tokens compared),
