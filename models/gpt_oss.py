@@ -102,6 +102,9 @@ class GptOssForCausalLM(CausalLM):
         return specs
 
 
-def deinterleave(fused: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GptOssExperts' gate_up [..., 2I] -> (gate [..., I], up [..., I]): gate the even columns, up the odd."""
-    return np.ascontiguousarray(fused[..., ::2]), np.ascontiguousarray(fused[..., 1::2])
+def deinterleave(fused):
+    """GptOssExperts' gate_up [..., 2I] -> (gate [..., I], up [..., I]): gate the even columns, up the odd. A host
+    array's halves made contiguous (the loader's); a JAX one's sliced as they are (traced: update_weights' program)."""
+    if isinstance(fused, np.ndarray):
+        return np.ascontiguousarray(fused[..., ::2]), np.ascontiguousarray(fused[..., 1::2])
+    return fused[..., ::2], fused[..., 1::2]

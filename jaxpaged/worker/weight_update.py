@@ -16,7 +16,10 @@ as a GPU) takes the given array itself where its dtype and sharding already matc
 rollout does (the caller must then not donate that array to a later computation).
 
 Everything is checked before anything changes: unknown names and wrong shapes are one ValueError naming them, and
-the engine keeps its weights.
+the engine keeps its weights. MXFP4 expert weights an engine keeps 4-bit (moe_kernel="triton": packed codes and
+scales loaded once from the checkpoint) are refused by name: an update cannot re-encode them, so an engine that
+updates expert weights starts with moe_kernel="loop" or quantization="none" (experts dequantized at load); the same
+engine's other weights, the experts' biases among them, update as ever.
 """
 
 from __future__ import annotations
@@ -193,6 +196,14 @@ def resolve(layout: LoadedLayout, named: list[tuple], what: str = "update_weight
             continue  # a tied model's head beside its embeddings: the copy
         shape = tuple(getattr(shaped, "shape", ()))
         targets = [layout.index[p] for p in paths]
+        packed = [layout.paths[i] for i in targets if mxfp4_packed(layout, layout.paths[i])]
+        if packed:
+            problems.append(f"tensor {label} sets {', '.join(packed)}: MXFP4 expert weights this engine keeps 4-bit "
+                            "(uint8 codes and scales in the grouped GEMM's layout, loaded once from the checkpoint's "
+                            "_blocks/_scales), which an update cannot re-encode; to update expert weights, start the "
+                            "engine with moe_kernel='loop' or quantization='none' (its experts are then dequantized once "
+                            "at load, in the engine's dtype)")  # fmt: skip
+            continue
         want = [tuple(layout.avals[i].shape) for i in targets]
         if split is not None:
             expect = want[0][:-1] + (sum(s[-1] for s in want),)
@@ -227,6 +238,13 @@ def resolve(layout: LoadedLayout, named: list[tuple], what: str = "update_weight
     if not entries:
         raise ValueError(f"{what}: no tensors given (after the mapping)")
     return entries, inputs, set(owner)
+
+
+def mxfp4_packed(layout: LoadedLayout, path: str) -> bool:
+    """Whether a loaded-layout parameter is an MXFP4 expert weight kept 4-bit (models/moe.py ExpertLinear.load_mxfp4:
+    its kernel holds packed codes beside an mx_scale): one an update must not set, whatever it is given."""
+    owner, _, leaf = path.rpartition(".")
+    return leaf in ("kernel", "mx_scale") and f"{owner}.mx_scale" in layout.index
 
 
 def conversion(layout: LoadedLayout, src, dst, path: str) -> str | None:

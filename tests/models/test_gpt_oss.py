@@ -237,3 +237,57 @@ def test_mxfp4_engine_greedy_and_memory_plan(mxfp4_checkpoint):
     assert weights_f - weights == experts_f - experts > 0
     assert f"weights {weights / 1e6:.1f} MB" in plan and f"weights {weights_f / 1e6:.1f} MB" in plan_f
     assert "MXFP4 experts kept 4-bit" in plan and "MXFP4" not in plan_f
+
+
+def test_mxfp4_experts_kept_4bit_refuse_an_update_and_the_rest_updates(mxfp4_checkpoint):
+    """update_weights on an engine that kept the experts 4-bit (moe_kernel="triton"): the expert weights (by HF name,
+    as floats a trainer holds, or by the port's paths, as uint8 codes or scales) are refused by name with the way out
+    (moe_kernel="loop" or quantization="none"), the whole update with them and the engine unchanged; an update of the
+    other weights (attention, router, norms, embeddings, the experts' biases) goes through, and the greedy tokens are
+    then transformers' with those weights and the checkpoint's dequantized experts."""
+    import copy
+
+    import jax.numpy as jnp
+
+    from jaxpaged import LLM, SamplingParams
+
+    ref, folder = mxfp4_checkpoint
+    llm = LLM(str(folder), dtype="float32", moe_kernel="triton", max_num_seqs=2, max_num_batched_tokens=32, block_size=8,
+              num_kv_blocks=16, log_level="WARNING")  # fmt: skip
+    prompts = random_prompts(VOCAB, [7, 19], seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def greedy():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    before = greedy()
+    assert before == [hf_greedy(ref, p, 8) for p in prompts]
+    new = copy.deepcopy(ref)
+    with torch.no_grad():
+        for name, p in new.named_parameters():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    arrays = {name: jnp.asarray(t.detach().numpy()) for name, t in new.state_dict().items()}
+    experts = [n for n in arrays if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 2 * CONFIG["num_hidden_layers"]
+
+    with pytest.raises(ValueError) as err:
+        llm.update_weights(arrays)
+    message = str(err.value)
+    assert f"{len(experts)} problem(s), nothing was changed" in message
+    assert "tensor model.layers.0.mlp.experts.gate_up_proj sets layers.0.mlp.experts.gate_proj.kernel, " \
+           "layers.0.mlp.experts.up_proj.kernel: MXFP4 expert weights this engine keeps 4-bit" in message  # fmt: skip
+    assert "moe_kernel='loop' or quantization='none'" in message
+    layout = llm.engine.runner.loaded_layout
+    for path in ("layers.1.mlp.experts.down_proj.kernel", "layers.1.mlp.experts.down_proj.mx_scale"):
+        aval = layout.avals[layout.index[path]]
+        with pytest.raises(ValueError, match=f"tensor {path} sets {path}: MXFP4 expert weights"):
+            llm.update_weights({path: jnp.zeros(aval.shape, aval.dtype)})  # packed uint8, the right shape: refused too
+    assert greedy() == before  # nothing changed
+
+    result = llm.update_weights({n: a for n, a in arrays.items() if n not in experts})
+    assert result["tensors"] == len(arrays) - len(experts)
+    after = greedy()
+    assert after == [hf_greedy(new, p, 8) for p in prompts] and after != before
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
