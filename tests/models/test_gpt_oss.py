@@ -291,3 +291,10 @@ def test_mxfp4_experts_kept_4bit_refuse_an_update_and_the_rest_updates(mxfp4_che
     after = greedy()
     assert after == [hf_greedy(new, p, 8) for p in prompts] and after != before
     assert llm.get_stats()["num_compiles_after_warmup"] == 0
+    # level 2 drops the weights for an update to bring back, and no update sets 4-bit experts: refused, still serving
+    with pytest.raises(ValueError, match=r"level: sleep\(level=2\).*MXFP4 experts 4-bit.*use level=1"):
+        llm.sleep(level=2)
+    assert greedy() == after
+    llm.sleep(level=1)  # to host memory and back whole
+    llm.wake_up()
+    assert greedy() == after
