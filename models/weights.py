@@ -244,11 +244,13 @@ class WeightPrograms:
     def _compile(self, key: tuple, abstract: jax.ShapeDtypeStruct):
         _, _, dtype, transpose, device = key
         jitted = jax.jit(functools.partial(_finish, dtype=dtype, transpose=transpose))
-        if self.executables is not None and device == jax.devices()[0]:  # the cache holds the default device's
+        # the cache holds the default device's, in one process: a stored executable's outputs are committed to their
+        # device, which a process group's device_put onto its global mesh refuses (jit's keep the input's placement)
+        if self.executables is not None and device == jax.devices()[0] and jax.process_count() == 1:
             name = f"weight_{dtype.name}{'_transposed' if transpose else ''}"
             program = self.executables.compile(name, jitted, (abstract,), store_now=self._pool is None)
         else:
-            program = jitted.lower(abstract).compile()
+            program = jitted
         self._compiled[key] = program
         return program
 
