@@ -33,18 +33,29 @@ FP4_VALUES = np.array(
 )  # e2m1's 16 codes
 
 
+def _checked(blocks, scales) -> tuple[np.ndarray, np.ndarray]:
+    """A checkpoint's blocks and scales as uint8, their shapes checked against each other."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match ([..., G, 16] and [..., G])")
+    return blocks, scales
+
+
+def _nibbles(blocks: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 16, 2] codes in value order (the low nibble first)."""
+    return np.stack([blocks & 0x0F, blocks >> 4], axis=-1)
+
+
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """blocks uint8 [..., rows, G, 16], scales uint8 [..., rows, G] -> float32 [..., G * 32, rows], one leading
     index (an expert) at a time so the host holds one expert's temporaries."""
-    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match ([..., G, 16] and [..., G])")
+    blocks, scales = _checked(blocks, scales)
     *lead, rows, groups, _ = blocks.shape
     flat_blocks = blocks.reshape(-1, rows, groups, 16)
     flat_scales = scales.reshape(-1, rows, groups).astype(np.int32) - 127
     out = np.empty((flat_blocks.shape[0], groups * 32, rows), np.float32)
     for e in range(flat_blocks.shape[0]):
-        codes = np.stack([flat_blocks[e] & 0x0F, flat_blocks[e] >> 4], axis=-1).reshape(rows, groups, 32)
+        codes = _nibbles(flat_blocks[e]).reshape(rows, groups, 32)
         values = np.ldexp(FP4_VALUES[codes], flat_scales[e][..., None]).astype(np.float32)
         out[e] = values.reshape(rows, groups * 32).T
     return out.reshape(*lead, groups * 32, rows)
@@ -56,9 +67,7 @@ def pack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.n
     byte row 32 * b + r holds inner row 64 * b + r in its low nibble and 64 * b + 32 + r in its high one) and scales
     uint8 [..., Kp / 32, rows] (row g: inner rows 32 * g..; the padding's 127). Values and scales are unchanged:
     decoding these equals dequantize_mxfp4. One leading index (an expert) at a time."""
-    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match ([..., G, 16] and [..., G])")
+    blocks, scales = _checked(blocks, scales)
     *lead, rows, groups, _ = blocks.shape
     k = groups * GROUP
     padded = -(-k // BLOCK_K) * BLOCK_K
@@ -67,7 +76,7 @@ def pack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.n
     out_scales = np.full((flat_blocks.shape[0], padded // GROUP, rows), NO_SCALE, np.uint8)
     for e in range(flat_blocks.shape[0]):
         nibbles = np.zeros((rows, padded), np.uint8)  # [rows, inner] in order
-        nibbles[:, :k] = np.stack([flat_blocks[e] & 0x0F, flat_blocks[e] >> 4], axis=-1).reshape(rows, k)
+        nibbles[:, :k] = _nibbles(flat_blocks[e]).reshape(rows, k)
         halves = nibbles.reshape(rows, padded // BLOCK_K, 2, BLOCK_K // 2)
         codes[e] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, padded // 2).T
         out_scales[e, :groups] = flat_scales[e].T

@@ -186,8 +186,8 @@ class WeightSync:
             raise ValueError(f"level must be 1 (weights to host memory) or 2 (weights dropped) (got {level!r})")
         if in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT} (got {in_flight!r})")
-        packed = [path for path in self.updater.layout.paths if mxfp4_packed(self.updater.layout, path)]
-        if level == 2 and packed:
+        packed = [path for path in self.updater.layout.paths if mxfp4_packed(self.updater.layout, path)] if level == 2 else []
+        if packed:
             raise ValueError(f"level: sleep(level=2) drops the weights for update_weights to bring back, and this engine "
                              f"keeps MXFP4 experts 4-bit ({packed[0]} and {len(packed) - 1} more), which no update sets; "
                              "use level=1, or start the engine with moe_kernel='loop' or quantization='none'")  # fmt: skip
