@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 DEVICE_MARKS = ("gpu", "tpu")  # tests that run compiled on that device; skipped elsewhere
@@ -153,3 +155,17 @@ def keyed_server(cycle_model_dir, tmp_path_factory):
     )
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def caplog(caplog):
+    """pytest's caplog, also on the "jaxpaged" logger itself: once any LLM() in this worker has set jaxpaged's logging
+    up, "jaxpaged" stops propagating and the root logger's handler would miss its records. Propagation is held off
+    for the test, so a record is seen once either way."""
+    log = logging.getLogger("jaxpaged")
+    propagate = log.propagate
+    log.addHandler(caplog.handler)
+    log.propagate = False
+    yield caplog
+    log.removeHandler(caplog.handler)
+    log.propagate = propagate

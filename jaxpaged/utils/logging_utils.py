@@ -34,7 +34,7 @@ def setup_logging(level: int | str = logging.INFO) -> None:
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger("jaxpaged")
-    root.handlers[:] = [handler]
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, _StderrHandler)] + [handler]  # keep the user's
     root.setLevel(level)
     root.propagate = False
     transformers_logger = logging.getLogger("transformers")  # before transformers is imported, so its first notice too

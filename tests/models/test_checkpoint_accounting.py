@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
@@ -80,21 +79,9 @@ def _architectures() -> dict:
 ARCHITECTURES = _architectures()
 
 
-@contextlib.contextmanager
 def loader_log(caplog):
-    """jaxpaged.loader's INFO records, on the logger itself and kept from propagating for the while (once an LLM()
-    has set jaxpaged's loggers up, "jaxpaged" stops propagating, so the root logger's caplog handler would miss them;
-    before, it would see them a second time)."""
-    log = logging.getLogger("jaxpaged.loader")
-    propagate = log.propagate
-    log.addHandler(caplog.handler)
-    log.propagate = False
-    try:
-        with caplog.at_level(logging.INFO, logger="jaxpaged.loader"):
-            yield
-    finally:
-        log.removeHandler(caplog.handler)
-        log.propagate = propagate
+    """jaxpaged.loader's INFO records (conftest's caplog sees them on the "jaxpaged" logger itself)."""
+    return caplog.at_level(logging.INFO, logger="jaxpaged.loader")
 
 
 def _skip_records(caplog) -> list[str]:

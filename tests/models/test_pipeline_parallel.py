@@ -178,7 +178,6 @@ def test_start_up_says_how_many_devices_the_model_needs_and_refuses_too_few(tmp_
     folder = save_hf_model(random_hf_model(tiny_llama_config(max_position_embeddings=256)), tmp_path / "m")
     monkeypatch.setattr(CpuPlatform, "device_memory", lambda self, device: (200_000, False))
     caplog.set_level(logging.INFO, logger="jaxpaged.runner")
-    logging.getLogger("jaxpaged.runner").addHandler(caplog.handler)
     with pytest.raises(ValueError, match=r"tensor_parallel_size x pipeline_parallel_size must reach \d+ devices"):
         LLM(str(folder), dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, log_level="INFO")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: weights"))

@@ -253,13 +253,8 @@ def test_quantization_none_dequantizes_and_int8_keeps_as_stored(tiny_hf, tmp_pat
         layer = port_module(plain.model, name)
         assert layer.kernel[...].dtype == jnp.float32 and not isinstance(layer.method, GroupLinear)
         np.testing.assert_array_equal(device_weight(layer), want, err_msg=name)
-    loader_log = logging.getLogger("jaxpaged.loader")  # on the logger itself: jaxpaged's loggers stop propagating
-    loader_log.addHandler(caplog.handler)  # once an LLM() has set them up
-    try:
-        with caplog.at_level(logging.INFO, logger="jaxpaged.loader"):
-            kept = load_model(str(tmp_path / "m"), quantization="int8")
-    finally:
-        loader_log.removeHandler(caplog.handler)
+    with caplog.at_level(logging.INFO, logger="jaxpaged.loader"):
+        kept = load_model(str(tmp_path / "m"), quantization="int8")
     assert "already gptq-quantized" in caplog.text
     up = port_module(kept.model, "model.layers.0.mlp.up_proj")
     assert isinstance(up.method, GroupLinear) and up.method.bits == 4 and up.kernel[...].dtype == jnp.uint8
