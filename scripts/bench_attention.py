@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import provenance  # noqa: E402 - sibling scripts' modules (this folder is on sys.path when run as a file)
 from jaxpaged import platforms  # noqa: E402
 from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, kv_cache_shape, paged_attention  # noqa: E402
 from jaxpaged.pallas_kernels.backends import TritonAttention  # noqa: E402
+from workload import median_seconds  # noqa: E402
 
 TARGET = {"batch": 64, "context": 2048, "head_dim": 128, "kv_heads": 8, "dtype": "bfloat16"}
 LONG = {"batch": 1, "context": 32768, "head_dim": 128, "kv_heads": 8, "dtype": "bfloat16"}  # one request, long context
@@ -47,16 +47,6 @@ GOALS = [  # decode K/V bytes read per second, as a fraction of the measured cop
 ]
 
 
-def _time(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def copy_bandwidth(dtype, nbytes: int = 1 << 30, iters: int = 10) -> float:
     """Bytes moved per second by a plain device-to-device copy of a large random array (one read and one write of
     each byte): the memory floor's ceiling. An elementwise `x + 1` read 2.3-2.7 TB/s on the H200 whose copy moved
@@ -64,7 +54,7 @@ def copy_bandwidth(dtype, nbytes: int = 1 << 30, iters: int = 10) -> float:
     n = nbytes // jnp.dtype(dtype).itemsize
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32).astype(dtype)
     copy = jax.jit(lambda a: a.copy())  # an undonated parameter returned: XLA copies it into the output buffer
-    seconds = _time(copy, x, iters=iters)
+    seconds = median_seconds(copy, x, iters=iters)
     return 2 * n * jnp.dtype(dtype).itemsize / seconds
 
 
@@ -74,7 +64,8 @@ def matmul_rate(dtype, n: int = 8192, iters: int = 10) -> float:
     dtype = jnp.dtype(dtype)
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
     precision = "highest" if dtype == jnp.float32 else None
-    seconds = _time(jax.jit(lambda x: jnp.dot(x, x, precision=precision, preferred_element_type=jnp.float32)), a, iters=iters)
+    matmul = jax.jit(lambda x: jnp.dot(x, x, precision=precision, preferred_element_type=jnp.float32))
+    seconds = median_seconds(matmul, a, iters=iters)
     return 2 * n**3 / seconds
 
 
@@ -104,6 +95,18 @@ def make_step(rng, *, q_lens, seq_lens, heads, kv_heads, head_dim, block_size, d
     return (q, k, v, cache, attn_metadata), kv_bytes
 
 
+def attention_call(backend, head_dim: int):
+    """paged_attention on one backend, jitted: fn(q, k, v, cache, metadata), as every timed case calls it."""
+    return jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, 0, m, AttentionSpec(head_dim**-0.5), backend=backend))
+
+
+def kv_rate(fn, args, kv_bytes: int, *, iters: int, bandwidth: float) -> dict:
+    """fn(*args)'s median time (ms) and the step's cached K/V bytes read per second: GB/s, and the fraction of the
+    copy bandwidth that decode, being memory-bound, is judged by."""
+    seconds = median_seconds(fn, *args, iters=iters)
+    return {"ms": seconds * 1e3, "kv_gbps": kv_bytes / seconds / 1e9, "of_copy_bw": kv_bytes / seconds / bandwidth}
+
+
 def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_size, dtype, backends, iters, bandwidth):
     rng = np.random.default_rng(0)
     args, kv_bytes = make_step(
@@ -113,14 +116,8 @@ def run_case(kind, *, batch, context, q_len, heads, kv_heads, head_dim, block_si
     row = {"kind": kind, "batch": batch, "context": context, "q_len": q_len, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "block_size": block_size, "dtype": jnp.dtype(dtype).name, "kv_bytes": kv_bytes}  # fmt: skip
     for backend in backends:
-        attend = platforms.get().attention_backend(backend, head_dim)
-        fn = jax.jit(
-            lambda q, k, v, c, attn_metadata, b=attend: paged_attention(q, k, v, c, 0, attn_metadata, AttentionSpec(head_dim**-0.5), backend=b)
-        )
-        seconds = _time(fn, *args, iters=iters)
-        row[f"{backend}_ms"] = seconds * 1e3
-        row[f"{backend}_kv_gbps"] = kv_bytes / seconds / 1e9
-        row[f"{backend}_of_copy_bw"] = kv_bytes / seconds / bandwidth
+        fn = attention_call(platforms.get().attention_backend(backend, head_dim), head_dim)
+        row |= {f"{backend}_{k}": v for k, v in kv_rate(fn, args, kv_bytes, iters=iters, bandwidth=bandwidth).items()}
     kernel = next((b for b in backends if b != "reference"), None)
     if kernel and "reference" in backends:
         row["speedup"] = row["reference_ms"] / row[f"{kernel}_ms"]
@@ -163,18 +160,16 @@ def sweep(backend, cases: list[dict], *, block_size: int, iters: int, bandwidth:
         def measure(launch):
             if launch in tried or (tried and time.perf_counter() > deadline):
                 return
-            tuned = dataclasses.replace(backend, launch=launch)
-            fn = jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, 0, m, AttentionSpec(case["head_dim"] ** -0.5), backend=tuned))
+            fn = attention_call(dataclasses.replace(backend, launch=launch), case["head_dim"])
             try:
                 got = np.asarray(fn(*args).astype(jnp.float32))
-                seconds = _time(fn, *args, iters=iters)
+                rate = kv_rate(fn, args, kv_bytes, iters=iters, bandwidth=bandwidth)
             except Exception as exc:  # noqa: BLE001 - a launch Triton cannot build (registers, resources): recorded, skipped
                 tried[launch] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                 return
             expected.append(got) if not expected else None
             error = float(np.abs(got - expected[0]).max())
-            tried[launch] = {"ms": seconds * 1e3, "kv_gbps": kv_bytes / seconds / 1e9, "of_copy_bw": kv_bytes / seconds / bandwidth,
-                             "max_error_vs_default": error, "agrees": error <= tolerance}  # fmt: skip
+            tried[launch] = rate | {"max_error_vs_default": error, "agrees": error <= tolerance}
 
         default = launch_config(case["batch"], case["batch"], case["head_dim"], dtype.itemsize, shared_memory=memory,
                                 num_cores=backend.num_cores, num_kv_heads=case["kv_heads"])  # fmt: skip
@@ -245,7 +240,7 @@ def main(argv=None, on_case=None) -> dict:
         rows = sweep(backend, sweep_cases(tiny), block_size=args.block_size, iters=1 if tiny else (args.iters or 20),
                      bandwidth=bandwidth, tiny=tiny, deadline=deadline, on_case=on_case)  # fmt: skip
         env = {"device": device, "platform": platform, "jax": jax.__version__, "copy_bandwidth_gbps": bandwidth / 1e9,
-               "date": datetime.date.today().isoformat(), "num_cores": backend.num_cores, "shared_memory": backend.shared_memory}  # fmt: skip
+               "date": provenance.today(), "num_cores": backend.num_cores, "shared_memory": backend.shared_memory}  # fmt: skip
         report = {"env": env, "sweep": rows}
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
@@ -286,7 +281,7 @@ def main(argv=None, on_case=None) -> dict:
     for line in goal_lines(goals):
         print(line)
     env = {"device": device, "platform": platform, "jax": jax.__version__, "copy_bandwidth_gbps": bandwidth / 1e9,
-           "date": datetime.date.today().isoformat(), "dtype": dtype.name, "kernel": kernel, "backends": backends,
+           "date": provenance.today(), "dtype": dtype.name, "kernel": kernel, "backends": backends,
            "quick": quick, "iters": iters}  # fmt: skip
     report = {"env": env, "rows": rows, "goals": goals}
     if args.json:

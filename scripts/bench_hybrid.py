@@ -19,17 +19,17 @@ value heads of 128; MLP 3584), and a dense Qwen3 of the same width with 32 layer
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import provenance  # the sibling scripts' modules (this folder is on sys.path when run as a file)
 import transformers
+from workload import Stopwatch, random_prompts
 
 COMMON = dict(vocab_size=151936, hidden_size=1024, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
               bos_token_id=0, eos_token_id=1)  # fmt: skip
@@ -93,11 +93,8 @@ def _engine(config_file: str, max_seqs: int, max_len: int, step_tokens: int):
 
 
 def _prompts(config_file: str, n: int, length: int, seed: int) -> list[dict]:
-    import numpy as np
-
     vocab = json.loads(Path(config_file).read_text())["vocab_size"]
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(2, vocab, size=length).tolist()} for _ in range(n)]
+    return [{"prompt_token_ids": ids} for ids in random_prompts(n, length, 2, vocab, seed)]
 
 
 def throughput(config_file: str, args) -> dict:
@@ -108,13 +105,13 @@ def throughput(config_file: str, args) -> dict:
     engine = llm.engine
     for i, prompt in enumerate(_prompts(config_file, args.num_requests, args.prompt_len, seed=1)):
         engine.add_request(str(i), prompt, params)
-    t0, first, steps = time.perf_counter(), [], []
+    run, first, steps = Stopwatch(), [], []
     while engine.has_unfinished_requests():
-        s0 = time.perf_counter()
-        outs = engine.step()
-        steps.append(time.perf_counter() - s0)
-        first += [time.perf_counter() - t0 for o in outs if len(o.outputs[0].token_ids) == 1]
-    wall = time.perf_counter() - t0
+        with Stopwatch() as step:
+            outs = engine.step()
+        steps.append(step.seconds)
+        first += [run.seconds for o in outs if len(o.outputs[0].token_ids) == 1]
+    wall = run.seconds
     out_tokens = args.num_requests * args.output_len
     return {"wall_s": wall, "output_tok_s": out_tokens / wall, "total_tok_s": (out_tokens + args.num_requests * args.prompt_len) / wall,
             "first_token_s": sorted(first), "steps": len(steps), "compiles_after_warmup": llm.get_stats()["num_compiles_after_warmup"]}  # fmt: skip
@@ -140,10 +137,10 @@ def decode_steps(config_file: str, args) -> list[dict]:
         while engine.has_unfinished_requests():
             decoding = engine.scheduler.running and all(r.num_computed_tokens >= context for r in engine.scheduler.running)
             full = decoding and len(engine.scheduler.running) == args.decode_batch
-            s0 = time.perf_counter()
-            engine.step()
+            with Stopwatch() as step:
+                engine.step()
             if full:
-                times.append(time.perf_counter() - s0)
+                times.append(step.seconds)
         if len(times) < args.decode_tokens // 2:
             raise RuntimeError(f"only {len(times)} steps had every sequence decoding at context {context}")
         rows.append({"context": context, "median_decode_step_ms": 1e3 * statistics.median(times[1:]), "steps": len(times)})
@@ -171,7 +168,7 @@ def main() -> None:
     only = set(args.only or ["bytes", "throughput", "decode"])
     from scripts import machine_load
 
-    record = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "cpu": machine_load.cpu_model(),
+    record = {"date": provenance.today(), "command": " ".join(sys.argv), "cpu": machine_load.cpu_model(),
               "cores": machine_load.cores(), "models": {}}  # fmt: skip
     for name, make in SHAPES.items():
         if args.model and name not in args.model:

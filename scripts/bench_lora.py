@@ -22,19 +22,17 @@ its threads), which other processes on a busy machine disturb less than wall tim
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, not an installed copy
 import machine_load  # noqa: E402 - the sibling script's module
+import provenance  # noqa: E402
+from workload import Stopwatch, random_prompts  # noqa: E402
 
 log = logging.getLogger("bench_lora")
 
@@ -138,34 +136,32 @@ def main(argv=None) -> int:
 
     from jaxpaged import LLM, LoRARequest, SamplingParams
 
-    rng = np.random.default_rng(args.seed)
     vocab = base_config(args.num_layers, args.vocab_size).vocab_size
-    prompts = [{"prompt_token_ids": rng.integers(3, vocab, args.prompt_len).tolist()} for _ in range(args.num_requests)]
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompts(args.num_requests, args.prompt_len, 3, vocab, args.seed)]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     common = dict(dtype=args.dtype, max_num_seqs=args.num_requests, max_model_len=args.prompt_len + args.output_len + 16,
                   max_num_batched_tokens=max(512, args.num_requests), enable_prefix_caching=False, precompile=False, log_level="WARNING")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        t0 = time.perf_counter()
-        base, adapter_folders = write_models(Path(tmp), args)
-        log.info("base and %d adapters written by transformers + PEFT in %.1fs", len(adapter_folders), time.perf_counter() - t0)
+        with Stopwatch() as written:
+            base, adapter_folders = write_models(Path(tmp), args)
+        log.info("base and %d adapters written by transformers + PEFT in %.1fs", len(adapter_folders), written.seconds)
         loras = [LoRARequest(f"adapter{i}", i + 1, str(f)) for i, f in enumerate(adapter_folders)]
-        per_request = [loras[i % len(loras)] for i in range(args.num_requests)]
+        per_request = {"plain": None, "lora": [loras[i % len(loras)] for i in range(args.num_requests)]}  # by side
         engines = {}
         for side, extra in (("plain", {}), ("lora", dict(enable_lora=True, max_loras=len(loras), max_lora_rank=args.rank,
                                                           lora_target_modules=engine_targets(args)))):  # fmt: skip
-            t0 = time.perf_counter()
-            engines[side] = LLM(str(base), **common, **extra)
-            # untimed: the workload once, so every shape it meets is compiled and every adapter is in its slot
-            engines[side].generate(prompts, params, use_tqdm=False, lora_request=per_request if side == "lora" else None)
-            log.info("%s engine constructed and warmed in %.1fs", side, time.perf_counter() - t0)
+            with Stopwatch() as warm:
+                engines[side] = LLM(str(base), **common, **extra)
+                # untimed: the workload once, so every shape it meets is compiled and every adapter is in its slot
+                engines[side].generate(prompts, params, use_tqdm=False, lora_request=per_request[side])
+            log.info("%s engine constructed and warmed in %.1fs", side, warm.seconds)
         compiles = {side: llm.engine.num_compiles_after_warmup for side, llm in engines.items()}
         runs, sides = [], {}
         for k, side in enumerate(run_order(args.repeats)):
             waited = machine_load.settle(args.settle_s, machine_load.cores(), log=log.info) if args.settle_s > 0 else 0.0
-            with machine_load.SideWatch(f"{side} run {k}") as watch:
-                t0, cpu0 = time.perf_counter(), time.process_time()
-                outs = engines[side].generate(prompts, params, use_tqdm=False, lora_request=per_request if side == "lora" else None)
-                seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+            with machine_load.SideWatch(f"{side} run {k}") as watch, Stopwatch() as run:
+                outs = engines[side].generate(prompts, params, use_tqdm=False, lora_request=per_request[side])
+            seconds, cpu_s = run.seconds, run.cpu_seconds
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             if tokens != args.num_requests * args.output_len:
                 raise RuntimeError(f"{side}: {tokens} output tokens, expected {args.num_requests * args.output_len}")
@@ -175,7 +171,7 @@ def main(argv=None) -> int:
         new_compiles = {side: llm.engine.num_compiles_after_warmup - compiles[side] for side, llm in engines.items()}
     summary = summarize(runs)
     report = {
-        "benchmark": "lora_cost", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "lora_cost", "date": provenance.utc_now(),
         "command": "python scripts/bench_lora.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {"platform": platform.platform(), "cpu_model": machine_load.cpu_model(), "cores": machine_load.cores(),
                     "jax_backend": jax.default_backend(), "jax_device_kind": jax.devices()[0].device_kind, "jax": jax.__version__},

@@ -47,18 +47,18 @@ only), so a caller stopped part-way keeps the runs it finished (scripts/gpu_repo
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import machine_load  # noqa: E402 - the sibling script's module (this folder is on sys.path when run as a file)
+import provenance  # noqa: E402
+from workload import Stopwatch, random_prompts  # noqa: E402
 
 log = logging.getLogger("bench")
 SIDES = ("moe", "dense")
@@ -303,10 +303,7 @@ def weight_record(llm) -> dict:
 
 
 def prompts(args, batch: int) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(batch)  # the same prompts for both sides
-    return [rng.integers(2, args.vocab, args.prompt_len).tolist() for _ in range(batch)]
+    return random_prompts(batch, args.prompt_len, 2, args.vocab, seed=batch)  # the same prompts for both sides
 
 
 def run_once(llm, args, batch: int, max_tokens: int) -> dict:
@@ -318,11 +315,11 @@ def run_once(llm, args, batch: int, max_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for ids in prompts(args, batch):
         engine.add_request(None, {"prompt_token_ids": ids}, params)
-    steps, tokens, t0 = 0, 0, time.perf_counter()
+    steps, tokens, clock = 0, 0, Stopwatch()
     while engine.has_unfinished_requests():
         tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
         steps += 1
-    seconds = time.perf_counter() - t0
+    seconds = clock.seconds
     counted = batch * args.prompt_len if args.prefill else tokens
     return {"prompt_tokens": batch * args.prompt_len, "output_tokens": tokens, "steps": steps, "seconds": seconds,
             "tok_s": counted / seconds, "step_ms": 1e3 * seconds / steps}  # fmt: skip
@@ -358,20 +355,20 @@ def main(argv=None, on_run=None) -> int:
     import jax
 
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        paths = write_configs(args, Path(tmp))
+        with Stopwatch() as written:
+            paths = write_configs(args, Path(tmp))
         if args.mxfp4:
-            log.info("moe: MXFP4 checkpoint written in %.1fs", time.perf_counter() - t0)
+            log.info("moe: MXFP4 checkpoint written in %.1fs", written.seconds)
         configs = {side: json.loads(paths[side].read_text()) for side in SIDES}
         counts = {side: parameter_counts(configs[side]) for side in SIDES}
         log.info("parameters: %s", counts)
         llms = {}
         for side in SIDES:
-            t0 = time.perf_counter()
-            llms[side] = make_llm(model_path(paths, side), args)
-            for batch in args.batch_sizes:  # untimed: every step shape of the workload, and first-use costs
-                run_once(llms[side], args, batch, 4)
-            log.info("%s: loaded and warmed up in %.1fs", side, time.perf_counter() - t0)
+            with Stopwatch() as warm:
+                llms[side] = make_llm(model_path(paths, side), args)
+                for batch in args.batch_sizes:  # untimed: every step shape of the workload, and first-use costs
+                    run_once(llms[side], args, batch, 4)
+            log.info("%s: loaded and warmed up in %.1fs", side, warm.seconds)
     runs = []
     for round_ in range(args.rounds):
         order = SIDES if round_ % 2 == 0 else SIDES[::-1]
@@ -402,7 +399,7 @@ def main(argv=None, on_run=None) -> int:
     if any(compiles.values()):
         print(f"WARNING: compiles after warm-up: {compiles}")
     if args.json:
-        out = {"date": datetime.date.today().isoformat(), "cpu": machine_load.cpu_model(), "cores": machine_load.cores(),
+        out = {"date": provenance.today(), "cpu": machine_load.cpu_model(), "cores": machine_load.cores(),
                "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
                "args": vars(args), "moe_kernel": args.moe_kernel, "mxfp4": args.mxfp4, "configs": configs,
                "parameters": counts, "weight_bytes": {side: weights[side]["bytes"] for side in SIDES},

@@ -16,18 +16,18 @@ micro-batching, routing), not the speed-up real devices would give.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import machine_load  # noqa: E402
+import provenance  # noqa: E402
+from workload import Stopwatch, random_prompts  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -79,26 +79,23 @@ def make_model(args, folder: Path) -> Path:
 
 
 def run_layout(name: str, kwargs: dict, model: Path, args) -> dict:
-    import numpy as np
-
     from jaxpaged import LLM, SamplingParams
 
     llm = LLM(str(model), dtype="float32", max_num_seqs=args.max_num_seqs, attention_backend="reference", matmul_backend=args.matmul_backend,
               max_num_batched_tokens=args.max_num_batched_tokens, log_level="WARNING", **kwargs)  # fmt: skip
     engine = llm.engine
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, args.vocab, args.prompt_len).tolist() for _ in range(args.num_requests)]
+    prompts = random_prompts(args.num_requests, args.prompt_len, 2, args.vocab, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # untimed: first-use costs
     machine_load.settle(args.settle_s, machine_load.cores(), log=log.info)
     with machine_load.SideWatch(name) as watch:
         for p in prompts:
             engine.add_request(None, {"prompt_token_ids": p}, params)
-        steps, tokens, t0 = 0, 0, time.perf_counter()
+        steps, tokens, clock = 0, 0, Stopwatch()
         while engine.has_unfinished_requests():
             tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
             steps += 1
-        seconds = time.perf_counter() - t0
+        seconds = clock.seconds
     record = {"layout": name, "kwargs": kwargs, "steps": steps, "output_tokens": tokens, "seconds": seconds,
               "step_ms": 1000 * seconds / steps, "tok_s": tokens / seconds,
               "compiles_after_warmup": engine.num_compiles_after_warmup, "matmul_backend": _runner(engine).matmul_backend,
@@ -135,7 +132,7 @@ def main(argv=None) -> int:
     for line in machine_load.busy_lines({r["layout"]: r["load"] for r in records}):
         print(line)
     if args.json:
-        out = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "cpu": machine_load.cpu_model(),
+        out = {"date": provenance.today(), "machine": platform.node(), "cpu": machine_load.cpu_model(),
                "cores": machine_load.cores(), "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                "devices": args.devices, "args": vars(args), "records": records}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=1))

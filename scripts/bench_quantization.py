@@ -29,7 +29,6 @@ to measure; on a CPU where it builds, also the native packed matmul
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import math
@@ -37,7 +36,6 @@ import platform
 import re
 import sys
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +44,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import machine_load  # noqa: E402 - the sibling script's module (this folder is on sys.path when run as a file)
+import provenance  # noqa: E402
+from workload import Stopwatch, median_seconds, random_prompts, uniform_requests  # noqa: E402
 
 log = logging.getLogger("bench")
 TEXT = Path(__file__).with_name("data") / "public_domain_text.txt"
@@ -142,15 +142,14 @@ def model_shape(source: str, kwargs: dict):
 def text_tokens(tokenizer, vocab: int) -> list[int]:
     if tokenizer is not None:
         return tokenizer.encode(TEXT.read_text())
-    rng = np.random.default_rng(0)  # a random-weight model without a tokenizer: a fixed random text
-    return rng.integers(10, vocab - 10, 1500).tolist()
+    # a random-weight model without a tokenizer: a fixed random text
+    return random_prompts(1, 1500, 10, vocab - 10, seed=0)[0]
 
 
 def workload(args, vocab: int) -> list[tuple[list[int], int]]:
-    rng = np.random.default_rng(args.seed)
-    n = args.num_requests
-    ins, outs = rng.integers(args.min_len, args.max_len + 1, n), rng.integers(args.min_len, args.max_len + 1, n)
-    return [(rng.integers(10, vocab - 10, int(i)).tolist(), int(o)) for i, o in zip(ins, outs)]
+    """bench_throughput's uniform draw (scripts/workload.py), prompts and outputs over --min-len..--max-len."""
+    lengths = (args.min_len, args.max_len)
+    return uniform_requests(args.num_requests, lengths, lengths, vocab, args.seed)
 
 
 def perplexity(llm, tokens: list[int], window: int) -> tuple[float, list[float]]:
@@ -190,11 +189,10 @@ def throughput(llm, reqs) -> tuple[float, int, float]:
 
     llm.generate([{"prompt_token_ids": reqs[0][0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    with Stopwatch() as run:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs], params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / elapsed, tokens, elapsed
+    return tokens / run.seconds, tokens, run.seconds
 
 
 def run_scheme(name: str, args, float_source: str, gguf: str | None, reference: dict | None) -> dict:
@@ -285,15 +283,10 @@ def time_matmuls(k: int = 576, n: int = 1536, rows=(1, 8, 64, 256), iters: int =
                 out.append({"rows": r, "method": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 print(f"rows {r:>5}  {name:<18} unsupported: {out[-1]['error'][:100]}")
                 continue
-            for _ in range(max(3, iters // 5)):  # untimed: a CPU call's first dozens of runs measured up to 3x slower
-                g(x).block_until_ready()
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                g(x).block_until_ready()
-                times.append(time.perf_counter() - t0)
+            # warm-up untimed: a CPU call's first dozens of runs measured up to 3x slower
+            seconds = median_seconds(g, x, iters=iters, warmup=max(3, iters // 5))
             dots = dot_operand_types(g.as_text())
-            out.append({"rows": r, "method": name, "ms": float(np.median(times)) * 1e3, "dots": dots})
+            out.append({"rows": r, "method": name, "ms": seconds * 1e3, "dots": dots})
             print(f"rows {r:>5}  {name:<18} {out[-1]['ms']:.3f} ms   dot operands: {', '.join(dots) or '-'}")
     return out
 
@@ -355,7 +348,7 @@ def main(argv=None) -> int:
         results = time_matmuls(k, n, rows, dtype=args.matmul_dtype)
         print(f"load average before {before:.2f}, after {machine_load.load1():.2f} on {machine_load.cores()} cores")
         if args.json:
-            Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            Path(args.json).write_text(json.dumps({"date": provenance.today(), "jax": jax.__version__,
                                                    "device": jax.devices()[0].device_kind, "matmuls": results,
                                                    "load": [before, machine_load.load1()]}, indent=1))  # fmt: skip
         return 0
@@ -366,7 +359,7 @@ def main(argv=None) -> int:
         if gguf is None:
             schemes = [s for s in schemes if not s.startswith("gguf")]
         records, reference = [], None
-        meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+        meta = {"date": provenance.today(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                 "cpu": machine_load.cpu_model(), "cores": machine_load.cores(), "python": platform.python_version(),
                 "args": {k: v for k, v in vars(args).items()}}  # fmt: skip
         for name in schemes:

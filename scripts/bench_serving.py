@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import json
 import os
 import platform
@@ -40,7 +39,9 @@ from pathlib import Path
 
 import machine_load  # the sibling scripts (this folder is on sys.path when run as a file)
 import numpy as np
+import provenance
 import vllm_baseline
+from workload import Stopwatch
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "river", "garden", "music", "story", "light", "water", "city", "question", "reason", "paper", "history", "money", "market", "future", "energy", "system", "island", "language", "forest", "bridge", "winter"]
@@ -80,7 +81,7 @@ async def one_request(client, args, model: str, prompt: str, max_tokens: int) ->
         body["prompt"] = prompt
         path = "/v1/completions"
     result = RequestResult(ok=False)
-    start = last = time.perf_counter()
+    clock, last = Stopwatch(), 0.0
     try:
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -99,16 +100,16 @@ async def one_request(client, args, model: str, prompt: str, max_tokens: int) ->
                 for choice in data.get("choices", []):
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if text:
-                        now = time.perf_counter()
+                        now = clock.seconds
                         if result.ttft == 0.0:
-                            result.ttft = now - start
+                            result.ttft = now
                         else:
                             result.itl.append(now - last)
                         last = now
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
         result.error = repr(exc)
         return result
-    result.e2e = time.perf_counter() - start
+    result.e2e = clock.seconds
     result.ok = result.output_tokens > 0
     return result
 
@@ -121,7 +122,7 @@ async def run_load(args, base_url: str, model: str, prompts) -> tuple[list[Reque
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
         for _ in range(args.warmup):
             await one_request(client, args, model, prompts[0][0], 4)
-        start = time.perf_counter()
+        clock = Stopwatch()
         if args.request_rate is None:
             queue = list(prompts)
             results: list[RequestResult] = []
@@ -147,7 +148,7 @@ async def run_load(args, base_url: str, model: str, prompts) -> tuple[list[Reque
                 tasks.append(asyncio.create_task(send(prompt, n)))
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
             results = list(await asyncio.gather(*tasks))
-        return results, time.perf_counter() - start
+        return results, clock.seconds
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -211,13 +212,13 @@ class Launched:
         self.log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in __exit__
         env = env or dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
+        clock = Stopwatch()
+        while clock.seconds < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {self.proc.returncode}; see {self.log.name}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    self.startup_s = time.perf_counter() - t0
+                    self.startup_s = clock.seconds
                     return
             except httpx.HTTPError:
                 pass
@@ -270,12 +271,8 @@ def concurrency_list(text: str) -> list[int]:
 def versions() -> dict:
     out = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor(),
            "cpus": os.cpu_count(), "platform": platform.platform()}
-    for mod in ("jax", "torch", "transformers", "fastapi", "uvicorn"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:
-            pass
-    return out | {"cpu_model": machine_load.cpu_model()}
+    packages = provenance.versions(("jax", "torch", "transformers", "fastapi", "uvicorn"))
+    return out | packages | {"cpu_model": machine_load.cpu_model()}
 
 
 def serving_ratios(results: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -341,7 +338,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report = {"date": datetime.date.today().isoformat(), "argv": sys.argv[1:], "versions": versions(), "results": {}}
+    report = {"date": provenance.today(), "argv": sys.argv[1:], "versions": versions(), "results": {}}
     sweep = report["sweep"] = {}  # every point; `results` keeps the last one, in the single-run format
     sides = report["load"] = {}  # per server: first run's load before, last's after, CPU over all runs
     if args.base_url:

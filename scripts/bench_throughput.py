@@ -49,11 +49,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -63,7 +61,9 @@ import numpy as np
 # Run as a file: import this checkout's packages, not whatever copy is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import machine_load  # noqa: E402 - the sibling script's module (this folder is on sys.path when run as a file)
+import provenance  # noqa: E402
 import vllm_baseline  # noqa: E402
+from workload import Stopwatch, uniform_requests  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -159,12 +159,8 @@ def hf_config(src: Path):
 
 
 def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    """(prompt ids, output length) per request; ids avoid both ends of the vocab, where special tokens live."""
-    rng = np.random.default_rng(args.seed)
-    n = args.num_requests
-    in_lens = rng.integers(args.input_len_range[0], args.input_len_range[1] + 1, n)
-    out_lens = rng.integers(args.output_len_range[0], args.output_len_range[1] + 1, n)
-    return [(rng.integers(10, vocab_size - 10, int(i)).tolist(), int(o)) for i, o in zip(in_lens, out_lens)]
+    """(prompt ids, output length) per request: the shared uniform draw (scripts/workload.py) over these ranges."""
+    return uniform_requests(args.num_requests, args.input_len_range, args.output_len_range, vocab_size, args.seed)
 
 
 def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
@@ -176,9 +172,9 @@ def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
         opts["enable_prefix_caching"] = False
     opts["background_compile"] = False  # every bucket compiled before the timed runs, on a GPU too
     opts |= getattr(args, "engine_args", {})
-    t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, **opts)
-    extra = {"warmup_seconds": time.perf_counter() - t0, "enable_prefix_caching": opts.get("enable_prefix_caching", True),
+    with Stopwatch() as warmup:
+        llm = LLM(model=args.model, dtype=args.dtype, **opts)
+    extra = {"warmup_seconds": warmup.seconds, "enable_prefix_caching": opts.get("enable_prefix_caching", True),
              "engine_args": getattr(args, "engine_args", {})}  # fmt: skip
     log.info("jaxpaged: constructed in %.1fs", extra["warmup_seconds"])
 
@@ -190,13 +186,12 @@ def run_jaxpaged(args, workloads) -> tuple[list[Result], dict]:
     generate([(ids[:8], 4) for ids, _ in workloads[0][:2]])
     results = []
     for workload in workloads:
-        t0 = time.perf_counter()
-        outputs = generate(workload)
-        elapsed = time.perf_counter() - t0
+        with Stopwatch() as run:
+            outputs = generate(workload)
         got, want = sum(len(o.outputs[0].token_ids) for o in outputs), sum(o for _, o in workload)
         if got != want:
             raise RuntimeError(f"jaxpaged produced {got} output tokens, expected {want}")
-        results.append(Result("jaxpaged", got, elapsed))
+        results.append(Result("jaxpaged", got, run.seconds))
         log.info("jaxpaged: %.1f tok/s", results[-1].tok_s)
     if hasattr(llm, "get_stats"):
         extra["stats"] = dict(llm.get_stats())
@@ -281,7 +276,7 @@ def drive_engine(engine, prompts: list, params: list) -> tuple[list, list[dict],
         now["scheduled"].append((len(out.scheduled), out.num_tokens))
         return out
 
-    def fill_row(state, row):
+    def fill_row(state, row):  # bare clock reads, not a Stopwatch: these run per row and token inside the timed steps
         t0 = time.perf_counter()
         orig_fill(state, row)
         now["fill_s"] += time.perf_counter() - t0
@@ -296,15 +291,15 @@ def drive_engine(engine, prompts: list, params: list) -> tuple[list, list[dict],
     scheduler.schedule, manager.fill_row, GrammarState.accept = schedule, fill_row, accept
     steps, finished, ids = [], {}, []
     try:
-        t_start = time.perf_counter()
+        run = Stopwatch()
         ids = [engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
         while engine.has_unfinished_requests():
             now.update(scheduled=[], fill_s=0.0, fill_rows=0, accept_s=0.0)
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            outs = engine.step()
-            steps.append(now | {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0})
+            with Stopwatch() as step:
+                outs = engine.step()
+            steps.append(now | {"seconds": step.seconds, "cpu_s": step.cpu_seconds})
             finished.update((o.request_id, o) for o in outs if o.finished)
-        elapsed = time.perf_counter() - t_start
+        elapsed = run.seconds
     except BaseException:
         for rid in ids:
             if rid not in finished:
@@ -394,10 +389,10 @@ def run_jaxpaged_structured(args, workload, schema: dict) -> tuple[dict[str, Res
     opts["enable_prefix_caching"] = False  # the prompts repeat: a later run would skip the prefill the first one did
     opts["background_compile"] = False  # every bucket compiled before the timed runs, on a GPU too
     opts |= getattr(args, "engine_args", {})
-    t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, **opts)
+    with Stopwatch() as warmup:
+        llm = LLM(model=args.model, dtype=args.dtype, **opts)
     engine = llm.engine
-    extra = {"warmup_seconds": time.perf_counter() - t0, "enable_prefix_caching": False, "max_num_seqs": engine.config.max_num_seqs}
+    extra = {"warmup_seconds": warmup.seconds, "enable_prefix_caching": False, "max_num_seqs": engine.config.max_num_seqs}
     log.info("jaxpaged: constructed in %.1fs", extra["warmup_seconds"])
 
     def params(out_len: int, mode: str) -> SamplingParams:
@@ -595,7 +590,7 @@ def load_hf(args, src: Path):
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
+    load = Stopwatch()
     if src.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=dtype)
     elif src.suffix == ".json":
@@ -606,7 +601,7 @@ def load_hf(args, src: Path):
     gen = model.generation_config  # EOS off: every request runs to exactly its own length
     gen.eos_token_id, gen.pad_token_id, gen.do_sample = None, 0, False
     gen.temperature = gen.top_p = gen.top_k = None
-    log.info("transformers: loaded on %s in %.1fs", device, time.perf_counter() - t0)
+    log.info("transformers: loaded on %s in %.1fs", device, load.seconds)
     return model, device
 
 
@@ -652,20 +647,20 @@ def run_hf_single(model, device, workload, limit: int | None) -> Result:
     """One request at a time; with a limit, only the first K are timed and tok/s stands for all."""
     reqs = workload[: limit or len(workload)]
     hf_generate(model, device, [reqs[0][0][:8]], 4)
-    t0, tokens = time.perf_counter(), 0
+    clock, tokens = Stopwatch(), 0
     for i, (ids, out_len) in enumerate(reqs):
         got = hf_generate(model, device, [ids], out_len)
         if got != out_len:
             raise RuntimeError(f"hf-single request {i}: {got} new tokens, expected {out_len}")
         tokens += out_len
     note = f"first {len(reqs)} of {len(workload)}, extrapolated" if len(reqs) < len(workload) else ""
-    return Result("hf-single", tokens, time.perf_counter() - t0, note)
+    return Result("hf-single", tokens, clock.seconds, note)
 
 
 def run_hf_batch(model, device, workload, batch_size: int) -> Result:
     """Static batches in request order; each batch runs to its longest output, only own tokens count."""
     hf_generate(model, device, [ids[:8] for ids, _ in workload[:batch_size]], 4)
-    t0, useful, computed = time.perf_counter(), 0, 0
+    clock, useful, computed = Stopwatch(), 0, 0
     for start in range(0, len(workload), batch_size):
         batch = workload[start : start + batch_size]
         longest = max(o for _, o in batch)
@@ -675,48 +670,7 @@ def run_hf_batch(model, device, workload, batch_size: int) -> Result:
         useful += sum(o for _, o in batch)
         computed += longest * len(batch)
     note = f"batch {batch_size}, {100 * (1 - useful / computed):.0f}% padding waste"
-    return Result("hf-batch", useful, time.perf_counter() - t0, note)
-
-
-def machine_info() -> dict:
-    import jax
-    import torch
-    import transformers
-
-    info = {  # what a plot needs to say where its numbers came from
-        "platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-        "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-        "jax_device_kind": jax.devices()[0].device_kind, "cpu_model": machine_load.cpu_model(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    return info | ({"torch_device": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else {})
-
-
-def calibrate(iters: int = 10) -> dict:
-    """This machine's speed today, measured in the same run: float32 matmul rates (2048^3, jax and torch)
-    and a large read (jnp.sum of 256 MB). Hosts differ from day to day, and jaxpaged's matmul-bound steps
-    follow the matmul rate while transformers' overhead-bound loop does not: a figure without these cannot
-    be compared with another day's."""
-    import jax
-    import jax.numpy as jnp
-    import torch
-    from bench_attention import _time  # its sibling script: warm once, then the median of `iters` runs
-
-    n, flops = 2048, 2 * 2048**3
-    a = jnp.ones((n, n), jnp.float32)
-    big = jnp.ones((64 << 20,), jnp.float32)
-    t = torch.ones(n, n, device="cuda" if torch.cuda.is_available() else "cpu")
-
-    def torch_matmul() -> None:
-        torch.mm(t, t)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    return {
-        "f32_matmul_gflops_jax": flops / _time(jax.jit(lambda x: jnp.dot(x, x, precision="highest")), a, iters=iters) / 1e9,
-        "f32_matmul_gflops_torch": flops / _time(torch_matmul, iters=iters) / 1e9,
-        "read_gb_s_jax": big.nbytes / _time(jax.jit(jnp.sum), big, iters=iters) / 1e9,
-    }
+    return Result("hf-batch", useful, clock.seconds, note)
 
 
 def ratios(results: dict[str, Result]) -> dict[str, float]:
@@ -852,7 +806,7 @@ def main_structured(args, src: Path, workload, load_before: float, vllm_versions
         print(f"vllm warm-up (LLM constructor, untimed): {vllm_extra['warmup_seconds']:.1f}s")
     print_structured(section)
     print_load(sides)
-    speed = calibrate()
+    speed = provenance.calibrate()
     print("this machine: " + ", ".join(f"{k} {v:.1f}" for k, v in speed.items()))
     if args.json:
         versions = {f"vllm_{k}" if k != "vllm" else k: v for k, v in vllm_versions.items()}
@@ -863,7 +817,7 @@ def main_structured(args, src: Path, workload, load_before: float, vllm_versions
             "workload": {k: v for k, v in vars(args).items() if k != "json"} | {"prompt_tokens": sum(len(i) for i, _ in workload),
                                                                                 "output_tokens": out_tok, "model_path": str(src)},
             "results": result_dicts(results), "ratios": ratio, "jaxpaged": extra, "structured": section,
-            "machine": machine_info() | {"llguidance": getattr(llguidance, "__version__", None)} | versions | speed,
+            "machine": provenance.machine_info() | {"llguidance": getattr(llguidance, "__version__", None)} | versions | speed,
             "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]}, "load": sides,
         } | ({"vllm": vllm_extra} if vllm_extra else {})  # fmt: skip
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -933,14 +887,14 @@ def main(argv=None) -> None:
         roof |= {"bandwidth_source": how["bandwidth"], "peak_source": how["peak"], "achieved": roof["seconds"] / results["jaxpaged"].seconds}
         print_roofline(roof, results["jaxpaged"])
     print_load(sides)
-    speed = calibrate()  # last: torch's threads would slow jaxpaged, and the systems' runs are what matter
+    speed = provenance.calibrate()  # last: torch's threads would slow jaxpaged, and the systems' runs are what matter
     print("this machine: " + ", ".join(f"{k} {v:.1f}" for k, v in speed.items()))
     if args.json:
         versions = {f"vllm_{k}" if k != "vllm" else k: v for k, v in vllm_versions.items()}  # vLLM's venv pins its own torch
         report = {
             "workload": {k: v for k, v in vars(args).items() if k not in ("json",)} | {"prompt_tokens": in_tok, "output_tokens": out_tok, "model_path": str(src)},
             "results": result_dicts(results),
-            "ratios": ratio, "jaxpaged": extra, "machine": machine_info() | versions | speed,
+            "ratios": ratio, "jaxpaged": extra, "machine": provenance.machine_info() | versions | speed,
             "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]}, "load": sides,
         } | ({"vllm": vllm_extra} if vllm_extra else {}) | ({"output_len_sweep": sweep} if sweep else {}) | ({"roofline": roof} if roof else {})
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
 import platform as host_platform
@@ -55,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -65,6 +63,8 @@ sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(REPO))  # this checkout's jaxpaged and tests/, not an installed copy
 
 import machine_load  # noqa: E402
+import provenance  # noqa: E402
+from workload import Stopwatch  # noqa: E402
 
 _SET_PREALLOCATE = False  # main() stops this process taking most of the device's memory (the benchmarks need it)
 
@@ -112,34 +112,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- environment ----------------------------------------------------------------------------------------------
 
 
-def _run_text(cmd: list[str], timeout: float = 15.0) -> str | None:
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def nvidia_smi() -> dict | None:
-    """GPU name, driver, memory and the driver's CUDA version from nvidia-smi (None where there is none)."""
-    query = _run_text(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
-    if query is None:
-        return None
-    gpus = [dict(zip(("name", "driver_version", "memory_total"), (c.strip() for c in line.split(",")))) for line in query.strip().splitlines()]
-    banner = _run_text(["nvidia-smi"]) or ""
-    cuda = re.search(r"CUDA Version:\s*([\d.]+)", banner)
-    return {"gpus": gpus, "cuda_version": cuda.group(1) if cuda else None}
-
-
-def _version(dist: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def environment(platform_name: str) -> dict:
     import jax
 
@@ -152,8 +124,8 @@ def environment(platform_name: str) -> dict:
     return {
         "platform": platform_name, "backend": jax.default_backend(), "device_kind": device.device_kind,
         "num_devices": jax.device_count(), "platform_version": platform_version,
-        "versions": {name: v for name in packages if (v := _version(name)) is not None} | {"python": host_platform.python_version()},
-        "nvidia_smi": nvidia_smi() if platform_name == "gpu" else None, "host": host_platform.platform(),
+        "versions": provenance.versions(packages) | {"python": host_platform.python_version()},
+        "nvidia_smi": provenance.nvidia_smi() if platform_name == "gpu" else None, "host": host_platform.platform(),
         "cpu_model": machine_load.cpu_model(), "cpu_cores": machine_load.cores(),
     }  # fmt: skip
 
@@ -177,7 +149,7 @@ def kernel_stage(cases, *, interpret: bool, kv_cache_dtypes=("auto",), shard=(0,
     results = []
     k, n = shard
     for kc, kv_cache_dtype in [(kc, kind) for kind in kv_cache_dtypes for kc in cases][k::n]:
-        t0 = time.perf_counter()
+        clock = Stopwatch()
         try:
             backend = platform.attention_backend("pallas", kc.head_dim)
             if getattr(backend, "interpret", None) is not interpret:
@@ -187,7 +159,7 @@ def kernel_stage(cases, *, interpret: bool, kv_cache_dtypes=("auto",), shard=(0,
             raise
         except BaseException as e:  # noqa: BLE001 - recorded as this case's failure
             result = {"case": kc.name, "passed": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        result |= {"dtype": kc.dtype, "kv_cache_dtype": kv_cache_dtype, "seconds": time.perf_counter() - t0}
+        result |= {"dtype": kc.dtype, "kv_cache_dtype": kv_cache_dtype, "seconds": clock.seconds}
         results.append(result)
         verdict = "ok  " if result["passed"] else "FAIL"
         detail = f"max error {result['max_abs_error']:.2e} (atol {result['atol']:.0e})" if "max_abs_error" in result else result.get("error", "")
@@ -318,7 +290,7 @@ def bench_stage(script: str, args: list[str], timeout: float) -> dict:
 def run_stage(report: dict, name: str, fn) -> dict:
     """fn() as one stage: timed, the machine watched, any exception recorded as the stage's error."""
     print(f"== {name}", flush=True)
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     with machine_load.SideWatch(name) as watch:
         try:
             result = fn()
@@ -327,7 +299,7 @@ def run_stage(report: dict, name: str, fn) -> dict:
         except BaseException as e:  # noqa: BLE001 - the next stage still runs (pytest's importorskip raises a BaseException)
             traceback.print_exc()
             result = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
-    result["seconds"] = time.perf_counter() - t0
+    result["seconds"] = clock.seconds
     report["stages"][name] = result
     report["machine_load"]["stages"][name] = watch.record
     return result
@@ -408,10 +380,10 @@ def main(argv=None) -> int:
     env = environment(platform.name)
     print(f"check_accelerator: {env['device_kind']} ({platform.name}{', kernel interpreted' if interpret else ''}), "
           f"jax {env['versions'].get('jax')}, jaxlib {env['versions'].get('jaxlib')}", flush=True)  # fmt: skip
-    today = datetime.date.today().isoformat()
+    today = provenance.today()
     report = {
         "tool": "scripts/check_accelerator.py", "argv": sys.argv[1:] if argv is None else list(argv), "date": today,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
+        "started": provenance.utc_now(), "quick": args.quick,
         "interpret": interpret, "environment": env, "stages": {},
         "machine_load": {"cpu_model": env["cpu_model"], "cores": env["cpu_cores"], "stages": {}},
     }  # fmt: skip
@@ -442,7 +414,7 @@ def main(argv=None) -> int:
     correct = all(report["stages"][name]["status"] == "ok" for name in ("kernel_cases", "kv_cache_cases", "launches", "parity")
                   if name in report["stages"])  # fmt: skip
     report["correct"] = correct
-    report["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    report["finished"] = provenance.utc_now()
 
     device = slug(env["device_kind"]) + ("-interpret" if interpret else "")
     path = Path(args.json) if args.json else Path(args.out) / f"check_accelerator_{device}_{today}.json"

@@ -7,10 +7,11 @@ bandwidth, in at most --budget-s seconds, start-up included.
     python scripts/gpu_report.py --tiny --budget-s 200           # every stage on a tiny model (a CPU, the tests)
     python scripts/gpu_report.py --budget-s 300 --stages moe_gpt_oss,mla   # issue 48's new families (no weights stage)
 
-The workload (issue 33): 256 requests whose prompt and output lengths are drawn uniformly from 100-1024 by Python's
-random.Random(0) (per request: prompt length, its ids with randrange(10, vocab - 10), output length: 139,291
-output tokens for Llama-3.2-1B's vocabulary), greedy, EOS ignored, on random bfloat16 weights of Llama-3.2-1B's
-shape written once by transformers' save_pretrained, so every engine reads the same bytes.
+The workload (issue 33; scripts/workload.py's nano_vllm_requests): 256 requests whose prompt and output lengths are
+drawn uniformly from 100-1024 by Python's random.Random(0) (per request: prompt length, its ids with
+randrange(10, vocab - 10), output length: 139,291 output tokens for Llama-3.2-1B's vocabulary), greedy, EOS ignored,
+on random bfloat16 weights of Llama-3.2-1B's shape written once by transformers' save_pretrained, so every engine
+reads the same bytes.
 
 Stages run as child processes (each with the device to itself), in order of value: weights, cold (start-up with an
 empty executable cache, first token, the workload, the profile), probe (scripts/dispatch_probe.py: the decode step
@@ -30,10 +31,8 @@ results as it goes, and the report is rewritten after every stage, so a run cut 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -42,6 +41,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
+
+import provenance  # noqa: E402 - this folder's modules, above
+from workload import Stopwatch, nano_vllm_requests, random_prompts  # noqa: E402
 
 MODEL_CONFIG = REPO / "scripts" / "configs" / "llama-3.2-1b.json"
 TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
@@ -69,16 +71,6 @@ def stage_env(stage: str, env: dict) -> dict:
     return with_flags(env, VARIANT_FLAGS["cublas"]) if stage.startswith("gemm_cublas") else env
 
 
-def workload(vocab: int, num_requests: int, lo: int, hi: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt ids, output length) per request, drawn as the module docstring says."""
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(num_requests):
-        prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))]
-        requests.append((prompt, rng.randint(lo, hi)))
-    return requests
-
-
 class Partial:
     """A child's results, rewritten to its JSON file after every entry: a child killed at its limit keeps them."""
 
@@ -99,33 +91,33 @@ def stage_weights(args, out: Partial) -> None:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(args.config)
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    drawn = time.perf_counter() - t0
+    drawn = clock.seconds
     model.save_pretrained(args.model_dir)
     size = sum(f.stat().st_size for f in Path(args.model_dir).glob("*.safetensors"))
-    out["weights"] = {"drawn_s": drawn, "saved_s": time.perf_counter() - t0 - drawn, "bytes": size, "on": device}
+    out["weights"] = {"drawn_s": drawn, "saved_s": clock.seconds - drawn, "bytes": size, "on": device}
 
 
 def _engine_kwargs(args) -> dict:
     return {"dtype": args.dtype, "max_model_len": args.hi * 2 + 16, "log_level": "INFO", **json.loads(args.engine_args)}
 
 
-def _startup(args, out: Partial, key: str, t_process: float):
-    """LLM start-up timed by phase, then one request's first token."""
-    t0 = time.perf_counter()
+def _startup(args, out: Partial, key: str, process: Stopwatch):
+    """LLM start-up timed by phase, then one request's first token (`process`: started with the child process)."""
+    clock = Stopwatch()
     from jaxpaged import LLM, SamplingParams
 
-    imported = time.perf_counter() - t0
+    imported = clock.seconds
     llm = LLM(args.model_dir, **_engine_kwargs(args))
-    ready = time.perf_counter() - t0
+    ready = clock.seconds
     engine = llm.engine
-    t1 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": list(range(10, 10 + args.lo))}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    first = time.perf_counter() - t1
+    with Stopwatch() as first_token:
+        llm.generate([{"prompt_token_ids": list(range(10, 10 + args.lo))}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    first = first_token.seconds
     # background_compile (the GPU default): ready with the largest bucket; the workload is timed with every bucket
     all_compiled = engine.runner.finish_background_compiles()
     weights = sum(f.stat().st_size for f in Path(args.model_dir).glob("*.safetensors"))
@@ -133,7 +125,7 @@ def _startup(args, out: Partial, key: str, t_process: float):
     out[key] = {
         "import_s": imported, "phases_s": phases, "ready_s": ready, "first_token_s": first,
         "all_buckets_compiled_after_warmup_began_s": all_compiled,  # None: every bucket compiled before ready
-        "process_to_first_token_s": time.perf_counter() - t_process, "weights_bytes": weights,
+        "process_to_first_token_s": process.seconds, "weights_bytes": weights,
         # the weights' own read (file to device); "load" adds imports, the config and the tokenizer
         "weights_read_gbs": weights / phases["weights"] / 1e9 if phases.get("weights") else None,
         "load_gbs": weights / phases["load"] / 1e9 if phases.get("load") else None,
@@ -144,14 +136,14 @@ def _startup(args, out: Partial, key: str, t_process: float):
 
 
 def stage_cold(args, out: Partial) -> None:
-    t_process = time.perf_counter()
+    process = Stopwatch()
     import jax
 
     from bench_attention import copy_bandwidth, matmul_rate
 
     cpu = jax.default_backend() == "cpu"
     out["device"] = {"kind": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__}
-    llm = _startup(args, out, "cold_start", t_process)
+    llm = _startup(args, out, "cold_start", process)
     requests = run_workload(llm, args, out)
     profile_decode(llm, args, out)
     # the ceilings last: measured first, their arrays' memory would count against the KV pool's
@@ -177,7 +169,7 @@ def stage_cold_fused_proj(args, out: Partial) -> None:
 
 
 def stage_warm(args, out: Partial) -> None:
-    _startup(args, out, "warm_start", time.perf_counter())
+    _startup(args, out, "warm_start", Stopwatch())
 
 
 def add_roofline(llm, args, out: Partial, requests, bandwidth: float, flops: float) -> None:
@@ -199,7 +191,7 @@ def run_workload(llm, args, out: Partial) -> list:
     from jaxpaged import SamplingParams
 
     engine = llm.engine
-    requests = workload(engine.loaded.config.vocab_size, args.num_requests, args.lo, args.hi)
+    requests = nano_vllm_requests(engine.loaded.config.vocab_size, args.num_requests, args.lo, args.hi)
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for _, n in requests]
     steps, timer, calls = [0], PhaseTimer(), PhaseTimer(())
@@ -210,10 +202,9 @@ def run_workload(llm, args, out: Partial) -> list:
         return step()
 
     engine.step = counted
-    t0 = time.perf_counter()
-    with instrumented(engine, timer), device_calls(engine, calls):
+    with Stopwatch() as run, instrumented(engine, timer), device_calls(engine, calls):
         outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    seconds = run.seconds
     del engine.step
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n = max(steps[0], 1)
@@ -240,7 +231,7 @@ def profile_decode(llm, args, out: Partial) -> None:
 
     engine, rows = llm.engine, min(args.profile_rows, llm.engine.config.max_num_seqs)
     vocab = engine.loaded.config.vocab_size
-    requests = workload(vocab, rows, args.lo, args.hi, seed=1)
+    requests = nano_vllm_requests(vocab, rows, args.lo, args.hi, seed=1)
     # final outputs only, as LLM.generate asks (the workload's path)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.hi, output_kind=RequestOutputKind.FINAL_ONLY)
     for i, (ids, _) in enumerate(requests):
@@ -250,11 +241,10 @@ def profile_decode(llm, args, out: Partial) -> None:
     for _ in range(3):
         engine.step()
     timer, calls = PhaseTimer(), PhaseTimer(())
-    t0 = time.perf_counter()
-    with instrumented(engine, timer), device_calls(engine, calls):
+    with Stopwatch() as clock, instrumented(engine, timer), device_calls(engine, calls):
         for _ in range(args.profile_steps):
             engine.step()
-    wall = (time.perf_counter() - t0) / args.profile_steps
+    wall = clock.seconds / args.profile_steps
     host = {k: 1e3 * v / args.profile_steps for k, v in timer.totals.items()}
     cpu = {k: 1e3 * v / args.profile_steps for k, v in timer.cpu.items() if k != "wait"}
     result = {"rows": rows, "steps": args.profile_steps, "ms_per_step": 1e3 * wall, "host_ms_per_step": host,
@@ -264,11 +254,11 @@ def profile_decode(llm, args, out: Partial) -> None:
     out["decode_profile"] = result
     trace_dir = Path(args.work) / "trace"
     jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
-    t0 = time.perf_counter()
-    for _ in range(args.profile_steps):
-        engine.step()
-    jax.block_until_ready(engine.runner.kv_cache)
-    traced = time.perf_counter() - t0
+    with Stopwatch() as clock:
+        for _ in range(args.profile_steps):
+            engine.step()
+        jax.block_until_ready(engine.runner.kv_cache)
+    traced = clock.seconds
     jax.profiler.stop_trace()
     result["traced_ms_per_step"] = 1e3 * traced / args.profile_steps
     try:
@@ -329,12 +319,12 @@ def stage_gemm(args, out: Partial) -> None:
         ):  # fmt: skip
             for w in weights:
                 fn(xk, w).block_until_ready()
-            t0 = time.perf_counter()
             reps = 20
-            for i in range(reps * len(weights)):
-                y = fn(xk, weights[i % len(weights)])
-            y.block_until_ready()
-            seconds = (time.perf_counter() - t0) / (reps * len(weights))
+            with Stopwatch() as clock:
+                for i in range(reps * len(weights)):
+                    y = fn(xk, weights[i % len(weights)])
+                y.block_until_ready()
+            seconds = clock.seconds / (reps * len(weights))
             row[f"jax_{layout}_us"] = 1e6 * seconds
             row[f"jax_{layout}_of_copy"] = k * n * 2 / seconds / copy
         del ws, weights
@@ -487,7 +477,7 @@ def _mla_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> dic
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     sched, tokens, compiles = engine.scheduler, {}, compile_monitor.compile_count()
-    steps, t0, prefill, decode = 0, time.perf_counter(), None, None  # (seconds, steps, tokens) at each window's end
+    steps, clock, prefill, decode = 0, Stopwatch(), None, None  # (seconds, steps, tokens) at each window's end
     past_prompts = False
 
     def sampled() -> int:  # tokens sampled so far (not those still in flight on the device)
@@ -498,15 +488,15 @@ def _mla_run(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> dic
         steps += 1
         tokens |= {o.request_id: list(o.outputs[0].token_ids) for o in finished}
         if prefill is None and past_prompts:  # a step later: with async scheduling the last prompt step is queued, not run
-            prefill = (time.perf_counter() - t0, steps, sampled())
+            prefill = (clock.seconds, steps, sampled())
         past_prompts = not sched.waiting and all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in sched.running)
         if finished and decode is None:
-            decode = (time.perf_counter() - t0, steps, sampled())
+            decode = (clock.seconds, steps, sampled())
             for rid in ids:
                 if rid not in tokens:
                     aborted = engine.abort_request_with_output(rid)
                     tokens[rid] = [t for t in aborted.outputs[0].token_ids if t >= 0] if aborted else []  # no placeholders
-    seconds = time.perf_counter() - t0
+    seconds = clock.seconds
     prefill = prefill or (seconds, steps, 0)
     decode = decode or (seconds, steps, sum(len(t) for t in tokens.values()))
     window_s, window_steps, window_tokens = decode[0] - prefill[0], decode[1] - prefill[1], decode[2] - prefill[2]
@@ -568,15 +558,15 @@ def stage_mla(args, out: Partial) -> None:
     # --tiny: two prompts over the CPU's 256-token step budget, so the second's prompt ends a step later (the abort)
     batches, prompt_len, output_tokens = ((1, 2), 160, 8) if tiny else ((1, 64), 1000, 128)
     latent, expanded = mla_kv_bytes.bytes_per_token(hf.architectures[0], hf, dtype=jnp.dtype(dtype))
-    rng = np.random.default_rng(0)
-    prompts = {b: [rng.integers(10, hf.vocab_size - 10, prompt_len).tolist() for _ in range(b)] for b in batches}
+    rng = np.random.default_rng(0)  # one generator for every batch: each batch's prompts follow the one before's
+    prompts = {b: random_prompts(b, prompt_len, 10, hf.vocab_size - 10, seed=rng) for b in batches}
     result = {"model": "DeepSeek-V3 (tiny)" if tiny else "DeepSeek-V2-Lite shape, 4 layers", "config": json.loads((folder / "config.json").read_text()),
               "dtype": dtype, "prompt_len": prompt_len, "output_tokens": output_tokens, "device": jax.devices()[0].device_kind,
               "formula_bytes_per_token": latent, "expanded_bytes_per_token": expanded, "sides": {}, "summary": []}  # fmt: skip
     out["mla"] = result
     tokens = {}
     for side, backend in MLA_SIDES:
-        t0 = time.perf_counter()
+        start = Stopwatch()
         llm = LLM(str(folder / "config.json"), dtype=dtype, attention_backend=backend, max_num_seqs=max(batches),
                   max_model_len=prompt_len + output_tokens + 16, num_kv_blocks=256 if tiny else 8192,
                   enable_prefix_caching=False, precompile=False, log_level="WARNING")  # fmt: skip
@@ -585,18 +575,18 @@ def stage_mla(args, out: Partial) -> None:
         # MlaAttention runs the cached context in a kernel for these two backends (Mosaic's where it takes the cache)
         path = {"TritonAttention": "the MLA Triton kernel", "MosaicAttention": "the MLA Mosaic kernel"}.get(type(chosen).__name__, "pure JAX")
         entry = {"attention_backend": backend, "attention": f"{type(chosen).__name__}: {path}",
-                 "kv_bytes_per_token": llm.get_stats()["kv_bytes_per_token"], "start_s": time.perf_counter() - t0, "runs": []}  # fmt: skip
+                 "kv_bytes_per_token": llm.get_stats()["kv_bytes_per_token"], "start_s": start.seconds, "runs": []}  # fmt: skip
         result["sides"][side] = entry
         out["mla"] = result
         for batch in batches:
-            t1 = time.perf_counter()
+            batch_clock = Stopwatch()
             # untimed: long enough that the whole batch decodes together, so the timed run's step shapes are met
             prompt_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
             _mla_run(engine, prompts[batch], min(output_tokens, prompt_steps + 8), f"w{batch}-")
             run = _mla_run(engine, prompts[batch], output_tokens, f"t{batch}-")
             if run["compiles"]:
                 run = {**_mla_run(engine, prompts[batch], output_tokens, f"r{batch}-"), "retimed_after_compiles": run["compiles"]}
-            run["warmup_and_runs_s"] = time.perf_counter() - t1
+            run["warmup_and_runs_s"] = batch_clock.seconds
             tokens[side, batch] = run.pop("tokens")
             entry["runs"].append(run)
             entry["compiles_after_warmup"] = engine.num_compiles_after_warmup
@@ -612,7 +602,7 @@ def stage_mla(args, out: Partial) -> None:
         gc.collect()
 
 
-stage_gemm_cublas = stage_gemm  # the same, run with XLA's Triton GEMMs off (cuBLAS for every dot): see main()
+stage_gemm_cublas = stage_gemm  # the same, run with XLA's Triton GEMMs off (cuBLAS for every dot): see stage_env()
 
 
 def stage_spec(args, out: Partial) -> None:
@@ -700,12 +690,12 @@ def stage_hf_cb(args, out: Partial) -> None:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
     model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    requests = workload(model.config.vocab_size, args.num_requests, args.lo, args.hi)
+    requests = nano_vllm_requests(model.config.vocab_size, args.num_requests, args.lo, args.hi)
     config = transformers.GenerationConfig(max_new_tokens=args.hi, do_sample=False, eos_token_id=None, pad_token_id=0)
     tokens = finished = 0
-    t0 = time.perf_counter()
+    with_warmup = Stopwatch()
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
-        started = time.perf_counter()
+        started = Stopwatch()
         for i, (ids, n) in enumerate(requests):
             manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n)
         while finished < len(requests):
@@ -717,9 +707,9 @@ def stage_hf_cb(args, out: Partial) -> None:
             if result.is_finished():
                 finished += 1
                 tokens += len(result.generated_tokens)
-    seconds = time.perf_counter() - started
+    seconds = started.seconds
     out["hf_cb"] = {"requests": finished, "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                    "with_warmup_s": time.perf_counter() - t0, "transformers": transformers.__version__}  # fmt: skip
+                    "with_warmup_s": with_warmup.seconds, "transformers": transformers.__version__}  # fmt: skip
 
 
 # -- the parent: budget, children, report -----------------------------------------------------------------------
@@ -739,25 +729,15 @@ def run_child(args) -> int:
 
 
 def environment() -> dict:
+    """The report's `env` (its keys as docs/data's reports hold them), from scripts/provenance.py's probes."""
     import platform
 
-    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(), "host_cpus": os.cpu_count()}
-    for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "transformers", "torch"):
-        try:
-            from importlib.metadata import version
-
-            env[dist] = version(dist)
-        except Exception:  # noqa: BLE001
-            pass
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15)  # fmt: skip
-        env["nvidia_smi"] = smi.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        env["nvidia_smi"] = None
+    env = {"date": provenance.today(), "python": platform.python_version(), "host_cpus": os.cpu_count()}
+    env |= provenance.versions(("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "transformers", "torch"))
+    env["nvidia_smi"] = provenance.nvidia_smi_text()
     env["load_avg"] = os.getloadavg()
     # what decides how a GPU executable's dispatch may wait on the host (allocator, client, in-flight limit)
-    env["runtime_env"] = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_", "PJRT_", "TF_", "CUDA_"))}
+    env["runtime_env"] = provenance.runtime_env()
     return env
 
 

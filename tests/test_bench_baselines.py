@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_serving  # noqa: E402
 import bench_throughput  # noqa: E402
 import machine_load  # noqa: E402
+import provenance  # noqa: E402
 import vllm_baseline  # noqa: E402
 
 linux_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -211,7 +212,7 @@ def test_throughput_runs_vllm_through_its_own_python(tmp_path, fake_vllm_python,
     log, out = tmp_path / "vllm.jsonl", tmp_path / "out.json"
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    monkeypatch.setattr(bench_throughput, "calibrate", lambda: {"f32_matmul_gflops_jax": 1.0})
+    monkeypatch.setattr(provenance, "calibrate", lambda: {"f32_matmul_gflops_jax": 1.0})
     bench_throughput.main(["--model", str(folder), "--vllm-python", fake_vllm_python, "--vllm-args", '{"max_num_seqs": 4}',
                            "--num-requests", "5", "--min-len", "4", "--max-len", "12", "--skip-jaxpaged", "--skip-hf-single",
                            "--hf-batch-size", "5", "--dtype", "float32", "--settle-s", "0", "--json", str(out)])  # fmt: skip
@@ -253,7 +254,7 @@ def test_structured_mode_runs_vllm_under_the_schema(tmp_path, fake_vllm_python, 
     folder = write_cycle_model(tmp_path / "model")
     log, out = tmp_path / "vllm.jsonl", tmp_path / "out.json"
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
-    monkeypatch.setattr(bench_throughput, "calibrate", lambda: {"f32_matmul_gflops_jax": 1.0})
+    monkeypatch.setattr(provenance, "calibrate", lambda: {"f32_matmul_gflops_jax": 1.0})
     argv = ["--num-requests", "5", "--min-len", "4", "--max-len", "12"]
     bench_throughput.main(["--model", str(folder), "--vllm-python", fake_vllm_python, "--structured", "--skip-jaxpaged", *argv,
                            "--settle-s", "0", "--json", str(out)])  # fmt: skip

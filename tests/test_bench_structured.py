@@ -17,6 +17,7 @@ from tests.structured_cases import SMALL_SCHEMA
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_throughput  # noqa: E402
+import provenance  # noqa: E402
 import vllm_runner  # noqa: E402
 
 
@@ -130,7 +131,7 @@ def test_structured_mode_end_to_end_on_the_cycle_model(tmp_path, monkeypatch, ca
     folder = write_cycle_model(tmp_path / "model")
     schema_file, out = tmp_path / "schema.json", tmp_path / "out.json"
     schema_file.write_text(json.dumps(SMALL_SCHEMA))
-    monkeypatch.setattr(bench_throughput, "calibrate", lambda: {"f32_matmul_gflops_jax": 1.0})
+    monkeypatch.setattr(provenance, "calibrate", lambda: {"f32_matmul_gflops_jax": 1.0})
     argv = ["--num-requests", "6", "--input-len-range", "8", "24", "--output-len-range", "64", "80"]
     bench_throughput.main(["--model", str(folder), "--structured", "--schema", str(schema_file), *argv, "--max-num-seqs", "4",
                            "--max-num-batched-tokens", "32", "--structured-repeats", "1", "--settle-s", "0", "--json", str(out)])  # fmt: skip

@@ -17,10 +17,11 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_report  # noqa: E402
 import trace_summary  # noqa: E402
+import workload  # noqa: E402
 
 
 def test_the_workload_is_the_issues():
-    requests = gpu_report.workload(vocab=128256, num_requests=256, lo=100, hi=1024)
+    requests = workload.nano_vllm_requests(vocab=128256, num_requests=256, lo=100, hi=1024)
     assert len(requests) == 256 and sum(n for _, n in requests) == 139_291
     assert all(100 <= len(ids) <= 1024 and 100 <= n <= 1024 for ids, n in requests)
     assert min(min(ids) for ids, _ in requests) >= 10 and max(max(ids) for ids, _ in requests) < 128256 - 10
