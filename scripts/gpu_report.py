@@ -175,7 +175,7 @@ def stage_warm(args, out: Partial) -> None:
 def add_roofline(llm, args, out: Partial, requests, bandwidth: float, flops: float) -> None:
     """The workload's memory floor (bench_throughput's model): tok/s at the measured ceilings, and the fraction met."""
     import transformers
-    from bench_throughput import model_cost, roofline
+    from roofline import model_cost, roofline
 
     hf_config = transformers.AutoConfig.from_pretrained(args.model_dir)
     roof = roofline([requests], model_cost(hf_config, args.dtype), llm.engine.config.max_num_seqs, bandwidth, flops)

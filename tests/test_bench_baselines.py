@@ -22,6 +22,7 @@ import bench_serving  # noqa: E402
 import bench_throughput  # noqa: E402
 import machine_load  # noqa: E402
 import provenance  # noqa: E402
+import throughput_structured  # noqa: E402
 import vllm_baseline  # noqa: E402
 
 linux_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -259,7 +260,7 @@ def test_structured_mode_runs_vllm_under_the_schema(tmp_path, fake_vllm_python, 
     bench_throughput.main(["--model", str(folder), "--vllm-python", fake_vllm_python, "--structured", "--skip-jaxpaged", *argv,
                            "--settle-s", "0", "--json", str(out)])  # fmt: skip
     workload = bench_throughput.make_workload(bench_throughput.parse_args(argv), 264)
-    schema = bench_throughput.builtin_schema(max(o for _, o in workload))
+    schema = throughput_structured.builtin_schema(max(o for _, o in workload))
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert calls[0]["init"]["kwargs"] == {"enable_prefix_caching": False}  # the runs repeat the prompts
     warm_free, warm_json, *timed = calls[1:]

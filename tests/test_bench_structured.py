@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_throughput  # noqa: E402
 import provenance  # noqa: E402
+import throughput_structured  # noqa: E402
 import vllm_runner  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def test_builtin_schema_cannot_end_before_the_longest_output():
     from jaxpaged.sampling_params import StructuredOutputsParams
     from tests.cycle_model import EOS_ID, VOCAB, _tokenizer
 
-    schema = bench_throughput.builtin_schema(2)
+    schema = throughput_structured.builtin_schema(2)
     assert schema["properties"]["records"]["minItems"] == 2
     manager = StructuredOutputManager(_tokenizer(), [EOS_ID], VOCAB)  # byte-level: one token per byte
     state = manager.new_state(StructuredOutputsParams(json=schema))
@@ -43,8 +44,8 @@ def test_builtin_schema_cannot_end_before_the_longest_output():
 
 
 def test_order_alternates_so_drift_falls_on_both_modes():
-    assert bench_throughput.structured_order(1) == ["free", "json"]
-    assert bench_throughput.structured_order(3) == ["free", "json", "json", "free", "free", "json"]
+    assert throughput_structured.structured_order(1) == ["free", "json"]
+    assert throughput_structured.structured_order(3) == ["free", "json", "json", "free", "free", "json"]
 
 
 def test_arguments():
@@ -58,7 +59,7 @@ def test_arguments():
 def test_outputs_are_checked_when_the_grammar_ended_them():
     outputs = [('{"name":"ab","ok":true,"color":"red"}', "stop"), ('{"name":"a', "length"),
                ('{"name":"toolong","ok":true,"color":"red"}', "stop"), ('{"name":', "stop")]  # fmt: skip
-    checked = bench_throughput.check_outputs(outputs, SMALL_SCHEMA)
+    checked = throughput_structured.check_outputs(outputs, SMALL_SCHEMA)
     assert checked["finish"] == {"stop": 3, "length": 1} and checked["checked"] == 3
     assert checked["valid"] == 1 and checked["invalid"] == 2
     assert checked["errors"][0].startswith("output 2: ValidationError") and checked["errors"][1].startswith("output 3: JSONDecodeError")
@@ -81,23 +82,23 @@ def test_decode_steps_keep_calls_that_touched_only_one_batch_size_of_pure_decode
         _step(0.5),  # nothing scheduled: only the previous call's step read
         _step(0.1),
     ]
-    assert bench_throughput.decode_steps(steps) == {2: [1.0, 1.2], 3: [1.5, 0.5]}
+    assert throughput_structured.decode_steps(steps) == {2: [1.0, 1.2], 3: [1.5, 0.5]}
 
 
 def test_step_comparison_prefers_the_full_batch():
     free = {4: [1.0, 1.0, 1.0], 3: [0.8] * 5}
     constrained = {4: [1.05, 1.08, 1.2], 3: [0.8] * 5, 2: [0.1] * 9}
     fill = {4: {"fill_ms": 0.4, "fill_us_per_row": 100.0, "accept_ms": 0.1}}
-    cmp = bench_throughput.step_comparison(free, constrained, 4, fill)
+    cmp = throughput_structured.step_comparison(free, constrained, 4, fill)
     assert cmp["rows"] == 4 and cmp["full_batch"] and cmp["overhead_pct"] == pytest.approx(8.0)
     assert cmp["overhead_pct_all_batch_sizes"] == pytest.approx(100 * (3 * 1.08 + 5 * 0.8) / (3 * 1.0 + 5 * 0.8) - 100)
     assert cmp["mask_fill_us_per_row"] == 100.0 and cmp["by_rows"]["2"]["free"] == {"steps": 0}
-    fallback = bench_throughput.step_comparison(free, constrained, 64, fill)
+    fallback = throughput_structured.step_comparison(free, constrained, 64, fill)
     assert fallback["rows"] == 4 and not fallback["full_batch"]
-    assert bench_throughput.structured_goal({"steps": cmp})["passed"] is None  # not batch 64
-    goal = bench_throughput.structured_goal({"steps": cmp | {"rows": 64}})
+    assert throughput_structured.structured_goal({"steps": cmp})["passed"] is None  # not batch 64
+    goal = throughput_structured.structured_goal({"steps": cmp | {"rows": 64}})
     assert goal == {"rows": 64, "max_overhead_pct": 10.0, "overhead_pct": cmp["overhead_pct"], "passed": True}
-    assert bench_throughput.step_comparison(free, {2: [0.1] * 9}, 4, {})["rows"] is None
+    assert throughput_structured.step_comparison(free, {2: [0.1] * 9}, 4, {})["rows"] is None
 
 
 @pytest.mark.parametrize("api", ["structured_outputs", "guided_decoding"])

@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_attention  # noqa: E402
 import bench_throughput  # noqa: E402
 import check_accelerator  # noqa: E402
+import roofline  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "check_accelerator.py"
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU behaviour")
@@ -168,23 +169,23 @@ def test_attention_goals_need_the_kernel_on_the_goal_case():
 def test_roofline_counts_steps_weights_and_kv():
     # 2 slots: requests (10 prompt, 3 out) and (5, 1) start at step 0, (7, 4) takes the second slot at step 1
     workload = [([1] * 10, 3), ([1] * 5, 1), ([1] * 7, 4)]
-    plan = bench_throughput.schedule(workload, max_num_seqs=2)
+    plan = roofline.schedule(workload, max_num_seqs=2)
     assert plan["steps"] == 5
     assert plan["kv_tokens_read"] == (10 + 11) + 0 + (7 + 8 + 9)
     assert plan["tokens_processed"] == plan["kv_tokens_written"] == 12 + 5 + 10
-    assert bench_throughput.schedule(workload, max_num_seqs=8)["steps"] == 4
-    cost = bench_throughput.ModelCost(weight_bytes=1000, matmul_params=500, kv_bytes_per_token=10, attn_flops_per_pair=0)
-    roof = bench_throughput.roofline([workload], cost, 2, bandwidth=100.0, flops=None)
+    assert roofline.schedule(workload, max_num_seqs=8)["steps"] == 4
+    cost = roofline.ModelCost(weight_bytes=1000, matmul_params=500, kv_bytes_per_token=10, attn_flops_per_pair=0)
+    roof = roofline.roofline([workload], cost, 2, bandwidth=100.0, flops=None)
     assert roof["bytes"] == 5 * 1000 + (45 + 27) * 10 and roof["memory_s"] == roof["seconds"] == roof["bytes"] / 100.0
     assert roof["bound"] == "memory" and roof["compute_s"] is None and roof["output_tokens"] == 8
-    compute_bound = bench_throughput.roofline([workload], cost, 2, bandwidth=100.0, flops=1.0)
+    compute_bound = roofline.roofline([workload], cost, 2, bandwidth=100.0, flops=1.0)
     assert compute_bound["bound"] == "compute" and compute_bound["seconds"] == 2 * 500 * 27
 
 
 def test_model_cost_of_llama_3_2_1b():
     """1.24B parameters with a tied head (the embedding table is the head: streamed every step); 16 layers of 8 KV
     heads of 64 in bf16 keep 32 KiB of K/V per token."""
-    cost = bench_throughput.model_cost(bench_throughput.hf_config(REPO / "scripts" / "configs" / "llama-3.2-1b.json"), "bfloat16")
+    cost = roofline.model_cost(bench_throughput.hf_config(REPO / "scripts" / "configs" / "llama-3.2-1b.json"), "bfloat16")
     assert cost.matmul_params == 1_235_814_400 and cost.weight_bytes == 2 * 1_235_814_400
     assert cost.kv_bytes_per_token == 2 * 16 * 8 * 64 * 2 and cost.attn_flops_per_pair == 4 * 16 * 32 * 64
 
