@@ -342,11 +342,12 @@ def load_model(
         )
     t0 = time.perf_counter()
     timed: dict[str, float] = {}  # the readers' own phases besides the weights (LoadedModel.load_seconds)
-    # the weights' cast and transpose programs, kept with the steps' executables (a warm start compiles none)
-    # (compiled on threads while the weights stream in; closed below)
-    programs = WeightPrograms(ExecutableCache(convert_cache.cache_root(cache_dir) / "executables") if use_cache else None,
-                              threads=WEIGHT_COMPILE_THREADS)  # fmt: skip
     orbax_item = orbax_io.checkpoint_item(path) if path.is_dir() and not any(path.glob("*.safetensors")) else None
+    # the weights' cast and transpose programs, kept with the steps' executables (a warm start compiles none),
+    # compiled on threads while the weights stream in; an Orbax checkpoint is restored as saved and needs none
+    programs = None if orbax_item is not None else WeightPrograms(
+        ExecutableCache(convert_cache.cache_root(cache_dir) / "executables") if use_cache else None,
+        threads=WEIGHT_COMPILE_THREADS)  # fmt: skip
     for name, value in (("hf_config", hf_config), ("checkpoint_mapping", checkpoint_mapping)):
         if value is not None and orbax_item is None:
             raise ValueError(f"{name} applies to Orbax checkpoints, and {path} is not one")
@@ -379,7 +380,8 @@ def load_model(
         else:
             raise ValueError(f"cannot load {path}: expected an HF folder, a .gguf file or a config.json")
     finally:
-        programs.close()
+        if programs is not None:
+            programs.close()
     module, cfg, hf_config, tokenizer, weights_s, skipped = result
     size = param_bytes(nnx.state(module, nnx.Param))
     logger.info(

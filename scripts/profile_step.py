@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from jaxpaged import LLM, RequestOutputKind, SamplingParams
-from jaxpaged.worker.model_runner import DispatchedStep
+from jaxpaged.worker.step_output import DispatchedStep
 
 PHASES = ("schedule", "pack", "dispatch", "wait", "process")
 

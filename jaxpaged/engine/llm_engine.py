@@ -44,7 +44,8 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.utils import compile_monitor
 from jaxpaged.utils.text import ChatPrompt, render_chat_prompt
-from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, StepResult
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.step_output import DispatchedStep, StepResult
 from jaxpaged.worker.pipeline_runner import PipelineRunner
 
 logger = logging.getLogger("jaxpaged.engine")
@@ -215,12 +216,12 @@ class LLMEngine:
     def _uses_harmony(self) -> bool:
         """GPT-OSS renders its chat prompts with openai-harmony (the `harmony` extra); without the package or its
         vocabulary the chat template does, with a warning."""
-        from jaxpaged.utils.harmony import harmony_encoding, stop_token_ids, uses_harmony
+        from jaxpaged.utils.harmony import CHAT_FORMAT, harmony_encoding, stop_token_ids, uses_harmony
 
         if not uses_harmony(self.loaded.config.architecture):
             return False
         try:
-            harmony_encoding("GPT-OSS's harmony chat format")
+            harmony_encoding(CHAT_FORMAT)
         except (ImportError, ValueError) as exc:
             logger.warning("GPT-OSS's chat prompts go through the checkpoint's chat template, not openai-harmony: %s", exc)
             return False

@@ -16,7 +16,7 @@ from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind
-from jaxpaged.worker.model_runner import StepResult
+from jaxpaged.worker.step_output import StepResult
 
 
 @dataclasses.dataclass(eq=False)

@@ -10,7 +10,7 @@ proposal at its first token it refuses. Beams do not speculate (the host picks t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 

@@ -31,7 +31,8 @@ from jaxpaged.core.kv_cache_manager import KVCacheManager, freeing_window, slot_
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.pallas_kernels import AttentionMetadata
 from jaxpaged.spec_decode.config import SpeculativeConfig
-from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner
+from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.step_output import DispatchedStep
 from jaxpaged.worker.input_batch import StepInputs
 
 logger = logging.getLogger("jaxpaged.spec_decode")

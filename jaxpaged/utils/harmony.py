@@ -85,7 +85,7 @@ def harmony_encoding(purpose: str = "the gpt_oss reasoning parser"):
     return _ENCODING
 
 
-_PURPOSE = "GPT-OSS's harmony chat format"
+CHAT_FORMAT = "GPT-OSS's harmony chat format"  # what needs openai-harmony, in its errors
 REASONING_EFFORTS = ("low", "medium", "high")
 HARMONY_ARCHITECTURES = ("GptOssForCausalLM",)
 
@@ -104,7 +104,7 @@ def check_reasoning_effort(value: Any) -> str | None:
 
 def stop_token_ids() -> list[int]:
     """The tokens that end an assistant's turn in harmony: `<|return|>` (an answer) and `<|call|>` (a tool call)."""
-    return list(harmony_encoding(_PURPOSE).stop_tokens_for_assistant_actions())
+    return list(harmony_encoding(CHAT_FORMAT).stop_tokens_for_assistant_actions())
 
 
 def _text(content: Any) -> str:
@@ -126,7 +126,7 @@ def _arguments(arguments: Any) -> str:
 def system_message(reasoning_effort: str | None = None, tools: bool = False, start_date: str | None = None):
     """harmony's system message: its default identity and knowledge cutoff, the effort (medium unless given), the
     conversation's start date (today unless given), and `commentary` among the channels only with tools."""
-    h = require("openai_harmony", _PURPOSE)
+    h = require("openai_harmony", CHAT_FORMAT)
     effort = {"low": h.ReasoningEffort.LOW, "medium": h.ReasoningEffort.MEDIUM, "high": h.ReasoningEffort.HIGH}
     content = (
         h.SystemContent.new()
@@ -141,7 +141,7 @@ def system_message(reasoning_effort: str | None = None, tools: bool = False, sta
 
 def developer_message(instructions: str | None, tools: list[dict] | None):
     """The developer message: the request's instructions and its function tools, or None when it has neither."""
-    h = require("openai_harmony", _PURPOSE)
+    h = require("openai_harmony", CHAT_FORMAT)
     if not instructions and not tools:
         return None
     content = h.DeveloperContent.new()
@@ -159,7 +159,7 @@ def developer_message(instructions: str | None, tools: list[dict] | None):
 def conversation_messages(messages: list[dict]) -> list:
     """The harmony messages of an OpenAI conversation's user, assistant and tool turns (system and developer
     messages go to the developer message: `instructions()`)."""
-    h = require("openai_harmony", _PURPOSE)
+    h = require("openai_harmony", CHAT_FORMAT)
     out = []
     names: dict[str, str] = {}  # tool_call_id -> the function it called, for the tool results that answer it
     for m in messages:
@@ -213,7 +213,7 @@ def harmony_conversation(
     start_date: str | None = None,
 ):
     """The openai-harmony Conversation of an OpenAI chat request."""
-    h = require("openai_harmony", _PURPOSE)
+    h = require("openai_harmony", CHAT_FORMAT)
     head = [system_message(reasoning_effort, tools=bool(tools), start_date=start_date)]
     developer = developer_message(instructions(messages), tools)
     head += [developer] if developer is not None else []
@@ -230,9 +230,9 @@ def render_harmony_prompt(
     """The prompt's token ids: the conversation rendered by openai-harmony for the assistant's completion (or as it
     is, without `<|start|>assistant`, when add_generation_prompt is false). ValueError for a conversation harmony
     cannot render."""
-    h = require("openai_harmony", _PURPOSE)
+    h = require("openai_harmony", CHAT_FORMAT)
     conversation = harmony_conversation(messages, tools, reasoning_effort, start_date)
-    encoding = harmony_encoding(_PURPOSE)
+    encoding = harmony_encoding(CHAT_FORMAT)
     try:
         if add_generation_prompt:
             return list(encoding.render_conversation_for_completion(conversation, h.Role.ASSISTANT))

@@ -10,13 +10,9 @@ the new K/V in place. Under tensor parallelism both run under the runner's mesh 
 from __future__ import annotations
 
 import atexit
-import bisect
 import contextlib
 import dataclasses
 import functools
-import logging
-import math
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,83 +21,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
-from jaxpaged.core.kv_cache_coordinator import KVGroups, kv_groups
-from jaxpaged.core.kv_cache_manager import freeing_window, max_blocks_held
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models import lora
 from jaxpaged.models.fused_projections import fuse_projections
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.quantization import is_quantized, quantize_activations
 from jaxpaged.models.weights import param_bytes
-from jaxpaged.pallas_kernels import copy_blocks, kv_cache_shape, write_kv
+from jaxpaged.pallas_kernels import kv_cache_shape, write_kv, copy_blocks
 from jaxpaged.pallas_kernels.state_cache import HybridCache, copy_states
-from jaxpaged.pallas_kernels.kv_quant import empty_quantized_kv, kv_bytes_per_token_head
 from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
-from jaxpaged.utils import compile_monitor
+from jaxpaged.worker.bucket_compiles import BucketCompiles, token_buckets
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
+from jaxpaged.worker.kv_memory import KVMemory, kv_pool
+from jaxpaged.worker.lora_slots import LoRASlots
 from jaxpaged.worker.packing import Packed
 from jaxpaged.worker.sampler import DYNAMIC, NUM_TOP_LOGPROBS, SamplerPlan, SamplingMetadata, prompt_logprobs, sample, _blank as _blank_array
-from jaxpaged.worker.sampler import build_sampling_metadata, bitmask_words
-from jaxpaged.worker.sampler_plans import SamplerPlans, sampler_name
+from jaxpaged.worker.sampler_plans import SamplerPlans
+from jaxpaged.worker.step_output import DispatchedStep, StepRef, StepResult
 from jaxpaged.worker.weight_update import LoadedLayout
 
-logger = logging.getLogger("jaxpaged.runner")
 # The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its three large arrays, sent apart
 # (ModelRunner._sampling_args). Its structure is fixed once here (a dataclasses.replace per step cost ~25 us).
 _LARGE_FIELDS = ("history", "bitmask", "suppress_ids")
 _KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in _LARGE_FIELDS)
 _KNOBS_TREEDEF = jax.tree_util.tree_structure(
     SamplingMetadata(**dict.fromkeys(_KNOB_FIELDS, 0), **dict.fromkeys(_LARGE_FIELDS)))
-KV_STORAGE = {"int8": jnp.int8, "fp8": jnp.uint8}  # an 8-bit cache's element type, per kv_cache_dtype
-
-
-def token_buckets(max_tokens: int, max_seqs: int | None = None, smallest: int = 4) -> list[int]:
-    """Step sizes T that steps are padded to: 4, 8, 16, then about 25% apart (multiples of 8) up to max_seqs, then
-    powers of two up to max_tokens. Decode steps fall below max_seqs and shrink one finished request at a time, so
-    the finer spacing there keeps a draining batch fuller for a few more compiles (docs/benchmarks.md)."""
-    buckets, b = [], min(smallest, max_tokens)
-    while b < max_tokens:
-        buckets.append(b)
-        fine = max_seqs is not None and b < max_seqs
-        b = min(-(-b * 5 // 4 // 8) * 8, max_seqs) if fine else b * 2
-        b = max(b, buckets[-1] + 1)
-    return buckets + [max_tokens]
-
-
-def _abstract(leaf):
-    """A device array as its shape, dtype and placement only: a background compile must not touch the KV cache
-    the running steps donate."""
-    if isinstance(leaf, jax.Array):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding, weak_type=leaf.weak_type)
-    return leaf
-
-
-def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, device, layer_groups=None) -> tuple:
-    """An empty KV array on `device` (or split over `mesh` by KV head), and its donated write and block copy (with
-    KV cache groups, each layer's (group, index) in layer_groups)."""
-    write_fn = write_kv if layer_groups is None else functools.partial(write_kv, layer_groups=layer_groups)
-
-    def empty():
-        if kv_cache_dtype == "auto":
-            return jnp.zeros(shape, storage_dtype)
-        # 8-bit values and a float32 scale per token and head; fp8 kept as its uint8 bits, so that writes scatter
-        # bytes in place (XLA:CPU rewrote an fp8 scatter over the whole pool) and every reader decodes the bits
-        return empty_quantized_kv(shape, kv_cache_dtype, KV_STORAGE[kv_cache_dtype])
-
-    if mesh is None:
-        with jax.default_device(device):
-            cache = empty()
-        return cache, jax.jit(write_fn, donate_argnums=(0,)), jax.jit(copy_blocks, donate_argnums=(0,))
-    from jaxpaged.models.sharding import kv_cache_sharding
-
-    split = kv_cache_sharding(mesh, kv_cache_dtype)
-    write = jax.jit(write_fn, donate_argnums=(0,), out_shardings=split)
-    return jax.jit(empty, out_shardings=split)(), write, jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=split)
 
 
 def logits_and_prompt(model, hidden: jax.Array, logit_rows: jax.Array, prompt_next_ids: jax.Array) -> tuple:
@@ -117,47 +65,9 @@ def logits_and_prompt(model, hidden: jax.Array, logit_rows: jax.Array, prompt_ne
     return logits, prompt
 
 
-@dataclasses.dataclass
-class DispatchedStep:
-    """A step handed to the device: its outputs are futures until fetch() reads them back.
+class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
+    """The device side of the engine; its compiles, sizing and adapters live in the mixins' modules."""
 
-    The forward pass and the sampler are two dispatches: a step whose sampling needs the previous step's
-    tokens on the host (a grammar's mask, a penalty's history) runs its forward first and is sampled once
-    they are read (ModelRunner.sample), so the device computes the forward while the host catches up.
-    """
-
-    bucket: int
-    logits: jax.Array | None  # [S, V] of the sampling rows, until sampled
-    prompt: tuple | None  # prompt logprobs (device arrays), when some row wants them
-    out: object = None  # the sampler's output (device arrays)
-    sampled: jax.Array | None = None  # [max_num_seqs] the sampled tokens, padded: the next step's inputs, kept on the device
-    want_top: bool = False
-    seq: int = -1  # the runner's count of dispatched steps: followers of a process group find theirs by it
-
-    def fetch(self) -> StepResult:
-        get = lambda tree: jax.tree.map(distributed.host_value, tree)  # noqa: E731
-        tokens, logprobs = get((self.out.tokens, self.out.logprobs))
-        top_ids, top_lp = get((self.out.top_ids, self.out.top_logprobs)) if self.want_top else (None, None)
-        return StepResult(tokens, logprobs, top_ids, top_lp, get(self.prompt) if self.prompt is not None else None)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRef:
-    """A DispatchedStep named in a message to followers, who hold their own copy of it."""
-
-    seq: int
-
-
-@dataclasses.dataclass
-class StepResult:
-    tokens: np.ndarray  # [S]
-    logprobs: np.ndarray  # [S] of the sampled tokens
-    top_ids: np.ndarray | None  # [S, 20] when some row asked for logprobs
-    top_logprobs: np.ndarray | None
-    prompt: tuple[np.ndarray, ...] | None = None  # prompt_logprobs per row: (logprob, rank, top ids, top logprobs)
-
-
-class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
                  executable_dir=None, devices: Sequence[jax.Device] | None = None):  # fmt: skip
         self.config = config
@@ -345,146 +255,6 @@ class ModelRunner:
         background = self.single_device and not distributed.is_multiprocess()
         return SamplerPlans(self, static=static, background=background, jit_kwargs=jit_kwargs)
 
-    # -- sizing -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _kv_groups(config: EngineConfig, model_config) -> KVGroups | None:
-        if config.disable_hybrid_kv_cache_manager:
-            return None
-        return kv_groups(model_config.sliding_windows, model_config.num_layers)
-
-    @property
-    def kv_layers(self) -> int:
-        """The cache's first axis: every layer, or with KV cache groups the layers of one group."""
-        return self.model_config.num_kv_layers if self.kv_groups is None else self.kv_groups.size
-
-    @property
-    def state_bytes(self) -> int:
-        """The state cache's bytes (hybrid models; 0 for others), over every slot and linear layer."""
-        return 0 if self.state_spec is None else self.num_state_slots * self.state_spec.slot_bytes
-
-    def _state_plan(self) -> str:
-        if self.state_spec is None:
-            return ""
-        spec = self.state_spec
-        return (f"; {spec.num_layers} linear layers' states beside it, {self.num_state_slots} slots of "
-                f"{spec.slot_bytes / 1e6:.2f} MB ({self.state_bytes / 1e6:.1f} MB), the KV serving the "
-                f"{self.model_config.num_kv_layers} attention layers; prefix caching off")
-
-    @property
-    def block_bytes(self) -> int:
-        """One block's bytes over the layers it serves (every layer, or one group's), K and V and KV head (an 8-bit
-        cache's scales included)."""
-        cfg = self.model_config
-        per_token_head = kv_bytes_per_token_head(cfg.head_dim, self.config.kv_cache_dtype, self.dtype)
-        return self.kv_layers * 2 * cfg.num_kv_heads * self.block_size * per_token_head
-
-    def memory_plan(self) -> str:
-        """What start-up put on the device: weights (and how they are stored), the KV pool and the tokens it holds."""
-        weights = param_bytes(self.state) / 1e6
-        scheme = self.weight_scheme
-        kv = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else jnp.dtype(self.dtype).name
-        tokens = self.num_blocks * self.block_size
-        per_token = self.block_bytes / self.block_size / 1e3
-        window = freeing_window(self.model_config.sliding_windows)
-        held = "" if window is None else (
-            f"; sliding window {window}: blocks behind it go back to the pool, so a {self.history_width}-token sequence "
-            f"holds at most {self.seq_blocks} blocks ({self.num_blocks // self.seq_blocks} such sequences at once)")
-        if self.kv_groups is not None:
-            groups = self.kv_groups
-            held = (f"; KV cache groups: {len(groups.layers)} of {groups.size} layers (windows {list(groups.windows)}), "
-                    f"a block serving one group; windowed groups give back what their window left, so a "
-                    f"{self.history_width}-token sequence holds at most {self.seq_blocks} blocks over all groups "
-                    f"({self.num_blocks // self.seq_blocks} such sequences at once)")  # fmt: skip
-        return (f"weights {weights:.1f} MB ({jnp.dtype(self.dtype).name}, quantization: {scheme}); KV cache {self.num_blocks} blocks "
-                f"of {self.block_size} tokens in {kv} ({self.num_blocks * self.block_bytes / 1e6:.1f} MB, {per_token:.1f} kB a token), "
-                f"up to {tokens} tokens held at once{held}{self._state_plan()}")  # fmt: skip
-
-    @property
-    def seq_blocks(self) -> int:
-        """The most blocks one max_model_len sequence holds at once: its table's width, or with a freeing sliding
-        window about the window's (jaxpaged/core/kv_cache_manager.py)."""
-        step = self.config.max_num_batched_tokens
-        if self.kv_groups is not None:
-            return self.kv_groups.blocks_held(self.history_width, self.block_size, step)
-        return max_blocks_held(self.history_width, self.block_size, freeing_window(self.model_config.sliding_windows), step)
-
-    def check_memory(self, weight_bytes: int) -> None:
-        """Before the KV pool is allocated: the weights and one max_model_len sequence's KV must fit this engine's
-        devices. Logs how many devices the model and context need; a ValueError saying so when they do not fit."""
-        per_device, shared = self.platform.device_memory(self.device)
-        need = weight_bytes + self.seq_blocks * self.block_bytes + (self.state_spec.slot_bytes if self.state_spec else 0)
-        n = self.config.devices_per_replica
-        if per_device is None:
-            return
-        usable = per_device * (1.0 if shared else (self.config.kv_cache_memory_fraction or 1.0))
-        devices_needed = 1 if shared else max(1, math.ceil(need / usable))
-        gb = 1e9
-        logger.info("memory: weights %.2f GB + one %d-token sequence's KV %.2f GB = %.2f GB: %s", weight_bytes / gb,
-                    self.history_width, (need - weight_bytes) / gb, need / gb,
-                    f"fits in the host's {usable / gb:.1f} GB" if shared else
-                    f"needs {devices_needed} device(s) of {usable / gb:.1f} GB usable; this engine spans {n}")  # fmt: skip
-        if need > usable * (1 if shared else n):
-            where = f"the host's {usable / gb:.1f} GB" if shared else f"{n} device(s) of {usable / gb:.1f} GB usable"
-            raise ValueError(
-                f"this model needs {need / gb:.2f} GB for its weights and one {self.history_width}-token sequence's KV cache, "
-                f"more than {where}; " + ("lower max_model_len or use a smaller dtype or quantization" if shared else
-                f"tensor_parallel_size x pipeline_parallel_size must reach {devices_needed} devices (or lower max_model_len)")
-            )  # fmt: skip
-
-    def _pool_size(self, weight_bytes: int) -> int:
-        self.check_memory(weight_bytes)
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        return self.platform.num_kv_blocks(
-            self.config, block_bytes=self.block_bytes, weight_bytes=weight_bytes, table_width=self.seq_blocks,
-            reserved_bytes=self._workspace_bytes() + self.state_bytes,
-        )
-
-    def _workspace_bytes(self) -> int:
-        """Device memory the largest sampler (and prompt-logprobs executable, and vision encoder) takes beyond its
-        inputs, read from the compiled executables before the pool takes what is left: none reads the pool, so they
-        compile now and warm-up keeps them. On an H100 the 256-row sampler's 5.9 GB did not fit in the 10% the pool
-        left."""
-        if not self.platform.reserve_step_workspace or not self.single_device:
-            return 0
-        t = self.buckets[-1]
-        rows = self.bucket_for(t)[1]
-        state = jax.tree_util.tree_map(_abstract, self.state)
-        hidden = jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.dtype, sharding=self._sharding)
-        vocab = jax.eval_shape(lambda st, h: nnx.merge(self.graphdef, st).compute_logits(h), state, hidden).shape[-1]
-        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=self._sharding)
-        sampling = build_sampling_metadata([], rows, self.history_width, self._max_suppress,
-                                           bitmask_words(self.model_config.vocab_size))  # fmt: skip
-        no_sampled = jax.ShapeDtypeStruct((self.config.max_num_seqs,), jnp.int32, sharding=self._sharding)
-        args = (logits, *jax.tree_util.tree_map(_abstract, self._sampling_args(sampling)), no_sampled)
-        compiled = []
-        with compile_monitor.expected():  # kept for warm-up, which then compiles the rest
-            for plan in self._samplers.warm_plans:
-                name = sampler_name(plan)
-                compiled.append(self.executables.compile(name, self._samplers.jitted(plan), args))
-                self._compiled[name, rows] = compiled[-1]
-            if self._prompt_apart:
-                next_ids = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=self._sharding)
-                compiled.append(self.executables.compile("prompt", self._prompt, (state, hidden, next_ids)))
-                self._compiled["prompt", t] = compiled[-1]
-            if self.mm is not None:  # the vision encoder at its largest bucket
-                bucket = self.mm.buckets[-1]
-                batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=self._sharding),
-                                               self.mm.adapter.batch([], bucket))  # fmt: skip
-                dst = jax.ShapeDtypeStruct((self.mm.adapter.rows_for(bucket),), jnp.int32, sharding=self._sharding)
-                compiled.append(self.executables.compile("encode", self.mm._encode, (state, _abstract(self.mm.array), batch, dst)))
-                self._compiled["encode", bucket] = compiled[-1]
-        need = 0
-        for executable in compiled:
-            try:
-                memory = executable.memory_analysis()
-                need = max(need, memory.temp_size_in_bytes + memory.output_size_in_bytes)
-            except Exception:  # noqa: BLE001 (a backend without memory analysis: the pool's margin must do)
-                return 0
-        logger.info("memory: %.2f GB kept for the largest workspace of the sampler, prompt logprobs or encoder", need / 1e9)
-        return need
-
     @property
     def _sharding(self) -> jax.sharding.Sharding:
         return jax.sharding.SingleDeviceSharding(self.device)
@@ -524,44 +294,6 @@ class ModelRunner:
         out = sample(logits, sampling_metadata, plan)
         sampled = jnp.zeros_like(no_sampled).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
         return out, sampled
-
-    def bucket_for(self, num_tokens: int) -> tuple[int, int]:
-        """(T, S) padded sizes for a step of num_tokens tokens."""
-        for b in self.buckets:
-            if num_tokens <= b:
-                return b, min(b, self.config.max_num_seqs)
-        raise ValueError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens ({self.buckets[-1]})")
-
-    def step_bucket(self, num_tokens: int) -> tuple[int, int]:
-        """(T, S) for a step of num_tokens tokens: the smallest bucket ready. While background_compile compiles the
-        others, a step is padded to a larger bucket instead of waiting for its own."""
-        if len(self.ready_buckets) < len(self.buckets):
-            self._collect_background()
-        for b in self.ready_buckets:
-            if num_tokens <= b:
-                return b, min(b, self.config.max_num_seqs)
-        return self.bucket_for(num_tokens)  # (its error)
-
-    def finish_background_compiles(self) -> float | None:
-        """Wait for background_compile's buckets and the sampler plans compiling (benchmarks, tests): the seconds from
-        warm-up to the last bucket, or None."""
-        for future in list(self._pending.values()):
-            future.result()
-        if len(self.ready_buckets) < len(self.buckets):
-            self._collect_background()
-        self._samplers.finish()
-        return self.background_compile_seconds
-
-    def _collect_background(self) -> None:
-        """Take in the background compiles that are done."""
-        for t, future in list(self._pending.items()):
-            if future.done():
-                self._compiled.update(self._pending.pop(t).result())
-                bisect.insort(self.ready_buckets, t)
-                self._store_executables()
-        if len(self.ready_buckets) == len(self.buckets):
-            self.background_compile_seconds = time.perf_counter() - self._warmup_started
-            logger.info("every step bucket compiled, %.1fs after warm-up began", self.background_compile_seconds)
 
     def _blank(self, name: str, array: np.ndarray, needed: bool) -> jax.Array | np.ndarray:
         """A per-row input that is blank in this step (no penalties: the history; no constraint: the mask) is one
@@ -788,63 +520,6 @@ class ModelRunner:
             return (*args, self.lora_weights, self.mm.array)
         return args if self.lora_weights is None else (*args, self.lora_weights)
 
-    def prefetch(self, num_tokens: int) -> None:
-        """Compile (or load) a bucket's step and KV write on a background thread, for a later step to pick up.
-        One device only; the compile is one that precompile-off or warm-up asked for."""
-        t, _ = self.bucket_for(num_tokens)
-        if not self.single_device or (self._step_name, t) in self._compiled or t in self._pending:
-            return
-        if self._background is None:
-            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-compile")
-        self._pending[t] = self._background.submit(self._bucket_compiler(t))
-
-    def _bucket_compiler(self, t: int):
-        """A call that compiles (or loads) bucket t's forward, KV write and, unless another has it, its sampler, leaving
-        them unstored (store_pending, on the main thread): -> {(name, bucket): executable}."""
-        step = self.input_batch.blank(t)
-        args = jax.tree_util.tree_map(_abstract, self._forward_args(step, None))
-        sampling = jax.tree_util.tree_map(_abstract, self._sampling_args(step.sampling))
-
-        _, rows = self.bucket_for(t)
-        # one sampler per row count and warm plan: unless compiled, or queued beside another bucket with as many rows
-        plans = self._samplers.warm_plans
-        with_sampler = (sampler_name(plans[0]), rows) not in self._compiled and all(
-            self.bucket_for(p)[1] != rows for p in self._pending)  # fmt: skip
-
-        def compile_all():
-            with compile_monitor.expected():
-                if self._fused is not None:
-                    forward = self.executables.compile("step", self._fused, args, store_now=False)
-                    ready = {("step", t): forward}
-                    self._check_fused_in_place(forward, t)
-                else:
-                    forward = self.executables.compile("forward", self._forward, args, store_now=False)
-                    write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]), store_now=False)
-                    ready = {("forward", t): forward, ("write", t): write}
-                if self._prompt_apart and ("prompt", t) not in self._compiled:
-                    next_ids = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=forward.out_info[1].sharding)
-                    ready["prompt", t] = self.executables.compile("prompt", self._prompt, (args[0], forward.out_info[1], next_ids),
-                                                                  store_now=False)  # fmt: skip
-                for plan in plans if with_sampler else ():
-                    name = sampler_name(plan)
-                    ready[name, rows] = self.executables.compile(
-                        name, self._samplers.jitted(plan), (forward.out_info[0], *sampling, args[3]), store_now=False)
-            return ready
-
-        return compile_all
-
-    def _check_fused_in_place(self, executable, bucket: int) -> None:
-        """fused_kv_write pays only where XLA writes the donated cache in place: say so where it copies it instead
-        (XLA:CPU does, its temporaries as large as the cache)."""
-        try:
-            temp = executable.memory_analysis().temp_size_in_bytes
-        except Exception:  # noqa: BLE001 (a backend without memory analysis)
-            return
-        cache = self.block_bytes * self.num_blocks  # (not the array itself: a step running beside may have donated it)
-        if temp >= cache // 2:
-            logger.warning("fused_kv_write: the %d-token step copies the KV cache (%.1f MB of temporaries for a %.1f MB "
-                           "cache), so it is slower than a separate write here", bucket, temp / 1e6, cache / 1e6)
-
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> StepResult:
         return self.dispatch(step, copies).fetch()
 
@@ -852,121 +527,3 @@ class ModelRunner:
         if num_tokens not in self._blank_prompt_ids:
             self._blank_prompt_ids[num_tokens] = np.full(num_tokens, -1, np.int32)
         return self._blank_prompt_ids[num_tokens]
-
-    def _executable(self, name: str, jitted, bucket: int, args: tuple) -> jax.stages.Compiled:
-        """The compiled `name` for a bucket: compiled (or loaded from disk) on first use, at warm-up unless
-        precompile is off. Called directly, a Compiled refuses other shapes instead of compiling them."""
-        compiled = self._compiled.get((name, bucket))
-        if compiled is None:
-            t0 = time.perf_counter()
-            pending = self._pending.pop(bucket, None) if name in ("forward", "write", "step", "prompt") else None
-            if pending is not None:  # prefetched: wait for the background compile
-                self._compiled.update(pending.result())
-                compiled = self._compiled[(name, bucket)]
-                self._store_executables()
-            else:
-                self._quiesce()
-                lazily = contextlib.nullcontext() if self.config.precompile else compile_monitor.expected()
-                with lazily:
-                    compiled = self._compiled[(name, bucket)] = self.executables.compile(name, jitted, args)
-            self.compile_seconds += time.perf_counter() - t0
-        return compiled
-
-    def _store_executables(self) -> None:
-        """Store the background compiles' executables, here on the main thread once the steps in flight are done."""
-        if self.executables.has_unstored:
-            self._quiesce()
-            self.executables.store_pending()
-
-    def _quiesce(self) -> None:
-        """Wait for the steps in flight before compiling here: storing an executable (serializing it) while another
-        runs crashed XLA:CPU now and then (a segfault in serialize_executable, always during warm-up)."""
-        if self.executables.directory is None:
-            return
-        last = self._dispatched.get(self._num_dispatched - 1)
-        jax.block_until_ready([self.kv_cache, *(() if last is None else (last.sampled, last.logits, last.out))])
-
-    # -- LoRA --------------------------------------------------------------------------------
-
-    def _lora_slots(self, base_config) -> dict:
-        """The empty stacked LoRA arrays (models/lora.py) on this runner's devices, and their jitted slot write,
-        compiled now with an empty slot so that adapters loaded later compile nothing."""
-        cfg, r = self.config, self.config.max_lora_rank
-        self._lora_shapes = lora.target_shapes(self.model_config, self.lora_targets)
-        # tensor parallelism may have widened the KV heads: k/v's B columns repeat as the base's did
-        self._lora_kv_repeat = (self.model_config.num_kv_heads // base_config.num_kv_heads, self.model_config.head_dim)
-        weights = lora.empty_weights(self._lora_shapes, cfg.max_loras, r, self.dtype)
-        if self.mesh is None:
-            weights = jax.device_put(weights, self.device)
-            self._lora_write = jax.jit(lora.write_slot, donate_argnums=(0,))
-        else:
-            shardings = lora.weight_shardings(self.mesh, weights)
-            weights = jax.device_put(weights, shardings)
-            self._lora_write = jax.jit(lora.write_slot, donate_argnums=(0,), out_shardings=shardings)
-        self.lora_weights = weights
-        self.write_lora_slot(0, None)
-        logger.info("LoRA: %d slots of rank %d over %s (%.1f MB)", cfg.max_loras, r, ", ".join(self.lora_targets),
-                    sum(a.nbytes + b.nbytes for a, b in self.lora_weights.values()) / 1e6)  # fmt: skip
-        return self.lora_weights
-
-    def write_lora_slot(self, slot: int, adapter) -> None:
-        """Slot `slot` of the stacked arrays becomes `adapter` (None: empty), in place (donated)."""
-        arrays = lora.slot_arrays(adapter, self._lora_shapes, self.config.max_lora_rank, self.dtype, self._lora_kv_repeat)
-        with self._on_mesh():
-            self.lora_weights = self._lora_write(self.lora_weights, self._put(np.int32(slot)), self._put(arrays))
-
-    def _lora_active(self, lora_weights, lora_slots):
-        """While the step is traced: the adapters for the wrapped projections; nothing without LoRA."""
-        if lora_weights is None:
-            return contextlib.nullcontext()
-        return lora.active(lora_weights, lora_slots[0], self.config.max_loras, self.config.max_lora_rank)
-
-    # -- warm-up -----------------------------------------------------------------------------
-
-    def warmup(self) -> float:
-        """Compile (or load) every bucket now, so serving never compiles; nothing when precompile is off."""
-        if not self.config.precompile:
-            logger.info("step buckets %s are compiled on first use (precompile off)", self.buckets)
-            return 0.0
-        t0 = self._warmup_started = time.perf_counter()
-        # XLA compiles outside the GIL: the buckets side by side, a thread per two cores (each compile uses more than
-        # one; on 2 cores two threads measured no faster than one)
-        workers = min(len(self.buckets), (os.cpu_count() or 2) // 2, 8)
-        background = self.config.background_compile and self.single_device and self.channel is None and len(self.buckets) > 1
-        if background:  # the largest bucket alone (it takes any step), then the decode sizes, largest first
-            self._background = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="jaxpaged-compile")
-            largest = self.buckets[-1]
-            self.prefetch(largest)
-            # the others start once it is in: compiled beside it, they held up serving (the H100's warm-up took 36 s
-            # to its first bucket with seven compiling alongside)
-            self._compiled.update(self._pending.pop(largest).result())
-            self.ready_buckets = [largest]
-            for t in sorted(self.buckets[:-1], key=lambda b: (b > self.config.max_num_seqs, -b)):
-                self.prefetch(t)
-        elif self.single_device:  # every bucket compiled (and stored) before any runs: see _quiesce
-            # one worker: on this thread (XLA:CPU crashed now and then compiling or serializing on a compile thread
-            # in long test processes, never here); more: side by side on a pool
-            if workers > 1:
-                self._background = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxpaged-compile")
-                for t in self.buckets:
-                    self.prefetch(t)
-            for t in tqdm(list(self._pending) if workers > 1 else self.buckets, desc="Compiling step buckets",
-                          unit="bucket", leave=False):  # fmt: skip
-                self._compiled.update(self._pending.pop(t).result() if workers > 1 else self._bucket_compiler(t)())
-        for t in self.ready_buckets:
-            self.execute(self.input_batch.blank(t))
-        if self.mm is not None:  # every patch-count bucket of the encoder
-            self.mm.warmup()
-        self._copy_batch([])  # all padding: compiles the copy as copy() runs it, copies nothing
-        if self.state_spec is not None:
-            self._copy_state_batch([])
-        jax.block_until_ready(self.kv_cache)
-        self._store_executables()
-        elapsed = time.perf_counter() - t0
-        cache = self.executables
-        logger.info(
-            "step buckets %s ready in %.1fs (%d executables loaded from the cache, %d compiled)%s",
-            self.ready_buckets, elapsed, cache.num_loaded, cache.num_compiled,
-            f"; compiling {len(self._pending)} more in the background" if self._pending else "",
-        )
-        return elapsed

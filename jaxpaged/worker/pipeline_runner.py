@@ -29,7 +29,9 @@ from jaxpaged.models.loader import LoadedModel
 from jaxpaged.models.weights import param_bytes
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
 from jaxpaged.worker.input_batch import StepInputs
-from jaxpaged.worker.model_runner import DispatchedStep, ModelRunner, kv_pool, logits_and_prompt
+from jaxpaged.worker.kv_memory import kv_pool
+from jaxpaged.worker.model_runner import ModelRunner, logits_and_prompt
+from jaxpaged.worker.step_output import DispatchedStep
 
 
 @dataclasses.dataclass

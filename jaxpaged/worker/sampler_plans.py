@@ -77,7 +77,7 @@ class SamplerPlans:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _compile_later(self, plan: SamplerPlan, args: tuple) -> Future:
-        from jaxpaged.worker.model_runner import _abstract
+        from jaxpaged.worker.bucket_compiles import abstract as _abstract
 
         abstract = jax.tree_util.tree_map(_abstract, args)
         jitted, executables = self.jitted(plan), self.runner.executables

@@ -234,7 +234,7 @@ def test_pallas_kernel_backend_gives_the_same_greedy_tokens(model_dir, mixed_wor
 
 @pytest.mark.parametrize("max_tokens,max_seqs", [(256, 64), (2048, 256), (32, 8), (128, 32), (100, 64), (8, 8)])
 def test_token_buckets_are_fine_in_the_decode_range_and_end_at_the_budget(max_tokens, max_seqs):
-    from jaxpaged.worker.model_runner import token_buckets
+    from jaxpaged.worker.bucket_compiles import token_buckets
 
     buckets = token_buckets(max_tokens, max_seqs)
     assert buckets[-1] == max_tokens and buckets == sorted(set(buckets))

@@ -7,9 +7,7 @@ structured outputs and ngram speculative decoding with images."""
 
 from __future__ import annotations
 
-import json
 
-import numpy as np
 import pytest
 import torch
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams

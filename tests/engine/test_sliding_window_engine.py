@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import pytest
 import transformers
 
 from jaxpaged import LLM, BeamSearchParams, SamplingParams
 from jaxpaged.core.kv_cache_manager import max_blocks_held
-from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model
+from tests.hf_reference import hf_greedy, random_hf_model, random_prompts
 
 VOCAB = 256
 WINDOW = 12

@@ -151,7 +151,7 @@ def test_warmup_on_many_cores_compiles_the_buckets_side_by_side_once_each(model_
     stored from the main thread, nothing after warm-up, the same tokens."""
     serial = _engine(model_dir, tmp_path / "a")  # 2 cores in CI: one at a time
     threads = []
-    monkeypatch.setattr("jaxpaged.worker.model_runner.os.cpu_count", lambda: 8)
+    monkeypatch.setattr("jaxpaged.worker.bucket_compiles.os.cpu_count", lambda: 8)
     real_compile = serial.runner.executables.compile.__func__
 
     def compile_on(self, name, jitted, args, **kw):
@@ -198,7 +198,7 @@ def test_background_compile_serves_at_once_and_no_step_waits_for_a_compile(model
         return real_compile(self, name, jitted, args, **kw)
 
     monkeypatch.setattr(ExecutableCache, "compile", held_compile)
-    monkeypatch.setattr("jaxpaged.worker.model_runner.os.cpu_count", lambda: 2)  # one compile thread
+    monkeypatch.setattr("jaxpaged.worker.bucket_compiles.os.cpu_count", lambda: 2)  # one compile thread
     engine = _engine(model_dir, tmp_path / "a", background_compile=True)
     runner = engine.runner
     largest = runner.buckets[-1]

@@ -51,7 +51,8 @@ def test_the_tpu_platform_picks_the_kernel_and_the_step_exports_with_it(tmp_path
 
     from jaxpaged import platforms
     from jaxpaged.config import EngineConfig
-    from jaxpaged.worker.model_runner import ModelRunner, _abstract
+    from jaxpaged.worker.bucket_compiles import abstract as _abstract
+    from jaxpaged.worker.model_runner import ModelRunner
     from tests.exporting import MOSAIC_CALL, kernel_bodies, kernel_calls
 
     config = transformers.DeepseekV3Config(vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,

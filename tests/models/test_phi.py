@@ -3,7 +3,6 @@ Phi-3 with LongRoPE through the engine, with chunked prefill and with preemption
 
 from __future__ import annotations
 
-import copy
 import types
 
 import numpy as np

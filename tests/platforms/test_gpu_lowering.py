@@ -12,7 +12,8 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.models.loader import load_model
 from jaxpaged.pallas_kernels.gpu_attention import SHARED_MEMORY_MARGIN, launch_config, shared_memory_estimate
 from jaxpaged.platforms import gpu
-from jaxpaged.worker.model_runner import ModelRunner, _abstract
+from jaxpaged.worker.bucket_compiles import abstract as _abstract
+from jaxpaged.worker.model_runner import ModelRunner
 
 from tests.exporting import GPUS, TRITON_CALLS, export_checks, kernel_calls, lowering_for
 

@@ -11,7 +11,8 @@ from jax import export
 from jaxpaged import platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.models.loader import load_model
-from jaxpaged.worker.model_runner import ModelRunner, _abstract
+from jaxpaged.worker.bucket_compiles import abstract as _abstract
+from jaxpaged.worker.model_runner import ModelRunner
 
 from tests.exporting import TRITON_CALLS, export_checks, kernel_calls, lowering_for
 
