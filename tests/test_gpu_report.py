@@ -16,6 +16,8 @@ from tests import REPO
 sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_report  # noqa: E402
+import gpu_report_mla  # noqa: E402
+import gpu_report_summary  # noqa: E402
 import trace_summary  # noqa: E402
 import workload  # noqa: E402
 
@@ -134,7 +136,7 @@ def test_the_moe_stages_are_an_ab_in_one_report():
     row = {"batch": 64, "moe": {"tok_s": 881.9, "step_ms": 72.6}, "dense": {"tok_s": 7911.0}, "moe_over_dense_tok_s": 0.11}
     stages = {name: {name: {"summary": [row], "compiles_after_warmup": {"moe": 0, "dense": 0}, "moe_kernel": kernel}, "rc": 0}
               for name, kernel in (("moe", "loop"), ("moe_kernel", "triton"))}  # fmt: skip
-    text = gpu_report.summary_table({"stages": stages, "env": {}, "dropped": []})
+    text = gpu_report_summary.summary_table({"stages": stages, "env": {}, "dropped": []})
     assert "MoE (loop) at batch 64: 882 tok/s against the dense model's 7911 (x0.11)" in text
     assert "MoE (triton) at batch 64" in text
 
@@ -168,7 +170,7 @@ def test_the_moe_stage_drives_bench_moe_through_its_arguments_and_on_run(tmp_pat
     assert calls[0][calls[0].index("--moe-kernel") + 1] == "triton"
     saved = json.loads((tmp_path / "moe_kernel.json").read_text())
     assert [r["side"] for r in saved["runs"]] == ["moe", "dense"] and saved["moe_kernel"]["moe_kernel"] == "triton"
-    text = gpu_report.summary_table({"stages": {"moe_kernel": {**saved, "rc": 0}}, "env": {}, "dropped": []})
+    text = gpu_report_summary.summary_table({"stages": {"moe_kernel": {**saved, "rc": 0}}, "env": {}, "dropped": []})
     assert "MoE (triton) at batch 2: 40 tok/s against the dense model's 80 (x0.50)" in text
 
     cut_short.append(True)
@@ -179,7 +181,7 @@ def test_the_moe_stage_drives_bench_moe_through_its_arguments_and_on_run(tmp_pat
     assert calls[1][calls[1].index("--moe-kernel") + 1] == "loop" and calls[1][calls[1].index("--family") + 1] == "gpt_oss"
     saved = json.loads((tmp_path / "moe_gpt_oss.json").read_text())
     assert "moe_gpt_oss" not in saved and saved["runs"] == [{"side": "moe", "batch": 2, "tok_s": 40.0, "step_ms": 25.0}]
-    text = gpu_report.summary_table({"stages": {"moe_gpt_oss": {**saved, "rc": "timeout"}}, "env": {}, "dropped": []})
+    text = gpu_report_summary.summary_table({"stages": {"moe_gpt_oss": {**saved, "rc": "timeout"}}, "env": {}, "dropped": []})
     assert "moe_gpt_oss (stopped before its summary): moe at batch 2 40 tok/s, step 25.0 ms" in text
 
 
@@ -219,7 +221,7 @@ def test_the_mxfp4_stage_passes_mxfp4_and_triton_and_its_summary_says_4bit(tmp_p
     saved = json.loads((tmp_path / "moe_gpt_oss_mxfp4.json").read_text())
     result = saved["moe_gpt_oss_mxfp4"]
     assert result["mxfp4"] is True and result["moe_kernel"] == "triton" and result["weight_bytes"]["moe"] == 1_500_000
-    text = gpu_report.summary_table({"stages": {"moe_gpt_oss_mxfp4": {**saved, "rc": 0}}, "env": {}, "dropped": []})
+    text = gpu_report_summary.summary_table({"stages": {"moe_gpt_oss_mxfp4": {**saved, "rc": 0}}, "env": {}, "dropped": []})
     assert "GPT-OSS MoE (triton, MXFP4 experts 4-bit) at batch 2: 40 tok/s against the dense model's 80 (x0.50)" in text
     assert ("moe_gpt_oss_mxfp4: MXFP4 checkpoint, experts kept 4-bit (the grouped GEMM decodes them); weights 1.5 MB "
             "against the dense model's 4.0 MB") in text  # fmt: skip
@@ -228,11 +230,11 @@ def test_the_mxfp4_stage_passes_mxfp4_and_triton_and_its_summary_says_4bit(tmp_p
     assert "--mxfp4" not in calls[1] and calls[1][calls[1].index("--moe-kernel") + 1] == "loop"
     saved = json.loads((tmp_path / "moe_gpt_oss.json").read_text())
     assert saved["moe_gpt_oss"]["mxfp4"] is False
-    text = gpu_report.summary_table({"stages": {"moe_gpt_oss": {**saved, "rc": 0}}, "env": {}, "dropped": []})
+    text = gpu_report_summary.summary_table({"stages": {"moe_gpt_oss": {**saved, "rc": 0}}, "env": {}, "dropped": []})
     assert "GPT-OSS MoE (loop) at batch 2" in text and "MXFP4" not in text
     # a loop run of the same folder: dequantized once, said so
     dequantized = {**result, "moe_kernel": "loop", "memory_plan": {"moe": "weights 6.0 MB (float32, quantization: none)"}}
-    text = gpu_report.summary_table({"stages": {"moe_gpt_oss_mxfp4": {"moe_gpt_oss_mxfp4": dequantized, "rc": 0}},
+    text = gpu_report_summary.summary_table({"stages": {"moe_gpt_oss_mxfp4": {"moe_gpt_oss_mxfp4": dequantized, "rc": 0}},
                                      "env": {}, "dropped": []})  # fmt: skip
     assert "GPT-OSS MoE (loop, MXFP4 experts dequantized)" in text and "experts dequantized once at load (loop)" in text
 
@@ -243,8 +245,8 @@ def test_the_new_families_stages_are_summarized():
     a side's runs named alone while the other side has not run them. (`--tiny --stages moe_gpt_oss,mla` runs both on
     the CPU: about 2 minutes, so not here.)"""
     assert {"moe_gpt_oss", "mla"} <= set(gpu_report.STAGES)
-    assert gpu_report.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]])["equal"]
-    diff = gpu_report.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 8, 6]])
+    assert gpu_report_mla.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]])["equal"]
+    diff = gpu_report_mla.first_divergence([[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 8, 6]])
     assert diff == {"equal": False, "identical_requests": 0, "requests": 2, "compared_tokens": 6,
                     "first_divergence": {"request": 1, "token": 1}}
     row = {"batch": 64, "moe": {"tok_s": 500.0, "step_ms": 120.0}, "dense": {"tok_s": 2000.0}, "moe_over_dense_tok_s": 0.25}
@@ -259,9 +261,9 @@ def test_the_new_families_stages_are_summarized():
                      "reference": side("ReferenceAttention: pure JAX", [run(1, 80.0)])},
            "summary": [{"batch": 1, "kernel": figures(run(1, 100.0)), "reference": figures(run(1, 80.0)),
                         "kernel_over_reference_decode_tok_s": 1.25,
-                        "tokens": gpu_report.first_divergence([[1, 2, 3]], [[1, 2, 7]])}]}  # fmt: skip
+                        "tokens": gpu_report_mla.first_divergence([[1, 2, 3]], [[1, 2, 7]])}]}  # fmt: skip
     stages = {"moe_gpt_oss": {"moe_gpt_oss": gpt_oss, "rc": 0}, "mla": {"mla": mla, "rc": 0}}
-    text = gpu_report.summary_table({"stages": stages, "env": {}, "dropped": []})
+    text = gpu_report_summary.summary_table({"stages": stages, "env": {}, "dropped": []})
     assert "GPT-OSS MoE (loop) at batch 64: 500 tok/s against the dense model's 2000 (x0.25)" in text
     assert "MLA kernel side (TritonAttention: the MLA Triton kernel, DeepSeek-V2-Lite shape, 4 layers, bfloat16): KV 4608 bytes a token (formula 4608), expanded K/V would be 40960 (x8.9)" in text
     assert ("MLA at batch 1 (1000-token prompts, up to 128 out): kernel decode 100 tok/s, step 10.00 ms, against the pure-JAX "
@@ -270,7 +272,7 @@ def test_the_new_families_stages_are_summarized():
     assert "MLA kernel at batch 64: decode 3200 tok/s, step 20.00 ms; the whole run 1600 tok/s" in text
     assert "MLA reference at batch" not in text and "stage " not in text
     cut = {"moe_gpt_oss": {"runs": [{"side": "moe", "batch": 1, "tok_s": 40.0, "step_ms": 25.0}], "rc": "timeout"}}
-    text = gpu_report.summary_table({"stages": cut, "env": {}, "dropped": []})
+    text = gpu_report_summary.summary_table({"stages": cut, "env": {}, "dropped": []})
     assert "moe_gpt_oss (stopped before its summary): moe at batch 1 40 tok/s, step 25.0 ms" in text
 
 
@@ -298,5 +300,5 @@ def test_the_attention_sweep_times_launches_and_never_picks_a_wrong_one(monkeypa
     assert by_splits[2]["agrees"] is False and by_splits[2]["max_error_vs_default"] > 0.01
     assert row["best"]["launch"]["num_splits"] == 1
     assert dataclasses.asdict(gpu_attention.LaunchConfig(**row["best"]["launch"])) == row["best"]["launch"]
-    assert "sweep tiny: default" in gpu_report.summary_table({"stages": {"attention_sweep": {"attention_sweep": {"rows": [row]}}},
+    assert "sweep tiny: default" in gpu_report_summary.summary_table({"stages": {"attention_sweep": {"attention_sweep": {"rows": [row]}}},
                                                                "env": {}, "dropped": []})  # fmt: skip
