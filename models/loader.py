@@ -58,7 +58,7 @@ class LoadedModel:
     weights_seconds: float = 0.0  # of the load, reading the weights onto the device (the rest: config, imports, tokenizer)
     skipped_tensors: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # reason -> checkpoint names
     # the rest of the load where an HF folder's reader times it: "config" (AutoConfig, transformers' imports with it),
-    # "tokenizer"; a start-up report's breakdown of what is not weights
+    # "build" (headers, the port's config, the unloaded model), "tokenizer"; a start-up report's breakdown
     load_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -183,6 +183,7 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     if fmt is not None and quantization in ("int8", "fp8") and not getattr(fmt, "dequantizes", False):
         logger.info("%s is already %s-quantized: loading it as stored, not as %s", folder.name, fmt.name, quantization)
         quantization = None
+    t0 = time.perf_counter()
     cls, cfg = _port_config(hf_config)
     where = safetensors_io.open_files(_safetensors_files(folder))
     ledger = TensorLedger(cls.SKIPPED_TENSORS)
@@ -191,6 +192,7 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     tying = tied_head(cls, cfg, list(where), lambda name: where[name].tensor(name))
     cfg = tying.config
     model = _build(cls, cfg, dtype_name, choose_attention)
+    timed["build"] = time.perf_counter() - t0  # the files' headers, the port's config, the attention backend's choice
     if tying.head_is_copy:
         ledger.explain(tying.head, COPY)
     tensors = _progress(_safetensors_tensors(where, fmt, ledger), len(where), "Loading weights")

@@ -106,6 +106,31 @@ def stage_weights(args, out: Partial) -> None:
     model.save_pretrained(args.model_dir)
     size = sum(f.stat().st_size for f in Path(args.model_dir).glob("*.safetensors"))
     out["weights"] = {"drawn_s": drawn, "saved_s": clock.seconds - drawn, "bytes": size, "on": device}
+    out["imports"] = import_seconds(args.model_dir)
+
+
+IMPORT_PROBE = """
+import json, sys, time
+seconds, t = {}, time.perf_counter()
+def mark(name):
+    global t
+    seconds[name], t = time.perf_counter() - t, time.perf_counter()
+import jax; mark("import_jax")
+jax.devices(); mark("backend")
+import jaxpaged; mark("import_jaxpaged")
+import torch; mark("import_torch")
+from transformers import AutoConfig; AutoConfig.from_pretrained(sys.argv[1]); mark("transformers_config")
+print(json.dumps(seconds))
+"""
+
+
+def import_seconds(model_dir: str) -> dict:
+    """A fresh process's first imports, one after another (torch before transformers, which imports it): what a
+    start-up pays before it reads a weight (issue 44 step 4: the H200's load spent 10 of 13 s outside the weights)."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE, model_dir], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _engine_kwargs(args) -> dict:

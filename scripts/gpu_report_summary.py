@@ -99,6 +99,10 @@ def summary_table(report: dict) -> str:
     device = cold.get("device", {})
     lines = [f"# gpu_report: {device.get('kind', '?')}, {env.get('date')}, jax {env.get('jax')}, "
              f"transformers {env.get('transformers')}, torch {env.get('torch')}", ""]  # fmt: skip
+    imports = st.get("weights", {}).get("imports")
+    if imports:
+        lines.append("a fresh process's imports, s: " + (", ".join(f"{k} {v:.2f}" for k, v in imports.items())
+                                                       if "error" not in imports else imports["error"][-300:]))
     for name in [n for n in st if n.startswith(("cold", "fp16"))]:
         lines += _workload_lines(st[name], st.get("hf_cb", {}).get("hf_cb"), "" if name == "cold" else f"{name}: ")
     for key, label in (("cold_start", "cold start"), ("warm_start", "warm start")):
@@ -106,8 +110,10 @@ def summary_table(report: dict) -> str:
         if s:
             ph = s["phases_s"]
             later = s.get("all_buckets_compiled_after_warmup_began_s")
-            lines.append(f"{label}: ready {s['ready_s']:.1f} s (backend {_f(ph.get('backend'))}, load {_f(ph.get('load'))} of which weights {_f(ph.get('weights'))}, config {_f(ph.get('config'))}, "
-                         f"tokenizer {_f(ph.get('tokenizer'))}, "
+            parts = ("weights", "config", "build", "tokenizer")
+            rest = ph["load"] - sum(ph.get(k, 0.0) for k in parts) if "load" in ph else None
+            lines.append(f"{label}: ready {s['ready_s']:.1f} s (backend {_f(ph.get('backend'))}, load {_f(ph.get('load'))} of which "
+                         + ", ".join(f"{k} {_f(ph.get(k))}" for k in parts) + f", rest {_f(rest)}, "
                          f"warm-up {_f(ph.get('warmup'))}; "
                          f"weights {_f(s.get('weights_read_gbs'), '{:.2f}')} GB/s), first token {s['first_token_s']:.2f} s, "
                          f"{s['executables_loaded']} executables loaded, {s['executables_compiled']} compiled"

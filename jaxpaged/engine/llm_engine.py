@@ -188,7 +188,7 @@ class LLMEngine:
         self.startup_seconds = {
             "backend": backend_seconds, "load": load_seconds, "weights": self.loaded.weights_seconds, **self.loaded.load_seconds,
             **self.runner.startup_seconds, "warmup": self.warmup_seconds,
-        }  # "weights" (reading the weights onto the device), "config" and "tokenizer" (an HF folder's) are parts of "load"
+        }  # "weights" (reading the weights onto the device), "config", "build" and "tokenizer" (an HF folder's) are parts of "load"
         self.num_compiles_after_warmup = 0  # compiles during step(); anything but 0 is a bug
         self._beam_count = 0
         self._in_flight: InFlightStep | None = None  # async scheduling: the step the device is running

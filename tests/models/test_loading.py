@@ -38,6 +38,20 @@ def test_sharded_safetensors(tiny_hf, tmp_path):
     assert _max_logit_error(load_model(str(folder)), tiny_hf) <= 1e-4
 
 
+def test_an_hf_folders_load_is_broken_into_its_phases(tiny_hf, tmp_path):
+    """The start-up report places a load's seconds: the config, the model's build, the weights, the tokenizer, each
+    timed apart and together no more than the whole load."""
+    import time
+
+    folder = save_hf_model(tiny_hf, tmp_path / "m")
+    t0 = time.perf_counter()
+    loaded = load_model(str(folder))
+    whole = time.perf_counter() - t0
+    assert set(loaded.load_seconds) == {"config", "build", "tokenizer"}
+    assert all(s > 0 for s in loaded.load_seconds.values()) and loaded.weights_seconds > 0
+    assert sum(loaded.load_seconds.values()) + loaded.weights_seconds <= whole
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_dtypes(tiny_hf, tmp_path, dtype):
     """Half precision loses about what transformers' own half precision loses, no more."""
