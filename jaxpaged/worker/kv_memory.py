@@ -20,10 +20,15 @@ from jaxpaged.pallas_kernels.kv_quant import empty_quantized_kv, kv_bytes_per_to
 logger = logging.getLogger("jaxpaged.runner")
 KV_STORAGE = {"int8": jnp.int8, "fp8": jnp.uint8}  # an 8-bit cache's element type, per kv_cache_dtype
 
+def kv_writer(layer_groups=None):
+    """write_kv, or with KV cache groups write_kv into each layer's (group, index) of layer_groups."""
+    return write_kv if layer_groups is None else functools.partial(write_kv, layer_groups=layer_groups)
+
+
 def kv_pool(shape: tuple[int, ...], kv_cache_dtype: str, storage_dtype, mesh, device, layer_groups=None) -> tuple:
     """An empty KV array on `device` (or split over `mesh` by KV head), and its donated write and block copy (with
     KV cache groups, each layer's (group, index) in layer_groups)."""
-    write_fn = write_kv if layer_groups is None else functools.partial(write_kv, layer_groups=layer_groups)
+    write_fn = kv_writer(layer_groups)
 
     def empty():
         if kv_cache_dtype == "auto":

@@ -30,13 +30,13 @@ from jaxpaged.models.fused_projections import fuse_projections
 from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.models.quantization import is_quantized, quantize_activations
 from jaxpaged.models.weights import param_bytes
-from jaxpaged.pallas_kernels import kv_cache_shape, write_kv, copy_blocks
+from jaxpaged.pallas_kernels import copy_blocks, kv_cache_shape
 from jaxpaged.pallas_kernels.state_cache import HybridCache, copy_states
 from jaxpaged.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxpaged.worker.bucket_compiles import BucketCompiles, token_buckets
 from jaxpaged.worker.executable_cache import ExecutableCache
 from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
-from jaxpaged.worker.kv_memory import KVMemory, kv_pool
+from jaxpaged.worker.kv_memory import KVMemory, kv_pool, kv_writer
 from jaxpaged.worker.lora_slots import LoRASlots
 from jaxpaged.worker.packing import Packed
 from jaxpaged.worker.sampler import DYNAMIC, NUM_TOP_LOGPROBS, SamplerPlan, SamplingMetadata, prompt_logprobs, sample, _blank as _blank_array
@@ -222,7 +222,7 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
 
         split = hybrid_cache_sharding(self.mesh, spec, self.kv_cache_dtype)
         self.kv_cache = HybridCache(self.kv_cache, jax.jit(lambda: spec.empty(n), out_shardings=split.states)())
-        write_fn = write_kv if self.kv_groups is None else functools.partial(write_kv, layer_groups=self.kv_groups.layer_groups)
+        write_fn = kv_writer(None if self.kv_groups is None else self.kv_groups.layer_groups)
         self._write = jax.jit(write_fn, donate_argnums=(0,), out_shardings=split)
         self._copy = jax.jit(copy_blocks, donate_argnums=(0,), out_shardings=split)
         self._copy_states = jax.jit(copy_states, donate_argnums=(0,), out_shardings=split)
