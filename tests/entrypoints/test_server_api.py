@@ -231,3 +231,22 @@ def test_64_concurrent_streaming_clients(server):
     after = server.wait_metrics(lambda m: m["jaxpaged:generation_tokens_total"] >= expected)
     assert after["jaxpaged:generation_tokens_total"] == expected
     assert after["jaxpaged:kv_blocks_used"] == 0 and after["jaxpaged:num_requests_running"] == 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_choice_finishes_once_when_the_others_run_on(client, endpoint):
+    """n > 1: a choice that stops early is still listed in its siblings' later updates; its finish_reason goes out
+    once (it was sent again with every later update)."""
+    kwargs = {"model": CYCLE_MODEL, "max_tokens": 40, "temperature": 1.0, "seed": 11, "n": 4,
+              "extra_body": {"stop_token_ids": list(range(0, 256, 4))}, "stream": True}  # fmt: skip
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "x"}], **kwargs))
+    else:
+        chunks = list(client.completions.create(prompt="go", **kwargs))
+    finishes = [(c.index, c.finish_reason) for ch in chunks for c in ch.choices if c.finish_reason]
+    assert sorted(i for i, _ in finishes) == [0, 1, 2, 3], finishes
+    assert {reason for _, reason in finishes} >= {"stop"}
+    last_chunk = {c.index: k for k, ch in enumerate(chunks) for c in ch.choices}
+    assert len(set(last_chunk.values())) > 1  # the choices did end at different times
+    for index, _ in finishes:  # nothing follows a choice's finish
+        assert [c.finish_reason for ch in chunks for c in ch.choices if c.index == index][-1] is not None

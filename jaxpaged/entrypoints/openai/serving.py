@@ -179,6 +179,7 @@ async def stream_choices(run: RequestRun, meta: dict, body, chunk_for, shown=lam
     -> a choice, a list of them (a chunk each) or None, for each of `shown(RequestOutput)` per update; then the
     usage chunk when asked and [DONE]. A dead engine ends the stream with its error."""
     tokens: dict[tuple[int, int], int] = {}  # (prompt, choice) -> tokens generated so far
+    finished: set[tuple[int, int]] = set()  # choices whose finish_reason was sent: later updates still list them
 
     def extra() -> dict:
         if body.continuous_usage:
@@ -189,6 +190,10 @@ async def stream_choices(run: RequestRun, meta: dict, body, chunk_for, shown=lam
         async for batch in run.updates():
             for i, out in batch:
                 for c in shown(out):
+                    if (i, c.index) in finished:
+                        continue
+                    if c.finish_reason is not None:
+                        finished.add((i, c.index))
                     tokens[i, c.index] = len(c.token_ids)
                     choices = chunk_for(i, out, c)
                     for choice in [choices] if isinstance(choices, dict) else choices or ():
