@@ -44,8 +44,9 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens  # as vLLM: no stop string can end the output before min_tokens + 1 tokens
         # the tokens that end the output by themselves (EOS unless ignored, stop_token_ids): as in vLLM, the one that
-        # does is counted but adds no text (with skip_special_tokens off, "<|im_end|>" would end every answer)
-        self._stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        # does is counted but adds no text (with skip_special_tokens off, "<|im_end|>" would end every answer), unless
+        # include_stop_str_in_output asks for it (vLLM's detokenizer then renders it as any other token)
+        self._stop_token_ids = frozenset() if include_stop_str_in_output else frozenset(int(t) for t in stop_token_ids)
         self._num_tokens = 0
         self.finished = False
         self.stop_reason: str | None = None

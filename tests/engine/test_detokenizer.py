@@ -245,6 +245,21 @@ def test_the_token_that_ends_the_output_adds_no_text(byte_level):
     assert "".join(stream(IncrementalDetokenizer(byte_level, skip_special_tokens=False), ids)) == "Hi there<|im_end|>"
 
 
+def test_include_stop_str_in_output_shows_the_token_that_ends_the_output(byte_level):
+    """As vLLM's detokenizer: with include_stop_str_in_output the EOS or stop token that ends the output is rendered
+    like any other token (a special one only with skip_special_tokens off), streamed or decoded at once."""
+    end = encode(byte_level, "<|im_end|>")
+    dot = encode(byte_level, ".")
+    assert len(end) == len(dot) == 1
+    ids = encode(byte_level, "Hi there")
+    for push_many in (False, True):
+        for stop_ids, skip, want in ((dot, True, "Hi there."), (end, False, "Hi there<|im_end|>"), (end, True, "Hi there")):
+            detok = IncrementalDetokenizer(byte_level, skip_special_tokens=skip, stop_token_ids=stop_ids,
+                                           include_stop_str_in_output=True)  # fmt: skip
+            text = detok.push_many(ids + stop_ids) + detok.flush() if push_many else "".join(stream(detok, ids + stop_ids))
+            assert text == detok.text == want and detok.num_tokens == len(ids) + 1
+
+
 def test_prompt_gives_the_first_token_its_leading_space():
     """SentencePiece strips the text's first space: alone, "▁sat" reads "sat"; after a prompt, " sat"."""
     tok = sentencepiece_like()
