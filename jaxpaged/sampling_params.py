@@ -7,6 +7,7 @@ with a ValueError that names the field and the range it must lie in.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
@@ -325,6 +326,11 @@ class SamplingParams:
         for name, value in unsupported.items():
             if value:
                 raise ValueError(f"{name} is not supported with use_beam_search=True")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's SamplingParams.clone): changing the copy's lists (stop, stop_token_ids) leaves this one
+        as it was."""
+        return copy.deepcopy(self)
 
     @property
     def is_greedy(self) -> bool:

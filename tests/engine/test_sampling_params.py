@@ -261,3 +261,13 @@ def test_beam_search_refuses_what_it_cannot_honour(kwargs, field):
 def test_beam_search_width_defaults_to_n():
     p = SamplingParams(use_beam_search=True, temperature=0, n=3, length_penalty=0.5, early_stopping="never")
     assert (p.best_of, p.length_penalty, p.early_stopping) == (3, 0.5, "never")
+
+
+def test_clone_is_an_equal_independent_copy():
+    """vLLM's SamplingParams.clone(): equal, and its lists are its own."""
+    p = SamplingParams(n=2, temperature=0.7, seed=5, stop=["x"], stop_token_ids=[3], logprobs=2)
+    q = p.clone()
+    assert q == p and q is not p and q.stop is not p.stop and q.stop_token_ids is not p.stop_token_ids
+    q.stop.append("y")
+    q.stop_token_ids.append(4)
+    assert p.stop == ["x"] and p.stop_token_ids == [3] and q != p
