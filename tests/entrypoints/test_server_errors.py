@@ -38,6 +38,8 @@ BAD_JSON_BODIES = [
     (C, _c(repetition_penalty=0), "repetition_penalty"),
     (C, _c(min_tokens=-1), "min_tokens"),
     (C, _c(min_tokens=20, max_tokens=10), "min_tokens"),
+    (C, _c(min_tokens=2**31, max_tokens=None), "min_tokens"),  # past int32: it killed the engine loop
+    (C, _c(min_tokens=513, max_tokens=None), "min_tokens"),  # more than max_model_len can ever hold
     (C, _c(seed=-1), "seed"),
     (C, _c(seed=2**64), "seed"),
     (C, _c(logprobs=21), "logprobs"),
@@ -88,6 +90,7 @@ BAD_JSON_BODIES = [
     (CHAT, _chat(max_tokens=0), "max_tokens"),
     (CHAT, _chat(max_completion_tokens=0), "max_completion_tokens"),
     (CHAT, _chat(max_completion_tokens=600), "max_completion_tokens"),
+    (CHAT, _chat(min_tokens=10**12), "min_tokens"),
     (CHAT, _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (CHAT, _chat(top_logprobs=2), "top_logprobs"),
     (CHAT, _chat(logprobs=3), "logprobs"),
