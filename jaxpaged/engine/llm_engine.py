@@ -236,10 +236,13 @@ class LLMEngine:
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, ChatPrompt):
             if self.harmony:
+                if prompt.continue_final_message:
+                    raise ValueError("continue_final_message is not supported for GPT-OSS's harmony conversations")
                 from jaxpaged.utils.harmony import render_harmony_chat
 
                 return None, render_harmony_chat(prompt)
-            return None, render_chat_prompt(self.tokenizer, prompt)
+            ids = render_chat_prompt(self.tokenizer, prompt)
+            return self.tokenizer.decode(ids, skip_special_tokens=False), ids  # the rendered text, as vLLM reports
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -267,6 +270,8 @@ class LLMEngine:
         if isinstance(prompt, ChatPrompt) and has_image_parts(prompt.messages):
             if self.mm is None:
                 raise text_only_refusal("messages", self.loaded.model)
+            if prompt.continue_final_message:
+                raise ValueError("continue_final_message is not supported for conversations with images")
             return self.mm.chat(prompt)
         return (*self._prompt_ids(prompt), None)
 

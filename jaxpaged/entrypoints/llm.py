@@ -172,16 +172,23 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Each conversation through the tokenizer's chat template, then generate. `tools` (OpenAI tool dicts, as
         vLLM's LLM.chat) go to the template, which describes them to the model; the calls are left in the text.
         `chat_template_kwargs` are more template variables (vLLM's), e.g. {"enable_thinking": False}. GPT-OSS's
         conversations are rendered by openai-harmony instead (utils/harmony.py), its reasoning effort from
-        chat_template_kwargs' "reasoning_effort" (the variable gpt-oss's own template reads)."""
+        chat_template_kwargs' "reasoning_effort" (the variable gpt-oss's own template reads).
+        continue_final_message (vLLM's): the prompt ends inside the last message, an assistant's, which the output
+        continues; it needs add_generation_prompt=False. Each output's `prompt` is its conversation's rendered text."""
         if self.engine.tokenizer is None and not getattr(self.engine, "harmony", False):
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False (the prompt ends inside "
+                             "the last message, not with a new one)")  # fmt: skip
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs) for c in conversations]
+        prompts = [ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs,
+                              continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -8,13 +8,16 @@ import dataclasses
 
 def chat_prompt_ids(
     tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-    template_kwargs: dict | None = None,
+    template_kwargs: dict | None = None, continue_final_message: bool = False,
 ) -> list[int]:
     """`tools` (OpenAI tool dicts) reach the template as transformers' `tools`; templates without tool support
-    ignore them. `template_kwargs` are more template variables (e.g. enable_thinking)."""
+    ignore them. `template_kwargs` are more template variables (e.g. enable_thinking). continue_final_message: the
+    prompt ends inside the last (assistant) message, which the model then continues (vLLM's, transformers')."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    if continue_final_message:
+        extra["continue_final_message"] = True
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
@@ -31,6 +34,7 @@ class ChatPrompt:
     tools: list[dict] | None = None  # OpenAI tool dicts, for templates that describe tools to the model
     template_kwargs: dict | None = None  # more variables for the template (a request's chat_template_kwargs)
     reasoning_effort: str | None = None  # "low", "medium" or "high": GPT-OSS's harmony system message (a template's variable otherwise)
+    continue_final_message: bool = False  # the prompt ends inside the last message, not after it (vLLM's LLM.chat)
 
 
 def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
@@ -39,7 +43,8 @@ def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:
         raise ValueError("messages: this model has no tokenizer, so it has no chat template")
     try:
         kwargs = {**(prompt.template_kwargs or {}), **({"reasoning_effort": prompt.reasoning_effort} if prompt.reasoning_effort else {})}
-        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.tools, kwargs or None)
+        return chat_prompt_ids(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.tools, kwargs or None,
+                               prompt.continue_final_message)  # fmt: skip
     except ValueError:
         raise
     except Exception as exc:  # a template's own raise_exception(), or a message it cannot render

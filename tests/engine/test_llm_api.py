@@ -1,0 +1,50 @@
+"""The offline API as a vLLM user calls it (LLM.generate, LLM.chat), on the tiny cycle model: its greedy output is
+known in advance (tests/cycle_model.py), so each check compares with exact text."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from tests.cycle_model import CHAT_TEMPLATE, greedy_text
+
+
+@pytest.fixture(scope="module")
+def llm(cycle_model_dir):
+    return LLM(str(cycle_model_dir), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+               max_model_len=512, log_level="WARNING")  # fmt: skip
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def _rendered(messages, add_generation_prompt=True) -> str:
+    import jinja2
+
+    return jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def test_chat_outputs_report_the_rendered_prompt(llm):
+    """As vLLM's LLM.chat: each RequestOutput's `prompt` is its conversation's templated text (it was None)."""
+    one = [{"role": "user", "content": "ab"}]
+    two = [{"role": "system", "content": "x"}, {"role": "user", "content": "ж"}]
+    outs = llm.chat([one, two], GREEDY, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    for conversation, out in zip([one, two], outs, strict=True):
+        assert out.prompt == _rendered(conversation)
+        assert out.prompt_token_ids == tokenizer.encode(out.prompt, add_special_tokens=False)
+        assert out.outputs[0].text == greedy_text(out.prompt_token_ids[-1], 6)
+    (single,) = llm.chat(one, GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert single.prompt == _rendered(one, add_generation_prompt=False)
+
+
+def test_chat_continue_final_message(llm):
+    """vLLM's continue_final_message: the prompt ends inside the last assistant message, which the output continues."""
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "é日🚀"}]
+    five = SamplingParams(temperature=0.0, max_tokens=5)
+    (out,) = llm.chat(conversation, five, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\né日🚀"
+    assert out.outputs[0].text == greedy_text("🚀".encode()[-1], 5) == "ж ab"  # the cycle goes on after 🚀
+    with pytest.raises(ValueError, match="continue_final_message"):  # vLLM refuses both at once
+        llm.chat(conversation, GREEDY, use_tqdm=False, continue_final_message=True)
+    assert llm.chat(conversation[:1], GREEDY, use_tqdm=False)[0].outputs[0].text == greedy_text(ord("\n"), 6)
