@@ -8,7 +8,7 @@ import dataclasses
 @dataclasses.dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 = most likely; None when the token is outside the reported top-N
+    rank: int | None = None  # 1 = most likely; a sampled token's is None when it is outside the step's top 20
     decoded_token: str | None = None
 
 

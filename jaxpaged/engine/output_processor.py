@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxpaged.core.request import ParentRequest, Request
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
@@ -163,13 +165,17 @@ class OutputProcessor:
         lp = float(result.logprobs[row])
         state.cumulative_logprob += lp
         entry = {token: Logprob(lp, None, self._decode_one(token))}
-        if req.params.logprobs and result.top_ids is not None:
-            for rank, (tid, tlp) in enumerate(zip(result.top_ids[row, : req.params.logprobs], result.top_logprobs[row])):
-                tid = int(tid)
-                if tid == token:
-                    entry[token].rank = rank + 1
-                else:
-                    entry[tid] = Logprob(float(tlp), rank + 1, self._decode_one(tid))
+        if result.top_ids is None:
+            state.logprobs.append(entry)
+            return
+        top_ids, top_lps = result.top_ids[row], result.top_logprobs[row]
+        where = np.flatnonzero(top_ids == token)
+        if where.size:  # the sampled token's rank, as vLLM gives it (even for logprobs=0), when it is in the step's top 20
+            entry[token].rank = int(np.sum(top_lps > top_lps[where[0]])) + 1
+        for rank, (tid, tlp) in enumerate(zip(top_ids[: req.params.logprobs], top_lps)):
+            tid = int(tid)
+            if tid != token:
+                entry[tid] = Logprob(float(tlp), rank + 1, self._decode_one(tid))
         state.logprobs.append(entry)
 
     def _record_prompt_logprobs(self, req: Request, state: SequenceOutputState, start: int, count: int, row: int, prompt) -> None:
