@@ -250,3 +250,13 @@ def test_streamed_choice_finishes_once_when_the_others_run_on(client, endpoint):
     assert len(set(last_chunk.values())) > 1  # the choices did end at different times
     for index, _ in finishes:  # nothing follows a choice's finish
         assert [c.finish_reason for ch in chunks for c in ch.choices if c.index == index][-1] is not None
+
+
+def test_null_n_echo_and_logprobs_mean_their_defaults(client):
+    """OpenAI's spec lets n, echo and chat's logprobs be null, and the openai client sends null for a None argument;
+    they were 400s."""
+    r = client.completions.create(model=CYCLE_MODEL, prompt="ab", max_tokens=4, temperature=0, n=None, echo=None, logprobs=None)
+    assert [c.text for c in r.choices] == [greedy_text(ord("b"), 4)] and r.choices[0].logprobs is None
+    r = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       temperature=0, n=None, logprobs=None, top_logprobs=None)  # fmt: skip
+    assert [c.message.content for c in r.choices] == [greedy_text(NL, 4)] and r.choices[0].logprobs is None

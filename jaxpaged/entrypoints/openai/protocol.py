@@ -26,6 +26,12 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "a
                             "chat_template", "continue_final_message", "return_dict", "return_tensors")
 
 
+def _null_is_default(cls, value, info: ValidationInfo):
+    """A before-validator for fields OpenAI's spec lets be null (n, echo, chat's logprobs; the openai client sends
+    null for a None argument): null means the default, as in vLLM."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -66,6 +72,8 @@ class _SamplingRequest(_Strict):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+
+    _null_n = field_validator("n", mode="before")(classmethod(_null_is_default))
 
     @model_validator(mode="after")
     def _check(self):
@@ -177,6 +185,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -303,6 +313,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
     reasoning_effort: str | None = None  # OpenAI's: "low", "medium" or "high" (GPT-OSS's harmony system message)
+
+    _null_logprobs = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
     @field_validator("messages")
     @classmethod
