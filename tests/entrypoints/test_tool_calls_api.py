@@ -165,6 +165,29 @@ def test_the_conversation_goes_on_after_the_calls(http, model_dir):
     assert r["usage"]["prompt_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+# SmolLM2-135M-Instruct's template (the built-in model's): it concatenates every message's content
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_tool_call_turn_without_content_reaches_the_template_as_empty_text(model_dir):
+    """The openai client sends an assistant's tool-call turn back with content null; as in vLLM the template gets
+    "" (a missing content made SmolLM2's template fail, so the built-in model refused every conversation with calls)."""
+    from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
+
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [
+        *USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]})  # fmt: skip
+    conversation = body.conversation()
+    assert conversation[1]["content"] == "" and conversation[1]["tool_calls"][0]["function"]["arguments"] == {}
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tokenizer.apply_chat_template(conversation, chat_template=SMOLLM2_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n12:00<|im_end|>\n" in text
+
+
 @pytest.mark.parametrize(
     ("message", "param"),
     [({"role": "assistant", "content": None}, "messages.1.content"),

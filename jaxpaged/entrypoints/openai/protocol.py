@@ -414,7 +414,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def conversation(self) -> list[dict]:
         out = []
         for m in self.messages:
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            # an assistant's tool-call turn without content reaches the template as "" (as vLLM): templates that
+            # concatenate message['content'] (SmolLM2's) fail on a missing one
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": "" if m.content is None else m.content}
             for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
                 if getattr(m, key):
                     msg[key] = getattr(m, key)
