@@ -16,7 +16,7 @@ from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.utils.logging_utils import setup_logging
-from jaxpaged.utils.text import ChatPrompt
+from jaxpaged.utils.text import ChatPrompt, join_text_parts
 
 
 class LLM:
@@ -187,7 +187,7 @@ class LLM:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False (the prompt ends inside "
                              "the last message, not with a new one)")  # fmt: skip
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [ChatPrompt(c, add_generation_prompt, tools, chat_template_kwargs,
+        prompts = [ChatPrompt(join_text_parts(c), add_generation_prompt, tools, chat_template_kwargs,
                               continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -24,6 +24,21 @@ def chat_prompt_ids(
     return list(ids)
 
 
+def join_text_parts(messages: list[dict]) -> list[dict]:
+    """The messages, each whose content is a list of OpenAI text parts only ([{"type": "text", "text": ...}]) with
+    that text as one string, the parts joined by newlines, as vLLM's LLM.chat gives a template that reads a string
+    (most do: SmolLM2's concatenates it). Other messages, those with images among them, are left as they are."""
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        ):
+            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        out.append(message)
+    return out
+
+
 @dataclasses.dataclass
 class ChatPrompt:
     """A conversation as a prompt: the engine renders it through the chat template when it adds the request

@@ -48,3 +48,13 @@ def test_chat_continue_final_message(llm):
     with pytest.raises(ValueError, match="continue_final_message"):  # vLLM refuses both at once
         llm.chat(conversation, GREEDY, use_tqdm=False, continue_final_message=True)
     assert llm.chat(conversation[:1], GREEDY, use_tqdm=False)[0].outputs[0].text == greedy_text(ord("\n"), 6)
+
+
+def test_chat_text_content_parts(llm):
+    """OpenAI-style text parts, as vLLM's LLM.chat takes them: joined by newlines for a template that reads a string
+    (the cycle model's, like SmolLM2's, concatenates the content; a list made it fail)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "ж"}]}]
+    (out,) = llm.chat(parts, GREEDY, use_tqdm=False)
+    assert out.prompt == _rendered([{"role": "user", "content": "ab\nж"}])
+    assert out.outputs[0].text == greedy_text(out.prompt_token_ids[-1], 6)
+    assert parts[0]["content"][0] == {"type": "text", "text": "ab"}  # the caller's messages are left as they were
