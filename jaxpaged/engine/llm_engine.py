@@ -284,6 +284,8 @@ class LLMEngine:
                 f"prompt has {num_prompt_tokens} tokens, which leaves no room in max_model_len ({self.max_model_len})"
             )
         max_tokens = params.max_tokens
+        if params.min_tokens > self.max_model_len:  # with max_tokens None nothing bounded it; the sampler packs it as int32
+            raise ValueError(f"min_tokens must be <= max_model_len ({self.max_model_len}) (got {params.min_tokens})")
         if max_tokens is None:
             capacity = min(self.max_model_len, self.runner.num_blocks * self.config.block_size) - num_prompt_tokens
             if self._blocks_held(self.max_model_len) <= self.runner.num_blocks:  # a window's blocks go back

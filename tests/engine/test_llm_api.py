@@ -58,3 +58,16 @@ def test_chat_text_content_parts(llm):
     assert out.prompt == _rendered([{"role": "user", "content": "ab\nж"}])
     assert out.outputs[0].text == greedy_text(out.prompt_token_ids[-1], 6)
     assert parts[0]["content"][0] == {"type": "text", "text": "ab"}  # the caller's messages are left as they were
+
+
+@pytest.mark.parametrize("min_tokens", [513, 2**31, 2**40])
+def test_min_tokens_past_the_context_is_refused_and_serving_continues(llm, min_tokens):
+    """With max_tokens=None SamplingParams cannot bound min_tokens: one past max_model_len is a ValueError naming it
+    when the request is added (one past int32 was an OverflowError inside the step loop)."""
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate(["ab", "ab"], SamplingParams(max_tokens=None, min_tokens=min_tokens), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert llm.generate("ab", GREEDY, use_tqdm=False)[0].outputs[0].text == greedy_text(ord("b"), 6)
+    capped = llm.generate("ab", SamplingParams(max_tokens=None, min_tokens=512, temperature=0.0), use_tqdm=False)[0]
+    assert len(capped.outputs[0].token_ids) == 510 and capped.outputs[0].finish_reason == "length"  # as vLLM: the room
