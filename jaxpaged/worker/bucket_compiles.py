@@ -250,7 +250,9 @@ class BucketCompiles:
             for t in tqdm(list(self._pending) if workers > 1 else self.buckets, desc="Compiling step buckets",
                           unit="bucket", leave=False):  # fmt: skip
                 self._compiled.update(self._pending.pop(t).result() if workers > 1 else self._bucket_compiler(t)())
-        for t in self.ready_buckets:
+        # a mesh's buckets compile here, on first use; one device's are compiled above, and a step through one of them
+        # runs the rest of a step's programs (a 1B model's ten CPU buckets took 4.5 s to run, for nothing)
+        for t in self.ready_buckets if not self.single_device else self.ready_buckets[:1]:
             self.execute(self.input_batch.blank(t))
         if self.mm is not None:  # every patch-count bucket of the encoder
             self.mm.warmup()
