@@ -260,3 +260,20 @@ def test_null_n_echo_and_logprobs_mean_their_defaults(client):
     r = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        temperature=0, n=None, logprobs=None, top_logprobs=None)  # fmt: skip
     assert [c.message.content for c in r.choices] == [greedy_text(NL, 4)] and r.choices[0].logprobs is None
+
+
+def test_chat_text_parts_join_by_newlines_and_continue_final_message(server, client):
+    """As vLLM's server: text parts are joined by newlines, and continue_final_message ends the prompt inside the
+    last (assistant) message, which the answer continues (it was ignored: the answer started a new line)."""
+    parts = [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]
+    joined = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": parts}], max_tokens=2)
+    plain = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "ab\ncd"}], max_tokens=2)
+    specials = 3  # <|im_start|>, <|im_end|>, <|im_start|>: a token each; every other byte is a token
+    assert joined.usage.prompt_tokens == plain.usage.prompt_tokens == len("user\nab\ncd\n" "assistant\n") + specials
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yx a"}]
+    r = client.chat.completions.create(model=CYCLE_MODEL, messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})  # fmt: skip
+    assert r.choices[0].message.content == greedy_text(ord("a"), 6)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": CYCLE_MODEL, "messages": messages,
+                                                               "continue_final_message": True}, timeout=30)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text

@@ -43,7 +43,8 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     params = serving.sampling_params(body, fields, reasoning=MARKERS[parser] if parser else None)
     exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none
     tools = None if exclude else body.tools or None
-    prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs, body.reasoning_effort)
+    prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs, body.reasoning_effort,
+                        body.continue_final_message)  # fmt: skip
     request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages", model=body.model)
     prompt_text = serving.prompt_text(run) if parser else ""
     meta = {"id": request_id, "created": int(time.time()), "model": serving.response_model(body.model)}

@@ -297,8 +297,9 @@ class ChatMessage(_Strict):
                                      "'image_url': {'url': str}}; other kinds are not supported")  # fmt: skip
                 else:
                     texts.append(part["text"])
-            # with images the parts stay as they are, for the model's processor (jaxpaged/multimodal/); else one text
-            return value if images else "".join(texts)
+            # with images the parts stay as they are, for the model's processor (jaxpaged/multimodal/); else one text,
+            # the parts joined by newlines as vLLM's server joins them
+            return value if images else "\n".join(texts)
         return value
 
 
@@ -309,6 +310,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message, continued
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
@@ -341,6 +343,9 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false (the prompt ends inside the last "
+                             "message, not with a new one)")  # fmt: skip
         return self
 
     def _check_tools(self) -> None:
