@@ -277,3 +277,28 @@ def test_chat_text_parts_join_by_newlines_and_continue_final_message(server, cli
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": CYCLE_MODEL, "messages": messages,
                                                                "continue_final_message": True}, timeout=30)  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_tokenize_and_detokenize_as_vllm(server, client):
+    """vLLM's /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize (they were 404s)."""
+    url = server.url
+    r = httpx.post(f"{url}/tokenize", json={"model": CYCLE_MODEL, "prompt": "hé🚀", "return_token_strs": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == list("hé🚀".encode("utf-8")) and body["count"] == 7 and body["max_model_len"] == 512
+    assert len(body["token_strs"]) == 7
+    messages = [{"role": "user", "content": "Sag etwas"}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()
+    chat = client.chat.completions.create(model=CYCLE_MODEL, messages=messages, max_tokens=1)
+    assert r["count"] == len(r["tokens"]) == chat.usage.prompt_tokens and r["token_strs"] is None
+    r = httpx.post(f"{url}/detokenize", json={"model": CYCLE_MODEL, "tokens": list("hé🚀".encode("utf-8"))}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"prompt": "hé🚀"}
+    for path, body, status, param in [
+        ("/tokenize", {}, 400, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, 400, "prompt"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"), ("/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
+        ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens"), ("/detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "a"}, 400, "tokens"),
+    ]:
+        r = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)

@@ -88,6 +88,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
         rollout.add_routes(app, engine)
 
+    from jaxpaged.entrypoints.openai import tokenize
+
+    tokenize.add_routes(app, serving)  # vLLM's /tokenize and /detokenize
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await create_completion(serving, request)

@@ -417,16 +417,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def conversation(self) -> list[dict]:
-        out = []
-        for m in self.messages:
-            # an assistant's tool-call turn without content reaches the template as "" (as vLLM): templates that
-            # concatenate message['content'] (SmolLM2's) fail on a missing one
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": "" if m.content is None else m.content}
-            for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
-                if getattr(m, key):
-                    msg[key] = getattr(m, key)
-            out.append(msg)
-        return out
+        return conversation(self.messages)
 
     def sampling_params(self, reasoning: tuple[str, str] | None = None) -> SamplingParams:
         """`reasoning`: the reasoning parser's (start, end) markers, behind which an output constraint waits."""
@@ -436,3 +427,17 @@ class ChatCompletionRequest(_SamplingRequest):
         if constraint is not None and reasoning is not None:
             constraint = dataclasses.replace(constraint, reasoning_start=reasoning[0], reasoning_end=reasoning[1])
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint, **self.sampling_kwargs())
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template (or openai-harmony) gets them."""
+    out = []
+    for m in messages:
+        # an assistant's tool-call turn without content reaches the template as "" (as vLLM): templates that
+        # concatenate message['content'] (SmolLM2's) fail on a missing one
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": "" if m.content is None else m.content}
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
+            if getattr(m, key):
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    return out
