@@ -54,6 +54,14 @@ BAD_JSON_BODIES = [
     (C, _c(stream=False, stream_options={"include_usage": True}), "stream_options"),
     (C, _c(best_of=3), "best_of"),
     (C, _c(logit_bias={"5": 1.0}), "logit_bias"),
+    # vLLM's fields this server lacks: refused, not dropped as unknown (which changed the output silently)
+    (C, _c(use_beam_search=True, n=2, best_of=2), "use_beam_search"),
+    (C, _c(prompt_logprobs=1), "prompt_logprobs"),
+    (C, _c(length_penalty=0.5), "length_penalty"),
+    (C, _c(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    (C, _c(bad_words=["x"]), "bad_words"),
+    (C, _c(truncate_prompt_tokens=4), "truncate_prompt_tokens"),
+    (CHAT, _chat(echo=True), "echo"),
     (C, _c(echo=True, logprobs=21), "logprobs"),
     (C, _c(max_tokens=0), "max_tokens"),  # 0 is for scoring a prompt, with echo
     (C, _c(echo=True, max_tokens=0, min_tokens=2), "min_tokens"),
@@ -158,3 +166,10 @@ def test_still_serving_after_every_bad_request(http, server):
     assert "Traceback" not in server.log()
     m = server.metrics()
     assert m["jaxpaged:kv_blocks_used"] == 0 and m["jaxpaged:num_requests_waiting"] == 0 and m["jaxpaged:engine_alive"] == 1
+
+
+def test_vllm_fields_at_their_inert_values_are_accepted(http):
+    r = http.post(C, json=_c(max_tokens=2, use_beam_search=False, length_penalty=1.0, prompt_logprobs=None))
+    assert r.status_code == 200, r.text
+    r = http.post(CHAT, json=_chat(max_tokens=2, echo=False))
+    assert r.status_code == 200, r.text

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -74,6 +74,19 @@ class _SamplingRequest(_Strict):
     guided_grammar: Any = None
 
     _null_n = field_validator("n", mode="before")(classmethod(_null_is_default))
+    # vLLM's request fields this server does not implement, with the value that asks for nothing: another value is
+    # refused (dropped as an unknown field, it would change the output without a word)
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+                                    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None}  # fmt: skip
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, inert in cls.UNSUPPORTED.items():
+                if name in data and data[name] not in (None, inert):
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
 
     @model_validator(mode="after")
     def _check(self):
@@ -315,6 +328,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
     reasoning_effort: str | None = None  # OpenAI's: "low", "medium" or "high" (GPT-OSS's harmony system message)
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingRequest.UNSUPPORTED, "echo": False}  # and vLLM's chat echo
 
     _null_logprobs = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
