@@ -19,6 +19,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries of logit_bias
+MAX_BAD_WORDS = 64
+# a row's biased ids in one step: its logit_bias, then at most one id each bad word's token sequences bans (a word is
+# tokenized alone and after a space, as vLLM does: two sequences at most)
+LOGIT_BIAS_WIDTH = MAX_LOGIT_BIAS + 2 * MAX_BAD_WORDS
 MAX_SEED = 2**63
 # vLLM samples greedily below this temperature: dividing logits by it would overflow float32.
 _GREEDY_EPS = 1e-5
@@ -207,6 +212,49 @@ def _stop_token_ids(value: object) -> list[int]:
     return ids
 
 
+def _logit_bias(value: object) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be None or a dict of token id to bias (got {value!r})")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries (got {len(value)})")
+    bias = {}
+    for token, b in value.items():
+        token = _int("logit_bias's keys (token ids)", token)
+        if token < 0:
+            raise ValueError(f"logit_bias's keys (token ids) must be >= 0 (got {token})")
+        bias[token] = _float(f"logit_bias[{token}]", b)
+    return bias or None
+
+
+def _allowed_token_ids(value: object) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"allowed_token_ids must be None or a list of int (got {value!r})")
+    ids = [_int("allowed_token_ids", t) for t in value]
+    if not ids:
+        raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+    if min(ids) < 0:
+        raise ValueError(f"allowed_token_ids must be >= 0 (got {min(ids)})")
+    return ids
+
+
+def _bad_words(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"bad_words must be None or a list of str (got {value!r})")
+    words = list(value)
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words (got {len(words)})")
+    for w in words:
+        if not isinstance(w, str) or not w.strip():
+            raise ValueError(f"bad_words must hold non-blank strings (got an item {w!r})")
+    return words or None
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's SamplingParams, minus what this engine does not do yet (those fields are refused, not ignored)."""
@@ -235,6 +283,9 @@ class SamplingParams:
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # outputs every step, or FINAL_ONLY
+    logit_bias: dict[int, float] | None = None  # added to these ids' logits before penalties (vLLM's order)
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # never completed: a word's last token is banned once the rest precedes it
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -272,6 +323,9 @@ class SamplingParams:
 
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _bad_words(self.bad_words)
 
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens)
@@ -321,7 +375,8 @@ class SamplingParams:
             "stop": self.stop, "stop_token_ids": self.stop_token_ids, "min_tokens": self.min_tokens,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty != 1.0, "logprobs": self.logprobs is not None,
-            "prompt_logprobs": self.prompt_logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None, "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
         }  # fmt: skip
         for name, value in unsupported.items():
             if value:
@@ -346,6 +401,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether the sampler needs the row's token history."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_token_controls(self) -> bool:
+        """Whether some ids' logits are moved or banned for this request: logit_bias, allowed_token_ids, bad_words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def uses_truncation(self) -> bool:

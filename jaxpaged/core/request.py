@@ -51,6 +51,7 @@ class Request:
     _block_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     num_in_flight: int = 0  # trailing output tokens still on the device (async scheduling): PLACEHOLDER until read
     grammar: object | None = None  # structured outputs: the engine's GrammarState, advanced by each sampled token
+    controls: object | None = None  # logit_bias, allowed_token_ids, bad_words: engine/token_controls.TokenControls
     slot: int = -1  # while running: its row in the scheduler's and the input batch's per-sequence arrays
     state_slot: int = -1  # hybrid models, while running: its slot in the linear layers' state cache (core/state_slots.py)
     sampled_row: int = -1  # its row in the sampled tokens of the step its in-flight token comes from (async scheduling)
@@ -76,8 +77,15 @@ class Request:
 
     @property
     def sampler_reads_tokens(self) -> bool:
-        """Sampling it reads its latest tokens on the host: its grammar's mask, or its penalties' history."""
-        return self.grammar is not None or self.params.has_penalties
+        """Sampling it reads its latest tokens on the host: its grammar's mask, its penalties' history, or the bad
+        words its outputs may be completing."""
+        return (self.grammar is not None or self.params.has_penalties
+                or (self.controls is not None and self.controls.reads_tokens))  # fmt: skip
+
+    @property
+    def sampler_reads_request(self) -> bool:
+        """Its sampling row is built from the request each step, not from its slot's constants alone."""
+        return self.controls is not None or self.sampler_reads_tokens
 
     @property
     def num_sampled_tokens(self) -> int:

@@ -36,6 +36,7 @@ from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.structured_output import StructuredOutputManager
+from jaxpaged.engine.token_controls import token_controls
 from jaxpaged.engine.weight_sync import WeightSync
 from jaxpaged.lora import LoRARequest
 from jaxpaged.models.convert_cache import cache_root
@@ -336,6 +337,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiled (or found in the cache) here: a bad one is refused now
             count = 1 if params.use_beam_search else params.n  # beams copy the root's as they fork
             grammars = [self.structured_outputs.new_state(params.structured_outputs, ids) for _ in range(count)]
+        controls = token_controls(params, vocab, self.tokenizer)
         parent = ParentRequest(request_id, text, ids, params)
         parent.mm = images
         if lora_request is not None:
@@ -356,6 +358,7 @@ class LLMEngine:
                 max_tokens=max_tokens, seed=(base_seed + index) % 2**63,
             )  # fmt: skip
             seq.grammar = grammars[index] if grammars else None
+            seq.controls = controls
             parent.sequences.append(seq)
             self.output_processor.add_sequence(seq)  # may refuse the stop strings: before anything is queued
             sequences.append(seq)

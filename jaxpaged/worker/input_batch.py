@@ -103,7 +103,8 @@ class InputBatchBuilder:
         self.num_groups = 1 if groups is None else len(groups.layers)
         self._table_rows = np.zeros((self.num_groups, slots, runner.table_width), np.int32)
         # per slot, set when a sequence takes it: sampling constants (sampler._constants), seed, prompt length and
-        # whether its sampling is plain (no penalties, no grammar: built as columns), prompt logprobs, adapter slot
+        # whether its sampling is plain (no penalties, grammar or token controls: built as columns), prompt logprobs,
+        # adapter slot
         self._constants = np.zeros((slots, 8), np.float64)
         self._seeds = np.zeros(slots, np.uint32)
         self._prompt_lens = np.zeros(slots, np.int32)
@@ -148,7 +149,7 @@ class InputBatchBuilder:
             self._constants[slot] = _constants(params)
             self._seeds[slot] = _seeds_u32([req.seed])[0]
             self._prompt_lens[slot] = len(req.prompt_token_ids)
-            self._plain[slot] = not req.sampler_reads_tokens
+            self._plain[slot] = not req.sampler_reads_request
             self._top[slot] = params.uses_truncation and not params.is_greedy
             self._logprobs[slot] = params.logprobs is not None
             self._prompt_logprobs[slot] = req.wants_prompt_logprobs
@@ -293,7 +294,7 @@ class InputBatchBuilder:
         for item in scheduled:  # most steps: every row plain, its metadata built as columns
             req = item.request
             p = req.params
-            if req.finished or item.draft_token_ids or req.sampler_reads_tokens or item.num_output_tokens < p.min_tokens:
+            if req.finished or item.draft_token_ids or req.sampler_reads_request or item.num_output_tokens < p.min_tokens:
                 break
             params.append(p)
         else:
@@ -321,7 +322,9 @@ class InputBatchBuilder:
                 known = list(outputs)
                 for j, draft in enumerate((*drafts, -1)):
                     rows.append(SamplingRow(req.params, req.prompt_token_ids, known + list(drafts[:j]), req.seed,
-                                            self.eos_token_ids, grammar.after(drafts[:j]) if grammar else None, draft))  # fmt: skip
+                                            self.eos_token_ids, grammar.after(drafts[:j]) if grammar else None, draft,
+                                            req.controls))  # fmt: skip
                 continue
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar))
+            rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar,
+                                    controls=req.controls))  # fmt: skip
         return build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)

@@ -46,7 +46,7 @@ from jaxpaged.worker.weight_update import LoadedLayout
 
 # The sampler's small per-row knobs, packed in one buffer: SamplingMetadata less its three large arrays, sent apart
 # (ModelRunner._sampling_args). Its structure is fixed once here (a dataclasses.replace per step cost ~25 us).
-_LARGE_FIELDS = ("history", "bitmask", "suppress_ids")
+_LARGE_FIELDS = ("history", "bitmask", "suppress_ids", "logit_bias")
 _KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingMetadata) if f.name not in _LARGE_FIELDS)
 _KNOBS_TREEDEF = jax.tree_util.tree_structure(
     SamplingMetadata(**dict.fromkeys(_KNOB_FIELDS, 0), **dict.fromkeys(_LARGE_FIELDS)))
@@ -287,10 +287,12 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
                                                                   encoder_cache)  # fmt: skip
         return logits, prompt, self._write(kv_cache, new_kv, slot_mapping)
 
-    def _sample_impl(self, logits, packed: Packed, history, bitmask, suppress_ids, no_sampled, plan: SamplerPlan = DYNAMIC):
+    def _sample_impl(self, logits, packed: Packed, history, bitmask, suppress_ids, logit_bias, no_sampled,
+                     plan: SamplerPlan = DYNAMIC):  # fmt: skip
         # no_sampled ([max_num_seqs] zeros) is an argument, not a constant, so its width is part of the signature
         # the executable cache keys on.
-        sampling_metadata = dataclasses.replace(packed.unpack(), history=history, bitmask=bitmask, suppress_ids=suppress_ids)
+        sampling_metadata = dataclasses.replace(packed.unpack(), history=history, bitmask=bitmask, suppress_ids=suppress_ids,
+                                                logit_bias=logit_bias)  # fmt: skip
         out = sample(logits, sampling_metadata, plan)
         sampled = jnp.zeros_like(no_sampled).at[: out.tokens.shape[0]].set(out.tokens.astype(jnp.int32))
         return out, sampled
@@ -493,15 +495,16 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         dispatched.logits, dispatched.want_top = None, bool(sampling.want_logprobs)
 
     def _sampling_args(self, sampling: SamplingMetadata) -> tuple:
-        """(the per-row knobs packed in one buffer, the history, the grammar bitmask, the ids min_tokens forbids): the
-        last three are large and mostly blank (at 1,024 rows the blank suppress ids alone were 256 KB, packed and sent
-        every step), so a blank one is a device array kept from an earlier step instead."""
+        """(the per-row knobs packed in one buffer, the history, the bitmask, the ids min_tokens forbids, the logit
+        biases): the last four are large and mostly blank (at 1,024 rows the blank suppress ids alone were 256 KB,
+        packed and sent every step), so a blank one is a device array kept from an earlier step instead."""
         knobs = Packed.of_leaves([getattr(sampling, name) for name in _KNOB_FIELDS], _KNOBS_TREEDEF)
-        suppress = sampling.suppress_ids
+        suppress, bias = sampling.suppress_ids, sampling.logit_bias
         return (
             knobs, self._blank("history", sampling.history, bool(sampling.any_penalty)),
             self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),
             self._blank("suppress", suppress, suppress is not _blank_array(suppress.shape) and bool((suppress >= 0).any())),
+            self._blank("bias", bias, bias is not _blank_array(bias.shape)),
         )  # fmt: skip
 
     def _forward_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.sampling_params import _GREEDY_EPS, MAX_LOGPROBS, SamplingParams
+from jaxpaged.sampling_params import _GREEDY_EPS, LOGIT_BIAS_WIDTH, MAX_LOGPROBS, SamplingParams
 
 NUM_TOP_LOGPROBS = MAX_LOGPROBS
 
@@ -48,6 +48,10 @@ class SamplingMetadata:
     want_logprobs: jax.Array  # [] bool some row asked for logprobs (0 included); otherwise none are computed
     bitmask: jax.Array  # [S, ceil(V / 32)] i32 structured outputs: bit i of word w allows token 32 w + i; all ones when free
     any_constrained: jax.Array  # [] bool some row has a structured-outputs constraint (otherwise the mask is not read)
+    # [S, 2, B] i32 each row's biased ids (-1 padding), then their float32 biases' bits: logit_bias, and the ids bad
+    # words ban (-inf)
+    logit_bias: jax.Array
+    mask_logprobs: jax.Array  # [S] bool the row's bitmask masks its logprobs too (a grammar's; allowed_token_ids' not)
     draft_ids: jax.Array | None = None  # [S] i32 speculative decoding: the token each row verifies, -1 for none
 
 
@@ -58,6 +62,7 @@ class SamplerPlan(NamedTuple):
 
     constrained: bool | None = None  # a structured-outputs bitmask
     suppress: bool | None = None  # ids min_tokens forbids
+    bias: bool | None = None  # logit_bias, bad words
     penalty: bool | None = None  # repetition, presence, frequency
     random: bool | None = None  # some row samples (temperature > 0); else the greedy argmax alone
     top: bool | None = None  # top-k / top-p / min-p
@@ -71,8 +76,8 @@ class SamplerPlan(NamedTuple):
 
 
 DYNAMIC = SamplerPlan()  # every stage decided on the device: one sampler for every batch
-GREEDY = SamplerPlan(False, False, False, False, False, False, False)  # the argmax alone
-FULL = SamplerPlan(True, True, True, True, True, True, True)  # every stage run: right for any batch, the slowest
+GREEDY = SamplerPlan(*[False] * len(SamplerPlan._fields))  # the argmax alone
+FULL = SamplerPlan(*[True] * len(SamplerPlan._fields))  # every stage run: right for any batch, the slowest
 
 
 def plan_for(metadata: SamplingMetadata, suppress: bool | None = None) -> SamplerPlan:
@@ -82,8 +87,9 @@ def plan_for(metadata: SamplingMetadata, suppress: bool | None = None) -> Sample
     draft = metadata.draft_ids is not None and bool((np.asarray(metadata.draft_ids) >= 0).any())
     if suppress is None:
         suppress = bool((np.asarray(metadata.suppress_ids) >= 0).any())
+    bias = metadata.logit_bias is not _blank(metadata.logit_bias.shape) and bool((np.asarray(metadata.logit_bias)[:, 0] >= 0).any())
     return SamplerPlan(
-        constrained=bool(metadata.any_constrained), suppress=suppress,
+        constrained=bool(metadata.any_constrained), suppress=suppress, bias=bias,
         penalty=bool(metadata.any_penalty), random=random, top=random and bool(metadata.any_top),
         logprobs=bool(metadata.want_logprobs), draft=random and draft,
     )  # fmt: skip
@@ -142,6 +148,12 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, _row_ids(suppress_ids, logits.shape[1])].set(-jnp.inf, mode="drop")
+
+
+def apply_logit_bias(logits: jax.Array, logit_bias: jax.Array) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    values = jax.lax.bitcast_convert_type(logit_bias[:, 1], jnp.float32)
+    return logits.at[rows, _row_ids(logit_bias[:, 0], logits.shape[1])].add(values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, attn_metadata: SamplingMetadata) -> jax.Array:
@@ -247,8 +259,9 @@ def _no_logprob_outputs(raw_logits: jax.Array, tokens: jax.Array):
 
 
 def sample(logits: jax.Array, attn_metadata: SamplingMetadata, plan: SamplerPlan = DYNAMIC) -> SamplerOutput:
-    """Next token of every row: grammar bitmask -> suppress -> repetition -> presence/frequency -> (greedy argmax)
-    -> temperature -> top-k -> top-p -> min-p -> Gumbel-max. `logits` is [S, V] float32.
+    """Next token of every row: bitmask (a grammar, allowed_token_ids) -> suppress (min_tokens) -> logit bias (and
+    bad words) -> repetition -> presence/frequency -> (greedy argmax) -> temperature -> top-k -> top-p -> min-p ->
+    Gumbel-max. `logits` is [S, V] float32.
 
     `plan` says which stages run (SamplerPlan); with DYNAMIC each stage a batch does not use is skipped at run time
     (lax.cond), so an all-greedy batch without penalties or logprobs costs one argmax over the vocabulary. A stage
@@ -258,9 +271,14 @@ def sample(logits: jax.Array, attn_metadata: SamplingMetadata, plan: SamplerPlan
     md = attn_metadata
     raw = logits.astype(jnp.float32)
     keep = lambda x, *_: x  # noqa: E731
-    # logprobs are of this distribution: the model's, renormalised over the allowed tokens
-    raw = _stage(plan.constrained, md.any_constrained, lambda x: apply_bitmask(x, md.bitmask), keep, raw)
-    logits = _stage(plan.suppress, jnp.any(md.suppress_ids >= 0), lambda x: apply_suppression(x, md.suppress_ids), keep, raw)
+    def constrain(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        masked = apply_bitmask(x, md.bitmask)
+        return jnp.where(md.mask_logprobs[:, None], masked, x), masked
+
+    # logprobs are of `raw`: the model's distribution, renormalised over a grammar's allowed tokens (as vLLM)
+    raw, logits = _stage(plan.constrained, md.any_constrained, constrain, lambda x: (x, x), raw)
+    logits = _stage(plan.suppress, jnp.any(md.suppress_ids >= 0), lambda x: apply_suppression(x, md.suppress_ids), keep, logits)
+    logits = _stage(plan.bias, jnp.any(md.logit_bias[:, 0] >= 0), lambda x: apply_logit_bias(x, md.logit_bias), keep, logits)
     logits = _stage(plan.penalty, md.any_penalty, apply_penalties, keep, logits, md)
     greedy_tokens = first_argmax(logits)
 
@@ -303,6 +321,7 @@ class SamplingRow(NamedTuple):
     grammar: object | None = None  # structured outputs: a GrammarState (engine/structured_output.py), up to date
     draft: int = -1  # speculative decoding: the proposed token this row verifies (output_ids then end with the
     # proposals before it, as if already output)
+    controls: object | None = None  # logit_bias, allowed_token_ids, bad_words: engine/token_controls.TokenControls
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -333,7 +352,7 @@ def _suppressed(row: SamplingRow) -> list[int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _blank(shape: tuple[int, int]) -> np.ndarray:
+def _blank(shape: tuple[int, ...]) -> np.ndarray:
     """An all -1 array, shared and read-only: most steps need no history (no penalties) and no bitmask (no grammar),
     and a fresh multi-megabyte array per step costs the host page faults (~1 ms a step at 256 rows of a 128k
     vocabulary's bitmask) for a value the step never reads."""
@@ -365,14 +384,19 @@ def build_sampling_metadata(
         if len(banned) > max_suppress:
             raise ValueError(f"max_suppress ({max_suppress}) must be >= the ids row {i} suppresses ({len(banned)})")
         metadata.suppress_ids[i, : len(banned)] = banned
+    controlled = [i for i, row in enumerate(rows) if row.controls is not None]
+    if controlled:
+        metadata = _with_token_controls(metadata, rows, controlled)
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
     if constrained:
-        bitmask = np.full((num_rows, mask_words), -1, np.int32)
+        bitmask = metadata.bitmask if metadata.any_constrained else np.full((num_rows, mask_words), -1, np.int32)
         for i in constrained:
             grammar = rows[i].grammar
             if grammar.num_consumed != len(rows[i].output_ids):  # the engine syncs before such a step (design.md)
                 raise RuntimeError(f"row {i}'s grammar has consumed {grammar.num_consumed} of {len(rows[i].output_ids)} outputs")
+            allowed = bitmask[i].copy()  # allowed_token_ids' (all ones without)
             grammar.fill_bitmask(bitmask[i])
+            bitmask[i] &= allowed
         metadata = dataclasses.replace(metadata, bitmask=bitmask, any_constrained=np.array(True))
     if metadata.any_penalty:
         history = np.full((num_rows, history_width), -1, np.int32)
@@ -382,6 +406,31 @@ def build_sampling_metadata(
             history[i, k : k + len(row.output_ids)] = row.output_ids
         metadata = dataclasses.replace(metadata, history=history)
     return metadata
+
+
+def _with_token_controls(metadata: SamplingMetadata, rows: Sequence[SamplingRow], controlled: list[int]) -> SamplingMetadata:
+    """Rows with logit_bias, bad words or allowed_token_ids: their biased ids, and their bitmask rows."""
+    num_rows = metadata.temperature.shape[0]
+    bias = np.full((num_rows, 2, LOGIT_BIAS_WIDTH), -1, np.int32)
+    values = bias[:, 1].view(np.float32)
+    bitmask, mask_logprobs = None, metadata.mask_logprobs.copy()
+    for i in controlled:
+        controls = rows[i].controls
+        k = len(controls.bias_ids)
+        bias[i, 0, :k] = controls.bias_ids
+        values[i, :k] = controls.bias_values
+        if controls.bad_words:
+            banned = controls.banned(rows[i].output_ids)
+            bias[i, 0, k : k + len(banned)] = banned
+            values[i, k : k + len(banned)] = -np.inf
+        if controls.allowed_mask is not None:
+            if bitmask is None:
+                bitmask = np.full((num_rows, controls.allowed_mask.shape[0]), -1, np.int32)
+            bitmask[i] = controls.allowed_mask
+            mask_logprobs[i] = rows[i].grammar is not None  # vLLM's logprobs are of the logits before this mask
+    if bitmask is not None:
+        metadata = dataclasses.replace(metadata, bitmask=bitmask, any_constrained=np.array(True))
+    return dataclasses.replace(metadata, logit_bias=bias, mask_logprobs=mask_logprobs)
 
 
 def columns_metadata(
@@ -452,5 +501,7 @@ def constants_metadata(
         want_logprobs=np.array(want_logprobs),
         bitmask=_blank((num_rows, mask_words)),
         any_constrained=np.array(False),
+        logit_bias=_blank((num_rows, 2, LOGIT_BIAS_WIDTH)),
+        mask_logprobs=np.ones(num_rows, bool),
         draft_ids=padded(draft_ids, -1),
     )

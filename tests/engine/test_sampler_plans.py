@@ -50,6 +50,9 @@ def _requests(prompts):
         SamplingParams(temperature=1.0, seed=2, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
                        presence_penalty=0.5, frequency_penalty=0.2),  # fmt: skip
         SamplingParams(temperature=0.7, seed=3, min_tokens=6, max_tokens=12, prompt_logprobs=2, min_p=0.05),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={5: 3.0, prompts[4][-1]: -50.0}),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=[3, 9, 27, 81],
+                       logprobs=2),  # fmt: skip
     ]
 
 
@@ -79,7 +82,7 @@ def test_greedy_equals_transformers_with_no_cond_in_any_step(static_llm, hf_mode
 
 def test_every_feature_gives_the_device_deciding_engines_tokens(static_llm, dynamic_llm):
     assert static_llm.engine.runner._prompt_apart and not dynamic_llm.engine.runner._prompt_apart
-    prompts = random_prompts(VOCAB, [7, 19, 12, 30], seed=5)
+    prompts = random_prompts(VOCAB, [7, 19, 12, 30, 9, 14], seed=5)
     params = _requests(prompts)
     (static, static_outs), (dynamic, dynamic_outs) = _run(static_llm, prompts, params), _run(dynamic_llm, prompts, params)
     assert [o.token_ids for o in static] == [o.token_ids for o in dynamic]
@@ -100,7 +103,7 @@ def test_a_new_plan_runs_full_until_its_own_compiles(static_llm):
     """Seeded sampling without truncation, penalties or logprobs: a plan no warm-up compiled. Its first steps run
     FULL; once compiled in the background it runs its own, and the tokens are the same either way."""
     runner = static_llm.engine.runner
-    plan = SamplerPlan(constrained=False, suppress=False, penalty=False, random=True, top=False, logprobs=False, draft=False)
+    plan = SamplerPlan(constrained=False, suppress=False, bias=False, penalty=False, random=True, top=False, logprobs=False, draft=False)
     rows = runner.bucket_for(1)[1]
     assert (sampler_name(plan), rows) not in runner._compiled
     prompt = random_prompts(VOCAB, [9], seed=6)

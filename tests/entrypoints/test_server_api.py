@@ -201,6 +201,24 @@ def test_vllm_extras_are_honoured(server):
     assert r.json()["choices"][0]["text"] == greedy_text(ord("q"), 10)  # top_k=1 is greedy
 
 
+def test_logit_bias_allowed_token_ids_and_bad_words(client):
+    """OpenAI's logit_bias (token ids as strings, clamped to [-100, 100]) and vLLM's allowed_token_ids and bad_words
+    (extra_body), on the cycle model: +5 beats the successor's margin of 4, and "ab" is never written."""
+    b = ord("b")
+    r = client.completions.create(model=CYCLE_MODEL, prompt="q", max_tokens=4, temperature=0, logit_bias={str(b): 500})
+    assert r.choices[0].text == "bbbb"
+    allowed = [ord("x"), ord("y")]
+    r = client.completions.create(model=CYCLE_MODEL, prompt="q", max_tokens=16, temperature=1.0, seed=1, n=3,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})  # fmt: skip
+    assert {ch for c in r.choices for ch in c.text} <= {"x", "y"}
+    plain = client.completions.create(model=CYCLE_MODEL, prompt=" ", max_tokens=3, temperature=0)
+    assert plain.choices[0].text == "ab" + greedy_text(b, 1)
+    r = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=24,
+                                       temperature=0, extra_body={"bad_words": ["ab"], "ignore_eos": True})  # fmt: skip
+    text = r.choices[0].message.content
+    assert "a" in text and "ab" not in text
+
+
 async def _one_stream(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, int, str]:
     max_tokens = 8 + i % 24
     stream = await client.completions.create(

@@ -50,6 +50,8 @@ def make_md(num_rows: int, history_width: int = 8, num_suppress: int = 4, **fiel
         want_logprobs=np.array(False),
         bitmask=np.full((s, 8), -1, np.int32),  # a vocabulary of up to 256
         any_constrained=np.array(False),
+        logit_bias=np.full((s, 2, 4), -1, np.int32),
+        mask_logprobs=np.ones(s, bool),
     )
     for name, value in fields.items():
         old = base[name]

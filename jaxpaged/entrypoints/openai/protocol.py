@@ -65,6 +65,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: Any = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
     response_format: Any = None
     structured_outputs: Any = None
@@ -77,7 +79,7 @@ class _SamplingRequest(_Strict):
     # vLLM's request fields this server does not implement, with the value that asks for nothing: another value is
     # refused (dropped as an unknown field, it would change the output without a word)
     UNSUPPORTED: ClassVar[dict[str, Any]] = {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
-                                    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": None}  # fmt: skip
+                                             "truncate_prompt_tokens": None}  # fmt: skip
 
     @model_validator(mode="before")
     @classmethod
@@ -92,9 +94,19 @@ class _SamplingRequest(_Strict):
     def _check(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's token-id strings as ints, each bias clamped to [-100, 100] (as vLLM's server does)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for token, value in self.logit_bias.items():
+            try:
+                bias[int(token)] = min(100.0, max(-100.0, value))
+            except ValueError:
+                raise FieldError(f"logit_bias's keys must be token ids (got {token!r})", "logit_bias") from None
+        return bias
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams' arguments; None means the default, as in OpenAI's API."""
@@ -104,6 +116,7 @@ class _SamplingRequest(_Strict):
             "repetition_penalty": self.repetition_penalty, "seed": self.seed, "stop": self.stop,
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens, "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
         }
         return {k: v for k, v in values.items() if v is not None}
 

@@ -221,6 +221,6 @@ SAMPLING_FIELDS = {
     for name in (
         "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
-        "skip_special_tokens", "include_stop_str_in_output",
+        "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words",
     )
 }
