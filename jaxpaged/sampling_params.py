@@ -286,6 +286,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to these ids' logits before penalties (vLLM's order)
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # never completed: a word's last token is banned once the rest precedes it
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the last max_model_len)
+    detokenize: bool = True  # False: token ids only (no text, logprobs without decoded tokens)
+    spaces_between_special_tokens: bool = True  # read by slow tokenizers' decode only, as in transformers and vLLM
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -339,8 +342,15 @@ class SamplingParams:
 
         self.logprobs = _optional_logprobs("logprobs", self.logprobs)
         self.prompt_logprobs = _optional_logprobs("prompt_logprobs", self.prompt_logprobs)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search", "detokenize",
+                     "spaces_between_special_tokens"):
             setattr(self, name, _bool(name, getattr(self, name)))
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (the text they are found in)")
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be None, -1 or >= 1 (got {self.truncate_prompt_tokens})")
         self.length_penalty = _float("length_penalty", self.length_penalty)
         from jaxpaged.engine.beam_search import check_early_stopping
 

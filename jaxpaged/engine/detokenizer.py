@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
+        spaces_between_special_tokens: bool = True,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -53,6 +54,8 @@ class IncrementalDetokenizer:
         # transformers may "clean up" spaces before punctuation, which would differ between a
         # window and the full text; the raw `tokenizers` decode has no such option.
         self._decode_kwargs = {"clean_up_tokenization_spaces": False} if hasattr(tokenizer, "clean_up_tokenization_spaces") else {}
+        if not spaces_between_special_tokens:  # (a slow tokenizer's option: a fast one's decode has none, as in vLLM)
+            self._decode_kwargs["spaces_between_special_tokens"] = False
         # a fast tokenizer decodes with its Rust backend directly: the same text, without transformers' per-id checks
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend_decode = backend.decode if callable(getattr(backend, "decode", None)) else None

@@ -304,6 +304,13 @@ class LLMEngine:
             )
         return max_tokens
 
+    def _truncated(self, ids: list[int], keep: int, images) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the last max_model_len)."""
+        if images is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (it could cut one in two)")
+        keep = self.config.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
     def _blocks_held(self, num_tokens: int) -> int:
         """The most KV blocks a sequence of num_tokens holds at once (with a freeing window, about the window's)."""
         kv, step = self.scheduler.kv, self.config.max_num_batched_tokens
@@ -327,6 +334,8 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, images = self._prompt_inputs(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = self._truncated(ids, params.truncate_prompt_tokens, images)
         vocab = self.loaded.config.vocab_size
         if not ids:
             raise ValueError("prompt must not be empty")

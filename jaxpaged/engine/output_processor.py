@@ -21,6 +21,11 @@ from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.worker.step_output import StepResult
 
 
+def _no_text(token: int) -> None:
+    """A logprob's decoded token with detokenize=False."""
+    return None
+
+
 @dataclasses.dataclass(eq=False)
 class SequenceOutputState:
     """One sequence's caller-facing state."""
@@ -54,9 +59,10 @@ class OutputProcessor:
         """A sampled sequence (not a beam): its detokenizer and logprob lists."""
         params, ids = seq.params, seq.prompt_token_ids
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
                 include_stop_str_in_output=params.include_stop_str_in_output, prompt_token_ids=ids,
                 min_tokens=params.min_tokens,
                 stop_token_ids=(*(() if params.ignore_eos else self.eos_token_ids), *(params.stop_token_ids or ())),
@@ -164,7 +170,8 @@ class OutputProcessor:
     def _record_logprobs(self, req: Request, state: SequenceOutputState, token: int, result: StepResult, row: int) -> None:
         lp = float(result.logprobs[row])
         state.cumulative_logprob += lp
-        entry = {token: Logprob(lp, None, self._decode_one(token))}
+        decode = self._decode_one if req.params.detokenize else _no_text
+        entry = {token: Logprob(lp, None, decode(token))}
         if result.top_ids is None:
             state.logprobs.append(entry)
             return
@@ -175,22 +182,23 @@ class OutputProcessor:
         for rank, (tid, tlp) in enumerate(zip(top_ids[: req.params.logprobs], top_lps)):
             tid = int(tid)
             if tid != token:
-                entry[tid] = Logprob(float(tlp), rank + 1, self._decode_one(tid))
+                entry[tid] = Logprob(float(tlp), rank + 1, decode(tid))
         state.logprobs.append(entry)
 
     def _record_prompt_logprobs(self, req: Request, state: SequenceOutputState, start: int, count: int, row: int, prompt) -> None:
         """Entries for the prompt tokens this chunk predicts (recomputed chunks after a preemption add nothing)."""
         chosen, rank, top_ids, top_lps = prompt
         wanted = req.params.prompt_logprobs
+        decode = self._decode_one if req.params.detokenize else _no_text
         for offset in range(count):
             position = start + offset + 1  # the prompt token row `row + offset` predicts
             if position >= len(req.prompt_token_ids) or position < len(state.prompt_logprobs):
                 continue
             token, r = req.prompt_token_ids[position], row + offset
-            entry = {token: Logprob(float(chosen[r]), int(rank[r]), self._decode_one(token))}
+            entry = {token: Logprob(float(chosen[r]), int(rank[r]), decode(token))}
             for rank_i, (tid, tlp) in enumerate(zip(top_ids[r, :wanted], top_lps[r, :wanted])):
                 if int(tid) != token:
-                    entry[int(tid)] = Logprob(float(tlp), rank_i + 1, self._decode_one(int(tid)))
+                    entry[int(tid)] = Logprob(float(tlp), rank_i + 1, decode(int(tid)))
             state.prompt_logprobs.append(entry)
 
     def _decode_one(self, token: int) -> str | None:
@@ -204,11 +212,11 @@ class OutputProcessor:
     def output(self, parent: ParentRequest) -> RequestOutput:
         search = self.beams.get(parent.request_id)
         if search is not None:
-            skip = parent.params.skip_special_tokens
+            params = parent.params
+            decode = (lambda ids: self._decode(ids, params.skip_special_tokens)) if params.detokenize else (lambda ids: "")
             return RequestOutput(
                 request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=list(parent.prompt_token_ids),
-                outputs=search.completions(parent.params.n, lambda ids: self._decode(ids, skip)) if search.done else [],
-                finished=search.done,
+                outputs=search.completions(params.n, decode) if search.done else [], finished=search.done,
             )  # fmt: skip
         first = self._states[parent.sequences[0]]
         return RequestOutput(

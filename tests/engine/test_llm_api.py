@@ -71,3 +71,40 @@ def test_min_tokens_past_the_context_is_refused_and_serving_continues(llm, min_t
     assert llm.generate("ab", GREEDY, use_tqdm=False)[0].outputs[0].text == greedy_text(ord("b"), 6)
     capped = llm.generate("ab", SamplingParams(max_tokens=None, min_tokens=512, temperature=0.0), use_tqdm=False)[0]
     assert len(capped.outputs[0].token_ids) == 510 and capped.outputs[0].finish_reason == "length"  # as vLLM: the room
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm):
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens run (the cycle model reads only the last one, so the
+    text is that of the whole prompt), `prompt` stays the text given; -1 keeps up to max_model_len."""
+    prompt = "hello there"
+    ids = llm.get_tokenizer().encode(prompt, add_special_tokens=False)
+    (cut,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, truncate_prompt_tokens=3), use_tqdm=False)
+    assert cut.prompt == prompt and cut.prompt_token_ids == ids[-3:]
+    assert cut.outputs[0].text == greedy_text(ids[-1], 5)
+    (whole,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, truncate_prompt_tokens=-1),
+                            use_tqdm=False)  # fmt: skip
+    assert whole.prompt_token_ids == ids
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, detokenize=False, logprobs=2, prompt_logprobs=1)
+    (out,) = llm.generate(["ab"], params, use_tqdm=False)
+    (texted,) = llm.generate(["ab"], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2), use_tqdm=False)
+    assert out.outputs[0].text == "" and out.outputs[0].token_ids == texted.outputs[0].token_ids
+    assert all(lp.decoded_token is None for step in out.outputs[0].logprobs for lp in step.values())
+    assert all(lp.decoded_token is None for step in out.prompt_logprobs[1:] for lp in step.values())
+    assert all(lp.decoded_token is not None for step in texted.outputs[0].logprobs for lp in step.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+def test_spaces_between_special_tokens_is_accepted_as_transformers_reads_it(llm):
+    """A fast tokenizer's decode has no such option (transformers and vLLM ignore it there): the text is the same."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, skip_special_tokens=False, spaces_between_special_tokens=False)
+    (out,) = llm.generate(["ab"], params, use_tqdm=False)
+    assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=False)
+    with pytest.raises(ValueError, match="spaces_between_special_tokens"):
+        SamplingParams(spaces_between_special_tokens="no")

@@ -219,6 +219,13 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client):
     assert "a" in text and "ab" not in text
 
 
+def test_truncate_prompt_tokens(client):
+    """vLLM's extra: the prompt's last tokens run, and the usage counts those."""
+    r = client.completions.create(model=CYCLE_MODEL, prompt="hello", max_tokens=3, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 2})  # fmt: skip
+    assert r.usage.prompt_tokens == 2 and r.choices[0].text == greedy_text(_last_token("hello"), 3)
+
+
 async def _one_stream(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, int, str]:
     max_tokens = 8 + i % 24
     stream = await client.completions.create(

@@ -65,7 +65,8 @@ BAD_JSON_BODIES = [
     (C, _c(use_beam_search=True, n=2, best_of=2), "use_beam_search"),
     (C, _c(prompt_logprobs=1), "prompt_logprobs"),
     (C, _c(length_penalty=0.5), "length_penalty"),
-    (C, _c(truncate_prompt_tokens=4), "truncate_prompt_tokens"),
+    (C, _c(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (C, _c(spaces_between_special_tokens="no"), "spaces_between_special_tokens"),
     (CHAT, _chat(echo=True), "echo"),
     (C, _c(echo=True, logprobs=21), "logprobs"),
     (C, _c(max_tokens=0), "max_tokens"),  # 0 is for scoring a prompt, with echo

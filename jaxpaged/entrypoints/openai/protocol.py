@@ -67,6 +67,8 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
     response_format: Any = None
     structured_outputs: Any = None
@@ -78,8 +80,7 @@ class _SamplingRequest(_Strict):
     _null_n = field_validator("n", mode="before")(classmethod(_null_is_default))
     # vLLM's request fields this server does not implement, with the value that asks for nothing: another value is
     # refused (dropped as an unknown field, it would change the output without a word)
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
-                                             "truncate_prompt_tokens": None}  # fmt: skip
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None}
 
     @model_validator(mode="before")
     @classmethod
@@ -117,6 +118,8 @@ class _SamplingRequest(_Strict):
             "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens, "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
         return {k: v for k, v in values.items() if v is not None}
 
