@@ -219,6 +219,26 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client):
     assert "a" in text and "ab" not in text
 
 
+def test_choices_carry_vllms_stop_reason(server, client):
+    """The stop string or token id that ended a choice (vLLM's field), None for a length or EOS end; streamed, in
+    the choice's last chunk."""
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": CYCLE_MODEL, "prompt": ["xy", "q"], "max_tokens": 30,
+                   "temperature": 0, "stop": ["🚀"], "stop_token_ids": [ord("b")]}, timeout=30).json()  # fmt: skip
+    assert [c["stop_reason"] for c in r["choices"]] == ["🚀", "🚀"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": CYCLE_MODEL, "prompt": " ", "max_tokens": 30,
+                   "temperature": 0, "stop_token_ids": [ord("b")]}, timeout=30).json()  # fmt: skip
+    assert r["choices"][0]["stop_reason"] == ord("b") and r["choices"][0]["finish_reason"] == "stop"
+    r = client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+                                       temperature=0, stop=["ж"])  # fmt: skip
+    assert r.choices[0].stop_reason == "ж"
+    chunks = list(client.chat.completions.create(model=CYCLE_MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=30, temperature=0, stop=["ж"], stream=True))  # fmt: skip
+    assert [getattr(ch.choices[0], "stop_reason", None) for ch in chunks if ch.choices][-1] == "ж"
+    stream = client.completions.create(model=CYCLE_MODEL, prompt="q", max_tokens=3, temperature=0, stream=True)
+    last = [ch.choices[0] for ch in stream if ch.choices][-1]
+    assert last.finish_reason == "length" and last.stop_reason is None
+
+
 def test_truncate_prompt_tokens(client):
     """vLLM's extra: the prompt's last tokens run, and the usage counts those."""
     r = client.completions.create(model=CYCLE_MODEL, prompt="hello", max_tokens=3, temperature=0,

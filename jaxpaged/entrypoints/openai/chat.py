@@ -64,7 +64,8 @@ async def create_chat_completion(serving: Serving, http_request: Request):
         logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids), top, serving.token_bytes)} if body.logprobs else None
         reader, thinking = _readers(serving, body, prompt_text)
         message, finish = _message(reader, thinking, c.text, c.finish_reason)
-        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                        "stop_reason": c.stop_reason})  # fmt: skip
     generated = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)})
 
@@ -137,6 +138,8 @@ async def _stream(
         if body.logprobs:
             choices[0]["logprobs"] = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)}
         choices[-1]["finish_reason"] = _finish(reader, c.finish_reason)
+        if done:
+            choices[-1]["stop_reason"] = c.stop_reason  # (vLLM's: the stop string or token id that ended it)
         return choices
 
     async for chunk in stream_choices(run, meta, body, chunk_for):

@@ -46,7 +46,8 @@ async def create_completion(serving: Serving, http_request: Request):
             logprobs = None
             if body.logprobs is not None:
                 logprobs, _ = _logprobs(serving, body, out, c, 0, len(c.token_ids), 0, first=True)
-            choices.append({"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append({"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
     return JSONResponse({**meta, "choices": choices, "usage": usage(run.prompt_tokens, generated)})
 
 
@@ -98,6 +99,7 @@ def _stream(
         logprobs = None
         if body.logprobs is not None:
             logprobs, deltas.offsets[index] = _logprobs(serving, body, out, c, start, end, deltas.offsets[index], first)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason if c.finish_reason is not None else None}
 
     return stream_choices(run, meta, body, chunk_for, lambda out: _shown(out, body))
