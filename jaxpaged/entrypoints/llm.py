@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -90,7 +90,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs come back in input order.
@@ -191,10 +191,12 @@ class LLM:
                               continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable) -> list[RequestOutput]:
         pending = set(ids)
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        # use_tqdm may also be a tqdm-like class (vLLM's: e.g. tqdm.notebook.tqdm), called as tqdm is
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        bar = progress(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         try:
             while pending:
                 for out in self.engine.step():

@@ -108,3 +108,22 @@ def test_spaces_between_special_tokens_is_accepted_as_transformers_reads_it(llm)
     assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=False)
     with pytest.raises(ValueError, match="spaces_between_special_tokens"):
         SamplingParams(spaces_between_special_tokens="no")
+
+
+def test_use_tqdm_takes_a_progress_bar_class(llm):
+    """vLLM's use_tqdm may be a tqdm-like class (tqdm.notebook.tqdm in a notebook): it draws the bar."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.n = 0
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            made.append(self.n)
+
+    llm.generate(["ab", "cd"], GREEDY, use_tqdm=Bar)
+    assert made[0]["total"] == 2 and made[-1] == 2
