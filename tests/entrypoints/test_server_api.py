@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import CYCLE_MODEL
-from tests.cycle_model import CYCLE_TEXT, MARGIN, VOCAB, greedy_bytes, greedy_text
+from tests.cycle_model import CYCLE, CYCLE_TEXT, MARGIN, VOCAB, greedy_bytes, greedy_text
 
 NL = ord("\n")  # the chat template ends with "assistant\n"
 
@@ -237,6 +237,28 @@ def test_choices_carry_vllms_stop_reason(server, client):
     stream = client.completions.create(model=CYCLE_MODEL, prompt="q", max_tokens=3, temperature=0, stream=True)
     last = [ch.choices[0] for ch in stream if ch.choices][-1]
     assert last.finish_reason == "length" and last.stop_reason is None
+
+
+def test_prompt_logprobs_as_vllm(server):
+    """vLLM's prompt_logprobs: per choice (completions) or beside the choices (chat), None first, then each prompt
+    token's logprob, rank and text and the top N's, keyed by token id; the cycle model's numbers are known."""
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": CYCLE_MODEL, "prompt": [[CYCLE[0], CYCLE[1], 7]],
+                   "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, "n": 2, "seed": 1}, timeout=30).json()  # fmt: skip
+    z, top = LOG_Z, _LOGIT - LOG_Z
+    for choice in r["choices"]:
+        first, hit, miss = choice["prompt_logprobs"]
+        assert first is None
+        assert hit[str(CYCLE[1])]["rank"] == 1 and hit[str(CYCLE[1])]["logprob"] == pytest.approx(top, abs=1e-5)
+        assert len(hit) == 1  # the top 1 is the token itself
+        assert miss["7"]["logprob"] == pytest.approx(-z, abs=1e-5) and miss["7"]["rank"] > 1
+        assert miss[str(CYCLE[2])]["rank"] == 1 and miss[str(CYCLE[2])]["logprob"] == pytest.approx(top, abs=1e-5)
+    plain = httpx.post(f"{server.url}/v1/completions", json={"model": CYCLE_MODEL, "prompt": "ab", "max_tokens": 2},
+                       timeout=30).json()  # fmt: skip
+    assert "prompt_logprobs" not in plain["choices"][0]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": CYCLE_MODEL, "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0}, timeout=30).json()  # fmt: skip
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
 
 
 def test_truncate_prompt_tokens(client):

@@ -63,7 +63,9 @@ BAD_JSON_BODIES = [
     (C, _c(bad_words="x"), "bad_words"),
     # vLLM's fields this server lacks: refused, not dropped as unknown (which changed the output silently)
     (C, _c(use_beam_search=True, n=2, best_of=2), "use_beam_search"),
-    (C, _c(prompt_logprobs=1), "prompt_logprobs"),
+    (C, _c(prompt_logprobs=21), "prompt_logprobs"),
+    (C, _c(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    (CHAT, _chat(prompt_logprobs=-1), "prompt_logprobs"),
     (C, _c(length_penalty=0.5), "length_penalty"),
     (C, _c(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (C, _c(spaces_between_special_tokens="no"), "spaces_between_special_tokens"),

@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from jaxpaged.engine.async_engine import ChatPrompt, EngineDeadError
 from jaxpaged.entrypoints.openai import errors
-from jaxpaged.entrypoints.openai.logprobs import chat_logprobs
+from jaxpaged.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxpaged.entrypoints.openai.reasoning import MARKERS, HarmonyReader, ReasoningReader, reasoning_reader
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
@@ -67,7 +67,10 @@ async def create_chat_completion(serving: Serving, http_request: Request):
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                         "stop_reason": c.stop_reason})  # fmt: skip
     generated = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse({**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)})
+    response = {**meta, "object": "chat.completion", "choices": choices, "usage": usage(run.prompt_tokens, generated)}
+    if body.prompt_logprobs is not None:  # vLLM's, beside the choices
+        response["prompt_logprobs"] = vllm_prompt_logprobs(final.prompt_logprobs, body.prompt_logprobs)
+    return JSONResponse(response)
 
 
 def _reader(serving: Serving, body: ChatCompletionRequest) -> ToolCallReader | None:

@@ -11,13 +11,15 @@ from starlette.requests import Request
 
 from jaxpaged.engine.async_engine import EngineDeadError
 from jaxpaged.entrypoints.openai import errors
-from jaxpaged.entrypoints.openai.logprobs import completion_logprobs, join_logprobs, prompt_completion_logprobs
+from jaxpaged.entrypoints.openai.logprobs import (
+    completion_logprobs, join_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs,
+)  # fmt: skip
 from jaxpaged.entrypoints.openai.protocol import CompletionRequest
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 
-FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}
+FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "prompt_logprobs": "prompt_logprobs"}
 
 
 async def create_completion(serving: Serving, http_request: Request):
@@ -48,6 +50,8 @@ async def create_completion(serving: Serving, http_request: Request):
                 logprobs, _ = _logprobs(serving, body, out, c, 0, len(c.token_ids), 0, first=True)
             choices.append({"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+            if body.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, body.prompt_logprobs)
     return JSONResponse({**meta, "choices": choices, "usage": usage(run.prompt_tokens, generated)})
 
 

@@ -96,3 +96,19 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top: int, token_byt
             ],
         })
     return content
+
+
+def vllm_prompt_logprobs(entries: list | None, top: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt position (None first) the prompt token's {logprob, rank, decoded_token}
+    and the `top` most likely tokens', keyed by token id."""
+    if entries is None:
+        return None
+    out = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        token, lp = next(iter(entry.items()))  # the prompt's own token comes first
+        shown = {token: lp, **dict(_ranked(entry, top))}
+        out.append({str(t): {"logprob": _value(v), "rank": v.rank, "decoded_token": v.decoded_token} for t, v in shown.items()})
+    return out

@@ -69,6 +69,7 @@ class _SamplingRequest(_Strict):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: non-streaming responses carry them
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
     response_format: Any = None
     structured_outputs: Any = None
@@ -80,7 +81,7 @@ class _SamplingRequest(_Strict):
     _null_n = field_validator("n", mode="before")(classmethod(_null_is_default))
     # vLLM's request fields this server does not implement, with the value that asks for nothing: another value is
     # refused (dropped as an unknown field, it would change the output without a word)
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {"use_beam_search": False, "length_penalty": 1.0}
 
     @model_validator(mode="before")
     @classmethod
@@ -95,6 +96,8 @@ class _SamplingRequest(_Strict):
     def _check(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
         return self
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -260,6 +263,8 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo else None  # echo lists the prompt tokens' logprobs too
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
         return SamplingParams(
             max_tokens=1 if self.prompt_only else self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
             best_of=self.best_of, structured_outputs=self.structured_outputs_params(), **self.sampling_kwargs(),
@@ -456,7 +461,8 @@ class ChatCompletionRequest(_SamplingRequest):
         constraint = self.structured_outputs_params()
         if constraint is not None and reasoning is not None:
             constraint = dataclasses.replace(constraint, reasoning_start=reasoning[0], reasoning_end=reasoning[1])
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint, **self.sampling_kwargs())
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint,
+                              prompt_logprobs=self.prompt_logprobs, **self.sampling_kwargs())  # fmt: skip
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
