@@ -107,6 +107,9 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, one per prompt (got "
+                             f"{type(sampling_params).__name__}: e.g. SamplingParams(**that_dict))")  # fmt: skip
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -127,3 +127,9 @@ def test_use_tqdm_takes_a_progress_bar_class(llm):
 
     llm.generate(["ab", "cd"], GREEDY, use_tqdm=Bar)
     assert made[0]["total"] == 2 and made[-1] == 2
+
+
+def test_sampling_params_of_the_wrong_type_say_so(llm):
+    with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams .*got dict"):
+        llm.generate("ab", {"max_tokens": 3}, use_tqdm=False)
+    assert llm.generate("ab", GREEDY, use_tqdm=False)[0].outputs[0].text == greedy_text(ord("b"), 6)
