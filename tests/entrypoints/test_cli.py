@@ -1,0 +1,129 @@
+"""The command lines' own behaviour, with no model loaded: bad flags refused in a line that names the flag (and,
+for a vLLM flag they lack, what to use instead) before anything loads, Ctrl-C, and the server's port."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import socket
+
+import pytest
+
+from jaxpaged.entrypoints import generate
+
+
+class _Loaded(Exception):
+    """Raised by the fake LLM: the CLI got as far as loading the model."""
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """LLM(...) records its call and stops: a test sees whether the CLI would have loaded the model."""
+    calls = []
+
+    def fake_llm(**kwargs):
+        calls.append(kwargs)
+        raise _Loaded
+
+    monkeypatch.setattr("jaxpaged.entrypoints.llm.LLM", fake_llm)
+    return calls
+
+
+def _error_lines(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_generate_refuses_vllm_flags_in_a_line_with_what_to_use(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--gpu-memory-utilization", "0.5", "-tp", "2", "hello"])
+    assert exit_.value.code == 2
+    lines = _error_lines(capsys)
+    assert len(lines) == 4, lines  # the error, two hints, --help: not argparse's fifty lines of usage
+    assert "unrecognized arguments: --gpu-memory-utilization" in lines[0]
+    assert "--kv-cache-memory-fraction" in lines[1] and "--tensor-parallel-size" in lines[2]
+    with pytest.raises(SystemExit):
+        generate.main(["Once", "upon", "a", "time"])
+    assert "needs quotes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.main(["--max-tokens", "many", "hello"])
+    assert "argument --max-tokens: invalid int value: 'many'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--top-p", "2", "hello"], "error: --top-p must be in (0, 1]"),
+    (["--max-tokens", "0", "hello"], "error: --max-tokens must be"),
+    (["--temperature", "-1", "hello"], "error: --temperature must be >= 0"),
+    (["--seed", "-1", "hello"], "error: --seed must be"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "error: --prompts-file /nonexistent/prompts.txt: No such file"),
+    (["--prompts-file", "/"], "error: --prompts-file /: Is a directory"),
+])  # fmt: skip
+def test_generate_checks_its_flags_before_the_model_loads(no_model, capsys, flags, message):
+    assert generate.main(flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert no_model == []  # refused before the load, not after it
+
+
+def test_generate_refuses_flags_that_would_be_ignored(no_model, capsys, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\n")
+    for flags, message in [
+        (["--output", str(tmp_path / "out.jsonl"), "hello"], "--output writes --prompts-file's results"),
+        (["--system", "Be brief.", "hello"], "--system is the system message of --chat"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            generate.main(flags)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert generate.main(["--prompts-file", str(prompts), "--output", str(tmp_path / "no" / "out.jsonl")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert no_model == []
+    with pytest.raises(_Loaded):  # well-formed, they reach the load
+        generate.main(["--chat", "--system", "Be brief.", "hello"])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed KeyboardInterrupt
+def test_a_ctrl_c_a_library_swallows_during_the_load_still_stops_the_run(monkeypatch):
+    """KeyboardInterrupt raised inside a gc callback (JAX has one) is printed and dropped by Python; the load then
+    went on and the CLI generated its whole answer as if Ctrl-C had not been pressed."""
+
+    class Engine:
+        steps = 0
+
+        def add_request(self, *args, **kwargs):
+            return "0"
+
+        def abort_request(self, request_id):
+            pass
+
+        def has_unfinished_requests(self):
+            return Engine.steps < 3
+
+        def step(self):
+            Engine.steps += 1
+            return []
+
+    class FakeLLM:
+        is_follower = False
+        engine = Engine()
+        loaded = False
+
+        def __init__(self, **kwargs):
+            def press_ctrl_c(phase, info):
+                if phase == "start":
+                    signal.raise_signal(signal.SIGINT)
+
+            gc.callbacks.append(press_ctrl_c)
+            try:
+                gc.collect()  # the handler runs inside the callback, where its KeyboardInterrupt is swallowed
+            finally:
+                gc.callbacks.remove(press_ctrl_c)
+            FakeLLM.loaded = True  # the load went on: the KeyboardInterrupt never reached it
+
+        def get_tokenizer(self):
+            return object()
+
+    monkeypatch.setattr("jaxpaged.entrypoints.llm.LLM", FakeLLM)
+    before = signal.getsignal(signal.SIGINT)
+    assert generate.main(["hello", "--max-tokens", "4"]) == 130
+    assert FakeLLM.loaded and Engine.steps == 0  # stopped after the load, before any step
+    assert signal.getsignal(signal.SIGINT) is before  # the CLI's handler is gone again
