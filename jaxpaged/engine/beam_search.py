@@ -23,6 +23,7 @@ block copied on first write) and frees the parents; see LLMEngine._update_beams.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -49,6 +50,11 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be a positive integer (got {value!r})")
         if self.temperature != 0.0:
             raise ValueError(f"temperature must be 0 for beam search (got {self.temperature!r})")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool (got {self.ignore_eos!r})")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty must be a finite number (got {lp!r})")
         check_early_stopping(self.early_stopping)
 
 

@@ -133,3 +133,12 @@ def test_width_too_large_for_the_candidate_budget_is_refused(llm):
     with pytest.raises(ValueError, match="best_of"):
         llm.beam_search([{"prompt_token_ids": [3, 4]}], BeamSearchParams(beam_width=8, max_tokens=4), use_tqdm=False)
     assert llm.get_stats()["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"length_penalty": float("nan")}, "length_penalty"), ({"length_penalty": "1"}, "length_penalty"),
+    ({"ignore_eos": 1}, "ignore_eos"), ({"beam_width": 0}, "beam_width"), ({"early_stopping": "yes"}, "early_stopping"),
+])  # fmt: skip
+def test_bad_beam_search_params_name_their_field(fields, name):
+    with pytest.raises(ValueError, match=name):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **fields})
