@@ -4,20 +4,54 @@ engine."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import socket
 import sys
 
 from jaxpaged.distributed import ProcessGroupError
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
+from jaxpaged.entrypoints.generate import CLIParser, flag_message
 from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai")  # tool_parsers.PARSERS, which needs the serve extra to import
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")  # reasoning.REASONING_PARSERS, likewise
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+# `vllm serve`'s flags this server lacks, beyond those both CLIs know (generate.VLLM_HINTS)
+SERVE_HINTS = {
+    "--uvicorn-log-level": "use --log-level (it sets uvicorn's level too)",
+    "--disable-log-requests": "jaxpaged does not log requests (only --access-log's HTTP lines): drop the flag",
+    "--enable-log-requests": "jaxpaged does not log requests; --access-log logs each HTTP request",
+    "--disable-log-stats": "jaxpaged logs no periodic stats (/metrics has them): drop the flag",
+    "--disable-uvicorn-access-log": "the access log is off unless --access-log is given: drop the flag",
+    "--chat-template": "not supported: the model's own chat template is used (tokenizer_config.json or the GGUF's)",
+    "--enable-reasoning": "--reasoning-parser alone turns reasoning on (or it is detected): drop the flag",
+}
+
+
+def _positive(text: str) -> int:
+    value = int(text)  # a ValueError becomes argparse's "invalid _positive value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value})")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535 (got {value})")
+    return value
+
+
+_positive.__name__ = _port.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CLIParser(
+        hints=SERVE_HINTS,
+        positional_hint="the model is given as --model MODEL (vLLM's `vllm serve MODEL`)",
         prog="python -m jaxpaged.serve",
         description="Serve a model over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
         "/health and /metrics (Prometheus). Without --model it serves the built-in SmolLM2-135M-Instruct "
@@ -26,12 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--port", type=_port, default=8000, help="port; 0 picks a free one (default: 8000)")
     g.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $JAXPAGED_API_KEY, else none)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients must send; the first is reported in responses (default: the --model value)")
-    g.add_argument("--max-waiting", type=int, default=1024,
+    g.add_argument("--max-waiting", type=_positive, default=1024,
                    help="most requests queued for a slot; beyond it requests get 503 with Retry-After (default: 1024)")
     g.add_argument("--max-n", type=int, default=128, help="largest n (choices per request) accepted (default: 128)")
     g.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body in bytes; larger get 413 (default: 4 MiB)")
@@ -60,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-weight-updates", action="store_true",
                    help="a trainer's rollout routes: POST /update_weights (a folder of safetensors), /sleep and "
                         "/wake_up, GET /is_sleeping (off by default; they need the API key when one is set)")
-    g.add_argument("--log-level", default="INFO", help="jaxpaged log level (default: INFO)")
+    g.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="log level of jaxpaged and uvicorn, any case (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     add_engine_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: 0)")
@@ -77,13 +112,31 @@ def served_names(args) -> list[str]:
     return [args.model]
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine loads, as vLLM binds it: a port in use (or an address this
+    machine does not have) stops the start at once, not after the model has loaded and compiled. uvicorn listens on
+    it once the engine is ready; until then a connection is refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} (--host, --port): {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level.upper())
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine.async_engine import AsyncLLMEngine
     from jaxpaged.engine.data_parallel import make_engine
 
+    sock = app = None
     try:
         uvicorn = require("uvicorn", "python -m jaxpaged.serve")  # before the engine's start-up, not after it
         from jaxpaged.entrypoints.openai import ServerSettings, build_app
@@ -100,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         if (settings.lora_modules or settings.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         config = EngineConfig(**engine_kwargs(args), seed=args.seed)
+        if config.process_id in (None, 0):  # process k > 0 of a group serves nothing
+            sock = bind(args.host, args.port)
         core = make_engine(config)  # data_parallel_size > 1: replicas behind a router
         if core.is_follower:  # process k > 0 of a group: no server, it runs process 0's steps until it stops
             core.runner.follow()
@@ -107,14 +162,29 @@ def main(argv: list[str] | None = None) -> int:
         engine = AsyncLLMEngine(core, max_waiting=args.max_waiting)
         app = build_app(engine, settings)  # finds the tool-call parser in the chat template
     except (ValueError, FileNotFoundError, MissingExtraError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {flag_message(parser, exc)}", file=sys.stderr)
         return 2
-    except ProcessGroupError as exc:
+    except (ProcessGroupError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    uvicorn.run(
+    except KeyboardInterrupt:  # Ctrl-C while the model loads or compiles
+        print("interrupted before the server started", file=sys.stderr)
+        return 130
+    finally:
+        if sock is not None and app is None:  # not serving after all
+            sock.close()
+    host, port = sock.getsockname()[:2]  # the port --port 0 picked
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:  # uvicorn names the address only of sockets it bound itself
+                logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
+
+    server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
         timeout_graceful_shutdown=5,
-    )
-    return 0
-
+    ))  # fmt: skip
+    server.run(sockets=[sock])
+    return 0 if server.started else 3  # uvicorn.run's status when the app failed to start

@@ -127,3 +127,78 @@ def test_a_ctrl_c_a_library_swallows_during_the_load_still_stops_the_run(monkeyp
     assert generate.main(["hello", "--max-tokens", "4"]) == 130
     assert FakeLLM.loaded and Engine.steps == 0  # stopped after the load, before any step
     assert signal.getsignal(signal.SIGINT) is before  # the CLI's handler is gone again
+
+
+# -- python -m jaxpaged.serve ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """make_engine records its call and stops."""
+    calls = []
+
+    def fake_make_engine(config):
+        calls.append(config)
+        raise _Loaded
+
+    monkeypatch.setattr("jaxpaged.engine.data_parallel.make_engine", fake_make_engine)
+    return calls
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--port", "70000"], "argument --port: must be a port number, 0 to 65535 (got 70000)"),
+    (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["--max-waiting", "0"], "argument --max-waiting: must be a positive integer (got 0)"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
+    (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: the KV cache is sized with --kv-cache-memory-fraction"),
+    (["--uvicorn-log-level", "debug"], "--uvicorn-log-level: use --log-level"),
+    (["Qwen/Qwen2.5-0.5B-Instruct"], "the model is given as --model MODEL"),
+])  # fmt: skip
+def test_serve_refuses_bad_and_vllm_flags_in_a_line(no_engine, capsys, flags, message):
+    from jaxpaged.entrypoints import serve
+
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(flags)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) <= 3, err  # not argparse's fifty lines of usage
+    assert no_engine == []
+
+
+def test_serve_log_level_takes_any_case(no_engine):
+    """uvicorn knows only lower-case names and jaxpaged's logging only upper-case ones: `warn` or `Info` crashed
+    one of them (the second after the model had loaded)."""
+    from jaxpaged.entrypoints.serve import build_parser
+
+    assert build_parser().parse_args(["--log-level", "warning"]).log_level == "WARNING"
+
+
+def test_a_busy_port_stops_the_start_before_the_engine_loads(no_engine, capsys):
+    """It was found by uvicorn after the model had loaded and every step compiled (minutes for a large model)."""
+    from jaxpaged.entrypoints import serve
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve.main(["--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use" in err
+    assert no_engine == []
+
+
+def test_ctrl_c_while_the_engine_starts_exits_130_and_frees_the_port(monkeypatch, capsys):
+    from jaxpaged.entrypoints import serve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("jaxpaged.engine.data_parallel.make_engine", interrupted)
+    assert serve.main(["--port", str(port)]) == 130  # was a traceback through the engine's start-up
+    assert "Traceback" not in capsys.readouterr().err
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # the early bind was closed
