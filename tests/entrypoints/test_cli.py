@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import signal
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,18 @@ def test_ctrl_c_while_the_engine_starts_exits_130_and_frees_the_port(monkeypatch
     assert "Traceback" not in capsys.readouterr().err
     with socket.socket() as again:
         again.bind(("127.0.0.1", port))  # the early bind was closed
+
+
+def test_both_clis_take_the_same_engine_flags_and_differ_only_in_defaults():
+    """README: the server's model and engine flags are generate's (it said the server lacked --tensor-parallel-size
+    and alone had --kv-cache-memory-fraction, which both have), with --precompile on and --seed the engine's."""
+    from jaxpaged.engine.arg_utils import cli_fields
+    from jaxpaged.entrypoints.serve import build_parser as serve_parser
+
+    gen, srv = generate.build_parser(), serve_parser()
+    engine_flags = {"--" + f.name.replace("_", "-") for f in cli_fields()}
+    for parser in (gen, srv):
+        assert engine_flags <= set(parser._option_string_actions)
+    assert gen.parse_args(["x"]).precompile is False and srv.parse_args([]).precompile is True
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    assert "has no `--tensor-parallel-size`" not in readme
