@@ -237,7 +237,8 @@ class Session:
         self.started = None
 
     def batch(self, prompts: list[str], out) -> None:
-        results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params, lora_request=self.lora)
+        results = self.llm.generate([self.prompt_input(p) for p in prompts], self.params, lora_request=self.lora,
+                                    use_tqdm=not self.args.quiet)  # --quiet: warnings only, no progress bar
         _Interrupt.check()
         for prompt, result in zip(prompts, results):
             c = result.outputs[0]

@@ -229,3 +229,32 @@ def test_help_and_errors_name_the_command_the_user_ran(monkeypatch, argv0, prog)
     """`jaxpaged-generate --help` and `python -m jaxpaged --help` said "usage: python -m jaxpaged.generate"."""
     monkeypatch.setattr("sys.argv", [argv0])
     assert generate.build_parser().prog == prog
+
+
+def test_quiet_batch_shows_no_progress_bar(monkeypatch, tmp_path, capsys):
+    """--quiet ("log warnings only") still drew LLM.generate's "Generating" bar over a --prompts-file run."""
+    from types import SimpleNamespace
+
+    bars = []
+
+    class FakeLLM:
+        is_follower = False
+
+        def __init__(self, **kwargs):
+            pass
+
+        def get_tokenizer(self):
+            return object()
+
+        def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+            bars.append(use_tqdm)
+            done = SimpleNamespace(text="x", token_ids=[1], finish_reason="length")
+            return [SimpleNamespace(outputs=[done]) for _ in prompts]
+
+    monkeypatch.setattr("jaxpaged.entrypoints.llm.LLM", FakeLLM)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n")
+    assert generate.main(["--quiet", "--prompts-file", str(prompts)]) == 0
+    assert generate.main(["--prompts-file", str(prompts)]) == 0
+    assert bars == [False, True]
+    assert capsys.readouterr().out.count('"text": "x"') == 4
