@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=_port, default=8000, help="port; 0 picks a free one (default: 8000)")
-    g.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY"),
+    g.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $JAXPAGED_API_KEY, else none)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients must send; the first is reported in responses (default: the --model value)")
@@ -132,6 +132,8 @@ def bind(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():  # `--api-key "$KEY"` with KEY unset: no auth at all
+        parser.error("--api-key is empty (an unset variable?): give the key, or leave the flag out to serve without one")
     setup_logging(args.log_level)
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine.async_engine import AsyncLLMEngine

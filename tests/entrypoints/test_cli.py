@@ -258,3 +258,15 @@ def test_quiet_batch_shows_no_progress_bar(monkeypatch, tmp_path, capsys):
     assert generate.main(["--prompts-file", str(prompts)]) == 0
     assert bars == [False, True]
     assert capsys.readouterr().out.count('"text": "x"') == 4
+
+
+def test_an_empty_api_key_is_refused_not_an_open_server(no_engine, capsys, monkeypatch):
+    """README's `--api-key "$KEY"` with KEY unset passed "", which served every route without a key."""
+    from jaxpaged.entrypoints import serve
+
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--api-key", "", "--port", "0"])
+    assert exit_.value.code == 2 and "--api-key is empty" in capsys.readouterr().err
+    assert no_engine == []
+    monkeypatch.setenv("JAXPAGED_API_KEY", "")  # an empty variable is no key, as before
+    assert serve.build_parser().parse_args([]).api_key is None
