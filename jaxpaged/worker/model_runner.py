@@ -504,7 +504,8 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
             knobs, self._blank("history", sampling.history, bool(sampling.any_penalty)),
             self._blank("bitmask", sampling.bitmask, bool(sampling.any_constrained)),
             self._blank("suppress", suppress, suppress is not _blank_array(suppress.shape) and bool((suppress >= 0).any())),
-            self._blank("bias", bias, bias is not _blank_array(bias.shape)),
+            # (the values, not only identity: a process group's followers get the step's arrays unpickled)
+            self._blank("bias", bias, bias is not _blank_array(bias.shape) and bool((bias[:, 0] >= 0).any())),
         )  # fmt: skip
 
     def _forward_args(self, step: StepInputs, prev: DispatchedStep | None) -> tuple:
