@@ -28,6 +28,7 @@ from jaxpaged.models.registry import resolve_architecture
 from jaxpaged.models.tying import COPY
 from jaxpaged.models.tying import decide as tied_head
 from jaxpaged.models.weights import WeightPrograms, load_tensors_into, param_bytes, random_tensors
+from jaxpaged.utils.logging_utils import progress_hidden
 from jaxpaged.pallas_kernels import AttentionBackend
 from jaxpaged.platforms import Platform
 from jaxpaged.worker.executable_cache import ExecutableCache
@@ -70,7 +71,7 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def _progress(items: Iterable, total: int, desc: str) -> Iterator:
-    return iter(tqdm(items, total=total, desc=desc, unit="tensor", leave=False))
+    return iter(tqdm(items, total=total, desc=desc, unit="tensor", leave=False, disable=progress_hidden()))
 
 
 def _port_config(hf_config):

@@ -15,6 +15,11 @@ def cli_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("help")]
 
 
+# vLLM's short spellings of these flags
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+               "quantization": "-q"}  # fmt: skip
+
+
 def add_engine_args(p: argparse.ArgumentParser, precompile: bool = True) -> None:
     """`precompile` is this CLI's default: the server compiles every bucket at start-up, generate on first use."""
     groups: dict[str, Any] = {}
@@ -31,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser, precompile: bool = True) -> None
             kwargs["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
         if f.metadata["choices"]:
             kwargs["choices"] = list(f.metadata["choices"])
-        group.add_argument(flag, **kwargs)
+        group.add_argument(flag, *([SHORT_FLAGS[f.name]] if f.name in SHORT_FLAGS else []), **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -24,10 +24,6 @@ logger = logging.getLogger("jaxpaged.generate")
 VLLM_HINTS = {
     "--gpu-memory-utilization": "the KV cache is sized with --kv-cache-memory-fraction (a share of the memory left "
     "after the weights) or --num-kv-blocks",
-    "-tp": "use --tensor-parallel-size",
-    "-pp": "use --pipeline-parallel-size",
-    "-dp": "use --data-parallel-size",
-    "-q": "use --quantization",
     "--tokenizer": "the tokenizer comes with the model (its folder, GGUF or hub id)",
     "--trust-remote-code": "jaxpaged runs its own ports of the supported architectures, never a checkpoint's code",
     "--enforce-eager": "every step runs compiled; --no-precompile compiles each step shape on first use",

@@ -28,6 +28,11 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+def progress_hidden() -> bool:
+    """Progress bars (loading, compiling) follow jaxpaged's log level: hidden above INFO (--quiet, log_level="WARNING")."""
+    return logging.getLogger("jaxpaged").getEffectiveLevel() > logging.INFO
+
+
 def setup_logging(level: int | str = logging.INFO) -> None:
     """Our loggers at `level` on stderr; libraries' chatter (absl, orbax, jax) at WARNING, and their notices
     that a user can do nothing about hidden unless `level` is DEBUG."""

@@ -17,6 +17,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxpaged.utils import compile_monitor
+from jaxpaged.utils.logging_utils import progress_hidden
 from jaxpaged.worker.sampler import bitmask_words, build_sampling_metadata
 from jaxpaged.worker.sampler_plans import sampler_name
 
@@ -248,7 +249,7 @@ class BucketCompiles:
                 for t in self.buckets:
                     self.prefetch(t)
             for t in tqdm(list(self._pending) if workers > 1 else self.buckets, desc="Compiling step buckets",
-                          unit="bucket", leave=False):  # fmt: skip
+                          unit="bucket", leave=False, disable=progress_hidden()):  # fmt: skip
                 self._compiled.update(self._pending.pop(t).result() if workers > 1 else self._bucket_compiler(t)())
         # a mesh's buckets compile here, on first use; one device's are compiled above, and a step through one of them
         # runs the rest of a step's programs (a 1B model's ten CPU buckets took 4.5 s to run, for nothing)

@@ -133,3 +133,16 @@ def test_sampling_params_of_the_wrong_type_say_so(llm):
     with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams .*got dict"):
         llm.generate("ab", {"max_tokens": 3}, use_tqdm=False)
     assert llm.generate("ab", GREEDY, use_tqdm=False)[0].outputs[0].text == greedy_text(ord("b"), 6)
+
+
+def test_loading_and_compiling_bars_follow_the_log_level(cycle_model_dir, tmp_path, capfd):
+    """--quiet and log_level="WARNING" hide the loader's and the warm-up's progress bars; INFO shows them."""
+    kwargs = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, block_size=8, max_model_len=64,
+                  cache_dir=str(tmp_path))  # fmt: skip
+    capfd.readouterr()
+    LLM(str(cycle_model_dir), log_level="WARNING", **kwargs)
+    quiet = capfd.readouterr().err
+    LLM(str(cycle_model_dir), log_level="INFO", **kwargs)
+    loud = capfd.readouterr().err
+    assert "Loading weights" not in quiet and "Compiling step buckets" not in quiet
+    assert "Loading weights" in loud and "Compiling step buckets" in loud

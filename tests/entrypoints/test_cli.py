@@ -36,12 +36,12 @@ def _error_lines(capsys) -> list[str]:
 
 def test_generate_refuses_vllm_flags_in_a_line_with_what_to_use(capsys):
     with pytest.raises(SystemExit) as exit_:
-        generate.main(["--gpu-memory-utilization", "0.5", "-tp", "2", "hello"])
+        generate.main(["--gpu-memory-utilization", "0.5", "--enforce-eager", "hello"])
     assert exit_.value.code == 2
     lines = _error_lines(capsys)
     assert len(lines) == 4, lines  # the error, two hints, --help: not argparse's fifty lines of usage
     assert "unrecognized arguments: --gpu-memory-utilization" in lines[0]
-    assert "--kv-cache-memory-fraction" in lines[1] and "--tensor-parallel-size" in lines[2]
+    assert "--kv-cache-memory-fraction" in lines[1] and "--no-precompile" in lines[2]
     with pytest.raises(SystemExit):
         generate.main(["Once", "upon", "a", "time"])
     assert "needs quotes" in capsys.readouterr().err
@@ -270,3 +270,16 @@ def test_an_empty_api_key_is_refused_not_an_open_server(no_engine, capsys, monke
     assert no_engine == []
     monkeypatch.setenv("JAXPAGED_API_KEY", "")  # an empty variable is no key, as before
     assert serve.build_parser().parse_args([]).api_key is None
+
+
+def test_vllms_short_flags_are_taken():
+    """-tp, -pp, -dp and -q, as vllm serve spells them."""
+    import argparse
+
+    from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kwargs = engine_kwargs(p.parse_args(["-tp", "4", "-pp", "2", "-dp", "3", "-q", "int8"]))
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"], kwargs["data_parallel_size"]) == (4, 2, 3)
+    assert kwargs["quantization"] == "int8"
