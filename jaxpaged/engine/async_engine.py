@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.utils.text import ChatPrompt
@@ -225,14 +226,18 @@ class AsyncLLMEngine:
             raise
         return streams
 
-    async def add_request(self, request_id: str, prompt: PromptType | ChatPrompt, params: SamplingParams) -> RequestStream:
-        return (await self.add_requests([(request_id, prompt, params)]))[0]
+    async def add_request(self, request_id: str, prompt: PromptType | ChatPrompt, params: SamplingParams,
+                          lora_request: LoRARequest | None = None) -> RequestStream:  # fmt: skip
+        request = (request_id, prompt, params) if lora_request is None else (request_id, prompt, params, lora_request)
+        return (await self.add_requests([request]))[0]
 
     async def generate(
-        self, prompt: PromptType | ChatPrompt, sampling_params: SamplingParams, request_id: str
+        self, prompt: PromptType | ChatPrompt, sampling_params: SamplingParams, request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs as they grow; leaving early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        """Yield the request's cumulative outputs as they grow (vLLM's AsyncLLM.generate, `lora_request` included);
+        leaving early (or being cancelled) aborts it."""
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request)
         try:
             async for out in stream:
                 yield out
@@ -300,6 +305,8 @@ class AsyncLLMEngine:
             while True:
                 if self._held and not self.engine.has_unfinished_requests():
                     self._release_held()
+                    if self._outbox:  # what it settled (a held abort's final output) goes out before the loop waits
+                        self._publish()
                 self._drain(block=not self.engine.has_unfinished_requests() and not self._held)
                 if self._stopping:
                     break
@@ -342,6 +349,8 @@ class AsyncLLMEngine:
             self._add(*command[1:])
         elif kind == "abort":
             self._abort(command[1])
+            if any(c[0] == "add" and any(s.request_id == command[1] for s in c[2]) for c in self._held):
+                self._held.append(command)  # an add of that id is held: it must not run for nobody once released
         elif kind == "call":
             if command[2] and self.engine.has_unfinished_requests():
                 self._held.append(command)

@@ -229,3 +229,44 @@ def test_health_and_requests_are_503_once_the_loop_is_dead(make_engine, llm_engi
 
     asyncio.run(main())
     monkeypatch.undo()
+
+
+def test_abort_of_an_add_held_behind_an_update_lands_after_it(make_engine, llm_engine, cycle_model_dir, monkeypatch):
+    """An add held behind update_weights(in_flight="finish") keeps its abort in order: a cancelled caller's request
+    and one aborted by id while its add waited end at once when released (they ran to their end for nobody)."""
+    engine = make_engine()
+    aborted = {}
+    real_abort = llm_engine.abort_request_with_output
+
+    def recording_abort(request_id):
+        out = real_abort(request_id)
+        if out is not None:
+            aborted[request_id] = out
+        return out
+
+    monkeypatch.setattr(llm_engine, "abort_request_with_output", recording_abort)
+
+    async def main():
+        busy = await engine.add_request("busy", {"prompt_token_ids": [5]}, _greedy(480))
+        update = asyncio.ensure_future(engine.update_weights(str(cycle_model_dir), in_flight="finish"))
+        victim = asyncio.create_task(_collect(engine, {"prompt_token_ids": [6]}, _greedy(400), "victim"))
+        gone = asyncio.ensure_future(engine.add_request("gone", {"prompt_token_ids": [7]}, _greedy(400)))
+        for _ in range(500):  # the update and both adds wait for "busy" to finish
+            if len(engine._held) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert len(engine._held) == 3 and engine.engine.has_request("busy")
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        engine.abort("gone")
+        engine.abort("busy")
+        async for _ in busy:
+            pass
+        await update
+        return [out async for out in await gone]
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort" and outs[-1].outputs[0].token_ids == []
+    assert aborted["victim"].outputs[0].token_ids == [] and aborted["victim"].outputs[0].finish_reason == "abort"
+    monkeypatch.undo()
