@@ -30,6 +30,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras or max_loras
         self._host: collections.OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = collections.OrderedDict()
         self._slot_ids: list[int | None] = [None] * max_loras  # the adapter id each device slot holds
+        self._slot_requests: list[LoRARequest | None] = [None] * max_loras  # and the request it was loaded for
         self._holders = [0] * max_loras  # unfinished requests per slot
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict((s, None) for s in range(max_loras))
         self._lock = threading.Lock()  # the server loads adapters from its own thread
@@ -44,6 +45,8 @@ class LoRAManager:
                 self._check_same(known[0], request)
                 self._host.move_to_end(request.lora_int_id)
                 return known[1]
+            if request.lora_int_id in self._slot_ids:  # evicted from host memory, still on the device
+                self._check_same(self._slot_requests[self._slot_ids.index(request.lora_int_id)], request)
         adapter = load_adapter(request.lora_name, request.lora_path, self.base_config, self.runner.lora_targets, self.max_rank)
         with self._lock:
             known = self._host.get(request.lora_int_id)
@@ -74,7 +77,7 @@ class LoRAManager:
                 slot = next(iter(self._idle))
                 previous = self._slot_ids[slot]
                 self.runner.write_lora_slot(slot, adapter)
-                self._slot_ids[slot] = request.lora_int_id
+                self._slot_ids[slot], self._slot_requests[slot] = request.lora_int_id, request
                 logger.info("LoRA adapter %r in device slot %d%s", request.lora_name, slot,
                             "" if previous is None else f" (evicting adapter {previous})")  # fmt: skip
             else:

@@ -150,3 +150,51 @@ def test_without_enable_lora_the_step_is_unchanged(model_dir, adapters):
     assert len(runner._forward_args(runner.input_batch.blank(4), None)) == 4
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate([{"prompt_token_ids": [1, 2]}], _greedy(), use_tqdm=False, lora_request=adapters["alpha"][0])
+
+
+def test_async_generate_takes_lora_request(llm, hf_model, adapters):
+    """AsyncLLMEngine.generate(prompt, params, request_id, lora_request=...) as vLLM's AsyncLLM: three adapters over two
+    slots and the base, concurrently, each equal to transformers + PEFT alone; the slots given back."""
+    import asyncio
+
+    from jaxpaged.engine.async_engine import AsyncLLMEngine
+
+    names = ["alpha", "beta", None, "gamma", "alpha"]
+    prompts = random_prompts(256, [5, 9, 4, 12, 7], seed=13)
+    engine = AsyncLLMEngine(llm.engine)
+
+    async def one(i, name):
+        lora = None if name is None else adapters[name][0]
+        outs = [out async for out in engine.generate({"prompt_token_ids": prompts[i]}, _greedy(), f"async-lora-{i}", lora_request=lora)]
+        return outs[-1]
+
+    async def main():
+        return await asyncio.gather(*(one(i, name) for i, name in enumerate(names)))
+
+    try:
+        finals = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for name, prompt, out in zip(names, prompts, finals):
+        ref = hf_model if name is None else adapters[name][1]
+        assert out.finished and list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, MAX_TOKENS), name
+    assert llm.engine.lora.stats()["lora_slots_held"] == 0
+    _assert_idle(llm)
+
+
+def test_an_id_on_the_device_but_evicted_from_host_memory_still_names_its_adapter(llm, adapters):
+    """alpha runs (its slot held) while two other adapters push it out of host memory (max_cpu_loras=2): another
+    adapter under alpha's id is refused, as it is while alpha is in host memory, instead of running on alpha's slot."""
+    engine = llm.engine
+    alpha = adapters["alpha"][0]
+    rid = engine.add_request(None, {"prompt_token_ids": [3, 4, 5]}, _greedy(20), lora_request=alpha)
+    engine.step()
+    engine.add_lora(adapters["beta"][0])
+    engine.add_lora(adapters["gamma"][0])
+    assert alpha.lora_int_id not in [r.lora_int_id for r in engine.list_loras()]  # evicted from the host, on the device
+    impostor = LoRARequest("impostor", alpha.lora_int_id, adapters["beta"][0].lora_path)
+    with pytest.raises(ValueError, match="already names adapter 'alpha'"):
+        engine.add_request(None, {"prompt_token_ids": [3, 4]}, _greedy(), lora_request=impostor)
+    engine.abort_request(rid)
+    assert engine.lora.stats()["lora_slots_held"] == 0
+    _assert_idle(llm)
