@@ -34,6 +34,7 @@ class LoRAManager:
         self._holders = [0] * max_loras  # unfinished requests per slot
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict((s, None) for s in range(max_loras))
         self._lock = threading.Lock()  # the server loads adapters from its own thread
+        self._updated: set[int] = set()  # adapters update_weights changed: their host copy is the only one, never evicted
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter in host memory, read (and checked) on first use; ValueError for a bad one."""
@@ -55,7 +56,10 @@ class LoRAManager:
                 return known[1]
             self._host[request.lora_int_id] = (request, adapter)
             while len(self._host) > self.max_cpu_loras:
-                evicted, _ = self._host.popitem(last=False)
+                evicted = next((i for i in self._host if i not in self._updated), None)
+                if evicted is None:  # all of them updated: kept over max_cpu_loras rather than lost
+                    break
+                del self._host[evicted]
                 logger.info("LoRA adapter %d evicted from host memory (max_cpu_loras=%d)", evicted, self.max_cpu_loras)
         logger.info("LoRA adapter %r (id %d, rank %d, %d projections, %.1f MB) loaded from %s", request.lora_name,
                     request.lora_int_id, adapter.rank, len(adapter.weights), adapter.nbytes / 1e6, request.lora_path)  # fmt: skip
@@ -96,6 +100,7 @@ class LoRAManager:
         """Forget an adapter (host copy, and its device slot unless a request still holds it); False if unknown."""
         with self._lock:
             known = self._host.pop(lora_int_id, None) is not None
+            self._updated.discard(lora_int_id)
             if lora_int_id in self._slot_ids:
                 slot = self._slot_ids.index(lora_int_id)
                 # still held: its rows stay for those requests, but no new request finds them (ids are positive)
@@ -111,6 +116,7 @@ class LoRAManager:
         adapter = self.load(request)
         with self._lock:
             adapter.weights.update(weights)
+            self._updated.add(request.lora_int_id)  # read again from its folder, it would lose them
             slot = self._slot_ids.index(request.lora_int_id) if request.lora_int_id in self._slot_ids else None
         if slot is not None:
             self.runner.write_lora_slot(slot, adapter)

@@ -5,6 +5,7 @@ while the engine keeps serving."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from flax import nnx
 from jaxpaged import LLM, LoRARequest, SamplingParams
@@ -198,3 +199,23 @@ def test_an_id_on_the_device_but_evicted_from_host_memory_still_names_its_adapte
     engine.abort_request(rid)
     assert engine.lora.stats()["lora_slots_held"] == 0
     _assert_idle(llm)
+
+
+def test_updated_adapter_survives_host_and_slot_eviction(llm, hf_model, adapters):
+    """update_weights(lora_request=alpha) with alpha's lora_B all zeros makes alpha the base model; two other adapters
+    then take both slots and the host memory (max_cpu_loras=2): alpha comes back updated, not read again from its
+    folder (which gave PEFT's alpha)."""
+    alpha, peft_alpha = adapters["alpha"]
+    zeros = {name: np.zeros(tuple(t.shape), np.float32) for name, t in peft_alpha.state_dict().items() if "lora_B" in name}
+    assert zeros
+    prompt = random_prompts(256, [6], seed=17)[0]
+    try:
+        llm.update_weights(zeros, lora_request=alpha)
+        others = [adapters["beta"][0], adapters["gamma"][0]]
+        llm.generate([{"prompt_token_ids": prompt}] * 2, _greedy(), use_tqdm=False, lora_request=others)  # both slots
+        assert alpha.lora_int_id not in llm.engine.lora._slot_ids
+        out = llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False, lora_request=alpha)[0]
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf_model, prompt, MAX_TOKENS)
+        _assert_idle(llm)
+    finally:
+        llm.engine.remove_lora(alpha.lora_int_id)  # the next use reads it from its folder again
