@@ -100,6 +100,16 @@ def _loading_place(config: EngineConfig):
     return jax.default_device(jax.local_devices(backend="cpu")[0])
 
 
+def _token_ids(ids) -> list[int]:
+    """A prompt's token ids as ints: a float, a bool or anything else is a ValueError naming prompt_token_ids."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise ValueError(f"prompt_token_ids must be a list of ints (got {type(ids).__name__})")
+    for t in ids:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
+            raise ValueError(f"prompt_token_ids must hold ints only (got {t!r})")
+    return [int(t) for t in ids]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, devices=None):
         """devices: where this engine runs (default: JAX's devices, of which it takes what its parallelism needs)."""
@@ -246,7 +256,7 @@ class LLMEngine:
             return self.tokenizer.decode(ids, skip_special_tokens=False), ids  # the rendered text, as vLLM reports
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -570,14 +580,14 @@ class LLMEngine:
         """One iteration: returns the outputs of every request that progressed or finished."""
         if self.weight_sync.paused:
             return []
-        compiles_before = compile_monitor.unexpected_count()
+        compiles_before = compile_monitor.unexpected_in_this_thread()
         try:
             outputs = self._step()
             if self.lora is not None:
                 self._lora_bookkeeping(outputs)
             return outputs
         finally:
-            self.num_compiles_after_warmup += compile_monitor.unexpected_count() - compiles_before
+            self.num_compiles_after_warmup += compile_monitor.unexpected_in_this_thread() - compiles_before
 
     def _step(self) -> list[RequestOutput]:
         """schedule -> execute -> update. With async scheduling the host schedules and dispatches step N+1

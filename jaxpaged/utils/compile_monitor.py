@@ -24,9 +24,12 @@ _installed = False
 def _on_event(name: str, *args, **kwargs) -> None:
     global _count, _expected
     if name == _LOWERING_EVENT:
+        wanted = getattr(_local, "expected", 0) > 0
         with _lock:
             _count += 1
-            _expected += getattr(_local, "expected", 0) > 0
+            _expected += wanted
+        if not wanted:
+            _local.unexpected = getattr(_local, "unexpected", 0) + 1
 
 
 def _on_plain_event(name: str, *args, **kwargs) -> None:
@@ -56,9 +59,16 @@ def compile_count() -> int:
 
 
 def unexpected_count() -> int:
-    """Lowerings outside expected() blocks."""
+    """Lowerings outside expected() blocks, in any thread."""
     install()
     return _count - _expected
+
+
+def unexpected_in_this_thread() -> int:
+    """Lowerings outside expected() blocks in this thread: what a step caused, and not what a trainer (or anything
+    else) compiled on another thread meanwhile."""
+    install()
+    return getattr(_local, "unexpected", 0)
 
 
 @contextlib.contextmanager

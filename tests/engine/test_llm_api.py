@@ -146,3 +146,40 @@ def test_loading_and_compiling_bars_follow_the_log_level(cycle_model_dir, tmp_pa
     loud = capfd.readouterr().err
     assert "Loading weights" not in quiet and "Compiling step buckets" not in quiet
     assert "Loading weights" in loud and "Compiling step buckets" in loud
+
+
+def test_compiles_on_another_thread_are_not_the_engines(llm):
+    """A trainer compiling beside the engine (another thread) adds nothing to num_compiles_after_warmup; the count
+    is of the lowerings the engine's own steps cause (test_startup.py checks that those count)."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    stop, compiled = threading.Event(), []
+
+    def trainer():
+        width = 1
+        while not stop.is_set():
+            width += 1
+            jax.jit(lambda x: x * 2 + 1)(jnp.ones(width)).block_until_ready()  # a new shape: a new lowering
+            compiled.append(width)
+
+    before = llm.get_stats()["num_compiles_after_warmup"]
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        for _ in range(3):
+            llm.generate(["ab", "cd"], SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    finally:
+        stop.set()
+        thread.join()
+    assert len(compiled) > 0
+    assert llm.get_stats()["num_compiles_after_warmup"] == before
+
+
+@pytest.mark.parametrize("ids", [[1.5, 2], [True, 3], [None], "ab", [[1, 2]], 7])
+def test_prompt_token_ids_must_be_ints(llm, ids):
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert llm.generate({"prompt_token_ids": [ord("a")]}, GREEDY, use_tqdm=False)[0].outputs[0].text == greedy_text(ord("a"), 6)
