@@ -266,7 +266,13 @@ def test_abort_of_an_add_held_behind_an_update_lands_after_it(make_engine, llm_e
         await update
         return [out async for out in await gone]
 
-    outs = asyncio.run(main())
+    async def bounded():  # (it hung once in a loaded two-worker run: fail with the engine's state instead)
+        try:
+            return await asyncio.wait_for(main(), 120)
+        except TimeoutError:
+            pytest.fail(f"hung: held {[c[0] for c in engine._held]}, unfinished {engine.engine.has_unfinished_requests()}")
+
+    outs = asyncio.run(bounded())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort" and outs[-1].outputs[0].token_ids == []
     assert aborted["victim"].outputs[0].token_ids == [] and aborted["victim"].outputs[0].finish_reason == "abort"
     monkeypatch.undo()
