@@ -26,6 +26,14 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "a
                             "chat_template", "continue_final_message", "return_dict", "return_tensors")
 
 
+def check_template_kwargs(cls, value):
+    """chat_template_kwargs may not set what the request sets itself."""
+    taken = sorted(set(value or ()) & set(RESERVED_TEMPLATE_KWARGS))
+    if taken:
+        raise ValueError(f"{taken[0]!r} is set by the request itself, not through chat_template_kwargs")
+    return value
+
+
 def _null_is_default(cls, value, info: ValidationInfo):
     """A before-validator for fields OpenAI's spec lets be null (n, echo, chat's logprobs; the openai client sends
     null for a None argument): null means the default, as in vLLM."""
@@ -365,13 +373,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _reasoning_effort(cls, value):
         return check_reasoning_effort(value)
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, value):
-        taken = sorted(set(value or ()) & set(RESERVED_TEMPLATE_KWARGS))
-        if taken:
-            raise ValueError(f"{taken[0]!r} is set by the request itself, not through chat_template_kwargs")
-        return value
+    _template_kwargs = field_validator("chat_template_kwargs")(classmethod(check_template_kwargs))
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -10,7 +10,7 @@ from pydantic import ValidationError, field_validator, model_validator
 from starlette.requests import Request
 
 from jaxpaged.entrypoints.openai import errors
-from jaxpaged.entrypoints.openai.protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, _Strict, conversation
+from jaxpaged.entrypoints.openai.protocol import ChatMessage, _Strict, check_template_kwargs, conversation
 from jaxpaged.entrypoints.openai.serving import Serving
 from jaxpaged.utils.text import ChatPrompt
 
@@ -26,13 +26,7 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, value):
-        taken = sorted(set(value or ()) & set(RESERVED_TEMPLATE_KWARGS))
-        if taken:
-            raise ValueError(f"{taken[0]!r} is set by the request itself, not through chat_template_kwargs")
-        return value
+    _template_kwargs = field_validator("chat_template_kwargs")(classmethod(check_template_kwargs))
 
     @model_validator(mode="after")
     def _one_input(self):
