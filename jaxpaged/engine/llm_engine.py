@@ -415,7 +415,17 @@ class LLMEngine:
             for out in outputs:
                 if out.finished and out.request_id in self._lora_held:
                     self.lora.release(self._lora_held.pop(out.request_id).lora_slot)
-        while self._lora_waiting and self._take_lora_slot(self._lora_waiting[0][0]):
+        while self._lora_waiting:
+            parent = self._lora_waiting[0][0]
+            try:
+                if not self._take_lora_slot(parent):
+                    break
+            except ValueError as exc:  # its adapter, read again, is gone (removed, its folder deleted): it alone ends
+                logger.warning("request %s aborted: its LoRA adapter could not be loaded (%s)", parent.request_id, exc)
+                aborted = self.abort_request_with_output(parent.request_id)  # (takes it off the waiting list)
+                if aborted is not None:
+                    outputs.append(aborted)
+                continue
             for seq in self._lora_waiting.popleft()[1]:
                 self.scheduler.add(seq)
 

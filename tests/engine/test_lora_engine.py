@@ -219,3 +219,34 @@ def test_updated_adapter_survives_host_and_slot_eviction(llm, hf_model, adapters
         _assert_idle(llm)
     finally:
         llm.engine.remove_lora(alpha.lora_int_id)  # the next use reads it from its folder again
+
+
+def test_a_waiting_requests_adapter_removed_and_deleted_aborts_it_alone(model_dir, hf_model, tmp_path):
+    """One device slot: B waits for A's adapter to let go; meanwhile B's adapter is removed and its folder deleted.
+    When B's turn comes the adapter cannot be read again: B ends aborted, A finishes as PEFT's, and the engine
+    (here stepped as the async engine steps it) keeps serving with every block and slot back."""
+    import shutil
+
+    from jaxpaged.sampling_params import SamplingParams as SP
+
+    a_ref = write_peft_adapter(hf_model, tmp_path / "a", 4, 8, ["q_proj", "v_proj"], False, seed=31)
+    write_peft_adapter(hf_model, tmp_path / "b", 4, 8, ["q_proj", "v_proj"], False, seed=32)
+    llm = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1,
+              max_num_seqs=4, max_num_batched_tokens=32, block_size=8, log_level="WARNING")  # fmt: skip
+    engine = llm.engine
+    a, b = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))
+    prompt = random_prompts(256, [7], seed=3)[0]
+    engine.add_request("A", {"prompt_token_ids": prompt}, SP(temperature=0.0, max_tokens=6, ignore_eos=True), lora_request=a)
+    engine.add_request("B", {"prompt_token_ids": prompt}, SP(temperature=0.0, max_tokens=6, ignore_eos=True), lora_request=b)
+    llm.engine.remove_lora(2)
+    shutil.rmtree(tmp_path / "b")
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert list(finals["A"].outputs[0].token_ids) == hf_greedy(a_ref, prompt, 6)
+    assert finals["B"].outputs[0].finish_reason == "abort" and list(finals["B"].outputs[0].token_ids) == []
+    _assert_idle(llm)
+    out = llm.generate([{"prompt_token_ids": prompt}], _greedy(6), use_tqdm=False, lora_request=a)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(a_ref, prompt, 6)
