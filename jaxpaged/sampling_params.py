@@ -198,17 +198,23 @@ def _stop_strings(value: object) -> list[str]:
     return stops
 
 
+def _id_list(name: str, value: object) -> list[int]:
+    """A list of token ids, each an int >= 0."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be None or a list of int (got {value!r})")
+    ids = [_int(name, t) for t in value]
+    for t in ids:
+        if t < 0:
+            raise ValueError(f"{name} must be >= 0 (got {t})")
+    return ids
+
+
 def _stop_token_ids(value: object) -> list[int]:
     if value is None:
         return []
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError(f"stop_token_ids must be None or a list of int (got {value!r})")
-    ids = [_int("stop_token_ids", t) for t in value]
+    ids = _id_list("stop_token_ids", value)
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})")
-    for t in ids:
-        if t < 0:
-            raise ValueError(f"stop_token_ids must be >= 0 (got {t})")
     return ids
 
 
@@ -231,13 +237,9 @@ def _logit_bias(value: object) -> dict[int, float] | None:
 def _allowed_token_ids(value: object) -> list[int] | None:
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError(f"allowed_token_ids must be None or a list of int (got {value!r})")
-    ids = [_int("allowed_token_ids", t) for t in value]
+    ids = _id_list("allowed_token_ids", value)
     if not ids:
         raise ValueError("allowed_token_ids must not be empty (None allows every token)")
-    if min(ids) < 0:
-        raise ValueError(f"allowed_token_ids must be >= 0 (got {min(ids)})")
     return ids
 
 

@@ -107,7 +107,7 @@ def probe(runner, rows: int, ctx: int, steps: int) -> dict:
 
     # the whole dispatch as the engine queues a greedy decode step: forward, write, then the sampler on its logits
     sampling_args = runner._sampling_args(step.sampling)
-    plan = runner._samplers.plan(step.sampling, suppress=False)
+    plan = runner._samplers.plan(step.sampling, suppress=False, bias=False)
     first = forward(state, runner.kv_cache, packed, prev)
     sampler = runner._samplers.executable(first[0].shape[0], plan, (first[0], *sampling_args, runner._no_sampled))
     calls = {"forward": [], "write": [], "sample": []}

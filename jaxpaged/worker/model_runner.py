@@ -489,7 +489,9 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
     def _sample_now(self, dispatched: DispatchedStep, sampling: SamplingMetadata) -> None:
         args = (dispatched.logits, *self._sampling_args(sampling), self._no_sampled)
         rows = dispatched.logits.shape[0]  # buckets with as many sampling rows share one sampler
-        plan = self._samplers.plan(sampling, suppress=not isinstance(args[4], jax.Array))  # not the kept blank
+        # a stage's input is needed where it is not the kept blank
+        needed = [not isinstance(arg, jax.Array) for arg in args[4:6]]  # the suppress ids, the biases
+        plan = self._samplers.plan(sampling, suppress=needed[0], bias=needed[1])
         with self._on_mesh():
             dispatched.out, dispatched.sampled = self._samplers.executable(rows, plan, args)(*args)
         dispatched.logits, dispatched.want_top = None, bool(sampling.want_logprobs)

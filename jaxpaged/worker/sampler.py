@@ -80,14 +80,15 @@ GREEDY = SamplerPlan(*[False] * len(SamplerPlan._fields))  # the argmax alone
 FULL = SamplerPlan(*[True] * len(SamplerPlan._fields))  # every stage run: right for any batch, the slowest
 
 
-def plan_for(metadata: SamplingMetadata, suppress: bool | None = None) -> SamplerPlan:
-    """The stages a step's (host-side, numpy) metadata needs, each one only if some row uses it (`suppress`: whether
-    some row has ids to suppress, when the caller has looked already)."""
+def plan_for(metadata: SamplingMetadata, suppress: bool | None = None, bias: bool | None = None) -> SamplerPlan:
+    """The stages a step's (host-side, numpy) metadata needs, each one only if some row uses it (`suppress`, `bias`:
+    whether some row has ids to suppress or bias, when the caller has looked already)."""
     random = bool((np.asarray(metadata.temperature) >= _GREEDY_EPS).any())
     draft = metadata.draft_ids is not None and bool((np.asarray(metadata.draft_ids) >= 0).any())
     if suppress is None:
         suppress = bool((np.asarray(metadata.suppress_ids) >= 0).any())
-    bias = metadata.logit_bias is not _blank(metadata.logit_bias.shape) and bool((np.asarray(metadata.logit_bias)[:, 0] >= 0).any())
+    if bias is None:
+        bias = bool((np.asarray(metadata.logit_bias)[:, 0] >= 0).any())
     return SamplerPlan(
         constrained=bool(metadata.any_constrained), suppress=suppress, bias=bias,
         penalty=bool(metadata.any_penalty), random=random, top=random and bool(metadata.any_top),

@@ -46,9 +46,9 @@ class SamplerPlans:
             self._jitted[plan] = jax.jit(functools.partial(self.runner._sample_impl, plan=plan), **self._jit_kwargs)
         return self._jitted[plan]
 
-    def plan(self, sampling: SamplingMetadata, suppress: bool) -> SamplerPlan:
+    def plan(self, sampling: SamplingMetadata, suppress: bool, bias: bool) -> SamplerPlan:
         """The stages this step's rows need (DYNAMIC where the device decides)."""
-        return plan_for(sampling, suppress=suppress) if self.static else DYNAMIC
+        return plan_for(sampling, suppress=suppress, bias=bias) if self.static else DYNAMIC
 
     def executable(self, rows: int, plan: SamplerPlan, args: tuple) -> jax.stages.Compiled:
         """The compiled sampler for `plan` at `rows` rows, or FULL's while `plan`'s compiles in the background."""

@@ -19,7 +19,7 @@ from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 
-FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "prompt_logprobs": "prompt_logprobs"}
+FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt"}
 
 
 async def create_completion(serving: Serving, http_request: Request):

@@ -139,18 +139,11 @@ class Serving:
         if isinstance(body.n, int) and not 1 <= body.n <= self.settings.max_n:
             raise errors.bad_request(f"n must be in [1, {self.settings.max_n}] (got {body.n})", param="n")
         try:
-            params = body.sampling_params(**kwargs)
+            return body.sampling_params(**kwargs)
         except errors.FieldError as exc:
             raise errors.bad_request(str(exc), param=exc.param) from None
         except (ValueError, NotImplementedError) as exc:
             raise errors.from_value_error(exc, fields) from None
-        # with max_tokens None, SamplingParams cannot bound min_tokens, and the engine packs it as an int32: a huge
-        # one would kill the engine loop (and every request with it)
-        if params.min_tokens > self.engine.max_model_len:
-            raise errors.bad_request(
-                f"min_tokens must be <= max_model_len ({self.engine.max_model_len}) (got {params.min_tokens})", param="min_tokens"
-            )
-        return params
 
     async def submit(
         self, http_request: Request, prefix: str, prompts: list[PromptType | ChatPrompt], params: SamplingParams,
