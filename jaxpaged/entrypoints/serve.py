@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=_port, default=8000, help="port; 0 picks a free one (default: 8000)")
     g.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $JAXPAGED_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping and /version (default: $JAXPAGED_API_KEY, else none)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients must send; the first is reported in responses (default: the --model value)")
     g.add_argument("--max-waiting", type=_positive, default=1024,

@@ -222,6 +222,9 @@ def test_health_and_requests_are_503_once_the_loop_is_dead(make_engine, llm_engi
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
             health = await client.get("/health")
             assert health.status_code == 503 and "boom" in health.json()["error"]["message"]
+            for method in ("GET", "POST"):  # vLLM's /ping is /health
+                ping = await client.request(method, "/ping")
+                assert ping.status_code == 503 and ping.json() == health.json()
             r = await client.post("/v1/completions", json={"model": "m", "prompt": [5], "max_tokens": 3})
             assert r.status_code == 503
             metrics = (await client.get("/metrics")).text

@@ -28,6 +28,14 @@ def test_models_lists_every_served_name(client):
     assert [m.id for m in client.models.list().data] == [CYCLE_MODEL, "other-name"]
 
 
+def test_version_and_ping_as_vllm(server):
+    from jaxpaged import __version__
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{server.url}/ping").status_code == 200
+
+
 def test_completion_greedy_text_usage_and_ids(client):
     r = client.completions.create(model=CYCLE_MODEL, prompt="hello", max_tokens=20, temperature=0)
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.created > 0 and r.model == CYCLE_MODEL

@@ -74,9 +74,10 @@ def test_cancelled_openai_stream_aborts(server):
 # -- API key and queue limit (the keyed server) ------------------------------------------------------
 
 
-def test_health_is_open_everything_else_needs_the_key(keyed_server):
+def test_probes_are_open_everything_else_needs_the_key(keyed_server):
     url = keyed_server.url
-    assert httpx.get(f"{url}/health").status_code == 200
+    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version")):
+        assert httpx.request(method, f"{url}{path}").status_code == 200, (method, path)
     for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                          ("GET", "/nowhere")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
+from jaxpaged import __version__
 from jaxpaged.engine.async_engine import AsyncLLMEngine
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.chat import create_chat_completion
@@ -35,7 +36,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         yield
         engine.shutdown()
 
-    app = FastAPI(title="jaxpaged", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="jaxpaged", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
 
     @app.exception_handler(errors.APIError)
@@ -57,6 +58,14 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         if engine.errored:
             return errors.engine_dead(f"the engine loop has died: {engine.dead_error}").response()
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's (SageMaker's) liveness probe: /health under another name
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "jaxpaged", "max_model_len": engine.max_model_len}

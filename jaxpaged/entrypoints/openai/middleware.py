@@ -6,7 +6,7 @@ import hmac
 
 from jaxpaged.entrypoints.openai import errors
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ping", "/version")  # probes: vLLM leaves them open too
 
 
 async def _send_error(send, error: errors.APIError) -> None:
@@ -19,7 +19,7 @@ async def _no_receive():
 
 
 class APIKeyMiddleware:
-    """Every route except /health needs `Authorization: Bearer <key>` (compared in constant time)."""
+    """Every route except the probes (OPEN_PATHS) needs `Authorization: Bearer <key>` (compared in constant time)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
