@@ -144,6 +144,17 @@ def test_completion_logprobs(client):
     assert lp.text_offset[0] == 0
 
 
+def test_completion_top_logprobs_hold_the_sampled_token_as_vllm(client):
+    """At temperature 1 the cycle model mostly samples a token outside the top 1: it joins the dict (2 entries)."""
+    r = client.completions.create(model=CYCLE_MODEL, prompt="ab", max_tokens=16, temperature=1.0, seed=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in top and len(top) <= 2
+        if token != "\ufffd":  # a UTF-8 character's bytes all read "\ufffd": one key for several tokens
+            assert top[token] == chosen
+    assert any(len(top) == 2 for top in lp.top_logprobs)
+
+
 # The cycle model's logits: 0, and MARGIN for the successor, shrunk by RMSNorm's eps (1e-6) on a one-hot of width VOCAB.
 _LOGIT = MARGIN / math.sqrt(1 + VOCAB * 1e-6)
 LOG_Z = math.log(math.exp(_LOGIT) + VOCAB - 1)
@@ -169,7 +180,8 @@ def test_echo_with_max_tokens_0_only_scores_the_prompt(client):
     assert [c.text for c in r.choices] == ["y a", " a"]
     assert [c.finish_reason for c in r.choices] == ["length", "length"]
     assert r.choices[0].logprobs.token_logprobs == [None, pytest.approx(OTHER, abs=1e-4), pytest.approx(SUCCESSOR, abs=1e-4)]
-    assert r.choices[0].logprobs.top_logprobs[1:] == [{}, {}]
+    assert r.choices[0].logprobs.top_logprobs[1:] == [{" ": pytest.approx(OTHER, abs=1e-4)},
+                                                       {"a": pytest.approx(SUCCESSOR, abs=1e-4)}]  # the token alone, as vLLM
     assert r.choices[1].logprobs.tokens == [" ", "a"]
     assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 5
 

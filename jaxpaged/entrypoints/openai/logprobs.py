@@ -48,11 +48,17 @@ def _completion_lists() -> dict[str, list]:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
+def _completion_top(chosen: Logprob, entry: dict[int, Logprob], top: int) -> dict[str, float]:
+    """The chosen token first, then the `top` most likely: k+1 entries when it is not among them (vLLM's and
+    OpenAI's legacy shape; chat's list keeps the top k alone, the chosen token having its own fields)."""
+    return {_text(chosen): _value(chosen), **{_text(lp): _value(lp) for _, lp in _ranked(entry, top)}}
+
+
 def _add_token(lists: dict, token_id: int, entry: dict[int, Logprob], top: int, offset: int) -> int:
     chosen = entry[token_id]
     lists["tokens"].append(_text(chosen))
     lists["token_logprobs"].append(_value(chosen))
-    lists["top_logprobs"].append({_text(lp): _value(lp) for _, lp in _ranked(entry, top)})
+    lists["top_logprobs"].append(_completion_top(chosen, entry, top))
     lists["text_offset"].append(offset)
     return offset + len(_text(chosen))
 
