@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jaxpaged import platforms
 from jaxpaged.config import QUANTIZATION_CHOICES
-from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, orbax_io, safetensors_io, tiktoken_folder
+from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, orbax_io, pooling_head, safetensors_io, tiktoken_folder
 from jaxpaged.models.accounting import TensorLedger
 from jaxpaged.models.builtin import builtin_gguf_path
 from jaxpaged.models.config import ModelConfig
@@ -61,6 +61,8 @@ class LoadedModel:
     # the rest of the load where an HF folder's reader times it: "config" (AutoConfig, transformers' imports with it),
     # "build" (headers, the port's config, the unloaded model), "tokenizer"; a start-up report's breakdown
     load_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # an embedding or classification checkpoint's task, pooling and classifier (models/pooling_head.py); None for others
+    pooling: pooling_head.PoolingInfo | None = None
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -190,6 +192,7 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     ledger = TensorLedger(cls.SKIPPED_TENSORS)
     # tensors a config-dependent rule skips before reading (DeepSeek's MTP layer: never dequantized nor stacked)
     where = ledger.skip_unread(where, cls.unread_tensors(cfg) if hasattr(cls, "unread_tensors") else ())
+    cfg = pooling_head.prepare_load(folder, hf_config, cls, cfg, list(where), ledger)  # a pooling model's head, classifier
     tying = tied_head(cls, cfg, list(where), lambda name: where[name].tensor(name))
     cfg = tying.config
     model = _build(cls, cfg, dtype_name, choose_attention)
@@ -391,4 +394,15 @@ def load_model(
         "loaded %s (%s, %.1f MB of %s weights%s) in %.1fs", path.name, cfg.architecture, size / 1e6, dtype_name,
         f", quantization {quantization}" if quantization not in (None, "none") else "", time.perf_counter() - t0,
     )
-    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s, skipped, timed)
+    pooling = _pooling_info(path, hf_config) if path.is_dir() and orbax_item is None else None
+    return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s, skipped, timed, pooling)
+
+
+def _pooling_info(folder: Path, hf_config) -> pooling_head.PoolingInfo | None:
+    """An HF folder's pooling (models/pooling_head.py), its classifier read from the folder's safetensors."""
+
+    def read(name: str):
+        where = safetensors_io.open_files(_safetensors_files(folder))
+        return where[name].tensor(name) if name in where else None
+
+    return pooling_head.pooling_info(folder, hf_config, read)

@@ -18,6 +18,7 @@ from jaxpaged.models.nemotron_h import NemotronHForCausalLM
 from jaxpaged.models.olmoe import OlmoeForCausalLM
 from jaxpaged.models.opt import OPTForCausalLM
 from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
+from jaxpaged.models.pooling_head import POOLING_ARCHITECTURES, port_architecture
 from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
 from jaxpaged.models.vision.llava import LlavaForConditionalGeneration
 from jaxpaged.models.vision.qwen_vl import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
@@ -77,15 +78,17 @@ REMOTE_CODE_ARCHITECTURES = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
+    """The ports' architectures and the pooling ones they serve (models/pooling_head.py)."""
+    return sorted({*MODEL_REGISTRY, *POOLING_ARCHITECTURES})
 
 
 def resolve_architecture(architectures: list[str] | None, model_type: str | None = None) -> tuple[str, type]:
-    """The first listed architecture we support, else a ValueError naming them and ours."""
+    """The first listed architecture we support, else a ValueError naming them and ours. A pooling architecture
+    (`Qwen3Model`, `LlamaForSequenceClassification`) resolves to its CausalLM, whose port runs it."""
     names = list(architectures or [])
     if not names and model_type:
         names = [MODEL_TYPE_TO_ARCHITECTURE.get(model_type, model_type)]
-    for name in names:
+    for name in map(port_architecture, names):
         if name in MODEL_REGISTRY:
             return name, MODEL_REGISTRY[name]
     remote = [REMOTE_CODE_ARCHITECTURES[n] for n in names if n in REMOTE_CODE_ARCHITECTURES]

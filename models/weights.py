@@ -174,16 +174,21 @@ def quantizable(model: nnx.Module, path: str) -> bool:
     return isinstance(module, Linear) and leaf == "kernel" and not path.startswith("lm_head") and not keep_float
 
 
+DEFAULT_BASE_PREFIX = "model."
+
+
 def checkpoint_name(port, name: str, specs: dict[str, WeightSpec]) -> str:
     """Map a checkpoint's spelling onto the spec's: a port's renames (Pythia's embed_out), then its base prefix.
     port: the port's class or a model of it.
 
-    Hub checkpoints of GPT-2 and BLOOM omit `transformer.`, some OPTs omit `model.`; transformers adds it back.
+    Hub checkpoints of GPT-2 and BLOOM omit `transformer.`, some OPTs omit `model.`; transformers adds it back. A base
+    model's checkpoint (`LlamaModel`, `Qwen3Model`: AutoModel.save_pretrained, embedding models) omits the `model.` of
+    its CausalLM, the default prefix (transformers' base_model_prefix for the decoders that have one).
     """
     port = port if isinstance(port, type) else type(port)
     for pattern, repl in getattr(port, "CHECKPOINT_RENAMES", ()):
         name = re.sub(pattern, repl, name)
-    prefix = getattr(port, "BASE_PREFIX", "")
+    prefix = getattr(port, "BASE_PREFIX", DEFAULT_BASE_PREFIX)
     if name not in specs and prefix and f"{prefix}{name}" in specs:
         return f"{prefix}{name}"
     return name
