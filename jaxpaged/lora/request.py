@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoRARequest:
-    """An adapter by name, a positive integer id (unique per adapter in an engine) and its PEFT folder (or hub id)."""
+    """An adapter by name, a positive integer id (unique per adapter in an engine) and its PEFT folder (or hub id).
+
+    vLLM's positional order (its fourth field is base_model_name too). Equal and hashed by lora_name alone, as
+    vLLM's: the same adapter named again with another id or path is the same key in a set or dict.
+    """
 
     lora_name: str
     lora_int_id: int
@@ -21,6 +25,12 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be a positive integer (got {self.lora_int_id!r})")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must name the adapter's folder (got {self.lora_path!r})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
 
     @property
     def name(self) -> str:
