@@ -1,5 +1,5 @@
 """Pooling checkpoints (models/pooling_head.py) read into the CausalLM ports, against transformers in float32: a base
-model's (`LlamaModel`, `Qwen3Model`, `Gemma2Model`) final hidden states equal AutoModel's last_hidden_state, a
+model's (`LlamaModel`, `Qwen3Model`, `Gemma2Model`, `Gemma3TextModel`) final hidden states equal AutoModel's last_hidden_state, a
 `*ForSequenceClassification`'s classifier is its score.weight and pools to its logits; sentence-transformers'
 modules.json read as vLLM reads it; everything else refused with the loader's errors."""
 
@@ -26,11 +26,15 @@ QWEN3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 GEMMA2 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
               attn_logit_softcapping=5.0, final_logit_softcapping=3.0)  # fmt: skip
+GEMMA3 = dict(GEMMA2, layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_logit_softcapping=None,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 20000.0}})  # fmt: skip
 # name -> (config, transformers class, the port's architecture)
 CASES = {
     "LlamaModel": (lambda: tiny_llama_config(num_key_value_heads=2), transformers.LlamaModel, "LlamaForCausalLM"),
     "Qwen3Model": (lambda: transformers.Qwen3Config(**QWEN3), transformers.Qwen3Model, "Qwen3ForCausalLM"),
     "Gemma2Model": (lambda: transformers.Gemma2Config(**GEMMA2), transformers.Gemma2Model, "Gemma2ForCausalLM"),
+    "Gemma3TextModel": (lambda: transformers.Gemma3TextConfig(**GEMMA3), transformers.Gemma3TextModel, "Gemma3ForCausalLM"),
     "Qwen3ForSequenceClassification-3": (
         lambda: transformers.Qwen3Config(**QWEN3, num_labels=3), transformers.Qwen3ForSequenceClassification, "Qwen3ForCausalLM"),
     "LlamaForSequenceClassification-1": (
