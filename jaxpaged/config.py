@@ -9,7 +9,8 @@ ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "fp8")  # how weights load (models/loader.py, models/quantization.py)
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")  # pallas_kernels/kv_quant.py
-MOE_KERNEL_CHOICES = ("loop", "triton")  # models/moe.py's expert loops; triton: pallas_kernels/moe_gemm.py
+MOE_KERNEL_CHOICES = ("loop", "triton")
+RUNNER_CHOICES = ("auto", "generate", "pooling")  # pooling: jaxpaged/engine/pooling.py  # models/moe.py's expert loops; triton: pallas_kernels/moe_gemm.py
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -118,6 +119,13 @@ class EngineConfig:
                                                   "or paths; default: none)", group="vision")  # fmt: skip
     allowed_media_domains: str | None = option(None, "images may be fetched over http(s) from these hosts, comma-separated "
                                                "(default: none)", group="vision")  # fmt: skip
+    runner: str = option("auto", "generate, or pooling: embeddings and classifiers (LLM.embed, LLM.classify, LLM.score, "
+                         "/v1/embeddings); auto: pooling for a checkpoint that is an embedding model (an architecture "
+                         "*Model) or a classifier (*ForSequenceClassification), else generate", group="model",
+                         choices=RUNNER_CHOICES)  # fmt: skip
+    pooler_config: Any = option(None, "with runner pooling: how to pool, as JSON, e.g. '{\"pooling_type\": \"MEAN\", "
+                                "\"normalize\": false}' (pooling_type LAST, MEAN or CLS; default: the checkpoint's "
+                                "sentence-transformers config, else LAST, normalized)", group="model")  # fmt: skip
     seed: int = 0
     # an Orbax checkpoint's leaf names -> the port's parameter paths or HF names: a dict or a callable, a value None
     # skipping a leaf, (name, fn) transforming it (models/orbax_io.py)
@@ -234,6 +242,13 @@ class EngineConfig:
             raise ValueError("fused_kv_write needs pipeline_parallel_size 1 (each stage writes its own layers' K/V)")
         self._check_lora()
         self._check_vision()
+        if self.runner not in RUNNER_CHOICES:
+            raise ValueError(f"runner must be one of {RUNNER_CHOICES} (got {self.runner!r})")
+        from jaxpaged.pooling_params import PoolerConfig
+
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.pooler_config is not None and self.runner == "generate":
+            raise ValueError("pooler_config needs runner 'pooling' (or 'auto' with a pooling checkpoint)")
         if self.checkpoint_mapping is not None and not (callable(self.checkpoint_mapping) or isinstance(self.checkpoint_mapping, dict)):
             raise ValueError(f"checkpoint_mapping must be a dict or a callable (got {type(self.checkpoint_mapping).__name__})")
         from jaxpaged.spec_decode.config import SpeculativeConfig

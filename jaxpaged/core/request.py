@@ -76,6 +76,12 @@ class Request:
         return self.params.prompt_logprobs is not None and self.index == 0 and not self.is_beam
 
     @property
+    def reads_every_position(self) -> bool:
+        """Prompt logprobs, or MEAN/CLS pooling (codes 2, 3): every prompt position computed, so the prefix cache is
+        skipped."""
+        return self.wants_prompt_logprobs or self.parent.pool_code > 1
+
+    @property
     def sampler_reads_tokens(self) -> bool:
         """Sampling it reads its latest tokens on the host: its grammar's mask, its penalties' history, or the bad
         words its outputs may be completing."""
@@ -213,6 +219,9 @@ class ParentRequest:
     lora_slot: int = -1  # the device slot of its LoRA adapter, held until it finishes (-1: the base model)
     cache_salt: bytes | None = None  # salts its first block's hash: a LoRA adapter's cached prefixes serve it alone
     mm: object | None = None  # its prompt's images (jaxpaged/multimodal/inputs.py: MultimodalInputs), for all its sequences
+    # a pooling engine's request (engine/pooling.py): its PoolingParams, and the step's code for its pooling type
+    pooling: object | None = None
+    pool_code: int = 0
 
     @property
     def finished(self) -> bool:

@@ -401,8 +401,8 @@ class Scheduler:
             fresh = req.num_computed_tokens == 0 and not kv.block_table(req.seq_id)
             if fresh and self.rope is not None:  # the regime its KV will be computed in, before the prefix lookup
                 req.set_rope_key(self.rope.key(req.num_tokens, len(req.prompt_token_ids)))
-            # prompt logprobs need every prompt position computed, so such a request skips the cache
-            hit = kv.take_cached_prefix(req) if fresh and not req.wants_prompt_logprobs else 0
+            # prompt logprobs (and MEAN/CLS pooling) need every prompt position computed: such a request skips the cache
+            hit = kv.take_cached_prefix(req) if fresh and not req.reads_every_position else 0
             if fresh:
                 req.num_computed_tokens = hit
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached

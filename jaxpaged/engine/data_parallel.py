@@ -60,6 +60,7 @@ class DataParallelEngine:
         self.max_model_len = first.max_model_len
         self.eos_token_ids = first.eos_token_ids
         self.harmony = first.harmony  # GPT-OSS's chat prompts through openai-harmony (each replica renders its own)
+        self.pooler = first.pooler  # a pooling engine's (engine/pooling.py): the same in every replica
         self._owner: dict[str, int] = {}  # unfinished request id -> its replica
         self._ids = itertools.count()
         logger.info(

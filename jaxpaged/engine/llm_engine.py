@@ -35,13 +35,15 @@ from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.pooling import POOLING_RUN, Pooler, wants_pooling_runner
 from jaxpaged.engine.structured_output import StructuredOutputManager
 from jaxpaged.engine.token_controls import token_controls
 from jaxpaged.engine.weight_sync import WeightSync
 from jaxpaged.lora import LoRARequest
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.utils import compile_monitor
 from jaxpaged.utils.text import ChatPrompt, render_chat_prompt
@@ -145,6 +147,7 @@ class LLMEngine:
         draft = None  # speculative_config's draft_model: placed before the target's KV pool, which is sized from what is left
         spec_config = config.speculative_config
         _check_hybrid(self.loaded, config)
+        self.pooler = self._pooler(config)
         if spec_config is not None and spec_config.method == "draft_model":
             from jaxpaged.spec_decode.draft_model import DraftModelProposer
 
@@ -154,7 +157,7 @@ class LLMEngine:
         runner = PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner
         self.runner = runner(
             self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
-            devices=devices,
+            devices=devices, pooling=self.pooler is not None,
         )
         hybrid = getattr(self.runner, "state_spec", None) is not None  # linear layers' states (core/state_slots.py)
         if hybrid and config.enable_prefix_caching:
@@ -175,6 +178,7 @@ class LLMEngine:
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.output_processor.pooler = self.pooler
         self.mm = None  # vision-language models: prompts with images, the scheduler's encoder part (multimodal/engine.py)
         if getattr(self.runner, "mm", None) is not None:
             from jaxpaged.multimodal.engine import MultimodalFrontend
@@ -210,6 +214,20 @@ class LLMEngine:
             self.spec = SpecDecoder(config.speculative_config, self.max_model_len, draft, rope=self.scheduler.rope)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
         self.weight_sync = WeightSync(self)  # update_weights, sleep and wake_up (engine/weight_sync.py)
+
+    def _pooler(self, config: EngineConfig) -> Pooler | None:
+        """runner "pooling" (or "auto" with an embedding or classifier checkpoint): what it pools; what it cannot do is
+        a ValueError naming the option."""
+        info = getattr(self.loaded, "pooling", None)
+        if not wants_pooling_runner(config.runner, info):
+            if config.pooler_config is not None:
+                raise ValueError(f"pooler_config needs runner 'pooling': {self.loaded.config.architecture} generates")
+            return None
+        for name, value in (("speculative_config", config.speculative_config is not None),
+                            ("pipeline_parallel_size", config.pipeline_parallel_size > 1)):  # fmt: skip
+            if value:
+                raise ValueError(f"{name}: not supported with runner 'pooling' (a pooling model runs its prompts only)")
+        return Pooler(info, config.pooler_config, self.loaded.config.hidden_size)
 
     def _eos_ids(self) -> list[int]:
         """The config's and the tokenizer's EOS, and under harmony its `<|return|>` and `<|call|>` (GPT-OSS's
@@ -318,7 +336,7 @@ class LLMEngine:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the last max_model_len)."""
         if images is not None:
             raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (it could cut one in two)")
-        keep = self.config.max_model_len if keep == -1 else keep
+        keep = self.max_model_len if keep == -1 else keep
         return ids[-keep:] if len(ids) > keep else ids
 
     def _blocks_held(self, num_tokens: int) -> int:
@@ -328,21 +346,23 @@ class LLMEngine:
             return self.runner.kv_groups.blocks_held(num_tokens, kv.block_size, step)
         return max_blocks_held(num_tokens, kv.block_size, kv.sliding_window, step)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
                     lora_request: LoRARequest | None = None) -> str:  # fmt: skip
-        """Queue a request (a string, token ids, a dict with either, or a ChatPrompt); returns its id.
+        """Queue a request (a string, token ids, a dict with either, or a ChatPrompt); returns its id. A pooling
+        engine (runner="pooling") takes PoolingParams instead of SamplingParams.
         Raises ValueError naming the parameter for one that could never run (a bad LoRA adapter too)."""
-        params = params or SamplingParams()
+        if params is None:
+            params = PoolingParams() if self.pooler is not None else SamplingParams()
         self.weight_sync.admit()  # asleep: refused (EngineAsleepError), or queued until wake_up
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine started with enable_lora=True")
             self.lora.load(lora_request)  # read and checked now: a bad adapter queues nothing
+        if isinstance(params, PoolingParams) or self.pooler is not None:
+            return self._add_pooling_request(request_id, prompt, params, lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         text, ids, images = self._prompt_inputs(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = self._truncated(ids, params.truncate_prompt_tokens, images)
@@ -390,6 +410,50 @@ class LLMEngine:
                 seq.hold_at = len(ids) - 1 if fork else None
                 admitted.append(seq)
         self._admit(parent, admitted)
+        return request_id
+
+    def _new_request_id(self, request_id: str | None) -> str:
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return request_id
+
+    def _add_pooling_request(self, request_id: str | None, prompt: PromptType, params, lora_request) -> str:
+        """A pooling engine's request: its prompt, run as one greedy token that is dropped (engine/pooling.py)."""
+        if self.pooler is None:
+            raise ValueError("pooling_params need an engine with runner='pooling' (this model generates: pass a "
+                             "SamplingParams)")  # fmt: skip
+        if isinstance(params, SamplingParams):
+            raise ValueError("this engine runs a pooling model (runner='pooling'): it embeds or classifies prompts "
+                             "(LLM.embed, LLM.classify, LLM.encode) and does not generate")  # fmt: skip
+        params = self.pooler.check(params)
+        request_id = self._new_request_id(request_id)
+        text, ids, images = self._prompt_inputs(prompt)
+        if images is not None:
+            raise ValueError("prompt: a pooling engine takes text prompts only")
+        if params.truncate_prompt_tokens is not None:
+            ids = self._truncated(ids, params.truncate_prompt_tokens, None)
+        vocab = self.loaded.config.vocab_size
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len}); "
+                             "truncate_prompt_tokens=-1 keeps its last max_model_len")  # fmt: skip
+        if self._blocks_held(len(ids)) > self.runner.num_blocks:
+            raise ValueError(f"prompt needs {self._blocks_held(len(ids))} KV blocks but the whole pool has "
+                             f"{self.runner.num_blocks}; raise num_kv_blocks")  # fmt: skip
+        parent = ParentRequest(request_id, text, ids, POOLING_RUN)
+        parent.pooling, parent.pool_code = params, self.pooler.code
+        if lora_request is not None:
+            parent.lora_request, parent.cache_salt = lora_request, lora_request.cache_salt
+        seq = Request(seq_id=f"{request_id}#0", parent=parent, index=0, prompt_token_ids=ids, params=POOLING_RUN,
+                      max_tokens=1, seed=0)  # fmt: skip
+        parent.sequences.append(seq)
+        self.output_processor.add_sequence(seq)
+        self.output_processor.add_request(parent)
+        self._admit(parent, [seq])
         return request_id
 
     def _admit(self, parent: ParentRequest, sequences: list[Request]) -> None:

@@ -16,7 +16,7 @@ from jaxpaged.core.request import ParentRequest, Request
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.worker.step_output import StepResult
 
@@ -38,6 +38,7 @@ class SequenceOutputState:
     # FINAL_ONLY without stop strings: nothing needs the text before the end, so the tokens are decoded then, at once
     deferred_text: bool = False
     quiet: bool = False  # final_only, and no logprobs to record: a step that does not end it has nothing to do for it
+    pooled: np.ndarray | None = None  # a pooling request's sum of its pooled hidden states so far (engine/pooling.py)
 
 
 class OutputProcessor:
@@ -51,6 +52,7 @@ class OutputProcessor:
         # and not quiet; with none, a step's rows are passed over in bulk (LLM.generate's FINAL_ONLY requests)
         self._num_detokenized = 0
         self._num_loud = 0
+        self.pooler = None  # a pooling engine's (engine/pooling.py): turns a finished request's pooled sum into its output
 
     def add_request(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
@@ -74,6 +76,8 @@ class OutputProcessor:
             final_only=final_only, deferred_text=final_only and not params.stop,
             quiet=final_only and params.logprobs is None and prompt_logprobs is None,
         )  # fmt: skip
+        if seq.parent.pooling is not None:  # every chunk's pooled sum is read, so it is never quiet
+            state.pooled, state.quiet = np.zeros(self.pooler.hidden_size, np.float32), False
         seq.quiet = state.quiet  # the scheduler may then keep its newest tokens in arrays until it ends
         self._count(state, 1)
 
@@ -120,6 +124,8 @@ class OutputProcessor:
                 continue
             if result.prompt is not None and state.prompt_logprobs is not None:
                 self._record_prompt_logprobs(req, state, item.start, item.num_tokens, item.first_token_row, result.prompt)
+            if state.pooled is not None and result.pooled is not None:
+                self._record_pooled(req, state, item, result.pooled)
             if not item.samples:
                 continue
             token = int(result.tokens[item.row])
@@ -201,6 +207,18 @@ class OutputProcessor:
                     entry[int(tid)] = Logprob(float(tlp), rank_i + 1, decode(int(tid)))
             state.prompt_logprobs.append(entry)
 
+    @staticmethod
+    def _record_pooled(req: Request, state: SequenceOutputState, item: ScheduledSequence, pooled: np.ndarray) -> None:
+        """A chunk's pooled sum: MEAN adds its chunks (one starting at 0 is a recompute after a preemption: the sum
+        starts again), LAST and CLS take the chunk holding their position."""
+        code, start, prompt_len = req.parent.pool_code, item.start, len(req.prompt_token_ids)
+        if code == 2:
+            if start == 0:
+                state.pooled[:] = 0.0
+            state.pooled += pooled[item.row]
+        elif (code == 1 and start <= prompt_len - 1 < start + item.num_tokens) or (code == 3 and start == 0):
+            state.pooled[:] = pooled[item.row]
+
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
@@ -219,6 +237,8 @@ class OutputProcessor:
                 outputs=search.completions(params.n, decode) if search.done else [], finished=search.done,
             )  # fmt: skip
         first = self._states[parent.sequences[0]]
+        if first.pooled is not None:
+            return self._pooling_output(parent, first)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -228,6 +248,13 @@ class OutputProcessor:
             prompt_logprobs=first.prompt_logprobs,
             num_cached_tokens=parent.sequences[0].num_cached_tokens,
         )
+
+    def _pooling_output(self, parent: ParentRequest, state: SequenceOutputState) -> PoolingRequestOutput:
+        seq = parent.sequences[0]
+        done = seq.finished and seq.status.value != "abort"
+        data = self.pooler.finish(state.pooled, len(seq.prompt_token_ids), parent.pooling) if done else None
+        return PoolingRequestOutput(parent.request_id, None if data is None else PoolingOutput(data),
+                                    list(parent.prompt_token_ids), parent.finished, prompt=parent.prompt)  # fmt: skip
 
     def _completion(self, seq: Request) -> CompletionOutput:
         state = self._states[seq]

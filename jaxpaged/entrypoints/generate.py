@@ -183,6 +183,9 @@ class Session:
         self.llm = LLM(**kwargs, log_level=_log_level(args))
         if self.llm.is_follower:  # it has run process 0's steps to the end
             return
+        if self.llm.engine.pooler is not None:
+            raise ValueError(f"{kwargs.get('model') or 'the model'} is a pooling model (an embedding or classification "
+                             "checkpoint): this CLI generates text; embed with LLM.embed or the server's /v1/embeddings")  # fmt: skip
         if self.llm.get_tokenizer() is None:
             raise ValueError(
                 "this model has no tokenizer, so it cannot take text prompts (a bare config.json takes the "
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--output writes --prompts-file's results: give --prompts-file too")
     if args.system is not None and not args.chat:
         parser.error("--system is the system message of --chat: give --chat too")
+    if args.runner == "pooling":
+        parser.error("--runner pooling: this CLI generates text; embed with LLM.embed or the server's /v1/embeddings")
     previous = _Interrupt.install()
     try:
         prompts = read_prompts(args.prompts_file) if args.prompts_file is not None else None

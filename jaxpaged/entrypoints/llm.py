@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.config import EngineConfig
@@ -13,7 +14,11 @@ from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.llm_engine import PromptType
 from jaxpaged.lora import LoRARequest
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import (
+    ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+    ScoringRequestOutput,
+)  # fmt: skip
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.utils.logging_utils import setup_logging
 from jaxpaged.utils.text import ChatPrompt, join_text_parts
@@ -98,11 +103,7 @@ class LLM:
         the engine needs enable_lora=True."""
         if self.is_follower:
             raise RuntimeError("this process follows process 0 of its group, which takes the requests")
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -116,12 +117,7 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or one per prompt"
                 )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts; pass one or one per prompt")
+        loras = self._per_prompt_loras(lora_request, len(prompts))
         # nobody sees a request's output before it ends: the engine builds it (and decodes its text) only then
         final = {}
         for i, params in enumerate(params_list):
@@ -129,6 +125,25 @@ class LLM:
                 if id(params) not in final:
                     final[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 params_list[i] = final[id(params)]
+        return self._run(self._add_all(prompts, params_list, loras), use_tqdm)
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    @staticmethod
+    def _per_prompt_loras(lora_request, count: int) -> list:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * count
+        loras = list(lora_request)
+        if len(loras) != count:
+            raise ValueError(f"lora_request has {len(loras)} entries for {count} prompts; pass one or one per prompt")
+        return loras
+
+    def _add_all(self, prompts: list, params_list: list, loras: list) -> list[str]:
+        """Queue every prompt; a bad one refuses the whole batch, leaving nothing queued."""
         ids = []
         try:
             for prompt, params, adapter in zip(prompts, params_list, loras):
@@ -137,10 +152,91 @@ class LLM:
                 else:
                     ids.append(self.engine.add_request(None, prompt, params, lora_request=adapter))
         except Exception:
-            for rid in ids:  # a bad prompt refuses the whole batch, leaving nothing queued
+            for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
+
+    # -- pooling models (runner="pooling": engine/pooling.py) ------------------------------------------
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               *, truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:  # fmt: skip
+        """vLLM's LLM.encode: each prompt's pooled output (`outputs.data`, numpy float32), in input order."""
+        if self.is_follower:
+            raise RuntimeError("this process follows process 0 of its group, which takes the requests")
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        elif isinstance(pooling_params, Sequence) and not isinstance(pooling_params, (str, bytes)):
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"pooling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or "
+                                 "one per prompt")  # fmt: skip
+        else:
+            raise ValueError(f"pooling_params must be a PoolingParams or a list of them (got {type(pooling_params).__name__})")
+        for i, params in enumerate(params_list):
+            if not isinstance(params, PoolingParams):
+                raise ValueError(f"pooling_params must be PoolingParams (got {type(params).__name__})")
+            changes = {"task": pooling_task} if pooling_task is not None else {}
+            if truncate_prompt_tokens is not None:
+                changes["truncate_prompt_tokens"] = truncate_prompt_tokens
+            if changes:
+                params_list[i] = dataclasses.replace(params, **changes)
+        ids = self._add_all(prompts, params_list, self._per_prompt_loras(lora_request, len(prompts)))
+        return self._run(ids, use_tqdm, desc="Pooling")
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:  # fmt: skip
+        """Each prompt's embedding (`outputs.embedding`): an embedding model's pooled, normalized hidden state."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="embed")  # fmt: skip
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool | Callable = True,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[ClassificationRequestOutput]:  # fmt: skip
+        """Each prompt's class probabilities (`outputs.probs`): a *ForSequenceClassification checkpoint's head."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable = True, pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:  # fmt: skip
+        """vLLM's: one text against many (1 -> N) or pair by pair (N -> N). An embedding model scores by the cosine
+        similarity of the two embeddings; a one-label classifier (a cross-encoder) by its sigmoid over the pair,
+        encoded together as its tokenizer pairs texts."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise ValueError(f"data_1 must hold one text or as many as data_2 (got {len(first)} and {len(second)})")
+        pooler = self.engine.pooler
+        if pooler is None:
+            raise ValueError("score needs a pooling model (runner='pooling')")
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        if pooler.task == "classify":
+            if pooler.num_labels != 1:
+                raise ValueError(f"score needs an embedding model or a one-label classifier (this one has {pooler.num_labels})")
+            tokenizer = self.engine.tokenizer
+            pairs = [tokenizer(a, b)["input_ids"] for a, b in zip(first, second)]
+            outs = self.encode(pairs, params, use_tqdm=use_tqdm, lora_request=lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids, True)
+                    for o in outs]  # fmt: skip
+        texts = list(dict.fromkeys(first + second))  # each text embedded once
+        vectors = dict(zip(texts, self.encode(texts, params, use_tqdm=use_tqdm, lora_request=lora_request)))
+        results = []
+        for a, b in zip(first, second):
+            u, v = vectors[a].outputs.data, vectors[b].outputs.data
+            cosine = float(u @ v / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
+            ids = vectors[a].prompt_token_ids + vectors[b].prompt_token_ids
+            results.append(ScoringRequestOutput(f"{vectors[a].request_id}-{vectors[b].request_id}", ScoringOutput(cosine), ids, True))
+        return results
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = True
@@ -194,12 +290,12 @@ class LLM:
                               continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool | Callable) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable, desc: str = "Generating") -> list:
         pending = set(ids)
         finished: dict[str, RequestOutput] = {}
         # use_tqdm may also be a tqdm-like class (vLLM's: e.g. tqdm.notebook.tqdm), called as tqdm is
         progress = use_tqdm if callable(use_tqdm) else tqdm
-        bar = progress(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        bar = progress(total=len(ids), desc=desc, unit="req", disable=not use_tqdm)
         try:
             while pending:
                 for out in self.engine.step():

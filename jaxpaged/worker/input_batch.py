@@ -40,6 +40,7 @@ class StepInputs:
     state_copies: list = dataclasses.field(default_factory=list)  # hybrid models: (src, dst) state slots, copied first
     mm_rows: np.ndarray | None = None  # [T] vision-language models: the encoder-cache row of each image token, else -1
     mrope_positions: np.ndarray | None = None  # [3, T] M-RoPE models: each token's (t, h, w) position
+    pool_rows: np.ndarray | None = None  # [T] a pooling engine's: the row whose pooled sum a token joins, else -1
 
 
 class _OutputsAtScheduling(Sequence):
@@ -112,6 +113,7 @@ class InputBatchBuilder:
         self._top = np.zeros(slots, bool)  # truncation (top-k/p, min-p) in a sampled, not greedy, row
         self._logprobs = np.zeros(slots, bool)
         self._prompt_logprobs = np.zeros(slots, bool)
+        self._pool_code = np.zeros(slots, np.int8)  # a pooling engine's rows: engine/pooling.py's POOLING_CODES
         # with enable_lora: each slot's adapter slot (fixed until its sequence finishes)
         self._row_lora = np.full(slots, -1, np.int32) if runner.config.enable_lora else None
         # hybrid models: each slot's state slot (fixed while its sequence runs); padded rows get the out-of-range count
@@ -153,6 +155,7 @@ class InputBatchBuilder:
             self._top[slot] = params.uses_truncation and not params.is_greedy
             self._logprobs[slot] = params.logprobs is not None
             self._prompt_logprobs[slot] = req.wants_prompt_logprobs
+            self._pool_code[slot] = req.parent.pool_code
             if self._row_lora is not None:
                 self._row_lora[slot] = req.parent.lora_slot
             if self._state_slots is not None:
@@ -251,9 +254,26 @@ class InputBatchBuilder:
             lora_slots = np.full(t, -1, np.int32)
             lora_slots[:total] = np.repeat(self._row_lora[slots], counts)
         step = StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows, lora_slots)
+        if self.runner.pooling:
+            step.pool_rows = self._pool_rows(t, scheduled, self._pool_code[slots], ends)
         if self.mm is not None:
             self._images(step, slots, starts, counts, ends, total, row_of)
         return step
+
+    @staticmethod
+    def _pool_rows(t: int, scheduled, codes: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Each token's pooled row: LAST pools the prompt's last position, MEAN every prompt position, CLS the first
+        (whichever of them lie in this step's chunk of the row)."""
+        pool_rows = np.full(t, -1, np.int32)
+        for j in np.flatnonzero(codes).tolist():
+            item = scheduled[j]
+            start, n, prompt_len = item.start, item.num_tokens, len(item.request.prompt_token_ids)
+            first = int(ends[j]) - n  # the chunk's first token row
+            lo, hi = {1: (prompt_len - 1, prompt_len), 2: (0, prompt_len), 3: (0, 1)}[int(codes[j])]
+            lo, hi = max(lo, start), min(hi, start + n)
+            if lo < hi:
+                pool_rows[first + lo - start : first + hi - start] = item.row
+        return pool_rows
 
     def _images(self, step: StepInputs, slots, starts, counts, ends, total: int, row_of) -> None:
         """A vision-language model's per-token arrays (multimodal/runner.py): the rows holding image tokens are few,

@@ -65,12 +65,20 @@ def logits_and_prompt(model, hidden: jax.Array, logit_rows: jax.Array, prompt_ne
     return logits, prompt
 
 
+def pooled_sums(hidden: jax.Array, pool_rows: jax.Array, num_rows: int) -> jax.Array:
+    """A pooling engine's rows: the sum of each row's pooled tokens' hidden states, float32 [num_rows, D]."""
+    rows = jnp.where(pool_rows >= 0, pool_rows, num_rows)  # the rest into a dropped segment
+    return jax.ops.segment_sum(hidden.astype(jnp.float32), rows, num_segments=num_rows + 1)[:num_rows]
+
+
 class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
     """The device side of the engine; its compiles, sizing and adapters live in the mixins' modules."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
-                 executable_dir=None, devices: Sequence[jax.Device] | None = None):  # fmt: skip
+                 executable_dir=None, devices: Sequence[jax.Device] | None = None, pooling: bool = False):  # fmt: skip
         self.config = config
+        # a pooling engine (engine/pooling.py): the forward returns its rows' pooled hidden states, not prompt logprobs
+        self.pooling = pooling
         # the devices this engine runs on: the first tensor_parallel_size of them (a data-parallel replica gets its own)
         self.devices = list(jax.devices() if devices is None else devices)
         self.device = self.devices[0]
@@ -246,7 +254,7 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         first use: sizing the pool may compile the sampler before _place has finished.)"""
         stored = self._executable_dir if self.single_device else None
         # the forward's outputs differ where prompt logprobs are computed apart: part of every stored step's key
-        return ExecutableCache(stored, salt=f"{self.graphdef!r} prompt_apart={self._prompt_apart}", device=self.device)
+        return ExecutableCache(stored, salt=f"{self.graphdef!r} prompt_apart={self._prompt_apart} pooling={self.pooling}", device=self.device)
 
     def _sampler_plans(self, jit_kwargs: dict) -> SamplerPlans:
         static = not self.platform.device_conditionals
@@ -263,6 +271,7 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
 
     def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None):
         """-> (sampling rows' logits, prompt logprobs, the step's new K/V, the slots the write puts them in).
+        A pooling engine: its rows' pooled sums in the prompt logprobs' place, read from that leaf's pool_rows.
         With enable_lora, the stacked LoRA arrays and (packed last) each token's adapter slot; without, neither.
         A vision-language model's encoder cache, and (packed last) its per-token image rows (multimodal/runner.py)."""
         input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_rows, *lora_slots = step.unpack()
@@ -272,6 +281,9 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         model = nnx.merge(self.graphdef, state)
         with self._lora_active(lora_weights, lora_slots):
             hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata, **images)
+        if self.pooling:  # prompt_next_ids holds pool_rows (_forward_args)
+            pooled = pooled_sums(hidden, prompt_next_ids, logit_rows.shape[0])
+            return model.compute_logits(hidden[logit_rows]), pooled, new_kv, attn_metadata.slot_mapping
         if self._prompt_apart:  # the final hidden states in the prompt's place: _prompt_impl reads them if asked
             return model.compute_logits(hidden[logit_rows]), hidden, new_kv, attn_metadata.slot_mapping
         return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
@@ -447,6 +459,11 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         if not self.config.precompile and (self._step_name, t) not in self._compiled and t != self.buckets[0]:
             self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
         logits, prompt = self._forward_and_write(step, prev)
+        if self.pooling:  # the second output: the pooled sums
+            dispatched = DispatchedStep(t, logits, None, pooled=prompt)
+            if step.sampling is not None:
+                self.sample(dispatched, step.sampling)
+            return dispatched
         want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
         if want_prompt and self._prompt_apart:  # `prompt` holds the step's hidden states
             args = (self.state, prompt, self._put(step.prompt_next_ids))
@@ -514,7 +531,8 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         """The step's host arrays go in one packed copy (packing.py)."""
         t = step.input_ids.shape[0]
         none = self._all_minus_one(t)  # no prompt logprobs wanted, no input from the previous step
-        next_ids = step.prompt_next_ids if step.prompt_next_ids is not None else none
+        next_ids = step.pool_rows if self.pooling else step.prompt_next_ids  # (one leaf: a pooling engine has no prompt logprobs)
+        next_ids = next_ids if next_ids is not None else none
         prev_rows = step.prev_rows if step.prev_rows is not None else none
         leaves = (step.input_ids, step.positions, step.attention, step.logit_rows, next_ids, prev_rows)
         if self.lora_weights is not None:  # each token's adapter slot, and the stacked arrays: LoRA engines only

@@ -26,12 +26,14 @@ class DispatchedStep:
     sampled: jax.Array | None = None  # [max_num_seqs] the sampled tokens, padded: the next step's inputs, kept on the device
     want_top: bool = False
     seq: int = -1  # the runner's count of dispatched steps: followers of a process group find theirs by it
+    pooled: jax.Array | None = None  # a pooling engine's [S, D] pooled sums (model_runner.pooled_sums)
 
     def fetch(self) -> StepResult:
         get = lambda tree: jax.tree.map(distributed.host_value, tree)  # noqa: E731
         tokens, logprobs = get((self.out.tokens, self.out.logprobs))
         top_ids, top_lp = get((self.out.top_ids, self.out.top_logprobs)) if self.want_top else (None, None)
-        return StepResult(tokens, logprobs, top_ids, top_lp, get(self.prompt) if self.prompt is not None else None)
+        return StepResult(tokens, logprobs, top_ids, top_lp, get(self.prompt) if self.prompt is not None else None,
+                          get(self.pooled) if self.pooled is not None else None)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,3 +50,4 @@ class StepResult:
     top_ids: np.ndarray | None  # [S, 20] when some row asked for logprobs
     top_logprobs: np.ndarray | None
     prompt: tuple[np.ndarray, ...] | None = None  # prompt_logprobs per row: (logprob, rank, top ids, top logprobs)
+    pooled: np.ndarray | None = None  # a pooling engine's [S, D] float32: each row's pooled sum in this step

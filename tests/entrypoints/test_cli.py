@@ -89,6 +89,7 @@ def test_a_ctrl_c_a_library_swallows_during_the_load_still_stops_the_run(monkeyp
 
     class Engine:
         steps = 0
+        pooler = None  # a generating model
 
         def add_request(self, *args, **kwargs):
             return "0"
@@ -239,6 +240,7 @@ def test_quiet_batch_shows_no_progress_bar(monkeypatch, tmp_path, capsys):
 
     class FakeLLM:
         is_follower = False
+        engine = SimpleNamespace(pooler=None)  # a generating model
 
         def __init__(self, **kwargs):
             pass

@@ -1,0 +1,90 @@
+"""How one request wants a pooling model's output (vLLM's PoolingParams), and how the engine pools (PoolerConfig).
+
+Checked here, on the host, as SamplingParams is: a bad value is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from jaxpaged.sampling_params import _int
+
+POOLING_TASKS = ("embed", "classify", "score")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # the last token's hidden state, the prompt's mean, the first token's
+
+
+def _optional_bool(name: str, value) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool or None (got {value!r})")
+    return value
+
+
+@dataclasses.dataclass
+class PoolingParams:
+    """vLLM's fields: dimensions (an embedding's first `dimensions` values, before normalizing: Matryoshka models),
+    normalize (embeddings to unit length; None: the model's default), activation (a classifier's softmax, or sigmoid
+    for one label; None: on), truncate_prompt_tokens (the prompt's last k tokens; -1: the last max_model_len), task
+    (set by LLM.embed / classify / score)."""
+
+    truncate_prompt_tokens: int | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+    activation: bool | None = None
+    task: str | None = None
+    use_activation: dataclasses.InitVar[bool | None] = None  # vLLM's later name for activation
+
+    def __post_init__(self, use_activation: bool | None) -> None:
+        if use_activation is not None:
+            if self.activation is not None and self.activation != use_activation:
+                raise ValueError("activation and use_activation disagree; pass one")
+            self.activation = use_activation
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be None, -1 or >= 1 (got {self.truncate_prompt_tokens})")
+        if self.dimensions is not None:
+            self.dimensions = _int("dimensions", self.dimensions)
+            if self.dimensions < 1:
+                raise ValueError(f"dimensions must be >= 1 (got {self.dimensions})")
+        _optional_bool("normalize", self.normalize)
+        _optional_bool("activation", self.activation)
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {POOLING_TASKS} (got {self.task!r})")
+
+    def clone(self) -> PoolingParams:
+        return dataclasses.replace(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling engine pools (vLLM's `pooler_config`): None fields come from the checkpoint (its
+    sentence-transformers modules.json), else LAST with normalized embeddings, as vLLM pools a decoder."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            kind = str(self.pooling_type).upper()
+            if kind not in POOLING_TYPES:
+                raise ValueError(f"pooler_config.pooling_type must be one of {POOLING_TYPES} (got {self.pooling_type!r})")
+            object.__setattr__(self, "pooling_type", kind)
+        _optional_bool("pooler_config.normalize", self.normalize)
+
+    @classmethod
+    def parse(cls, value) -> PoolerConfig | None:
+        """A PoolerConfig, a dict of its fields, their JSON text (the CLIs' flag), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"pooler_config must be a JSON object ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config must be a PoolerConfig, a dict or JSON text (got {type(value).__name__})")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"pooler_config: unknown field(s) {sorted(unknown)}; known: pooling_type, normalize")
+        return cls(**value)
