@@ -5,7 +5,11 @@ __version__ = "0.1.0"
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.lora import LoRARequest
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.outputs import (
+    ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+    PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput,
+)  # fmt: skip
+from jaxpaged.pooling_params import PoolerConfig, PoolingParams
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
@@ -13,11 +17,21 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
     "LoRARequest",
+    "PoolerConfig",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
 ]
