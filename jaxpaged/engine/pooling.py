@@ -26,10 +26,11 @@ POOLING_RUN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, det
 
 
 def wants_pooling_runner(runner: str, pooling_info) -> bool:
-    """runner "auto": pooling for a checkpoint whose architecture pools (an embedding or classifier model)."""
+    """runner "auto": pooling for a checkpoint whose architecture pools (an embedding or classifier model), or that
+    says how to pool (a sentence-transformers modules.json: Qwen3-Embedding names Qwen3ForCausalLM)."""
     if runner != "auto":
         return runner == "pooling"
-    return pooling_info is not None and pooling_info.task in ("embed", "classify")
+    return pooling_info is not None and (pooling_info.task in ("embed", "classify") or pooling_info.pooling_type is not None)
 
 
 class Pooler:

@@ -38,8 +38,8 @@ def reference(hf, prompt, pooling: str, normalize: bool = True, dimensions: int 
 
 
 def engine(folder: str, **kwargs) -> LLM:
-    kwargs = {"max_num_batched_tokens": 32, "max_num_seqs": 4, "log_level": "WARNING", **kwargs}
-    return LLM(folder, runner="pooling", **kwargs)
+    kwargs = {"runner": "pooling", "max_num_batched_tokens": 32, "max_num_seqs": 4, "log_level": "WARNING", **kwargs}
+    return LLM(folder, **kwargs)
 
 
 def embeddings(outs) -> list[np.ndarray]:
@@ -155,3 +155,70 @@ def test_the_generate_cli_refuses_a_pooling_runner_before_loading(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--runner", "pooling", "hello"])
     assert exit_info.value.code == 2 and "LLM.embed" in capsys.readouterr().err
+
+
+# -- checkpoints that are pooling models: runner "auto" picks pooling -------------------------------------------------
+
+
+def _with_tokenizer(folder) -> str:
+    byte_tokenizer(["<s>", "</s>"], "", bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_classifier_checkpoint_classifies_as_transformers(tmp_path):
+    import transformers
+
+    config = tiny_llama_config(num_key_value_heads=2, vocab_size=258, num_labels=3, pad_token_id=0,
+                               id2label={0: "neg", 1: "neu", 2: "pos"}, label2id={"neg": 0, "neu": 1, "pos": 2})  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForSequenceClassification(config).eval()
+    folder = _with_tokenizer(save_hf_model(hf, tmp_path))
+    llm = engine(folder, runner="auto")
+    prompts = random_prompts(258, LENGTHS, seed=2)
+    outs = llm.classify(prompts, use_tqdm=False)
+    raw = llm.encode(prompts[:1], PoolingParams(activation=False), use_tqdm=False)[0].outputs.data
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0].numpy()
+        assert out.outputs.num_classes == 3
+        np.testing.assert_allclose(out.outputs.probs, np.exp(logits) / np.exp(logits).sum(), atol=1e-5, rtol=0)
+        if i == 0:
+            np.testing.assert_allclose(raw, logits, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="embed"):
+        llm.embed(prompts[:1])
+    with pytest.raises(ValueError, match="one-label"):
+        llm.score("a", ["b"])
+
+
+def test_a_cross_encoder_scores_the_pair_with_its_sigmoid(tmp_path):
+    import transformers
+
+    torch.manual_seed(1)
+    hf = transformers.LlamaForSequenceClassification(
+        tiny_llama_config(num_key_value_heads=2, vocab_size=258, num_labels=1, pad_token_id=0)).eval()  # fmt: skip
+    folder = _with_tokenizer(save_hf_model(hf, tmp_path))
+    llm = engine(folder, runner="auto")
+    tok = llm.get_tokenizer()
+    query, docs = "capital of France", ["Paris is the capital.", "Bananas are yellow."]
+    for doc, out in zip(docs, llm.score(query, docs, use_tqdm=False)):
+        with torch.no_grad():
+            logit = hf(torch.tensor([tok(query, doc)["input_ids"]])).logits[0, 0].item()
+        assert out.outputs.score == pytest.approx(1 / (1 + np.exp(-logit)), abs=1e-5)
+
+
+def test_a_sentence_transformers_embedding_model_pools_as_its_config_says(model, tmp_path):
+    """A base model (LlamaModel: no `model.` prefix, no head) with modules.json asking for MEAN and no Normalize."""
+    import json
+
+    hf, _ = model
+    hf.model.save_pretrained(tmp_path)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))  # fmt: skip
+    llm = engine(_with_tokenizer(tmp_path), runner="auto")
+    assert (llm.engine.pooler.pooling_type, llm.engine.pooler.normalize) == ("MEAN", False)
+    prompts = random_prompts(258, [3, 50], seed=4)
+    for prompt, got in zip(prompts, embeddings(llm.embed(prompts, use_tqdm=False))):
+        np.testing.assert_allclose(got, reference(hf, prompt, "MEAN", normalize=False), atol=1e-5, rtol=0)
