@@ -224,3 +224,14 @@ def test_one_device_executables_load_on_a_many_device_host(tmp_path_factory):
         runs.append((_greedy(llm, prompts), llm.engine.runner.executables.num_loaded))
     assert runs[0] == (expected, 0)
     assert runs[1][0] == expected and runs[1][1] > 0
+
+
+@needs_devices
+def test_a_pooling_engine_under_tp_equals_one_device(tmp_path_factory):
+    """runner pooling: the pooled sums come back replicated; TP 4 gives one device's embeddings."""
+    folder, prompts, _ = _prepare("llama-gqa2", tmp_path_factory)
+    one, four = (_llm(folder, n, runner="pooling", pooler_config={"pooling_type": "MEAN"}) for n in (1, 4))
+    want, got = ([o.outputs.data for o in llm.encode([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
+                 for llm in (one, four))  # fmt: skip
+    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-5, rtol=0)
+    assert four.get_stats()["num_compiles_after_warmup"] == 0
