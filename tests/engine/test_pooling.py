@@ -222,3 +222,20 @@ def test_a_sentence_transformers_embedding_model_pools_as_its_config_says(model,
     prompts = random_prompts(258, [3, 50], seed=4)
     for prompt, got in zip(prompts, embeddings(llm.embed(prompts, use_tqdm=False))):
         np.testing.assert_allclose(got, reference(hf, prompt, "MEAN", normalize=False), atol=1e-5, rtol=0)
+
+
+def test_lora_adapters_embed_as_peft_merged_models(model, tmp_path):
+    """An embedding engine with enable_lora: each request's adapter, the base for the others, in one batch."""
+    from jaxpaged import LoRARequest
+
+    from tests.models.test_lora import write_peft_adapter
+
+    hf, folder = model
+    peft_model = write_peft_adapter(hf, tmp_path / "a", 4, 8, ["q_proj", "v_proj", "down_proj"], False, seed=3)
+    llm = engine(folder, enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompts = random_prompts(hf.config.vocab_size, [9, 33], seed=8)
+    adapter = LoRARequest("a", 1, str(tmp_path / "a"))
+    outs = llm.embed(prompts * 2, lora_request=[adapter, adapter, None, None], use_tqdm=False)
+    merged = peft_model.merge_and_unload()
+    for i, (prompt, got) in enumerate(zip(prompts * 2, embeddings(outs))):
+        np.testing.assert_allclose(got, reference(merged if i < 2 else hf, prompt, "LAST"), atol=1e-5, rtol=0)
