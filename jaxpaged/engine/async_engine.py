@@ -24,7 +24,8 @@ from typing import Any
 
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.lora import LoRARequest
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.utils.text import ChatPrompt
 
@@ -245,6 +246,13 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(request_id)
 
+    async def encode(self, prompt: PromptType | ChatPrompt, pooling_params: PoolingParams, request_id: str,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[PoolingRequestOutput]:  # fmt: skip
+        """A pooling engine's (runner="pooling") output for the prompt, yielded once it has run (vLLM's AsyncLLM.encode);
+        leaving early (or being cancelled) aborts it."""
+        async for out in self.generate(prompt, pooling_params, request_id, lora_request):
+            yield out
+
     async def _on_engine(self, fn: Callable[[Any], Any], when_idle: bool) -> Any:
         """fn(engine) on the engine thread, its result or error back here; when_idle: once the requests in flight
         have finished (they stream as usual), with requests sent meanwhile held until it has run."""
@@ -413,7 +421,7 @@ class AsyncLLMEngine:
             entry = self._streams.get(rid)
             timing = self._timing.get(rid)
             if timing is not None:
-                tokens = sum(len(c.token_ids) for c in out.outputs)
+                tokens = sum(len(c.token_ids) for c in out.outputs) if isinstance(out, RequestOutput) else 0
                 if tokens > timing.tokens:
                     stats.generation_tokens += tokens - timing.tokens
                     if timing.last is None:
@@ -423,7 +431,7 @@ class AsyncLLMEngine:
                     timing.tokens, timing.last = tokens, now
                 if out.finished:
                     stats.e2e_latency.append(now - timing.arrival)
-                    stats.finished_reasons.extend(c.finish_reason or "abort" for c in out.outputs)
+                    stats.finished_reasons.extend(_finish_reasons(out))
             if out.finished:
                 self._streams.pop(rid, None)
                 self._timing.pop(rid, None)
@@ -478,6 +486,13 @@ class AsyncLLMEngine:
             self._stats = self.engine.get_stats()
         except Exception:
             logger.debug("no stats after the loop died", exc_info=True)
+
+
+def _finish_reasons(out) -> list[str]:
+    """Each choice's, for metrics; a pooled prompt (PoolingRequestOutput) has no choices: "stop", or "abort" unpooled."""
+    if isinstance(out, RequestOutput):
+        return [c.finish_reason or "abort" for c in out.outputs]
+    return ["stop" if out.outputs is not None else "abort"]
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
