@@ -6,16 +6,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.llm_engine import PromptType
+from jaxpaged.engine.pooling_score import score_params, score_plan
 from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import (
-    ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+    ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
     ScoringRequestOutput,
 )  # fmt: skip
 from jaxpaged.pooling_params import PoolingParams
@@ -208,35 +208,9 @@ class LLM:
         """vLLM's: one text against many (1 -> N) or pair by pair (N -> N). An embedding model scores by the cosine
         similarity of the two embeddings; a one-label classifier (a cross-encoder) by its sigmoid over the pair,
         encoded together as its tokenizer pairs texts."""
-        first = [data_1] if isinstance(data_1, str) else list(data_1)
-        second = [data_2] if isinstance(data_2, str) else list(data_2)
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second) or not second:
-            raise ValueError(f"data_1 must hold one text or as many as data_2 (got {len(first)} and {len(second)})")
-        pooler = self.engine.pooler
-        if pooler is None:
-            raise ValueError("score needs a pooling model (runner='pooling')")
-        params = dataclasses.replace(pooling_params or PoolingParams(), task="score")
-        if truncate_prompt_tokens is not None:
-            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        if pooler.task == "classify":
-            if pooler.num_labels != 1:
-                raise ValueError(f"score needs an embedding model or a one-label classifier (this one has {pooler.num_labels})")
-            tokenizer = self.engine.tokenizer
-            pairs = [tokenizer(a, b)["input_ids"] for a, b in zip(first, second)]
-            outs = self.encode(pairs, params, use_tqdm=use_tqdm, lora_request=lora_request)
-            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids, True)
-                    for o in outs]  # fmt: skip
-        texts = list(dict.fromkeys(first + second))  # each text embedded once
-        vectors = dict(zip(texts, self.encode(texts, params, use_tqdm=use_tqdm, lora_request=lora_request)))
-        results = []
-        for a, b in zip(first, second):
-            u, v = vectors[a].outputs.data, vectors[b].outputs.data
-            cosine = float(u @ v / max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12))
-            ids = vectors[a].prompt_token_ids + vectors[b].prompt_token_ids
-            results.append(ScoringRequestOutput(f"{vectors[a].request_id}-{vectors[b].request_id}", ScoringOutput(cosine), ids, True))
-        return results
+        plan = score_plan(self.engine.pooler, self.engine.tokenizer, data_1, data_2)
+        params = score_params(pooling_params, truncate_prompt_tokens)
+        return plan.results(self.encode(plan.prompts, params, use_tqdm=use_tqdm, lora_request=lora_request))
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = True
