@@ -372,7 +372,11 @@ class AsyncLLMEngine:
             if self._held:
                 self._held.extend(held[i:])
                 return
-            self._command(command)
+            try:
+                self._command(command)
+            except BaseException:
+                self._held.extend(held[i + 1 :])  # the loop dies: _die settles them (held only here, they'd wait forever)
+                raise
 
     def _call(self, fn, when_idle, loop, done) -> None:
         try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
+import traceback
 
 import httpx
 import pytest
@@ -48,6 +50,24 @@ def _greedy(n: int, **kw) -> SamplingParams:
 async def _collect(engine: AsyncLLMEngine, prompt, params, rid):
     outs = [out async for out in engine.generate(prompt, params, rid)]
     return outs
+
+
+async def _until(condition, seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _bounded(engine: AsyncLLMEngine, coro, seconds: float = 120.0):
+    """coro's result, or a failure showing where the engine stands (a hang otherwise tells nothing)."""
+    try:
+        return await asyncio.wait_for(coro, seconds)
+    except TimeoutError:
+        frame = sys._current_frames().get(engine._thread.ident) if engine._thread is not None else None
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no engine thread)\n"
+        pytest.fail(f"hung: held {[c[0] for c in engine._held]}, unfinished {engine.engine.has_unfinished_requests()}, "
+                    f"dead {engine._dead!r}; the engine thread at:\n{stack}")
 
 
 def test_concurrent_callers_share_one_batch(make_engine):
@@ -254,10 +274,7 @@ def test_abort_of_an_add_held_behind_an_update_lands_after_it(make_engine, llm_e
         update = asyncio.ensure_future(engine.update_weights(str(cycle_model_dir), in_flight="finish"))
         victim = asyncio.create_task(_collect(engine, {"prompt_token_ids": [6]}, _greedy(400), "victim"))
         gone = asyncio.ensure_future(engine.add_request("gone", {"prompt_token_ids": [7]}, _greedy(400)))
-        for _ in range(500):  # the update and both adds wait for "busy" to finish
-            if len(engine._held) == 3:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: len(engine._held) == 3)  # the update and both adds wait for "busy" to finish
         assert len(engine._held) == 3 and engine.engine.has_request("busy")
         victim.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -269,13 +286,44 @@ def test_abort_of_an_add_held_behind_an_update_lands_after_it(make_engine, llm_e
         await update
         return [out async for out in await gone]
 
-    async def bounded():  # (it hung once in a loaded two-worker run: fail with the engine's state instead)
-        try:
-            return await asyncio.wait_for(main(), 120)
-        except TimeoutError:
-            pytest.fail(f"hung: held {[c[0] for c in engine._held]}, unfinished {engine.engine.has_unfinished_requests()}")
-
-    outs = asyncio.run(bounded())
+    outs = asyncio.run(_bounded(engine, main()))  # (it hung once in a loaded two-worker run)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort" and outs[-1].outputs[0].token_ids == []
     assert aborted["victim"].outputs[0].token_ids == [] and aborted["victim"].outputs[0].finish_reason == "abort"
+    monkeypatch.undo()
+
+
+def test_held_commands_after_one_that_kills_the_loop_fail_instead_of_waiting(make_engine, llm_engine, monkeypatch):
+    """The loop dying while it releases the held commands fails those after the fatal one with EngineDeadError:
+    taken off the held list for the release, they were nowhere _die looks, and their callers waited forever."""
+    engine = make_engine()
+    real_abort = llm_engine.abort_request_with_output
+    calls = []
+
+    def abort_failing_when_released(request_id):
+        calls.append(request_id)
+        if calls.count("a") == 2:  # the abort of "a" held behind its add, run on release
+            raise RuntimeError("abort fell over")
+        return real_abort(request_id)
+
+    monkeypatch.setattr(llm_engine, "abort_request_with_output", abort_failing_when_released)
+
+    async def main():
+        busy = await engine.add_request("busy", {"prompt_token_ids": [5]}, _greedy(480))
+        call = asyncio.ensure_future(engine._on_engine(lambda _: "ran", when_idle=True))
+        added = asyncio.ensure_future(engine.add_request("a", {"prompt_token_ids": [6]}, _greedy(4)))
+        await _until(lambda: len(engine._held) == 2)
+        engine.abort("a")
+        later = asyncio.ensure_future(engine.add_request("b", {"prompt_token_ids": [7]}, _greedy(4)))
+        await _until(lambda: len(engine._held) == 4)
+        assert [c[0] for c in engine._held] == ["call", "add", "abort", "add"] and engine.engine.has_request("busy")
+        engine.abort("busy")
+        async for _ in busy:
+            pass
+        assert await call == "ran"
+        await added
+        with pytest.raises(EngineDeadError, match="abort fell over"):
+            await later
+
+    asyncio.run(_bounded(engine, main(), 60))
+    assert engine.errored
     monkeypatch.undo()
