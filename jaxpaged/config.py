@@ -10,6 +10,7 @@ MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "fp8")  # how weights load (models/loader.py, models/quantization.py)
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")  # pallas_kernels/kv_quant.py
 MOE_KERNEL_CHOICES = ("loop", "triton")
+SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")  # core/scheduler.py
 RUNNER_CHOICES = ("auto", "generate", "pooling")  # pooling: jaxpaged/engine/pooling.py  # models/moe.py's expert loops; triton: pallas_kernels/moe_gemm.py
 
 
@@ -78,6 +79,9 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before (default: on)")
     batch_invariant: bool = option(False, "a request's tokens and logprobs never depend on the rest of the batch (one step shape; slower)")
     async_scheduling: bool = option(True, "schedule and pack the next step while the device runs this one; outputs are identical (default: on)")
+    scheduling_policy: str = option("fcfs", "fcfs: requests are served in arrival order; priority: by each request's "
+                                    "priority, lower first, then arrival, a shortage of KV blocks preempting the "
+                                    "lowest (vLLM's) (default: fcfs)", choices=SCHEDULING_POLICY_CHOICES)  # fmt: skip
     precompile: bool = option(True, "compile every step bucket at start-up, so no request waits for a compile; off, each bucket "
                               "compiles (or loads from the cache) on first use (default: on for LLM and the server, off for generate)")  # fmt: skip
     background_compile: bool | None = option(
@@ -126,6 +130,12 @@ class EngineConfig:
     pooler_config: Any = option(None, "with runner pooling: how to pool, as JSON, e.g. '{\"pooling_type\": \"MEAN\", "
                                 "\"normalize\": false}' (pooling_type LAST, MEAN or CLS; default: the checkpoint's "
                                 "sentence-transformers config, else LAST, normalized)", group="model")  # fmt: skip
+    generation_config: str = option("auto", "default sampling parameters of requests that leave them unset (LLM.generate "
+                                    "without SamplingParams, the server's fields left out): auto: the model's "
+                                    "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                                    "max_new_tokens), as vLLM; vllm: vLLM's own defaults; or a folder holding one", group="model")  # fmt: skip
+    override_generation_config: Any = option(None, "generation config fields set over the model's, as JSON, e.g. "
+                                             "'{\"temperature\": 0.5}'", group="model")  # fmt: skip
     seed: int = 0
     # an Orbax checkpoint's leaf names -> the port's parameter paths or HF names: a dict or a callable, a value None
     # skipping a leaf, (name, fn) transforming it (models/orbax_io.py)
@@ -242,8 +252,13 @@ class EngineConfig:
             raise ValueError("fused_kv_write needs pipeline_parallel_size 1 (each stage writes its own layers' K/V)")
         self._check_lora()
         self._check_vision()
+        if self.scheduling_policy not in SCHEDULING_POLICY_CHOICES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICY_CHOICES} (got {self.scheduling_policy!r})")
         if self.runner not in RUNNER_CHOICES:
             raise ValueError(f"runner must be one of {RUNNER_CHOICES} (got {self.runner!r})")
+        from jaxpaged.engine.generation_defaults import check_generation_config
+
+        self.override_generation_config = check_generation_config(self.generation_config, self.override_generation_config)
         from jaxpaged.pooling_params import PoolerConfig
 
         self.pooler_config = PoolerConfig.parse(self.pooler_config)

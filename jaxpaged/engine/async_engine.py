@@ -196,6 +196,11 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def default_sampling_kwargs(self) -> dict:
+        """The model's generation config defaults for the fields a request leaves unset (llm_engine)."""
+        return getattr(self.engine, "default_sampling_kwargs", {})
+
     # -- the caller's side (event loop) -----------------------------------------------------------
 
     def _submit(self, command: tuple) -> None:

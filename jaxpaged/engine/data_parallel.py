@@ -61,6 +61,7 @@ class DataParallelEngine:
         self.eos_token_ids = first.eos_token_ids
         self.harmony = first.harmony  # GPT-OSS's chat prompts through openai-harmony (each replica renders its own)
         self.pooler = first.pooler  # a pooling engine's (engine/pooling.py): the same in every replica
+        self.default_sampling_kwargs = first.default_sampling_kwargs  # the model's generation config defaults
         self._owner: dict[str, int] = {}  # unfinished request id -> its replica
         self._ids = itertools.count()
         logger.info(
@@ -76,17 +77,21 @@ class DataParallelEngine:
         requests = len(replica.output_processor.parents)  # queued or running
         return requests, replica.scheduler.kv.pool.num_used
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.replicas[0].get_default_sampling_params()
+
     def route(self) -> int:
         """The replica a new request goes to: the least loaded (the lowest index on a tie)."""
         return min(range(len(self.replicas)), key=self._load)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0) -> str:  # fmt: skip
         """LLMEngine.add_request on the least loaded replica; ids are unique over all replicas."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         index = self.route()
-        self.replicas[index].add_request(request_id, prompt, params)
+        self.replicas[index].add_request(request_id, prompt, params, priority=priority)
         self._owner[request_id] = index
         return request_id
 

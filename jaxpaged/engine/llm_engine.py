@@ -34,6 +34,7 @@ from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
+from jaxpaged.engine.generation_defaults import default_sampling_kwargs
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.pooling import POOLING_RUN, Pooler, wants_pooling_runner
 from jaxpaged.engine.structured_output import StructuredOutputManager
@@ -141,6 +142,9 @@ class LLMEngine:
         if config.max_model_len is None and limit:
             logger.info("max_model_len is %d: %s", model_len, limit)
         self.max_model_len = config.max_model_len or model_len
+        # the model's generation_config.json defaults for what a request leaves unset (vLLM's generation_config auto)
+        self.default_sampling_kwargs = default_sampling_kwargs(config.generation_config, config.override_generation_config,
+                                                               self.loaded.source)  # fmt: skip
         self.harmony = self._uses_harmony()  # GPT-OSS: chat prompts rendered by openai-harmony, not the template
         self.eos_token_ids = self._eos_ids()
         executables = cache_root(config.cache_dir) / "executables"
@@ -176,6 +180,7 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens,
             self.eos_token_ids, self.max_model_len, LengthDependentRope.of(self.loaded.config),
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
+            policy=config.scheduling_policy,
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.output_processor.pooler = self.pooler
@@ -228,6 +233,10 @@ class LLMEngine:
             if value:
                 raise ValueError(f"{name}: not supported with runner 'pooling' (a pooling model runs its prompts only)")
         return Pooler(info, config.pooler_config, self.loaded.config.hidden_size)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation config defaults (SamplingParams() without any)."""
+        return SamplingParams(**self.default_sampling_kwargs)
 
     def _eos_ids(self) -> list[int]:
         """The config's and the tokenizer's EOS, and under harmony its `<|return|>` and `<|call|>` (GPT-OSS's
@@ -347,19 +356,21 @@ class LLMEngine:
         return max_blocks_held(num_tokens, kv.block_size, kv.sliding_window, step)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> str:  # fmt: skip
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> str:  # fmt: skip
         """Queue a request (a string, token ids, a dict with either, or a ChatPrompt); returns its id. A pooling
-        engine (runner="pooling") takes PoolingParams instead of SamplingParams.
+        engine (runner="pooling") takes PoolingParams instead of SamplingParams. priority: with scheduling_policy
+        "priority", lower is served first (vLLM's).
         Raises ValueError naming the parameter for one that could never run (a bad LoRA adapter too)."""
+        priority = self._priority(priority)
         if params is None:
-            params = PoolingParams() if self.pooler is not None else SamplingParams()
+            params = PoolingParams() if self.pooler is not None else self.get_default_sampling_params()
         self.weight_sync.admit()  # asleep: refused (EngineAsleepError), or queued until wake_up
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine started with enable_lora=True")
             self.lora.load(lora_request)  # read and checked now: a bad adapter queues nothing
         if isinstance(params, PoolingParams) or self.pooler is not None:
-            return self._add_pooling_request(request_id, prompt, params, lora_request)
+            return self._add_pooling_request(request_id, prompt, params, lora_request, priority)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         request_id = self._new_request_id(request_id)
@@ -377,7 +388,7 @@ class LLMEngine:
             count = 1 if params.use_beam_search else params.n  # beams copy the root's as they fork
             grammars = [self.structured_outputs.new_state(params.structured_outputs, ids) for _ in range(count)]
         controls = token_controls(params, vocab, self.tokenizer)
-        parent = ParentRequest(request_id, text, ids, params)
+        parent = ParentRequest(request_id, text, ids, params, priority=priority)
         parent.mm = images
         if lora_request is not None:
             parent.lora_request, parent.cache_salt = lora_request, lora_request.cache_salt
@@ -412,13 +423,22 @@ class LLMEngine:
         self._admit(parent, admitted)
         return request_id
 
+    def _priority(self, priority) -> int:
+        """An int; other than 0 only under scheduling_policy "priority" (vLLM refuses it under fcfs too)."""
+        if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an int (got {type(priority).__name__})")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' (this engine's is "
+                             f"{self.config.scheduling_policy!r})")  # fmt: skip
+        return int(priority)
+
     def _new_request_id(self, request_id: str | None) -> str:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 
-    def _add_pooling_request(self, request_id: str | None, prompt: PromptType, params, lora_request) -> str:
+    def _add_pooling_request(self, request_id: str | None, prompt: PromptType, params, lora_request, priority: int = 0) -> str:
         """A pooling engine's request: its prompt, run as one greedy token that is dropped (engine/pooling.py)."""
         if self.pooler is None:
             raise ValueError("pooling_params need an engine with runner='pooling' (this model generates: pass a "
@@ -444,7 +464,7 @@ class LLMEngine:
         if self._blocks_held(len(ids)) > self.runner.num_blocks:
             raise ValueError(f"prompt needs {self._blocks_held(len(ids))} KV blocks but the whole pool has "
                              f"{self.runner.num_blocks}; raise num_kv_blocks")  # fmt: skip
-        parent = ParentRequest(request_id, text, ids, POOLING_RUN)
+        parent = ParentRequest(request_id, text, ids, POOLING_RUN, priority=priority)
         parent.pooling, parent.pool_code = params, self.pooler.code
         if lora_request is not None:
             parent.lora_request, parent.cache_salt = lora_request, lora_request.cache_salt

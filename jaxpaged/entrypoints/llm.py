@@ -54,6 +54,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the SamplingParams a call without any uses: the model's generation_config.json defaults
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), unless generation_config='vllm'."""
+        return self.engine.get_default_sampling_params()
+
     def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
 
@@ -97,15 +102,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs come back in input order.
         lora_request: one adapter for every prompt, or a list with one (or None: the base model) per prompt;
-        the engine needs enable_lora=True."""
+        the engine needs enable_lora=True. priority (vLLM's): one int per prompt, lower served first, with
+        scheduling_policy="priority"."""
         if self.is_follower:
             raise RuntimeError("this process follows process 0 of its group, which takes the requests")
         prompts = self._prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation config defaults, as vLLM's
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
@@ -118,6 +125,7 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or one per prompt"
                 )
         loras = self._per_prompt_loras(lora_request, len(prompts))
+        priorities = self._per_prompt_priorities(priority, len(prompts))
         # nobody sees a request's output before it ends: the engine builds it (and decodes its text) only then
         final = {}
         for i, params in enumerate(params_list):
@@ -125,7 +133,7 @@ class LLM:
                 if id(params) not in final:
                     final[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 params_list[i] = final[id(params)]
-        return self._run(self._add_all(prompts, params_list, loras), use_tqdm)
+        return self._run(self._add_all(prompts, params_list, loras, priorities), use_tqdm)
 
     @staticmethod
     def _prompt_list(prompts) -> list:
@@ -142,15 +150,26 @@ class LLM:
             raise ValueError(f"lora_request has {len(loras)} entries for {count} prompts; pass one or one per prompt")
         return loras
 
-    def _add_all(self, prompts: list, params_list: list, loras: list) -> list[str]:
+    @staticmethod
+    def _per_prompt_priorities(priority, count: int) -> list:
+        """None: no priority passed (so an engine without the argument works); else one per prompt."""
+        if priority is None:
+            return [None] * count
+        if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be a list of ints, one per prompt (got {type(priority).__name__})")
+        if len(priority) != count:
+            raise ValueError(f"priority has {len(priority)} entries for {count} prompts; pass one per prompt")
+        return list(priority)
+
+    def _add_all(self, prompts: list, params_list: list, loras: list, priorities: list | None = None) -> list[str]:
         """Queue every prompt; a bad one refuses the whole batch, leaving nothing queued."""
         ids = []
         try:
-            for prompt, params, adapter in zip(prompts, params_list, loras):
-                if adapter is None:
-                    ids.append(self.engine.add_request(None, prompt, params))
-                else:
-                    ids.append(self.engine.add_request(None, prompt, params, lora_request=adapter))
+            for prompt, params, adapter, rank in zip(prompts, params_list, loras, priorities or [None] * len(prompts)):
+                kwargs = {} if adapter is None else {"lora_request": adapter}
+                if rank is not None:
+                    kwargs["priority"] = rank
+                ids.append(self.engine.add_request(None, prompt, params, **kwargs))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -246,6 +265,7 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Each conversation through the tokenizer's chat template, then generate. `tools` (OpenAI tool dicts, as
         vLLM's LLM.chat) go to the template, which describes them to the model; the calls are left in the text.
@@ -253,7 +273,8 @@ class LLM:
         conversations are rendered by openai-harmony instead (utils/harmony.py), its reasoning effort from
         chat_template_kwargs' "reasoning_effort" (the variable gpt-oss's own template reads).
         continue_final_message (vLLM's): the prompt ends inside the last message, an assistant's, which the output
-        continues; it needs add_generation_prompt=False. Each output's `prompt` is its conversation's rendered text."""
+        continues; it needs add_generation_prompt=False. Each output's `prompt` is its conversation's rendered text.
+        priority: as generate's, one per conversation."""
         if self.engine.tokenizer is None and not getattr(self.engine, "harmony", False):
             raise ValueError("this model has no tokenizer, so it has no chat template")
         if continue_final_message and add_generation_prompt:
@@ -262,7 +283,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [ChatPrompt(join_text_parts(c), add_generation_prompt, tools, chat_template_kwargs,
                               continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def _run(self, ids: list[str], use_tqdm: bool | Callable, desc: str = "Generating") -> list:
         pending = set(ids)

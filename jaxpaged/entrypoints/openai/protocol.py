@@ -78,6 +78,7 @@ class _SamplingRequest(_Strict):
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's: non-streaming responses carry them
+    priority: int = 0  # vLLM's: lower is served first under --scheduling-policy priority (else only 0 is accepted)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
     response_format: Any = None
     structured_outputs: Any = None
@@ -120,8 +121,9 @@ class _SamplingRequest(_Strict):
                 raise FieldError(f"logit_bias's keys must be token ids (got {token!r})", "logit_bias") from None
         return bias
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams' arguments; None means the default, as in OpenAI's API."""
+    def sampling_kwargs(self, defaults: dict | None = None) -> dict[str, Any]:
+        """SamplingParams' arguments; None means the default: the model's (`defaults`, its generation config's, as
+        vLLM's server takes them), else SamplingParams'."""
         values = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -132,7 +134,8 @@ class _SamplingRequest(_Strict):
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
-        return {k: v for k, v in values.items() if v is not None}
+        chosen = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        return chosen | {k: v for k, v in values.items() if v is not None}
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
         """(request field, StructuredOutputsParams' arguments) for each constraint the body sets; a malformed
@@ -231,27 +234,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value):
-        err = ValueError
-        if isinstance(value, str):
-            if not value:
-                raise err("must not be empty")
-            return value
-        if not isinstance(value, list) or not value:
-            raise err("must be a non-empty string, list of strings, list of token ids, or list of token-id lists")
-        if len(value) > MAX_PROMPTS and not all(_is_token(t) for t in value):
-            raise err(f"may hold at most {MAX_PROMPTS} prompts (got {len(value)})")
-        if all(_is_token(t) for t in value):
-            return [int(t) for t in value]
-        if all(isinstance(p, str) for p in value):
-            if not all(value):
-                raise err("strings must not be empty")
-            return list(value)
-        if all(isinstance(p, list) for p in value):
-            for p in value:
-                if not p or not all(_is_token(t) for t in p):
-                    raise err("token-id lists must be non-empty lists of integers")
-            return [[int(t) for t in p] for p in value]
-        raise err("must be a string, a list of strings, a list of token ids, or a list of token-id lists")
+        return prompt_input(value, MAX_PROMPTS)
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -269,14 +252,48 @@ class CompletionRequest(_SamplingRequest):
             return [self.prompt]
         return list(self.prompt)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """defaults: the model's generation config defaults (vLLM's), its max_new_tokens a cap on max_tokens."""
         prompt_logprobs = self.logprobs if self.echo else None  # echo lists the prompt tokens' logprobs too
         if self.prompt_logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
+        max_tokens = 1 if self.prompt_only else capped_max_tokens(self.max_tokens, defaults)
         return SamplingParams(
-            max_tokens=1 if self.prompt_only else self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
-            best_of=self.best_of, structured_outputs=self.structured_outputs_params(), **self.sampling_kwargs(),
+            max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
+            best_of=self.best_of, structured_outputs=self.structured_outputs_params(), **self.sampling_kwargs(defaults),
         )
+
+
+def capped_max_tokens(max_tokens: int | None, defaults: dict | None) -> int | None:
+    """A request's max_tokens under the model's max_new_tokens, as vLLM's server takes the smaller of the two."""
+    cap = (defaults or {}).get("max_tokens")
+    return cap if max_tokens is None else (max_tokens if cap is None else min(max_tokens, cap))
+
+
+def prompt_input(value, limit: int):
+    """A string, a list of strings, a list of token ids or a list of token-id lists (OpenAI's prompt and input), with
+    at most `limit` prompts; ValueError (pydantic's, on the field) otherwise."""
+    err = ValueError
+    if isinstance(value, str):
+        if not value:
+            raise err("must not be empty")
+        return value
+    if not isinstance(value, list) or not value:
+        raise err("must be a non-empty string, list of strings, list of token ids, or list of token-id lists")
+    if len(value) > limit and not all(_is_token(t) for t in value):
+        raise err(f"may hold at most {limit} prompts (got {len(value)})")
+    if all(_is_token(t) for t in value):
+        return [int(t) for t in value]
+    if all(isinstance(p, str) for p in value):
+        if not all(value):
+            raise err("strings must not be empty")
+        return list(value)
+    if all(isinstance(p, list) for p in value):
+        for p in value:
+            if not p or not all(_is_token(t) for t in p):
+                raise err("token-id lists must be non-empty lists of integers")
+        return [[int(t) for t in p] for p in value]
+    raise err("must be a string, a list of strings, a list of token ids, or a list of token-id lists")
 
 
 def _is_token(value) -> bool:
@@ -456,15 +473,17 @@ class ChatCompletionRequest(_SamplingRequest):
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
 
-    def sampling_params(self, reasoning: tuple[str, str] | None = None) -> SamplingParams:
-        """`reasoning`: the reasoning parser's (start, end) markers, behind which an output constraint waits."""
+    def sampling_params(self, reasoning: tuple[str, str] | None = None, defaults: dict | None = None) -> SamplingParams:
+        """`reasoning`: the reasoning parser's (start, end) markers, behind which an output constraint waits;
+        `defaults`: the model's generation config defaults (vLLM's), its max_new_tokens a cap on max_tokens."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = capped_max_tokens(max_tokens, defaults)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         constraint = self.structured_outputs_params()
         if constraint is not None and reasoning is not None:
             constraint = dataclasses.replace(constraint, reasoning_start=reasoning[0], reasoning_end=reasoning[1])
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint,
-                              prompt_logprobs=self.prompt_logprobs, **self.sampling_kwargs())  # fmt: skip
+                              prompt_logprobs=self.prompt_logprobs, **self.sampling_kwargs(defaults))  # fmt: skip
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:

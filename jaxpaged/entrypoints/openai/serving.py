@@ -139,7 +139,7 @@ class Serving:
         if isinstance(body.n, int) and not 1 <= body.n <= self.settings.max_n:
             raise errors.bad_request(f"n must be in [1, {self.settings.max_n}] (got {body.n})", param="n")
         try:
-            return body.sampling_params(**kwargs)
+            return body.sampling_params(defaults=self.engine.default_sampling_kwargs, **kwargs)
         except errors.FieldError as exc:
             raise errors.bad_request(str(exc), param=exc.param) from None
         except (ValueError, NotImplementedError) as exc:
@@ -147,13 +147,14 @@ class Serving:
 
     async def submit(
         self, http_request: Request, prefix: str, prompts: list[PromptType | ChatPrompt], params: SamplingParams,
-        fields: dict[str, str], prompt_field: str, model: str | None = None,
+        fields: dict[str, str], prompt_field: str, model: str | None = None, priority: int = 0,
     ) -> tuple[str, RequestRun]:
         """Queue one engine request per prompt (all or none) and return the HTTP request's id and run; `model` an
-        adapter's name runs them with that LoRA adapter."""
+        adapter's name runs them with that LoRA adapter; `priority` (vLLM's field) goes to every one."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         lora = self.loras.by_name.get(model) if model is not None else None
-        batch = [(f"{request_id}-{i}", p, params) + ((lora,) if lora else ()) for i, p in enumerate(prompts)]
+        extra = (lora, priority) if priority else (lora,) if lora else ()
+        batch = [(f"{request_id}-{i}", p, params, *extra) for i, p in enumerate(prompts)]
         try:
             streams = await self.engine.add_requests(batch)
         except QueueFullError as exc:
@@ -215,6 +216,6 @@ SAMPLING_FIELDS = {
         "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
         "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words",
-        "truncate_prompt_tokens", "spaces_between_special_tokens", "prompt_logprobs",
+        "truncate_prompt_tokens", "spaces_between_special_tokens", "prompt_logprobs", "priority",
     )
 }
