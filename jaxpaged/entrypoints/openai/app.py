@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from jaxpaged import __version__
 from jaxpaged.engine.async_engine import AsyncLLMEngine
-from jaxpaged.entrypoints.openai import errors
+from jaxpaged.entrypoints.openai import errors, pooling
 from jaxpaged.entrypoints.openai.chat import create_chat_completion
 from jaxpaged.entrypoints.openai.completions import create_completion
 from jaxpaged.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -100,13 +100,16 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     from jaxpaged.entrypoints.openai import tokenize
 
     tokenize.add_routes(app, serving)  # vLLM's /tokenize and /detokenize
+    pooling.add_routes(app, serving)  # vLLM's /v1/embeddings, /classify, /score, /rerank: a pooling model's
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        pooling.refuse_unless_served(serving, "/v1/completions")
         return await create_completion(serving, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        pooling.refuse_unless_served(serving, "/v1/chat/completions")
         return await create_chat_completion(serving, request)
 
     @app.get("/metrics")
