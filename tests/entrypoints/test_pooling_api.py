@@ -149,6 +149,7 @@ def test_score_and_rerank_are_cosines_in_order(embedder, server):
     ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1", "as many as text_2"),
     ("/rerank", {"query": "a", "documents": []}, "documents", "non-empty"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", ">= 0"),
+    ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority", "scheduling_policy"),
     ("/classify", {"input": "x"}, None, "embedding model"),
 ])  # fmt: skip
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param, words):

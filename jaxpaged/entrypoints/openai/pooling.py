@@ -32,7 +32,8 @@ from jaxpaged.pooling_params import PoolingParams
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # the engine's and PoolingParams' words -> the request's fields
-FIELDS = {name: name for name in ("dimensions", "normalize", "activation", "truncate_prompt_tokens", "messages")}
+FIELDS = {name: name for name in ("dimensions", "normalize", "activation", "truncate_prompt_tokens", "messages",
+                                  "priority")}
 
 
 def served_endpoints(pooler) -> list[str]:
@@ -76,10 +77,11 @@ def _params(body, fields: dict[str, str]) -> PoolingParams:
 
 
 async def _pool(serving: Serving, http_request: Request, prefix: str, prompts: list, params: PoolingParams,
-                fields: dict[str, str], prompt_field: str, model: str | None) -> tuple[str, list[PoolingRequestOutput]]:  # fmt: skip
-    """Queue the prompts (all or none) and wait for every one's pooled output."""
+                fields: dict[str, str], prompt_field: str, body) -> tuple[str, list[PoolingRequestOutput]]:  # fmt: skip
+    """Queue the prompts (all or none, with the body's model and priority) and wait for every one's pooled output."""
     request_id, run = await serving.submit(http_request, prefix, prompts, params, {**fields, "prompt": prompt_field,
-                                           "prompt_token_ids": prompt_field}, prompt_field, model=model)  # fmt: skip
+                                           "prompt_token_ids": prompt_field}, prompt_field, model=body.model,
+                                           priority=body.priority)  # fmt: skip
     try:
         finals = await run.final()
     except EngineDeadError as exc:
@@ -125,7 +127,7 @@ async def create_embedding(serving: Serving, http_request: Request):
     else:
         special = body.add_special_tokens is not False
         prompts, field = [_engine_prompt(serving, p, special) for p in body.inputs()], "input"
-    request_id, outs = await _pool(serving, http_request, "embd", prompts, params, FIELDS, field, body.model)
+    request_id, outs = await _pool(serving, http_request, "embd", prompts, params, FIELDS, field, body)
     data = [{"index": i, "object": "embedding", "embedding": _encode(o.outputs.data, body.encoding_format)}
             for i, o in enumerate(outs)]  # fmt: skip
     return JSONResponse({**_meta(request_id, serving, body.model), "data": data, "usage": _usage(outs)})
@@ -144,7 +146,7 @@ async def create_classification(serving: Serving, http_request: Request):
     params = _params(body, FIELDS)
     special = body.add_special_tokens is not False
     prompts = [_engine_prompt(serving, p, special) for p in body.inputs()]
-    request_id, outs = await _pool(serving, http_request, "classify", prompts, params, FIELDS, "input", body.model)
+    request_id, outs = await _pool(serving, http_request, "classify", prompts, params, FIELDS, "input", body)
     id2label = getattr(serving.engine.engine.pooler, "id2label", None) or {}
     data = []
     for i, o in enumerate(outs):
@@ -163,7 +165,7 @@ async def _scores(serving: Serving, http_request: Request, prefix: str, body, fi
     except ValueError as exc:
         raise errors.from_value_error(exc, FIELDS, default=field) from None
     prompts = [{"prompt_token_ids": p, "prompt": None} for p in plan.prompts] if plan.cross_encoder else plan.prompts
-    request_id, outs = await _pool(serving, http_request, prefix, prompts, params, FIELDS, field, body.model)
+    request_id, outs = await _pool(serving, http_request, prefix, prompts, params, FIELDS, field, body)
     return request_id, plan.results(outs)
 
 

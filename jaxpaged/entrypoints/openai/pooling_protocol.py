@@ -30,6 +30,7 @@ class _PoolingRequest(_Strict):
     truncate_prompt_tokens: int | None = None
     activation: bool | None = None  # a classifier's softmax or sigmoid (vLLM's older name)
     use_activation: bool | None = None  # vLLM's newer name
+    priority: int = 0  # vLLM's: lower is served first under scheduling_policy "priority"
 
     def params(self, **kwargs) -> PoolingParams:
         """PoolingParams for this request; its ValueError names the field."""
