@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 
 from jaxpaged.core.kv_cache_manager import hash_block
 from jaxpaged.sampling_params import SamplingParams
@@ -222,6 +223,9 @@ class ParentRequest:
     # a pooling engine's request (engine/pooling.py): its PoolingParams, and the step's code for its pooling type
     pooling: object | None = None
     pool_code: int = 0
+    # scheduling_policy "priority": lower is served first, ties in arrival order (its samples and beams share both)
+    priority: int = 0
+    arrival: int = dataclasses.field(default_factory=itertools.count().__next__)
 
     @property
     def finished(self) -> bool:
