@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.engine.weight_sync import check_update
 from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
 from jaxpaged.pooling_params import PoolingParams
@@ -258,22 +259,24 @@ class AsyncLLMEngine:
         async for out in self.generate(prompt, pooling_params, request_id, lora_request):
             yield out
 
-    async def _on_engine(self, fn: Callable[[Any], Any], when_idle: bool) -> Any:
+    async def _on_engine(self, fn: Callable[[Any], Any], when_idle: bool,
+                         check: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
         """fn(engine) on the engine thread, its result or error back here; when_idle: once the requests in flight
-        have finished (they stream as usual), with requests sent meanwhile held until it has run."""
+        have finished (they stream as usual), with requests sent meanwhile held until it has run. check(engine), if
+        given, runs before fn is held: its error (bad input) comes back at once, not after the wait."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._submit(("call", fn, when_idle, loop, done))
+        self._submit(("call", fn, when_idle, loop, done, check))
         return await done
 
     async def update_weights(self, weights, *, mapping=None, in_flight: str = "finish", lora_request=None,
                              copy: bool = False) -> dict[str, Any]:  # fmt: skip
         """LLMEngine.update_weights on the engine thread. in_flight="finish": the requests in flight finish (and
         stream) first, new ones wait for the update; "abort": they end at once with finish_reason "abort"."""
-        return await self._on_engine(
-            lambda engine: engine.update_weights(weights, mapping=mapping, in_flight=in_flight, lora_request=lora_request,
-                                                 copy=copy),
-            when_idle=in_flight == "finish")  # fmt: skip
+        kwargs = {"mapping": mapping, "in_flight": in_flight, "lora_request": lora_request, "copy": copy}
+        return await self._on_engine(lambda engine: engine.update_weights(weights, **kwargs),
+                                     when_idle=in_flight == "finish",
+                                     check=lambda engine: check_update(engine, weights, **kwargs))  # fmt: skip
 
     async def sleep(self, level: int = 1, *, in_flight: str = "finish", queue_requests: bool = False) -> dict[str, Any]:
         """LLMEngine.sleep on the engine thread; requests sent while asleep are refused (EngineAsleepError) or, with
@@ -356,7 +359,9 @@ class AsyncLLMEngine:
 
     def _command(self, command: tuple) -> None:
         kind = command[0]
-        if kind in ("add", "call") and self._held:  # behind a call waiting for the engine to be idle
+        if kind == "call" and (self._held or command[2] and self.engine.has_unfinished_requests()):
+            self._hold_call(command)
+        elif kind == "add" and self._held:  # behind a call waiting for the engine to be idle
             self._held.append(command)
         elif kind == "add":
             self._add(*command[1:])
@@ -365,10 +370,18 @@ class AsyncLLMEngine:
             if any(c[0] == "add" and any(s.request_id == command[1] for s in c[2]) for c in self._held):
                 self._held.append(command)  # an add of that id is held: it must not run for nobody once released
         elif kind == "call":
-            if command[2] and self.engine.has_unfinished_requests():
-                self._held.append(command)
-            else:
-                self._call(*command[1:])
+            self._call(*command[1:5])
+
+    def _hold_call(self, command: tuple) -> None:
+        """Hold a call that must wait, once its check has passed: a failed one settles its caller now."""
+        check, loop, done = command[5], command[3], command[4]
+        if check is not None:
+            try:
+                check(self.engine)
+            except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller; the loop goes on
+                _call_soon(loop, _settle, done, exc)
+                return
+        self._held.append((*command[:5], None))  # checked: not again if released only to wait behind another call
 
     def _release_held(self) -> None:
         """The engine is idle: run the held call, then what came after it (up to the next call that must wait)."""

@@ -21,7 +21,13 @@ import jax
 import numpy as np
 
 from jaxpaged.worker.sleep_mode import TAGS, RunnerSleep, device_bytes_in_use
-from jaxpaged.worker.weight_update import WeightUpdater, mxfp4_packed, named_arrays, safetensors_weights
+from jaxpaged.worker.weight_update import (
+    WeightUpdater,
+    mxfp4_packed,
+    named_arrays,
+    safetensors_shapes,
+    safetensors_weights,
+)
 
 if TYPE_CHECKING:
     from jaxpaged.engine.llm_engine import LLMEngine
@@ -121,30 +127,44 @@ class WeightSync:
 
     def update_weights(self, weights, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None,
                        copy: bool = False) -> dict[str, Any]:  # fmt: skip
-        self._check_supported("update_weights")
-        if in_flight not in IN_FLIGHT:
-            raise ValueError(f"in_flight must be one of {IN_FLIGHT} (got {in_flight!r})")
-        if isinstance(weights, (str, os.PathLike)):
-            weights = safetensors_weights(weights, self.updater.layout)
-        if lora_request is not None:
-            return self._update_lora(weights, mapping, in_flight, lora_request)
-        if self.sleeper.weights != "awake":
-            raise EngineAsleepError("update_weights: the weights are asleep; wake_up(tags=['weights']) first")
-        plan = self.updater.plan(weights, mapping, copy)  # checked before anything in flight is touched
+        t0 = time.perf_counter()
+        plan = self._checked(weights, mapping, in_flight, lora_request, copy, safetensors_weights)
         outputs = self._settle(in_flight)
+        if lora_request is not None:
+            return self._replace_lora(*plan, lora_request, outputs, t0)
         self._release_loaded()
         result = self.updater.apply(plan)
         result["prefix_blocks_dropped"] = self._drop_prefix_cache()
         result["outputs"] = outputs
         return result
 
-    def _update_lora(self, weights, mapping, in_flight: str, request: LoRARequest) -> dict[str, Any]:
-        """Some of an adapter's tensors (PEFT's names, lora_A [r, in] and lora_B [out, r]) replaced; read to the host,
-        where the engine keeps adapters (they are small)."""
+    def check_update(self, weights, mapping=None, in_flight: str = "finish", lora_request: LoRARequest | None = None,
+                     copy: bool = False) -> None:  # fmt: skip
+        """update_weights' checks alone (its ValueError naming every bad tensor; a folder read for its shapes, nothing
+        copied to the devices), nothing changed or waited for: AsyncLLMEngine raises bad input at once instead of
+        once the requests in flight have finished."""
+        self._checked(weights, mapping, in_flight, lora_request, copy, safetensors_shapes)
+
+    def _checked(self, weights, mapping, in_flight: str, lora_request: LoRARequest | None, copy: bool, read_folder):
+        """Everything update_weights checks before it touches anything (a folder read by read_folder); -> the
+        updater's plan, or an adapter and its new tensors."""
+        self._check_supported("update_weights")
+        if in_flight not in IN_FLIGHT:
+            raise ValueError(f"in_flight must be one of {IN_FLIGHT} (got {in_flight!r})")
+        if isinstance(weights, (str, os.PathLike)):
+            weights = read_folder(weights, self.updater.layout)
+        if lora_request is not None:
+            return self._lora_pieces(weights, mapping, lora_request)
+        if self.sleeper.weights != "awake":
+            raise EngineAsleepError("update_weights: the weights are asleep; wake_up(tags=['weights']) first")
+        return self.updater.plan(weights, mapping, copy)
+
+    def _lora_pieces(self, weights, mapping, request: LoRARequest) -> tuple[Any, dict[str, dict[str, Any]]]:
+        """Some of an adapter's tensors (PEFT's names, lora_A [r, in] and lora_B [out, r]) checked against it: -> the
+        adapter and its new tensors by layer key, or one ValueError naming every problem."""
         engine = self.engine
         if engine.lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora=True")
-        t0 = time.perf_counter()
         adapter = engine.lora.load(request)
         from jaxpaged.models.lora import target_shapes
 
@@ -152,7 +172,7 @@ class WeightSync:
         pieces: dict[str, dict[str, np.ndarray]] = {}
         problems = []
         for given, target, array, fn in named_arrays(weights, mapping):
-            array = array if fn is None else fn(array)
+            array = _applied(fn, array)
             m = _PEFT.match(target)
             key = None if m is None else f"layers.{m[1]}.{m[2]}.{m[3]}"
             if key not in shapes:
@@ -169,7 +189,11 @@ class WeightSync:
                 problems.append(f"{key}: adapter {request.lora_name!r} does not adapt it, so both lora_A and lora_B are needed")
         if problems:
             raise ValueError(f"update_weights: {len(problems)} problem(s), nothing was changed: " + "; ".join(problems))
-        outputs = self._settle(in_flight)
+        return adapter, pieces
+
+    def _replace_lora(self, adapter, pieces, request: LoRARequest, outputs: list, t0: float) -> dict[str, Any]:
+        """A checked adapter update: read to the host, where the engine keeps adapters (they are small)."""
+        engine = self.engine
         new = {}
         for key, ab in pieces.items():
             old_a, old_b = adapter.weights.get(key, (None, None))
@@ -219,3 +243,16 @@ class WeightSync:
             self.level = 0
         return {"tags": tags, "bytes_in_use": device_bytes_in_use(self.engine.runner.devices),
                 "engine_bytes": self.sleeper.own_bytes(), "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def check_update(engine, weights, **kwargs) -> None:
+    """WeightSync.check_update of an LLMEngine, or of a DataParallelEngine's first replica (the replicas run one model)."""
+    replicas = getattr(engine, "replicas", None)
+    (replicas[0] if replicas else engine).weight_sync.check_update(weights, **kwargs)
+
+
+def _applied(fn, array):
+    """A mapping's function on a given array; on a shape (check_update's folder) what it would make of it."""
+    if fn is None:
+        return array
+    return jax.eval_shape(fn, array) if isinstance(array, jax.ShapeDtypeStruct) else fn(array)

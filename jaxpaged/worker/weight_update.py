@@ -461,6 +461,17 @@ class WeightUpdater:
 def safetensors_weights(path: str | Path, layout: LoadedLayout) -> dict[str, jax.Array]:
     """A folder of safetensors (or one file), tensors only, by HF name, on the default device (a MoE's per-expert
     tensors stacked as the loader stacks them)."""
+    tensors = _safetensors(path, layout)
+    return {name: jax.device_put(np.require(array, requirements=("C", "W"))) for name, array in tensors}
+
+
+def safetensors_shapes(path: str | Path, layout: LoadedLayout) -> dict[str, jax.ShapeDtypeStruct]:
+    """safetensors_weights' shapes and dtypes, nothing copied to the devices: what checking an update needs."""
+    return {name: jax.ShapeDtypeStruct(array.shape, array.dtype) for name, array in _safetensors(path, layout)}
+
+
+def _safetensors(path: str | Path, layout: LoadedLayout) -> Iterable[tuple[str, np.ndarray]]:
+    """(HF name, the host's memory-mapped view) for each tensor of a folder or file, regrouped as the loader does."""
     from jaxpaged.models import safetensors_io
     from jaxpaged.models.loader import _safetensors_files
 
@@ -474,4 +485,4 @@ def safetensors_weights(path: str | Path, layout: LoadedLayout) -> dict[str, jax
     regroup = getattr(layout.port, "regroup_tensors", None)
     if regroup is not None:  # the port's own regrouping reads its config only
         tensors = regroup(types.SimpleNamespace(config=layout.config), tensors)
-    return {name: jax.device_put(np.require(array, requirements=("C", "W"))) for name, array, _ in tensors}
+    return ((name, array) for name, array, _ in tensors)

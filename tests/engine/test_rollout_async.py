@@ -5,16 +5,18 @@ queueing requests until wake_up, and the server's --allow-weight-updates routes 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import jax.numpy as jnp
 import pytest
+
 from jaxpaged import SamplingParams
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.async_engine import AsyncLLMEngine
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.engine.weight_sync import ABORT_REASON, EngineAsleepError
-
 from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_hf_model
 
 PROMPTS = random_prompts(256, [7, 13, 4], seed=21)
@@ -95,6 +97,52 @@ def test_abort_ends_the_streams_with_the_reason(async_engine, hf_model_b):
     for out in asyncio.run(main()):
         assert out.finished and out.outputs[0].finish_reason == "abort" and out.outputs[0].stop_reason == ABORT_REASON
         assert len(out.outputs[0].token_ids) < 40
+
+
+def test_bad_weights_raise_at_once_while_the_requests_in_flight_run_on(async_engine, engine, hf_model, hf_model_b,
+                                                                     monkeypatch, tmp_path):  # fmt: skip
+    """in_flight="finish" checks the weights before it waits: bad ones raise at once, naming the tensor, while the
+    request in flight runs on (and ends as it would have); good ones (a folder) still wait for it, then apply."""
+    paused = threading.Event()
+    real_step = engine.step
+
+    def step():  # paused: the request stays in flight, the engine thread still takes commands
+        if paused.is_set():
+            time.sleep(0.002)
+            return []
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    good = hf_arrays(hf_model_b)
+    norm = "model.norm.weight"
+    bad = [({**good, norm: good[norm][:-1]}, "model.norm.weight has shape"),
+           ({"model.nope.weight": good[norm]}, "unknown tensor model.nope.weight"),
+           ({norm: good[norm].astype(jnp.int32)}, "model.norm.weight is int32"),
+           (str(tmp_path / "missing"), "does not exist")]  # fmt: skip
+    folder = save_hf_model(hf_model_b, tmp_path / "b")
+
+    async def main():
+        stream = await async_engine.add_request("long", {"prompt_token_ids": PROMPTS[0]}, _greedy(60))
+        async for _ in stream:
+            break  # running
+        paused.set()
+        for weights, match in bad:  # (before the check, each waited for "long": for ever, paused)
+            with pytest.raises(ValueError, match=match):
+                await asyncio.wait_for(async_engine.update_weights(weights, in_flight="finish"), 30)
+        assert engine.has_request("long") and not stream.finished
+        update = asyncio.ensure_future(async_engine.update_weights(str(folder), in_flight="finish"))
+        await asyncio.sleep(0.2)
+        assert not update.done()  # it waits for "long"
+        paused.clear()
+        async for last in stream:
+            pass
+        return last, await update, await _tokens(async_engine, PROMPTS[1], 5, "after")
+
+    last, result, after = asyncio.run(main())
+    assert last.outputs[0].finish_reason == "length"
+    assert list(last.outputs[0].token_ids) == hf_greedy(hf_model, PROMPTS[0], 60)  # the old weights to its end
+    assert result["tensors"] == len(good) and result["outputs"] == []
+    assert list(after.outputs[0].token_ids) == hf_greedy(hf_model_b, PROMPTS[1], 5)
 
 
 def test_sleep_refuses_or_queues_until_wake_up(async_engine, hf_model):

@@ -105,6 +105,26 @@ def test_a_bad_update_names_every_problem_and_changes_nothing(llm, hf_model):
         llm.update_weights(hf_arrays(hf_model), in_flight="later")
 
 
+def test_check_update_refuses_as_update_weights_does_and_changes_nothing(llm, hf_model, model_dir_b):
+    """weight_sync.check_update (what AsyncLLMEngine runs before it waits for the requests in flight): update_weights'
+    own ValueError for bad weights; a good folder read for its shapes only, nothing sent to the devices."""
+    sync = llm.engine.weight_sync
+    before = jax.tree_util.tree_leaves(llm.engine.runner.state)
+    weights = hf_arrays(hf_model)
+    weights["model.norm.weight"] = jnp.zeros(64, jnp.int32)
+    with pytest.raises(ValueError) as checked:
+        sync.check_update(weights)
+    with pytest.raises(ValueError) as updated:
+        llm.update_weights(weights)
+    assert str(checked.value) == str(updated.value) and "model.norm.weight" in str(checked.value)
+    with jax.transfer_guard("disallow"):
+        sync.check_update(model_dir_b)
+        sync.check_update(model_dir_b, mapping=lambda name: (name, lambda x: x * 2))
+    with pytest.raises(ValueError, match="does not exist"):
+        sync.check_update(model_dir_b + "-missing")
+    assert all(a is b for a, b in zip(before, jax.tree_util.tree_leaves(llm.engine.runner.state)))
+
+
 def test_a_subset_replaces_only_what_it_sets(llm, hf_model, hf_model_b, restore):
     names = ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]
     before = dict(zip(_paths(llm), jax.tree_util.tree_leaves(llm.engine.runner.state)))
