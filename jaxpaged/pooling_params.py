@@ -6,9 +6,9 @@ Checked here, on the host, as SamplingParams is: a bad value is a ValueError nam
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from jaxpaged.sampling_params import _int
+from jaxpaged.utils.json_option import json_object
 
 POOLING_TASKS = ("embed", "classify", "score")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # the last token's hidden state, the prompt's mean, the first token's
@@ -77,14 +77,4 @@ class PoolerConfig:
         """A PoolerConfig, a dict of its fields, their JSON text (the CLIs' flag), or None."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config must be a JSON object ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a PoolerConfig, a dict or JSON text (got {type(value).__name__})")
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"pooler_config: unknown field(s) {sorted(unknown)}; known: pooling_type, normalize")
-        return cls(**value)
+        return cls(**json_object("pooler_config", value, (f.name for f in dataclasses.fields(cls))))

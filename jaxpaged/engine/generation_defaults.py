@@ -10,6 +10,8 @@ import json
 import logging
 from pathlib import Path
 
+from jaxpaged.utils.json_option import json_object
+
 logger = logging.getLogger("jaxpaged.engine")
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -34,29 +36,13 @@ def _folder(source: str | None) -> Path | None:
     return path.parent if path.name == "config.json" else None
 
 
-def _parse_overrides(value) -> dict:
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"override_generation_config must be a JSON object ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"override_generation_config must be a dict (got {type(value).__name__})")
-    unknown = set(value) - set(FIELDS)
-    if unknown:
-        raise ValueError(f"override_generation_config: unknown field(s) {sorted(unknown)}; known: {sorted(FIELDS)}")
-    return value
-
-
 def check_generation_config(value: str, overrides) -> dict:
     """EngineConfig's check: "auto", "vllm" or a folder holding generation_config.json; the overrides as a dict."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder (got {value!r})")
     if value not in ("auto", "vllm") and not (Path(value) / GENERATION_CONFIG_FILE).is_file():
         raise ValueError(f"generation_config: {value!r} holds no {GENERATION_CONFIG_FILE}")
-    return _parse_overrides(overrides)
+    return {} if overrides is None else json_object("override_generation_config", overrides, FIELDS)
 
 
 def default_sampling_kwargs(generation_config: str, overrides: dict, source: str | None) -> dict:

@@ -43,7 +43,7 @@ from jaxpaged.engine.weight_sync import WeightSync
 from jaxpaged.lora import LoRARequest
 from jaxpaged.models.convert_cache import cache_root
 from jaxpaged.models.loader import LoadedModel, load_model
-from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
+from jaxpaged.outputs import RequestOutput
 from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.utils import compile_monitor
@@ -374,14 +374,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         request_id = self._new_request_id(request_id)
-        text, ids, images = self._prompt_inputs(prompt)
-        if params.truncate_prompt_tokens is not None:
-            ids = self._truncated(ids, params.truncate_prompt_tokens, images)
+        text, ids, images = self._checked_prompt(prompt, params)
         vocab = self.loaded.config.vocab_size
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
         max_tokens = self._max_tokens(params, len(ids))
         grammars = None
         if params.structured_outputs is not None:  # compiled (or found in the cache) here: a bad one is refused now
@@ -432,6 +426,19 @@ class LLMEngine:
                              f"{self.config.scheduling_policy!r})")  # fmt: skip
         return int(priority)
 
+    def _checked_prompt(self, prompt: PromptType, params) -> tuple[str | None, list[int], Any]:
+        """(text, token ids cut as params' truncate_prompt_tokens asks, images); an empty prompt or an id outside the
+        vocabulary is a ValueError."""
+        text, ids, images = self._prompt_inputs(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = self._truncated(ids, params.truncate_prompt_tokens, images)
+        vocab = self.loaded.config.vocab_size
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
+        return text, ids, images
+
     def _new_request_id(self, request_id: str | None) -> str:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
@@ -448,16 +455,9 @@ class LLMEngine:
                              "(LLM.embed, LLM.classify, LLM.encode) and does not generate")  # fmt: skip
         params = self.pooler.check(params)
         request_id = self._new_request_id(request_id)
-        text, ids, images = self._prompt_inputs(prompt)
+        text, ids, images = self._checked_prompt(prompt, params)
         if images is not None:
             raise ValueError("prompt: a pooling engine takes text prompts only")
-        if params.truncate_prompt_tokens is not None:
-            ids = self._truncated(ids, params.truncate_prompt_tokens, None)
-        vocab = self.loaded.config.vocab_size
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt_token_ids must lie in [0, {vocab})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len}); "
                              "truncate_prompt_tokens=-1 keeps its last max_model_len")  # fmt: skip

@@ -14,7 +14,6 @@ import time
 import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from jaxpaged.engine.async_engine import EngineDeadError
@@ -57,16 +56,6 @@ def refuse_unless_served(serving: Serving, endpoint: str) -> None:
         what = f"is a classifier with {pooler.num_labels} label(s) (runner 'pooling')"
     raise errors.bad_request(f"{endpoint} is not served: this model {what}, so this server serves {', '.join(served)}",
                              code="unsupported_endpoint")  # fmt: skip
-
-
-async def _parse(serving: Serving, request: Request, model: type[BaseModel]):
-    try:
-        body = model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise errors.from_validation_error(exc) from None
-    if body.model is not None and body.model not in serving.all_model_names:
-        raise errors.model_not_found(body.model, serving.all_model_names)
-    return body
 
 
 def _params(body, fields: dict[str, str]) -> PoolingParams:
@@ -120,7 +109,7 @@ def _engine_prompt(serving: Serving, prompt: str | list[int], add_special_tokens
 
 async def create_embedding(serving: Serving, http_request: Request):
     refuse_unless_served(serving, "/v1/embeddings")
-    body: EmbeddingRequest = await _parse(serving, http_request, EmbeddingRequest)
+    body: EmbeddingRequest = await serving.parse(http_request, EmbeddingRequest)
     params = _params(body, FIELDS)
     if body.messages is not None:
         prompts, field = [body.chat_prompt()], "messages"
@@ -142,7 +131,7 @@ def _encode(vector: np.ndarray, encoding_format: str):
 
 async def create_classification(serving: Serving, http_request: Request):
     refuse_unless_served(serving, "/classify")
-    body: ClassificationRequest = await _parse(serving, http_request, ClassificationRequest)
+    body: ClassificationRequest = await serving.parse(http_request, ClassificationRequest)
     params = _params(body, FIELDS)
     special = body.add_special_tokens is not False
     prompts = [_engine_prompt(serving, p, special) for p in body.inputs()]
@@ -171,7 +160,7 @@ async def _scores(serving: Serving, http_request: Request, prefix: str, body, fi
 
 async def create_score(serving: Serving, http_request: Request):
     refuse_unless_served(serving, "/score")
-    body: ScoreRequest = await _parse(serving, http_request, ScoreRequest)
+    body: ScoreRequest = await serving.parse(http_request, ScoreRequest)
     request_id, results = await _scores(serving, http_request, "score", body, body.text_1, body.text_2, "text_2")
     data = [{"index": i, "object": "score", "score": r.outputs.score} for i, r in enumerate(results)]
     return JSONResponse({**_meta(request_id, serving, body.model), "data": data, "usage": _usage(results)})
@@ -179,7 +168,7 @@ async def create_score(serving: Serving, http_request: Request):
 
 async def create_rerank(serving: Serving, http_request: Request):
     refuse_unless_served(serving, "/rerank")
-    body: RerankRequest = await _parse(serving, http_request, RerankRequest)
+    body: RerankRequest = await serving.parse(http_request, RerankRequest)
     request_id, results = await _scores(serving, http_request, "rerank", body, body.query, body.documents, "documents")
     ranked = sorted(range(len(results)), key=lambda i: -results[i].outputs.score)[: body.top_n or None]
     ranked = [{"index": i, "document": {"text": body.documents[i]}, "relevance_score": results[i].outputs.score}

@@ -124,12 +124,14 @@ class Serving:
         return model if model in self.loras.by_name else self.model_name
 
     async def parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        """The body as `model`: a 400 on a bad field, a 404 on a `model` this server does not serve (None, where the
+        body may leave it out, is the base model)."""
         body = await request.body()
         try:
             parsed = model.model_validate_json(body)
         except ValidationError as exc:
             raise errors.from_validation_error(exc) from None
-        if parsed.model not in self.settings.served_model_names and parsed.model not in self.loras.by_name:
+        if parsed.model is not None and parsed.model not in self.all_model_names:
             raise errors.model_not_found(parsed.model, self.all_model_names)
         return parsed
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import field_validator, model_validator
 from starlette.requests import Request
 
 from jaxpaged.entrypoints.openai import errors
@@ -45,12 +45,7 @@ class DetokenizeRequest(_Strict):
 
 
 async def _parse(serving: Serving, request: Request, model):
-    try:
-        body = model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise errors.from_validation_error(exc) from None
-    if body.model is not None and body.model not in serving.all_model_names:
-        raise errors.model_not_found(body.model, serving.all_model_names)
+    body = await serving.parse(request, model)
     if serving.tokenizer is None:
         raise errors.bad_request("this model has no tokenizer")
     return body
