@@ -9,6 +9,10 @@ depends only on a sequence's own tokens, seed and position). With prefix caching
 admitted with nothing computed starts after its longest cached prefix, so a preempted one
 usually finds most of its own blocks again.
 
+Under scheduling_policy "priority" (vLLM's) both queues are kept in (priority, arrival) order instead, lower first:
+admissions take the most urgent waiting request, running sequences are served most urgent first, and a shortage
+preempts the least urgent running one (the same `running.pop()`), which waits again in its priority's place.
+
 The scheduler is the one owner of the KV cache manager: `schedule()` allocates (and forks held
 samples), `update()` takes a step's sampled tokens, registers full blocks and checks stops
 (`check_stop`, as vLLM V1's), `fork`/`finish` share and free blocks.
@@ -16,6 +20,7 @@ samples), `update()` takes a step's sampled tokens, registers full blocks and ch
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import operator
 from collections import deque
@@ -28,6 +33,33 @@ from jaxpaged.core.decode_lanes import DecodeLanes
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxpaged.core.rope_regime import LengthDependentRope
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+_urgency = operator.attrgetter("parent.priority", "parent.arrival")  # lower first (vLLM's Request.__lt__)
+
+
+class _PriorityWaiting(deque):
+    """The waiting queue under "priority": every way in (add, a preemption's appendleft, forked samples) takes the
+    request's (priority, arrival) place, behind its equals, so waiting[0] is the next to admit. fcfs keeps a plain
+    deque: none of this is on its path."""
+
+    def append(self, req: Request) -> None:
+        bisect.insort_right(self, req, key=_urgency)
+
+    appendleft = append
+
+    def extendleft(self, reqs) -> None:
+        for req in reqs:
+            self.append(req)
+
+
+class _PriorityRunning(list):
+    """The running list under "priority", in (priority, arrival) order: served most urgent first, so running.pop()
+    preempts the least urgent (vLLM's max(running, key=(priority, arrival_time))), never one served earlier in the step."""
+
+    def append(self, req: Request) -> None:
+        bisect.insort_right(self, req, key=_urgency)
 
 
 @dataclasses.dataclass(slots=True)  # a step makes one per row
@@ -188,7 +220,11 @@ class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, eos_token_ids: Sequence[int] = (),
         max_model_len: int | None = None, rope: LengthDependentRope | None = None, decode_lanes: bool = True,
+        policy: str = "fcfs",
     ):  # fmt: skip
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} (got {policy!r})")
+        self.policy = policy
         self.kv = kv
         self._states = hasattr(kv, "take_state_copies")  # a hybrid model's state slot per sequence (core/state_slots.py)
         self.rope = rope  # a length-dependent RoPE: each KV's regime, and longrope's recompute past its switch
@@ -196,8 +232,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[Request] = _PriorityWaiting() if policy == "priority" else deque()
+        self.running: list[Request] = _PriorityRunning() if policy == "priority" else []
         self.num_preemptions = 0
         self.num_rope_recomputes = 0  # sequences recomputed at longrope's switch (not preemptions)
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
@@ -383,7 +419,7 @@ class Scheduler:
                 if self._release_idle_holder(exclude=req):
                     i = running.index(req)
                     continue
-                victim = running.pop()  # the most recently admitted
+                victim = running.pop()  # the most recently admitted (under "priority": the least urgent)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:

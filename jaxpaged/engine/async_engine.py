@@ -234,17 +234,19 @@ class AsyncLLMEngine:
         return streams
 
     async def add_request(self, request_id: str, prompt: PromptType | ChatPrompt, params: SamplingParams,
-                          lora_request: LoRARequest | None = None) -> RequestStream:  # fmt: skip
+                          lora_request: LoRARequest | None = None, priority: int = 0) -> RequestStream:  # fmt: skip
         request = (request_id, prompt, params) if lora_request is None else (request_id, prompt, params, lora_request)
+        if priority != 0:
+            request = (request_id, prompt, params, lora_request, priority)
         return (await self.add_requests([request]))[0]
 
     async def generate(
         self, prompt: PromptType | ChatPrompt, sampling_params: SamplingParams, request_id: str,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs as they grow (vLLM's AsyncLLM.generate, `lora_request` included);
-        leaving early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params, lora_request)
+        leaving early (or being cancelled) aborts it. priority: with scheduling_policy "priority", lower first (vLLM's)."""
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request, priority)
         try:
             async for out in stream:
                 yield out
@@ -413,9 +415,9 @@ class AsyncLLMEngine:
                 raise ValueError(f"prompt: {len(requests)} prompts in one request exceed the waiting queue ({self.max_waiting})")
             if self.max_waiting is not None and self.engine.num_waiting_requests() + len(requests) > self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
-            for (rid, prompt, params, *lora), stream in zip(requests, streams):  # lora: a LoRARequest, when given
+            for (rid, prompt, params, *extra), stream in zip(requests, streams):  # extra: a LoRARequest (or None), a priority
                 # renders a ChatPrompt here, on the engine thread
-                self.engine.add_request(rid, prompt, params, *lora)
+                self.engine.add_request(rid, prompt, params, **_optional_args(*extra))
                 added.append(rid)
                 stream.prompt_token_ids = self.engine.get_prompt_token_ids(rid)
         except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller; the loop goes on
@@ -515,6 +517,11 @@ def _finish_reasons(out) -> list[str]:
     if isinstance(out, RequestOutput):
         return [c.finish_reason or "abort" for c in out.outputs]
     return ["stop" if out.outputs is not None else "abort"]
+
+
+def _optional_args(lora_request=None, priority=0) -> dict:
+    """add_request's optional arguments, only those set: a data parallel engine takes no lora_request."""
+    return ({} if lora_request is None else {"lora_request": lora_request}) | ({} if priority == 0 else {"priority": priority})
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

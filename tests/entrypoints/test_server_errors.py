@@ -176,6 +176,15 @@ def test_still_serving_after_every_bad_request(http, server):
     assert m["jaxpaged:kv_blocks_used"] == 0 and m["jaxpaged:num_requests_waiting"] == 0 and m["jaxpaged:engine_alive"] == 1
 
 
+def test_priority_other_than_0_is_400_under_fcfs(http):
+    """vLLM's `priority` field: this server schedules fcfs, so 0 is served and any other value is refused, as vLLM's."""
+    for path, body in ((C, _c), (CHAT, _chat)):
+        assert http.post(path, json=body(max_tokens=2, priority=0)).status_code == 200
+        err = _assert_error(http.post(path, json=body(priority=-1)), 400, param="priority")
+        assert "scheduling_policy 'priority'" in err["message"], err
+        _assert_error(http.post(path, json=body(priority="1")), 400, param="priority")
+
+
 def test_vllm_fields_at_their_inert_values_are_accepted(http):
     r = http.post(C, json=_c(max_tokens=2, use_beam_search=False, length_penalty=1.0, prompt_logprobs=None))
     assert r.status_code == 200, r.text

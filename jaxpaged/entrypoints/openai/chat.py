@@ -45,7 +45,8 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     tools = None if exclude else body.tools or None
     prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs, body.reasoning_effort,
                         body.continue_final_message)  # fmt: skip
-    request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages", model=body.model)
+    request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages", model=body.model,
+                                           priority=body.priority)  # fmt: skip
     prompt_text = serving.prompt_text(run) if parser else ""
     meta = {"id": request_id, "created": int(time.time()), "model": serving.response_model(body.model)}
     if body.stream:

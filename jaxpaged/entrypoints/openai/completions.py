@@ -28,7 +28,8 @@ async def create_completion(serving: Serving, http_request: Request):
     params = serving.sampling_params(body, fields)
     prompts = body.prompts()
     engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p, "prompt": None} for p in prompts]
-    request_id, run = await serving.submit(http_request, "cmpl", engine_prompts, params, fields, "prompt", model=body.model)
+    request_id, run = await serving.submit(http_request, "cmpl", engine_prompts, params, fields, "prompt", model=body.model,
+                                           priority=body.priority)  # fmt: skip
     meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": serving.response_model(body.model)}
     echoes = [_echo(serving, p) for p in prompts] if body.echo else None  # after submit: token ids are validated
     if body.stream:
