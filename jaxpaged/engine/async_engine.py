@@ -235,10 +235,7 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: PromptType | ChatPrompt, params: SamplingParams,
                           lora_request: LoRARequest | None = None, priority: int = 0) -> RequestStream:  # fmt: skip
-        request = (request_id, prompt, params) if lora_request is None else (request_id, prompt, params, lora_request)
-        if priority != 0:
-            request = (request_id, prompt, params, lora_request, priority)
-        return (await self.add_requests([request]))[0]
+        return (await self.add_requests([(request_id, prompt, params, lora_request, priority)]))[0]
 
     async def generate(
         self, prompt: PromptType | ChatPrompt, sampling_params: SamplingParams, request_id: str,

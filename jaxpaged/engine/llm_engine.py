@@ -182,8 +182,7 @@ class LLMEngine:
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
             policy=config.scheduling_policy,
         )  # fmt: skip
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.output_processor.pooler = self.pooler
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.pooler)
         self.mm = None  # vision-language models: prompts with images, the scheduler's encoder part (multimodal/engine.py)
         if getattr(self.runner, "mm", None) is not None:
             from jaxpaged.multimodal.engine import MultimodalFrontend

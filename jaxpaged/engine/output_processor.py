@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxpaged.core.request import ParentRequest, Request
+from jaxpaged.core.request import POOL_MEAN, ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
@@ -42,7 +42,7 @@ class SequenceOutputState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = (), pooler=None):
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)  # the EOS token's text is left out of the output, as vLLM does
         self.parents: dict[str, ParentRequest] = {}  # unfinished requests by id
@@ -52,7 +52,7 @@ class OutputProcessor:
         # and not quiet; with none, a step's rows are passed over in bulk (LLM.generate's FINAL_ONLY requests)
         self._num_detokenized = 0
         self._num_loud = 0
-        self.pooler = None  # a pooling engine's (engine/pooling.py): turns a finished request's pooled sum into its output
+        self.pooler = pooler  # a pooling engine's (engine/pooling.py): turns a finished request's pooled sum into its output
 
     def add_request(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
@@ -211,12 +211,14 @@ class OutputProcessor:
     def _record_pooled(req: Request, state: SequenceOutputState, item: ScheduledSequence, pooled: np.ndarray) -> None:
         """A chunk's pooled sum: MEAN adds its chunks (one starting at 0 is a recompute after a preemption: the sum
         starts again), LAST and CLS take the chunk holding their position."""
-        code, start, prompt_len = req.parent.pool_code, item.start, len(req.prompt_token_ids)
-        if code == 2:
+        start = item.start
+        if req.parent.pool_code == POOL_MEAN:
             if start == 0:
                 state.pooled[:] = 0.0
             state.pooled += pooled[item.row]
-        elif (code == 1 and start <= prompt_len - 1 < start + item.num_tokens) or (code == 3 and start == 0):
+            return
+        lo, hi = req.pooled_span()
+        if start < hi and lo < start + item.num_tokens:  # the chunk holds its position
             state.pooled[:] = pooled[item.row]
 
     def _decode_one(self, token: int) -> str | None:
@@ -251,7 +253,7 @@ class OutputProcessor:
 
     def _pooling_output(self, parent: ParentRequest, state: SequenceOutputState) -> PoolingRequestOutput:
         seq = parent.sequences[0]
-        done = seq.finished and seq.status.value != "abort"
+        done = seq.finished and seq.status is not RequestStatus.FINISHED_ABORTED
         data = self.pooler.finish(state.pooled, len(seq.prompt_token_ids), parent.pooling) if done else None
         return PoolingRequestOutput(parent.request_id, None if data is None else PoolingOutput(data),
                                     list(parent.prompt_token_ids), parent.finished, prompt=parent.prompt)  # fmt: skip

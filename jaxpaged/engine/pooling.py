@@ -13,13 +13,14 @@ import logging
 
 import numpy as np
 
+from jaxpaged.core.request import POOL_CLS, POOL_LAST, POOL_MEAN
 from jaxpaged.pooling_params import PoolerConfig, PoolingParams
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.engine")
 
-# the step's code for each pooling type (input_batch.py): 0 = the row does not pool
-POOLING_CODES = {"LAST": 1, "MEAN": 2, "CLS": 3}
+# each pooling type's ParentRequest.pool_code (the positions it reads: Request.pooled_span)
+POOLING_CODES = {"LAST": POOL_LAST, "MEAN": POOL_MEAN, "CLS": POOL_CLS}
 # a pooling request's run: the prompt, then one greedy token, never decoded or returned
 POOLING_RUN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False,
                              output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
@@ -54,11 +55,6 @@ class Pooler:
     @property
     def num_labels(self) -> int:
         return 0 if self.classifier is None else int(self.classifier.shape[0])
-
-    @property
-    def skips_prefix_cache(self) -> bool:
-        """MEAN and CLS read positions a cached prefix would not compute; LAST computes its position anyway."""
-        return self.pooling_type != "LAST"
 
     def check(self, params: PoolingParams) -> PoolingParams:
         """params with its task settled (the model's); a task or field this model cannot serve is a ValueError."""

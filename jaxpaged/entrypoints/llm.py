@@ -113,17 +113,7 @@ class LLM:
         prompts = self._prompt_list(prompts)
         if sampling_params is None:  # the model's generation config defaults, as vLLM's
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        elif not isinstance(sampling_params, Sequence) or isinstance(sampling_params, (str, bytes)):
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, one per prompt (got "
-                             f"{type(sampling_params).__name__}: e.g. SamplingParams(**that_dict))")  # fmt: skip
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or one per prompt"
-                )
+        params_list = self._per_prompt_params(sampling_params, len(prompts), "sampling_params", SamplingParams)
         loras = self._per_prompt_loras(lora_request, len(prompts))
         priorities = self._per_prompt_priorities(priority, len(prompts))
         # nobody sees a request's output before it ends: the engine builds it (and decodes its text) only then
@@ -140,6 +130,19 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             return [prompts]
         return list(prompts)
+
+    @staticmethod
+    def _per_prompt_params(params, count: int, name: str, kind: type) -> list:
+        """One `kind` for every prompt, or a list with one per prompt; anything else is a ValueError naming `name`."""
+        if isinstance(params, kind):
+            return [params] * count
+        if not isinstance(params, Sequence) or isinstance(params, (str, bytes)):
+            raise ValueError(f"{name} must be a {kind.__name__} or a list of them, one per prompt (got "
+                             f"{type(params).__name__}: e.g. {kind.__name__}(**that_dict))")  # fmt: skip
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"{name} has {len(params)} entries for {count} prompts; pass one or one per prompt")
+        return params
 
     @staticmethod
     def _per_prompt_loras(lora_request, count: int) -> list:
@@ -161,11 +164,11 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {count} prompts; pass one per prompt")
         return list(priority)
 
-    def _add_all(self, prompts: list, params_list: list, loras: list, priorities: list | None = None) -> list[str]:
+    def _add_all(self, prompts: list, params_list: list, loras: list, priorities: list) -> list[str]:
         """Queue every prompt; a bad one refuses the whole batch, leaving nothing queued."""
         ids = []
         try:
-            for prompt, params, adapter, rank in zip(prompts, params_list, loras, priorities or [None] * len(prompts)):
+            for prompt, params, adapter, rank in zip(prompts, params_list, loras, priorities):
                 kwargs = {} if adapter is None else {"lora_request": adapter}
                 if rank is not None:
                     kwargs["priority"] = rank
@@ -186,15 +189,7 @@ class LLM:
         if self.is_follower:
             raise RuntimeError("this process follows process 0 of its group, which takes the requests")
         prompts = self._prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompts)
-        elif isinstance(pooling_params, Sequence) and not isinstance(pooling_params, (str, bytes)):
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"pooling_params has {len(params_list)} entries for {len(prompts)} prompts; pass one or "
-                                 "one per prompt")  # fmt: skip
-        else:
-            raise ValueError(f"pooling_params must be a PoolingParams or a list of them (got {type(pooling_params).__name__})")
+        params_list = self._per_prompt_params(pooling_params or PoolingParams(), len(prompts), "pooling_params", PoolingParams)
         for i, params in enumerate(params_list):
             if not isinstance(params, PoolingParams):
                 raise ValueError(f"pooling_params must be PoolingParams (got {type(params).__name__})")
@@ -203,7 +198,8 @@ class LLM:
                 changes["truncate_prompt_tokens"] = truncate_prompt_tokens
             if changes:
                 params_list[i] = dataclasses.replace(params, **changes)
-        ids = self._add_all(prompts, params_list, self._per_prompt_loras(lora_request, len(prompts)))
+        ids = self._add_all(prompts, params_list, self._per_prompt_loras(lora_request, len(prompts)),
+                            self._per_prompt_priorities(None, len(prompts)))  # fmt: skip
         return self._run(ids, use_tqdm, desc="Pooling")
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,

@@ -113,7 +113,7 @@ class InputBatchBuilder:
         self._top = np.zeros(slots, bool)  # truncation (top-k/p, min-p) in a sampled, not greedy, row
         self._logprobs = np.zeros(slots, bool)
         self._prompt_logprobs = np.zeros(slots, bool)
-        self._pool_code = np.zeros(slots, np.int8)  # a pooling engine's rows: engine/pooling.py's POOLING_CODES
+        self._pool_code = np.zeros(slots, np.int8)  # a pooling engine's rows: ParentRequest.pool_code
         # with enable_lora: each slot's adapter slot (fixed until its sequence finishes)
         self._row_lora = np.full(slots, -1, np.int32) if runner.config.enable_lora else None
         # hybrid models: each slot's state slot (fixed while its sequence runs); padded rows get the out-of-range count
@@ -267,9 +267,9 @@ class InputBatchBuilder:
         pool_rows = np.full(t, -1, np.int32)
         for j in np.flatnonzero(codes).tolist():
             item = scheduled[j]
-            start, n, prompt_len = item.start, item.num_tokens, len(item.request.prompt_token_ids)
+            start, n = item.start, item.num_tokens
             first = int(ends[j]) - n  # the chunk's first token row
-            lo, hi = {1: (prompt_len - 1, prompt_len), 2: (0, prompt_len), 3: (0, 1)}[int(codes[j])]
+            lo, hi = item.request.pooled_span()
             lo, hi = max(lo, start), min(hi, start + n)
             if lo < hi:
                 pool_rows[first + lo - start : first + hi - start] = item.row
