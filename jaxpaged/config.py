@@ -9,9 +9,9 @@ ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
 MATMUL_BACKEND_CHOICES = ("auto", "xla", "native")
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "fp8")  # how weights load (models/loader.py, models/quantization.py)
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")  # pallas_kernels/kv_quant.py
-MOE_KERNEL_CHOICES = ("loop", "triton")
+MOE_KERNEL_CHOICES = ("loop", "triton")  # models/moe.py's expert loops; triton: pallas_kernels/moe_gemm.py
 SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")  # core/scheduler.py
-RUNNER_CHOICES = ("auto", "generate", "pooling")  # pooling: jaxpaged/engine/pooling.py  # models/moe.py's expert loops; triton: pallas_kernels/moe_gemm.py
+RUNNER_CHOICES = ("auto", "generate", "pooling")  # pooling: jaxpaged/engine/pooling.py
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:

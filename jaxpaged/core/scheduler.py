@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxpaged.config import SCHEDULING_POLICY_CHOICES
 from jaxpaged.core.decode_lanes import DecodeLanes
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxpaged.core.rope_regime import LengthDependentRope
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
 _urgency = operator.attrgetter("parent.priority", "parent.arrival")  # lower first (vLLM's Request.__lt__)
 
 
@@ -222,8 +222,8 @@ class Scheduler:
         max_model_len: int | None = None, rope: LengthDependentRope | None = None, decode_lanes: bool = True,
         policy: str = "fcfs",
     ):  # fmt: skip
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} (got {policy!r})")
+        if policy not in SCHEDULING_POLICY_CHOICES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICY_CHOICES} (got {policy!r})")
         self.policy = policy
         self.kv = kv
         self._states = hasattr(kv, "take_state_copies")  # a hybrid model's state slot per sequence (core/state_slots.py)

@@ -155,8 +155,7 @@ class Serving:
         adapter's name runs them with that LoRA adapter; `priority` (vLLM's field) goes to every one."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         lora = self.loras.by_name.get(model) if model is not None else None
-        extra = (lora, priority) if priority else (lora,) if lora else ()
-        batch = [(f"{request_id}-{i}", p, params, *extra) for i, p in enumerate(prompts)]
+        batch = [(f"{request_id}-{i}", p, params, lora, priority) for i, p in enumerate(prompts)]
         try:
             streams = await self.engine.add_requests(batch)
         except QueueFullError as exc:
