@@ -168,7 +168,7 @@ def _checkpoint_quantization(hf_config, folder: Path, dtype_name: str = "float32
 def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None, timed: dict | None = None,
                     programs: WeightPrograms | None = None, keep_mxfp4: bool = False):  # fmt: skip
     """timed: filled with the seconds of the config's read (imports included) and the tokenizer's. keep_mxfp4: an
-    MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py)."""
+    MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py). Returns the load's result and the folder's PoolingInfo."""
     timed = {} if timed is None else timed
     t0 = time.perf_counter()
     from transformers import AutoConfig
@@ -192,7 +192,9 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     ledger = TensorLedger(cls.SKIPPED_TENSORS)
     # tensors a config-dependent rule skips before reading (DeepSeek's MTP layer: never dequantized nor stacked)
     where = ledger.skip_unread(where, cls.unread_tensors(cfg) if hasattr(cls, "unread_tensors") else ())
-    cfg = pooling_head.prepare_load(folder, hf_config, cls, cfg, list(where), ledger)  # a pooling model's head, classifier
+    # a pooling checkpoint's task, pooling and classifier (read here, from the headers just opened), then its head
+    pooling = pooling_head.pooling_info(folder, hf_config, lambda name: where[name].tensor(name) if name in where else None)
+    cfg = pooling_head.prepare_load(folder, hf_config, cls, cfg, list(where), ledger, pooling)
     tying = tied_head(cls, cfg, list(where), lambda name: where[name].tensor(name))
     cfg = tying.config
     model = _build(cls, cfg, dtype_name, choose_attention)
@@ -204,7 +206,7 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
     t0 = time.perf_counter()
     tokenizer = _load_tokenizer(folder)
     timed["tokenizer"] = time.perf_counter() - t0
-    return model, cfg, hf_config, tokenizer, weights_s, ledger.closed
+    return model, cfg, hf_config, tokenizer, weights_s, ledger.closed, pooling
 
 
 def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | None, use_cache: bool, quantization: str | None,
@@ -225,7 +227,7 @@ def _load_gguf(path: Path, dtype_name: str, choose_attention, cache_dir: str | N
     entry = convert_cache.entry_dir(convert_cache.cache_root(cache_dir), convert_cache.file_sha256(str(path)), dtype_name)
     if use_cache and entry.exists():
         logger.info("loading converted %s from cache %s", path.name, entry)
-        return _load_hf_folder(entry, dtype_name, choose_attention, quantization, timed, programs)
+        return _load_hf_folder(entry, dtype_name, choose_attention, quantization, timed, programs)[:6]  # (no pooling)
     reader = gguf_io.open_gguf(str(path))
     hf_config = gguf_io.gguf_hf_config(reader, str(path))
     tokenizer = gguf_io.gguf_tokenizer(reader, str(path))
@@ -370,6 +372,7 @@ def load_model(
         quantization = platform.gguf_quantization
         logger.info("GGUF weights: %s on %s (quantization=%r)", GGUF_DEFAULTS[quantization], platform.name, quantization)
     choose_attention = functools.partial(platform.attention_backend, attention_backend, batch_invariant=batch_invariant)
+    pooling = None  # an HF folder's embedding or classifier checkpoint (models/pooling_head.py)
     try:
         if orbax_item is not None:
             if quantization not in (None, "none"):
@@ -378,7 +381,7 @@ def load_model(
                                    devices=devices, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
         elif path.is_dir():
             keep_mxfp4 = quantization != "none" and platform.keeps_mxfp4(moe_kernel)
-            result = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs, keep_mxfp4)
+            *result, pooling = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs, keep_mxfp4)
         elif path.suffix == ".gguf":
             result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization, timed, programs)
         elif path.suffix == ".json":
@@ -394,15 +397,5 @@ def load_model(
         "loaded %s (%s, %.1f MB of %s weights%s) in %.1fs", path.name, cfg.architecture, size / 1e6, dtype_name,
         f", quantization {quantization}" if quantization not in (None, "none") else "", time.perf_counter() - t0,
     )
-    pooling = _pooling_info(path, hf_config) if path.is_dir() and orbax_item is None else None
     return LoadedModel(module, cfg, hf_config, tokenizer, str(path), dtype_name, quantization, weights_s, skipped, timed, pooling)
 
-
-def _pooling_info(folder: Path, hf_config) -> pooling_head.PoolingInfo | None:
-    """An HF folder's pooling (models/pooling_head.py), its classifier read from the folder's safetensors."""
-
-    def read(name: str):
-        where = safetensors_io.open_files(_safetensors_files(folder))
-        return where[name].tensor(name) if name in where else None
-
-    return pooling_head.pooling_info(folder, hf_config, read)

@@ -161,21 +161,20 @@ def _lacks_head(port: type, cfg: ModelConfig, stored: list[str]) -> str | None:
     return head if head is not None and head not in present else None
 
 
-def prepare_load(folder: Path, hf_config: Any, port: type, cfg: ModelConfig, stored: list[str], ledger) -> ModelConfig:
-    """The port's config for a pooling checkpoint (unchanged for any other): the head tied where none is stored, the
-    classifier told to `ledger` as read on the host. stored: the checkpoint's tensor names as written."""
-    kind = task(hf_config)
-    found, _, _ = sentence_transformers_config(folder)  # refused before the weights load, not after
-    if kind is None and not found:
+def prepare_load(folder: Path, hf_config: Any, port: type, cfg: ModelConfig, stored: list[str], ledger,
+                 info: PoolingInfo | None) -> ModelConfig:  # fmt: skip
+    """The port's config for a pooling checkpoint (`info`, pooling_info's, read before the weights; unchanged for any
+    other): the head tied where none is stored, the classifier told to `ledger` as read on the host. stored: the
+    checkpoint's tensor names as written."""
+    if info is None:
         return cfg
+    kind = info.task
     if getattr(text_config(hf_config), "is_causal", True) is False:
         raise ValueError(f"{folder.name}: is_causal=false, a bidirectional embedding model; jaxpaged's ports attend causally")
     original = checkpoint_architecture(hf_config)
     logger.info("%s: a pooling checkpoint (%s%s), served by the %s port", folder.name, original,
                 f", task {kind}" if kind else ", sentence-transformers modules.json", cfg.architecture)  # fmt: skip
-    if kind == "classify":
-        if CLASSIFIER not in stored:
-            raise ValueError(f"a {original} checkpoint needs {CLASSIFIER}, and {folder.name} has none")
+    if kind == "classify":  # (pooling_info has read it: a checkpoint without it is refused there)
         ledger.explain(CLASSIFIER, CLASSIFIER_SKIP)
     head = None if cfg.tie_word_embeddings else _lacks_head(port, cfg, stored)
     if head is not None:

@@ -286,7 +286,7 @@ def test_moonlight_reads_with_transformers_config_and_the_tiktoken_tokenizer(kim
     from jaxpaged.pallas_kernels import ReferenceAttention
 
     _, kimi, folder = kimi_model
-    _, cfg, hf_config, tok, _, _ = _load_hf_folder(folder, "float32", lambda _: ReferenceAttention())
+    _, cfg, hf_config, tok, _, _, _ = _load_hf_folder(folder, "float32", lambda _: ReferenceAttention())
     assert type(hf_config) is transformers.DeepseekV3Config and cfg.architecture == "DeepseekV3ForCausalLM"
     assert tok.encode(TEXTS[0]) == _load_tokenizer(kimi).encode(TEXTS[0])
 
