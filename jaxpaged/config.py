@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "pallas", "native")
@@ -136,6 +137,9 @@ class EngineConfig:
                                     "max_new_tokens), as vLLM; vllm: vLLM's own defaults; or a folder holding one", group="model")  # fmt: skip
     override_generation_config: Any = option(None, "generation config fields set over the model's, as JSON, e.g. "
                                              "'{\"temperature\": 0.5}'", group="model")  # fmt: skip
+    profiler_dir: str | None = option(None, "folder for JAX profiler traces taken between LLM.start_profile() and "
+                                      "stop_profile() (the server's POST /start_profile and /stop_profile, served "
+                                      "only with it), as vLLM's VLLM_TORCH_PROFILER_DIR (default: none, profiling off)")  # fmt: skip
     seed: int = 0
     # an Orbax checkpoint's leaf names -> the port's parameter paths or HF names: a dict or a callable, a value None
     # skipping a leaf, (name, fn) transforming it (models/orbax_io.py)
@@ -275,6 +279,8 @@ class EngineConfig:
             self.tensor_parallel_size > 1 or distributed.is_multiprocess()
         ):  # its runner would split (and replay to followers) as the target's does: not built or tested yet
             raise ValueError("speculative_config.method 'draft_model' needs tensor_parallel_size 1 and one process")
+        if self.profiler_dir is not None and (not isinstance(self.profiler_dir, (str, os.PathLike)) or not str(self.profiler_dir)):
+            raise ValueError(f"profiler_dir must be a folder path (got {self.profiler_dir!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
         if self.batch_invariant and self.pipeline_parallel_size > 1:  # a micro-batch boundary moves with the batch

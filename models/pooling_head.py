@@ -6,6 +6,8 @@ adapters (as_embedding_model, as_seq_cls_model) load them.
   no lm_head. Some embedding models say `*ForCausalLM` with that same layout (Qwen3-Embedding).
 - `*ForSequenceClassification` (transformers' GenericForSequenceClassification) stores `model.*` and a bias-free
   `score.weight` [num_labels, hidden], which the host applies: read here as float32, never a Flax parameter.
+  `*ForTokenClassification` (GenericForTokenClassification: a token classifier, a process reward model) stores the
+  same with a `score.bias` [num_labels] (unless its config's token_classification_bias is false), applied per token.
 - sentence-transformers' `modules.json` says how to pool (its Pooling module's config.json) and whether to normalize
   (a Normalize module), read as vLLM's get_pooling_config reads them (json only).
 
@@ -43,8 +45,15 @@ POOLING_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GemmaForSequenceClassification": ("GemmaForCausalLM", "classify"),
     "Gemma2ForSequenceClassification": ("Gemma2ForCausalLM", "classify"),
     "Gemma3TextForSequenceClassification": ("Gemma3ForCausalLM", "classify"),
+    "LlamaForTokenClassification": ("LlamaForCausalLM", "token_classify"),
+    "MistralForTokenClassification": ("MistralForCausalLM", "token_classify"),
+    "Qwen2ForTokenClassification": ("Qwen2ForCausalLM", "token_classify"),
+    "Qwen3ForTokenClassification": ("Qwen3ForCausalLM", "token_classify"),
+    "GemmaForTokenClassification": ("GemmaForCausalLM", "token_classify"),
+    "Gemma2ForTokenClassification": ("Gemma2ForCausalLM", "token_classify"),
 }
 CLASSIFIER = "score.weight"
+CLASSIFIER_BIAS = "score.bias"  # a token classifier's
 CLASSIFIER_SKIP = "the sequence classifier: applied on the host (LoadedModel.pooling.classifier)"
 MODULES_FILE = "modules.json"
 ST_MODULE = "sentence_transformers.models."
@@ -56,11 +65,13 @@ POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "
 class PoolingInfo:
     """What a checkpoint says about pooling: the task its architecture serves and how its sentence-transformers
     config pools (None where it says nothing)."""
-    task: str | None            # "embed" for a *Model architecture, "classify" for *ForSequenceClassification, else None
+    task: str | None            # "embed" (*Model), "classify" (*ForSequenceClassification), "token_classify"
+                                # (*ForTokenClassification), else None
     pooling_type: str | None    # "LAST", "MEAN" or "CLS" from the sentence-transformers config, else None
     normalize: bool | None      # True where modules.json has a Normalize module, False where it has none, None without modules.json
     classifier: np.ndarray | None = None   # [num_labels, hidden] float32: score.weight
     id2label: dict[int, str] | None = None  # the config's, for classifiers
+    bias: np.ndarray | None = None  # [num_labels] float32: score.bias, where stored (token classifiers)
 
 
 def port_architecture(name: str) -> str:
@@ -139,6 +150,19 @@ def _classifier(hf_config: Any, read: Callable[[str], np.ndarray] | None) -> np.
     return np.array(array, dtype=np.float32)
 
 
+def _classifier_bias(hf_config: Any, read: Callable[[str], np.ndarray] | None, labels: int) -> np.ndarray | None:
+    """score.bias as float32 where stored; a token classifier whose config says it has one must store it."""
+    array = read(CLASSIFIER_BIAS) if read is not None else None
+    if array is None:
+        if task(hf_config) == "token_classify" and getattr(hf_config, "token_classification_bias", True):
+            raise ValueError(f"a {checkpoint_architecture(hf_config)} checkpoint needs {CLASSIFIER_BIAS} "
+                             f"(its config's token_classification_bias is not false), and this one has none")  # fmt: skip
+        return None
+    if array.shape != (labels,):
+        raise ValueError(f"{CLASSIFIER_BIAS} has shape {tuple(array.shape)}, but {CLASSIFIER} implies ({labels},)")
+    return np.array(array, dtype=np.float32)
+
+
 def pooling_info(folder: Path | None, hf_config: Any, read: Callable[[str], np.ndarray | None] | None = None) -> PoolingInfo | None:
     """What the checkpoint in `folder` (None: a config alone) says about pooling; None where it says nothing.
     read(name): a stored tensor, None where the checkpoint has none (the classifier is read through it)."""
@@ -146,11 +170,12 @@ def pooling_info(folder: Path | None, hf_config: Any, read: Callable[[str], np.n
     found, pooling_type, normalize = sentence_transformers_config(folder) if folder is not None else (False, None, None)
     if kind is None and not found:
         return None
-    classifier = id2label = None
-    if kind == "classify":
+    classifier = id2label = bias = None
+    if kind in ("classify", "token_classify"):
         classifier = _classifier(hf_config, read)
+        bias = _classifier_bias(hf_config, read, classifier.shape[0])
         id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()} or None
-    return PoolingInfo(kind, pooling_type, normalize, classifier, id2label)
+    return PoolingInfo(kind, pooling_type, normalize, classifier, id2label, bias)
 
 
 def _lacks_head(port: type, cfg: ModelConfig, stored: list[str]) -> str | None:
@@ -174,8 +199,10 @@ def prepare_load(folder: Path, hf_config: Any, port: type, cfg: ModelConfig, sto
     original = checkpoint_architecture(hf_config)
     logger.info("%s: a pooling checkpoint (%s%s), served by the %s port", folder.name, original,
                 f", task {kind}" if kind else ", sentence-transformers modules.json", cfg.architecture)  # fmt: skip
-    if kind == "classify":  # (pooling_info has read it: a checkpoint without it is refused there)
+    if kind in ("classify", "token_classify"):  # (pooling_info has read it: a checkpoint without it is refused there)
         ledger.explain(CLASSIFIER, CLASSIFIER_SKIP)
+        if info.bias is not None:
+            ledger.explain(CLASSIFIER_BIAS, CLASSIFIER_SKIP)
     head = None if cfg.tie_word_embeddings else _lacks_head(port, cfg, stored)
     if head is not None:
         logger.info("%s stores no %s: the LM head is tied to the embeddings (a pooling model's logits are never used)",

@@ -31,8 +31,9 @@ class RequestStatus(enum.Enum):
 # a tuple: membership compares by identity in C, where a set would call Enum.__hash__ in Python
 _FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 PLACEHOLDER = -1  # an output token sampled by a step still running on the device
-# a pooling request's type (ParentRequest.pool_code; 0: it does not pool): engine/pooling.py's LAST, MEAN and CLS
-POOL_LAST, POOL_MEAN, POOL_CLS = 1, 2, 3
+# a pooling request's type (ParentRequest.pool_code; 0: it does not pool): engine/pooling.py's LAST, MEAN and CLS,
+# and ALL (the token tasks: every prompt position's hidden state, handed back whole rather than summed)
+POOL_LAST, POOL_MEAN, POOL_CLS, POOL_ALL = 1, 2, 3, 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,14 +81,14 @@ class Request:
 
     @property
     def reads_every_position(self) -> bool:
-        """Prompt logprobs, or MEAN/CLS pooling: every prompt position computed, so the prefix cache is skipped."""
-        return self.wants_prompt_logprobs or self.parent.pool_code in (POOL_MEAN, POOL_CLS)
+        """Prompt logprobs, or MEAN/CLS/ALL pooling: every prompt position computed, so the prefix cache is skipped."""
+        return self.wants_prompt_logprobs or self.parent.pool_code in (POOL_MEAN, POOL_CLS, POOL_ALL)
 
     def pooled_span(self) -> tuple[int, int]:
-        """[lo, hi): the prompt positions its pooling type sums: the last, every one, or the first (the step's
+        """[lo, hi): the prompt positions its pooling type reads: the last, every one, or the first (the step's
         pool_rows and the host's sums both read it)."""
         n = len(self.prompt_token_ids)
-        return {POOL_LAST: (n - 1, n), POOL_MEAN: (0, n), POOL_CLS: (0, 1)}[self.parent.pool_code]
+        return {POOL_LAST: (n - 1, n), POOL_MEAN: (0, n), POOL_CLS: (0, 1), POOL_ALL: (0, n)}[self.parent.pool_code]
 
     @property
     def sampler_reads_tokens(self) -> bool:

@@ -14,7 +14,6 @@ If a step raises, the thread dies: every caller waiting on a stream gets `Engine
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.engine.metrics import IterationStats, RequestTimer
 from jaxpaged.engine.weight_sync import check_update
 from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
@@ -42,27 +42,6 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue already holds `max_waiting` requests; try again later."""
-
-
-@dataclasses.dataclass
-class IterationStats:
-    """What one pass of the loop did, for metrics (observed on the engine thread)."""
-
-    engine: dict[str, Any]  # LLMEngine.get_stats() after the pass
-    prompt_tokens: int = 0  # of requests admitted in this pass
-    generation_tokens: int = 0
-    time_to_first_token: list[float] = dataclasses.field(default_factory=list)
-    inter_token_latency: list[float] = dataclasses.field(default_factory=list)
-    e2e_latency: list[float] = dataclasses.field(default_factory=list)
-    finished_reasons: list[str] = dataclasses.field(default_factory=list)
-    preemptions: int = 0
-
-
-@dataclasses.dataclass
-class _Timing:
-    arrival: float
-    tokens: int = 0
-    last: float | None = None
 
 
 class RequestStream:
@@ -140,8 +119,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         # engine-thread state
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
-        self._timing: dict[str, _Timing] = {}
-        self._pending = IterationStats(engine={})
+        self._timer = RequestTimer()  # arrivals and token times -> each pass's IterationStats (engine/metrics.py)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         # a call waiting for the requests in flight to finish (update_weights, sleep), and the adds and calls sent
         # after it, which wait behind it
@@ -287,6 +265,23 @@ class AsyncLLMEngine:
     async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
         return await self._on_engine(lambda engine: engine.wake_up(tags), when_idle=False)
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache on the engine thread, between steps: False while requests hold KV blocks
+        (as vLLM, it does not wait for them)."""
+        return await self._on_engine(lambda engine: engine.reset_prefix_cache(), when_idle=False)
+
+    async def start_profile(self, profile_prefix: str | None = None) -> str:
+        """LLMEngine.start_profile on the engine thread, between steps."""
+        return await self._on_engine(lambda engine: engine.start_profile(profile_prefix), when_idle=False)
+
+    async def stop_profile(self) -> str:
+        return await self._on_engine(lambda engine: engine.stop_profile(), when_idle=False)
+
+    @property
+    def profiler_dir(self) -> str | None:
+        """Where start_profile writes (None: profiling is off, and the server has no profile routes)."""
+        return getattr(self.engine.config, "profiler_dir", None)
+
     async def get_per_token_logps(self, prompt_tokens, completion_tokens, *, pad_id: int | None = None):
         """LLM.get_per_token_logps beside whatever else the engine runs (engine/scoring.py): float32 [B, C]."""
         from jaxpaged.engine.scoring import SCORING_PARAMS, logps_from_outputs, scoring_requests
@@ -425,8 +420,7 @@ class AsyncLLMEngine:
         now = time.monotonic()
         for stream in streams:
             self._streams[stream.request_id] = (stream, loop)
-            self._timing[stream.request_id] = _Timing(now)
-            self._pending.prompt_tokens += len(stream.prompt_token_ids)
+            self._timer.added(stream.request_id, len(stream.prompt_token_ids), now)
         _call_soon(loop, _settle, done, None)
 
     def _abort(self, request_id: str) -> None:
@@ -436,33 +430,19 @@ class AsyncLLMEngine:
 
     def _route_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        stats = self._pending
         for out in outputs:
             rid = out.request_id
             entry = self._streams.get(rid)
-            timing = self._timing.get(rid)
-            if timing is not None:
-                tokens = sum(len(c.token_ids) for c in out.outputs) if isinstance(out, RequestOutput) else 0
-                if tokens > timing.tokens:
-                    stats.generation_tokens += tokens - timing.tokens
-                    if timing.last is None:
-                        stats.time_to_first_token.append(now - timing.arrival)
-                    else:
-                        stats.inter_token_latency.append(now - timing.last)
-                    timing.tokens, timing.last = tokens, now
-                if out.finished:
-                    stats.e2e_latency.append(now - timing.arrival)
-                    stats.finished_reasons.extend(_finish_reasons(out))
+            self._timer.output(out, now)
             if out.finished:
                 self._streams.pop(rid, None)
-                self._timing.pop(rid, None)
             if entry is not None:
                 self._outbox.setdefault(entry[1], []).append((entry[0], out))
 
     def _publish(self) -> None:
         """Refresh the stats snapshot, then hand this pass's outputs over: whoever sees an output sees its stats."""
         self._stats = self.engine.get_stats()
-        stats, self._pending = self._pending, IterationStats(engine={})
+        stats = self._timer.take()
         stats.engine = self._stats
         stats.preemptions = self._stats["num_preemptions"] - self._preemptions
         self._preemptions = self._stats["num_preemptions"]
@@ -502,18 +482,11 @@ class AsyncLLMEngine:
             except Exception:
                 logger.debug("could not abort %s after the loop died", rid, exc_info=True)
         self._streams.clear()
-        self._timing.clear()
+        self._timer.clear()
         try:
             self._stats = self.engine.get_stats()
         except Exception:
             logger.debug("no stats after the loop died", exc_info=True)
-
-
-def _finish_reasons(out) -> list[str]:
-    """Each choice's, for metrics; a pooled prompt (PoolingRequestOutput) has no choices: "stop", or "abort" unpooled."""
-    if isinstance(out, RequestOutput):
-        return [c.finish_reason or "abort" for c in out.outputs]
-    return ["stop" if out.outputs is not None else "abort"]
 
 
 def _optional_args(lora_request=None, priority=0) -> dict:

@@ -17,6 +17,7 @@ import jax
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.engine.profiler import Profiler
 from jaxpaged.models.loader import LoadedModel
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class DataParallelEngine:
         self.pooler = first.pooler  # a pooling engine's (engine/pooling.py): the same in every replica
         self.default_sampling_kwargs = first.default_sampling_kwargs  # the model's generation config defaults
         self._owner: dict[str, int] = {}  # unfinished request id -> its replica
+        self.profiler = Profiler(config.profiler_dir)  # one trace covers every replica (JAX has one per process)
         self._ids = itertools.count()
         logger.info(
             "data parallel: %d replicas on %s; each: %s", len(self.replicas),
@@ -155,6 +157,20 @@ class DataParallelEngine:
     @property
     def is_sleeping(self) -> bool:
         return any(r.is_sleeping for r in self.replicas)
+
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's prefix cache, or none: False while any replica's sequences hold KV blocks."""
+        held = sum(r.scheduler.kv.pool.num_used for r in self.replicas)
+        if held:
+            logger.warning("reset_prefix_cache refused: %d KV blocks are still held by sequences", held)
+            return False
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
+    def start_profile(self, profile_prefix: str | None = None) -> str:
+        return self.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
 
     def close(self) -> None:
         for replica in self.replicas:

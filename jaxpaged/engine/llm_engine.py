@@ -36,6 +36,7 @@ from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.generation_defaults import default_sampling_kwargs
 from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.profiler import Profiler
 from jaxpaged.engine.pooling import POOLING_RUN, Pooler, wants_pooling_runner
 from jaxpaged.engine.structured_output import StructuredOutputManager
 from jaxpaged.engine.token_controls import token_controls
@@ -218,6 +219,7 @@ class LLMEngine:
             self.spec = SpecDecoder(config.speculative_config, self.max_model_len, draft, rope=self.scheduler.rope)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
         self.weight_sync = WeightSync(self)  # update_weights, sleep and wake_up (engine/weight_sync.py)
+        self.profiler = Profiler(config.profiler_dir)  # start_profile / stop_profile (engine/profiler.py)
 
     def _pooler(self, config: EngineConfig) -> Pooler | None:
         """runner "pooling" (or "auto" with an embedding or classifier checkpoint): what it pools; what it cannot do is
@@ -231,7 +233,7 @@ class LLMEngine:
                             ("pipeline_parallel_size", config.pipeline_parallel_size > 1)):  # fmt: skip
             if value:
                 raise ValueError(f"{name}: not supported with runner 'pooling' (a pooling model runs its prompts only)")
-        return Pooler(info, config.pooler_config, self.loaded.config.hidden_size)
+        return Pooler(info, config.pooler_config, self.loaded.config.hidden_size, self.loaded.hf_config)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation config defaults (SamplingParams() without any)."""
@@ -451,7 +453,7 @@ class LLMEngine:
                              "SamplingParams)")  # fmt: skip
         if isinstance(params, SamplingParams):
             raise ValueError("this engine runs a pooling model (runner='pooling'): it embeds or classifies prompts "
-                             "(LLM.embed, LLM.classify, LLM.encode) and does not generate")  # fmt: skip
+                             "(LLM.embed, LLM.classify, LLM.reward, LLM.encode) and does not generate")  # fmt: skip
         params = self.pooler.check(params)
         request_id = self._new_request_id(request_id)
         text, ids, images = self._checked_prompt(prompt, params)
@@ -464,7 +466,7 @@ class LLMEngine:
             raise ValueError(f"prompt needs {self._blocks_held(len(ids))} KV blocks but the whole pool has "
                              f"{self.runner.num_blocks}; raise num_kv_blocks")  # fmt: skip
         parent = ParentRequest(request_id, text, ids, POOLING_RUN, priority=priority)
-        parent.pooling, parent.pool_code = params, self.pooler.code
+        parent.pooling, parent.pool_code = params, self.pooler.code_for(params)
         if lora_request is not None:
             parent.lora_request, parent.cache_salt = lora_request, lora_request.cache_salt
         seq = Request(seq_id=f"{request_id}#0", parent=parent, index=0, prompt_token_ids=ids, params=POOLING_RUN,

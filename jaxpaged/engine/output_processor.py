@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxpaged.core.request import POOL_MEAN, ParentRequest, Request, RequestStatus
+from jaxpaged.core.request import POOL_ALL, POOL_MEAN, ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import ScheduledSequence, SchedulerOutput
 from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
@@ -39,6 +39,7 @@ class SequenceOutputState:
     deferred_text: bool = False
     quiet: bool = False  # final_only, and no logprobs to record: a step that does not end it has nothing to do for it
     pooled: np.ndarray | None = None  # a pooling request's sum of its pooled hidden states so far (engine/pooling.py)
+    pooled_tokens: list[np.ndarray] | None = None  # a token task's (ALL): its prompt's hidden states, chunk by chunk
 
 
 class OutputProcessor:
@@ -78,6 +79,8 @@ class OutputProcessor:
         )  # fmt: skip
         if seq.parent.pooling is not None:  # every chunk's pooled sum is read, so it is never quiet
             state.pooled, state.quiet = np.zeros(self.pooler.hidden_size, np.float32), False
+            if seq.parent.pool_code == POOL_ALL:
+                state.pooled_tokens = []
         seq.quiet = state.quiet  # the scheduler may then keep its newest tokens in arrays until it ends
         self._count(state, 1)
 
@@ -124,7 +127,9 @@ class OutputProcessor:
                 continue
             if result.prompt is not None and state.prompt_logprobs is not None:
                 self._record_prompt_logprobs(req, state, item.start, item.num_tokens, item.first_token_row, result.prompt)
-            if state.pooled is not None and result.pooled is not None:
+            if state.pooled_tokens is not None:
+                self._record_pooled_tokens(req, state, item, result.pooled_tokens)
+            elif state.pooled is not None and result.pooled is not None:
                 self._record_pooled(req, state, item, result.pooled)
             if not item.samples:
                 continue
@@ -221,6 +226,19 @@ class OutputProcessor:
         if start < hi and lo < start + item.num_tokens:  # the chunk holds its position
             state.pooled[:] = pooled[item.row]
 
+    @staticmethod
+    def _record_pooled_tokens(req: Request, state: SequenceOutputState, item: ScheduledSequence, hidden) -> None:
+        """A token task's chunk: its prompt positions' rows of the step's hidden states, kept in order (a chunk
+        starting at 0 is a recompute after a preemption: the rows start again)."""
+        start, n = item.start, item.num_tokens
+        if start == 0:
+            state.pooled_tokens.clear()
+        lo, hi = req.pooled_span()
+        lo, hi = max(lo, start), min(hi, start + n)
+        if lo < hi:  # (the step fetched its hidden states: input_batch's pool_tokens)
+            first = item.first_token_row - start
+            state.pooled_tokens.append(np.array(hidden[first + lo : first + hi], np.float32))  # (a copy: not the step's)
+
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
@@ -254,7 +272,12 @@ class OutputProcessor:
     def _pooling_output(self, parent: ParentRequest, state: SequenceOutputState) -> PoolingRequestOutput:
         seq = parent.sequences[0]
         done = seq.finished and seq.status is not RequestStatus.FINISHED_ABORTED
-        data = self.pooler.finish(state.pooled, len(seq.prompt_token_ids), parent.pooling) if done else None
+        data = None
+        if done and state.pooled_tokens is not None:
+            rows = np.concatenate(state.pooled_tokens) if state.pooled_tokens else np.zeros((0, self.pooler.hidden_size), np.float32)
+            data = self.pooler.finish_tokens(rows, seq.prompt_token_ids, parent.pooling)
+        elif done:
+            data = self.pooler.finish(state.pooled, len(seq.prompt_token_ids), parent.pooling)
         return PoolingRequestOutput(parent.request_id, None if data is None else PoolingOutput(data),
                                     list(parent.prompt_token_ids), parent.finished, prompt=parent.prompt)  # fmt: skip
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.llm_engine import PromptType
+from jaxpaged.engine.metrics import EngineMetrics, Metric, RequestTimer
 from jaxpaged.engine.pooling_score import score_params, score_plan
 from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import (
@@ -31,6 +33,7 @@ class LLM:
         data_parallel_size > 1 starts that many replicas behind a router (engine/data_parallel.py)."""
         setup_logging(kwargs.pop("log_level", "INFO"))
         self.engine = make_engine(EngineConfig(model=model, **kwargs))
+        self._start_metrics()
         if self.is_follower:  # another process of a group: run process 0's steps until it closes (docs/distributed.md)
             self.engine.runner.follow()
 
@@ -40,7 +43,12 @@ class LLM:
         makes its model from the trainer's, builds its own)."""
         llm = cls.__new__(cls)
         llm.engine = engine
+        llm._start_metrics()
         return llm
+
+    def _start_metrics(self) -> None:
+        # generate() sees an output only when its request ends: no first-token or inter-token times to measure
+        self._metrics, self._timer = EngineMetrics(streaming=False), RequestTimer(streaming=False)
 
     @property
     def is_follower(self) -> bool:
@@ -61,6 +69,13 @@ class LLM:
 
     def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: every metric now, as vllm.v1.metrics.reader's objects (jaxpaged.engine.metrics' Counter, Gauge,
+        Histogram, Vector), under the names and values the server's /metrics serves: the gauges and the engine's own
+        totals from get_stats(), and the prompt and generated tokens, finish reasons and end-to-end latencies of this
+        LLM's requests. No time-to-first-token or inter-token histograms: generate sees an output only at its end."""
+        return self._metrics.snapshot(self.engine.get_stats())
 
     # -- a trainer's rollouts (engine/weight_sync.py, docs/rl.md) ------------------------------------
 
@@ -84,6 +99,21 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prompt prefix, so later prompts are computed afresh (a benchmark's cold
+        start). False, forgetting nothing, while requests hold KV blocks (none do between generate calls)."""
+        return self.engine.reset_prefix_cache()
+
+    def start_profile(self, profile_prefix: str | None = None) -> str:
+        """vLLM's: a JAX profiler trace of everything run until stop_profile(), written under the profiler_dir given
+        to LLM(...) (in its profile_prefix subfolder, if given); -> that folder. ProfilerError (a RuntimeError)
+        without profiler_dir or while a profile runs."""
+        return self.engine.start_profile(profile_prefix)
+
+    def stop_profile(self) -> str:
+        """End the trace and write it (TensorBoard's profile plugin or XProf read it); -> its run's folder."""
+        return self.engine.stop_profile()
 
     def get_per_token_logps(self, prompt_tokens, completion_tokens, *, pad_id: int | None = None,
                             lora_request: LoRARequest | None = None, use_tqdm: bool = False):  # fmt: skip
@@ -177,6 +207,9 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
+        now = time.monotonic()
+        for rid in ids:
+            self._timer.added(rid, len(self.engine.get_prompt_token_ids(rid)), now)
         return ids
 
     # -- pooling models (runner="pooling": engine/pooling.py) ------------------------------------------
@@ -185,7 +218,9 @@ class LLM:
                *, truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable = True,
                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:  # fmt: skip
-        """vLLM's LLM.encode: each prompt's pooled output (`outputs.data`, numpy float32), in input order."""
+        """vLLM's LLM.encode: each prompt's pooled output (`outputs.data`, numpy float32), in input order.
+        pooling_task: "embed", "classify", "token_embed" ([prompt tokens, D]) or "token_classify" ([prompt tokens,
+        labels]); None: the model's own (its first: embed, classify, or a token classifier's token_classify)."""
         if self.is_follower:
             raise RuntimeError("this process follows process 0 of its group, which takes the requests")
         prompts = self._prompt_list(prompts)
@@ -216,6 +251,14 @@ class LLM:
         """Each prompt's class probabilities (`outputs.probs`): a *ForSequenceClassification checkpoint's head."""
         outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="classify")
         return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], /, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool | Callable = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[PoolingRequestOutput]:  # fmt: skip
+        """vLLM's: a reward or token classification model's per-token outputs (the token_classify task):
+        `outputs.data` is [prompt tokens, labels] (STEP pooling: the step_tag_id positions' rows)."""
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="token_classify")  # fmt: skip
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool | Callable = True, pooling_params: PoolingParams | None = None,
@@ -289,14 +332,18 @@ class LLM:
         bar = progress(total=len(ids), desc=desc, unit="req", disable=not use_tqdm)
         try:
             while pending:
-                for out in self.engine.step():
+                outputs, now = self.engine.step(), time.monotonic()
+                for out in outputs:
+                    self._timer.output(out, now)
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         finished[out.request_id] = out
                         bar.update(1)
+                self._metrics.observe(self._timer.take())
         except BaseException:
             for rid in pending:
                 self.engine.abort_request(rid)
+                self._timer.forget(rid)
             raise
         finally:
             bar.close()

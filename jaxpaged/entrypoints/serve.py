@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-weight-updates", action="store_true",
                    help="a trainer's rollout routes: POST /update_weights (a folder of safetensors), /sleep and "
                         "/wake_up, GET /is_sleeping (off by default; they need the API key when one is set)")
+    g.add_argument("--enable-dev-endpoints", action="store_true",
+                   help="vLLM's development routes (its VLLM_SERVER_DEV_MODE): POST /reset_prefix_cache (off by "
+                        "default; it needs the API key when one is set). /start_profile and /stop_profile come with "
+                        "--profiler-dir instead")
     g.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                    help="log level of jaxpaged and uvicorn, any case (default: INFO)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             lora_modules=parse_lora_modules(args.lora_modules), allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             allow_weight_updates=args.allow_weight_updates, reasoning_parser=args.reasoning_parser,
+            enable_dev_endpoints=args.enable_dev_endpoints,
         )
         if (settings.lora_modules or settings.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")

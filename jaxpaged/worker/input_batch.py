@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxpaged.core.request import POOL_ALL
 from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import SchedulerOutput, StepColumns
 from jaxpaged.pallas_kernels import AttentionMetadata
@@ -41,6 +42,7 @@ class StepInputs:
     mm_rows: np.ndarray | None = None  # [T] vision-language models: the encoder-cache row of each image token, else -1
     mrope_positions: np.ndarray | None = None  # [3, T] M-RoPE models: each token's (t, h, w) position
     pool_rows: np.ndarray | None = None  # [T] a pooling engine's: the row whose pooled sum a token joins, else -1
+    pool_tokens: bool = False  # a pooling engine's: some row reads its tokens' hidden states (ALL: the token tasks)
 
 
 class _OutputsAtScheduling(Sequence):
@@ -255,25 +257,29 @@ class InputBatchBuilder:
             lora_slots[:total] = np.repeat(self._row_lora[slots], counts)
         step = StepInputs(ids, positions, attn_metadata, logit_rows, sampling, prompt_next, prev_rows, lora_slots)
         if self.runner.pooling:
-            step.pool_rows = self._pool_rows(t, scheduled, self._pool_code[slots], ends)
+            step.pool_rows, step.pool_tokens = self._pool_rows(t, scheduled, self._pool_code[slots], ends)
         if self.mm is not None:
             self._images(step, slots, starts, counts, ends, total, row_of)
         return step
 
     @staticmethod
-    def _pool_rows(t: int, scheduled, codes: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    def _pool_rows(t: int, scheduled, codes: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, bool]:
         """Each token's pooled row: LAST pools the prompt's last position, MEAN every prompt position, CLS the first
-        (whichever of them lie in this step's chunk of the row)."""
+        (whichever of them lie in this step's chunk of the row); and whether an ALL row (read from the step's whole
+        hidden states, not summed) has prompt positions in this step."""
         pool_rows = np.full(t, -1, np.int32)
+        tokens = False
         for j in np.flatnonzero(codes).tolist():
             item = scheduled[j]
             start, n = item.start, item.num_tokens
             first = int(ends[j]) - n  # the chunk's first token row
             lo, hi = item.request.pooled_span()
             lo, hi = max(lo, start), min(hi, start + n)
-            if lo < hi:
+            if lo < hi and codes[j] == POOL_ALL:
+                tokens = True
+            elif lo < hi:
                 pool_rows[first + lo - start : first + hi - start] = item.row
-        return pool_rows
+        return pool_rows, tokens
 
     def _images(self, step: StepInputs, slots, starts, counts, ends, total: int, row_of) -> None:
         """A vision-language model's per-token arrays (multimodal/runner.py): the rows holding image tokens are few,

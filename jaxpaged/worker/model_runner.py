@@ -271,7 +271,8 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
 
     def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None):
         """-> (sampling rows' logits, prompt logprobs, the step's new K/V, the slots the write puts them in).
-        A pooling engine: its rows' pooled sums in the prompt logprobs' place, read from that leaf's pool_rows.
+        A pooling engine: its rows' pooled sums in the prompt logprobs' place, read from that leaf's pool_rows, and
+        the step's final hidden states [T, D] (fetched only by a step with token-task rows: step.pool_tokens).
         With enable_lora, the stacked LoRA arrays and (packed last) each token's adapter slot; without, neither.
         A vision-language model's encoder cache, and (packed last) its per-token image rows (multimodal/runner.py)."""
         input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_rows, *lora_slots = step.unpack()
@@ -281,9 +282,9 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         model = nnx.merge(self.graphdef, state)
         with self._lora_active(lora_weights, lora_slots):
             hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata, **images)
-        if self.pooling:  # prompt_next_ids holds pool_rows (_forward_args)
+        if self.pooling:  # prompt_next_ids holds pool_rows (_forward_args); the token tasks read `hidden` whole
             pooled = pooled_sums(hidden, prompt_next_ids, logit_rows.shape[0])
-            return model.compute_logits(hidden[logit_rows]), pooled, new_kv, attn_metadata.slot_mapping
+            return model.compute_logits(hidden[logit_rows]), (pooled, hidden), new_kv, attn_metadata.slot_mapping
         if self._prompt_apart:  # the final hidden states in the prompt's place: _prompt_impl reads them if asked
             return model.compute_logits(hidden[logit_rows]), hidden, new_kv, attn_metadata.slot_mapping
         return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
@@ -459,8 +460,9 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         if not self.config.precompile and (self._step_name, t) not in self._compiled and t != self.buckets[0]:
             self.prefetch(self.buckets[0])  # decode steps of a few sequences follow a first prefill: compile beside it
         logits, prompt = self._forward_and_write(step, prev)
-        if self.pooling:  # the second output: the pooled sums
-            dispatched = DispatchedStep(t, logits, None, pooled=prompt)
+        if self.pooling:  # the second output: the pooled sums and the hidden states
+            sums, hidden = prompt
+            dispatched = DispatchedStep(t, logits, None, pooled=sums, pooled_tokens=hidden if step.pool_tokens else None)
             if step.sampling is not None:
                 self.sample(dispatched, step.sampling)
             return dispatched

@@ -27,13 +27,15 @@ class DispatchedStep:
     want_top: bool = False
     seq: int = -1  # the runner's count of dispatched steps: followers of a process group find theirs by it
     pooled: jax.Array | None = None  # a pooling engine's [S, D] pooled sums (model_runner.pooled_sums)
+    pooled_tokens: jax.Array | None = None  # [T, D] its final hidden states, kept when a row runs a token task
 
     def fetch(self) -> StepResult:
         get = lambda tree: jax.tree.map(distributed.host_value, tree)  # noqa: E731
         tokens, logprobs = get((self.out.tokens, self.out.logprobs))
         top_ids, top_lp = get((self.out.top_ids, self.out.top_logprobs)) if self.want_top else (None, None)
         return StepResult(tokens, logprobs, top_ids, top_lp, get(self.prompt) if self.prompt is not None else None,
-                          get(self.pooled) if self.pooled is not None else None)  # fmt: skip
+                          get(self.pooled) if self.pooled is not None else None,
+                          get(self.pooled_tokens) if self.pooled_tokens is not None else None)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,3 +53,4 @@ class StepResult:
     top_logprobs: np.ndarray | None
     prompt: tuple[np.ndarray, ...] | None = None  # prompt_logprobs per row: (logprob, rank, top ids, top logprobs)
     pooled: np.ndarray | None = None  # a pooling engine's [S, D] float32: each row's pooled sum in this step
+    pooled_tokens: np.ndarray | None = None  # [T, D] the step's final hidden states, when a row runs a token task

@@ -19,7 +19,8 @@ LENGTHS = [1, 5, 40, 77]  # 77: three chunks of a 32-token step
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    hf = random_hf_model(tiny_llama_config(num_key_value_heads=2, vocab_size=258))
+    # is_matryoshka: its config allows `dimensions` (vLLM's check)
+    hf = random_hf_model(tiny_llama_config(num_key_value_heads=2, vocab_size=258, is_matryoshka=True))
     folder = save_hf_model(hf, tmp_path_factory.mktemp("llama"))
     byte_tokenizer(["<s>", "</s>"], "", bos_token="<s>", eos_token="</s>").save_pretrained(folder)
     return hf, str(folder)

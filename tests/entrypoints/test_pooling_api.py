@@ -36,7 +36,7 @@ def _cli(engine: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     """A random Llama saved as its base model (LlamaModel: an embedding checkpoint) with a byte tokenizer."""
-    hf = random_hf_model(tiny_llama_config(num_key_value_heads=2, vocab_size=258))
+    hf = random_hf_model(tiny_llama_config(num_key_value_heads=2, vocab_size=258, is_matryoshka=True))  # (dimensions)
     folder = tmp_path_factory.mktemp("embedder")
     hf.model.save_pretrained(folder)
     _tokenizer().save_pretrained(folder)
@@ -269,4 +269,4 @@ def test_a_generating_server_refuses_the_pooling_endpoints(cycle_model_dir):
     for r in responses:
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
-        assert "generates text" in message and message.endswith("serves /v1/completions, /v1/chat/completions")
+        assert "generates text" in message and message.endswith("serves /v1/completions, /v1/chat/completions, /v1/responses")

@@ -97,6 +97,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
         rollout.add_routes(app, engine)
 
+    from jaxpaged.entrypoints.openai import dev
+
+    dev.add_routes(app, engine, settings)  # /reset_prefix_cache (--enable-dev-endpoints), /start_profile, /stop_profile (--profiler-dir)
+
     from jaxpaged.entrypoints.openai import tokenize
 
     tokenize.add_routes(app, serving)  # vLLM's /tokenize and /detokenize

@@ -37,6 +37,7 @@ class ServerSettings:
     lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path) served from the start
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     allow_weight_updates: bool = False  # POST /update_weights, /sleep, /wake_up; GET /is_sleeping (rollout.py)
+    enable_dev_endpoints: bool = False  # POST /reset_prefix_cache (dev.py; vLLM's VLLM_SERVER_DEV_MODE)
     reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS; None: detected from the chat template; "none": off
 
     def __post_init__(self) -> None:
