@@ -660,6 +660,25 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self.weight_sync.sleeper.asleep
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prompt prefix (a benchmark's cold start, or K/V a caller no longer trusts).
+        False, and nothing forgotten, while sequences hold KV blocks: their blocks are their context, not a cache."""
+        pool = self.scheduler.kv.pool
+        if pool.num_used:
+            logger.warning("reset_prefix_cache refused: %d KV blocks are still held by sequences", pool.num_used)
+            return False
+        dropped = pool.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks forgotten", dropped)
+        return True
+
+    def start_profile(self, profile_prefix: str | None = None) -> str:
+        """vLLM's: trace everything the process runs until stop_profile, under config.profiler_dir; -> the folder."""
+        return self.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> str:
+        """End the trace begun by start_profile and write it; -> its run's folder."""
+        return self.profiler.stop()
+
     def close(self) -> None:
         """Release a process group's followers (done at exit too); nothing otherwise."""
         self.runner.close()
