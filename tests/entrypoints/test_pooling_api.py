@@ -36,7 +36,8 @@ def _cli(engine: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     """A random Llama saved as its base model (LlamaModel: an embedding checkpoint) with a byte tokenizer."""
-    hf = random_hf_model(tiny_llama_config(num_key_value_heads=2, vocab_size=258, is_matryoshka=True))  # (dimensions)
+    # matryoshka_dimensions: `dimensions` allowed, at these values (vLLM's check)
+    hf = random_hf_model(tiny_llama_config(num_key_value_heads=2, vocab_size=258, matryoshka_dimensions=[16, 32, 64]))
     folder = tmp_path_factory.mktemp("embedder")
     hf.model.save_pretrained(folder)
     _tokenizer().save_pretrained(folder)
@@ -103,6 +104,27 @@ def test_dimensions_normalize_and_the_raw_base64(embedder, server, client):
     np.testing.assert_allclose(raw, want, atol=ATOL, rtol=0)
 
 
+def test_pooling_endpoint_serves_the_embedding_tasks(embedder, server):
+    """vLLM's /pooling: the model's own task by default (embed), token_embed's rows on request, float or base64."""
+    hf, _ = embedder
+    text = "Pool every token."
+    body = _post(server, "/pooling", {"model": "emb", "input": [_ids(text), _ids(text)]}).json()
+    assert body["id"].startswith("pool-") and body["object"] == "list" and body["model"] == "emb"
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "pooling"), (1, "pooling")]
+    assert body["usage"] == {"prompt_tokens": 2 * len(_ids(text)), "total_tokens": 2 * len(_ids(text))}
+    for d in body["data"]:
+        np.testing.assert_allclose(d["data"], reference(hf, _ids(text)), atol=ATOL, rtol=0)
+    with torch.no_grad():
+        h = hf.model(torch.tensor([_ids(text)])).last_hidden_state[0].numpy()[:, :16]
+    want = h / np.linalg.norm(h, axis=-1, keepdims=True)
+    rows = _post(server, "/pooling", {"input": text, "task": "token_embed", "dimensions": 16}).json()["data"][0]["data"]
+    np.testing.assert_allclose(rows, want, atol=ATOL, rtol=0)
+    packed = _post(server, "/pooling", {"input": text, "task": "token_embed", "dimensions": 16, "use_activation": False,
+                                        "encoding_format": "base64"}).json()["data"][0]["data"]  # fmt: skip
+    raw = np.frombuffer(base64.b64decode(packed), dtype="<f4").reshape(len(_ids(text)), 16)  # row after row
+    np.testing.assert_allclose(raw, h, atol=ATOL, rtol=0)
+
+
 def test_chat_form_embeds_the_rendered_conversation(embedder, server):
     hf, _ = embedder
     messages = [{"role": "user", "content": "hello there"}]
@@ -140,7 +162,11 @@ def test_score_and_rerank_are_cosines_in_order(embedder, server):
     ("/v1/embeddings", {"input": ""}, "input", "empty"),
     ("/v1/embeddings", {"input": []}, "input", "non-empty"),
     ("/v1/embeddings", {"input": "x", "dimensions": 0}, "dimensions", ">= 1"),
-    ("/v1/embeddings", {"input": "x", "dimensions": 65}, "dimensions", "hidden size 64"),
+    ("/v1/embeddings", {"input": "x", "dimensions": 24}, "dimensions", "one of the model's matryoshka_dimensions"),
+    ("/pooling", {"input": "x", "dimensions": 65, "task": "token_embed"}, "dimensions", "matryoshka_dimensions"),
+    ("/pooling", {"input": "x", "task": "token_classify"}, "task", "serves 'embed', 'token_embed'"),
+    ("/pooling", {"input": "x", "task": "generate"}, "task", "must be one of"),
+    ("/pooling", {"input": "x", "step_tag_id": 3}, "step_tag_id", "STEP pooling"),
     ("/v1/embeddings", {"input": [[5, 258]]}, "input", "[0, 258)"),
     ("/v1/embeddings", {"input": [[5] * 129]}, "input", "max_model_len"),
     ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
@@ -160,7 +186,7 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param, words):
 
 
 def test_a_pooling_server_refuses_generation_and_keeps_serving(embedder, server, client):
-    with pytest.raises(openai.BadRequestError, match="embedding model.*/v1/embeddings, /score, /rerank"):
+    with pytest.raises(openai.BadRequestError, match="embedding model.*/v1/embeddings, /pooling, /score, /rerank"):
         client.completions.create(model="emb", prompt="hello", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="/v1/chat/completions is not served"):
         client.chat.completions.create(model="emb", messages=[{"role": "user", "content": "hi"}])
@@ -229,7 +255,7 @@ def test_classify_labels_and_probs_as_transformers_and_async_encode(tmp_path):
         assert body["usage"]["prompt_tokens"] == sum(len(_ids(t)) for t in texts)
         for refused in (embed, score):
             assert refused.status_code == 400 and "classifier with 3 label(s)" in refused.json()["error"]["message"]
-            assert refused.json()["error"]["message"].endswith("serves /classify")
+            assert refused.json()["error"]["message"].endswith("serves /classify, /pooling")
 
         async def encode():  # vLLM's AsyncLLM.encode: the final PoolingRequestOutput
             return [out async for out in engine.encode(texts[0], PoolingParams(), "encode-0")]

@@ -1,9 +1,10 @@
-"""vLLM's pooling endpoints: POST /v1/embeddings, /classify, /score (/v1/score) and /rerank (/v1/rerank, /v2/rerank).
+"""vLLM's pooling endpoints: POST /v1/embeddings, /pooling, /classify, /score (/v1/score) and /rerank (/v1/rerank,
+/v2/rerank).
 
 Each input is one engine request with PoolingParams (queued all or none, aborted if the client leaves), as the
 generation endpoints queue theirs; a server serves the endpoints of its model's task and refuses the others with a
-400 saying what it serves (a generating model: completions and chat; an embedding model: embeddings, score, rerank;
-a classifier: classify, and score and rerank with one label).
+400 saying what it serves (a generating model: completions and chat; an embedding model: embeddings, pooling,
+score, rerank; a classifier: classify, pooling, and score and rerank with one label; a token classifier: pooling).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
 )
@@ -32,14 +34,16 @@ from jaxpaged.pooling_params import PoolingParams
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # the engine's and PoolingParams' words -> the request's fields
 FIELDS = {name: name for name in ("dimensions", "normalize", "activation", "truncate_prompt_tokens", "messages",
-                                  "priority")}
+                                  "priority", "task", "step_tag_id", "returned_token_ids")}
 
 
 def served_endpoints(pooler) -> list[str]:
     if pooler is None:
         return list(GENERATION_ENDPOINTS)
+    if pooler.task == "token_classify":
+        return ["/pooling"]
     scores = ["/score", "/rerank"] if pooler.task == "embed" or pooler.num_labels == 1 else []
-    return ["/v1/embeddings" if pooler.task == "embed" else "/classify", *scores]
+    return ["/v1/embeddings" if pooler.task == "embed" else "/classify", "/pooling", *scores]
 
 
 def refuse_unless_served(serving: Serving, endpoint: str) -> None:
@@ -53,7 +57,8 @@ def refuse_unless_served(serving: Serving, endpoint: str) -> None:
     elif pooler.task == "embed":
         what = "is an embedding model (runner 'pooling')"
     else:
-        what = f"is a classifier with {pooler.num_labels} label(s) (runner 'pooling')"
+        kind = "token classifier" if pooler.task == "token_classify" else "classifier"
+        what = f"is a {kind} with {pooler.num_labels} label(s) (runner 'pooling')"
     raise errors.bad_request(f"{endpoint} is not served: this model {what}, so this server serves {', '.join(served)}",
                              code="unsupported_endpoint")  # fmt: skip
 
@@ -123,10 +128,30 @@ async def create_embedding(serving: Serving, http_request: Request):
 
 
 def _encode(vector: np.ndarray, encoding_format: str):
-    """float: a JSON list; base64: the little-endian float32 bytes (what the openai client asks for and decodes)."""
+    """float: a JSON list (of lists, for a token task's rows); base64: the little-endian float32 bytes, row after
+    row (what the openai client asks for and decodes)."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return np.asarray(vector, dtype=np.float32).tolist()
+
+
+async def create_pooling(serving: Serving, http_request: Request):
+    """vLLM's /pooling: the task's raw output per input (a vector, or a row per prompt token for a token task)."""
+    refuse_unless_served(serving, "/pooling")
+    body: PoolingRequest = await serving.parse(http_request, PoolingRequest)
+    try:
+        params = body.params(serving.engine.engine.pooler.task)
+    except ValueError as exc:
+        raise errors.from_value_error(exc, FIELDS) from None
+    if body.messages is not None:
+        prompts, field = [body.chat_prompt()], "messages"
+    else:
+        special = body.add_special_tokens is not False
+        prompts, field = [_engine_prompt(serving, p, special) for p in body.inputs()], "input"
+    request_id, outs = await _pool(serving, http_request, "pool", prompts, params, FIELDS, field, body)
+    data = [{"index": i, "object": "pooling", "data": _encode(o.outputs.data, body.encoding_format)}
+            for i, o in enumerate(outs)]  # fmt: skip
+    return JSONResponse({**_meta(request_id, serving, body.model), "data": data, "usage": _usage(outs)})
 
 
 async def create_classification(serving: Serving, http_request: Request):
@@ -187,6 +212,10 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         return await answer(create_embedding, request)
+
+    @app.post("/pooling")
+    async def pool(request: Request):
+        return await answer(create_pooling, request)
 
     @app.post("/classify")
     async def classify(request: Request):

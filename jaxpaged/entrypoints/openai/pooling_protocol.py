@@ -1,5 +1,5 @@
 """Request bodies of the pooling endpoints, as vLLM's: /v1/embeddings (OpenAI's, with vLLM's extras and chat form),
-/classify, /score and /rerank. Strict as the generation requests (protocol.py); PoolingParams checks the values."""
+/pooling, /classify, /score and /rerank. Strict as the generation requests (protocol.py); PoolingParams checks the values."""
 
 from __future__ import annotations
 
@@ -92,6 +92,30 @@ class EmbeddingRequest(_InputRequest):
             normalize = self.use_activation
         return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, dimensions=self.dimensions,
                              normalize=normalize, activation=self.activation, task="embed")  # fmt: skip
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: any task the model serves (task; none: the model's own), input or messages as /v1/embeddings',
+    the embedding fields for an embedding task, activation for a classifier's, step_tag_id and returned_token_ids
+    for STEP pooling."""
+
+    task: str | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+
+    def params(self, default_task: str) -> PoolingParams:
+        """use_activation: an embedding's normalize, a classifier's activation (vLLM's one name for both)."""
+        task = self.task or default_task
+        embeds = task in ("embed", "token_embed")
+        normalize, activation = self.normalize, self.activation
+        if self.use_activation is not None:
+            current = normalize if embeds else activation
+            if current is not None and current != self.use_activation:
+                raise ValueError(f"{'normalize' if embeds else 'activation'} and use_activation disagree; pass one")
+            normalize, activation = (self.use_activation, activation) if embeds else (normalize, self.use_activation)
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, dimensions=self.dimensions,
+                             normalize=normalize, activation=activation, task=task, step_tag_id=self.step_tag_id,
+                             returned_token_ids=self.returned_token_ids)  # fmt: skip
 
 
 class ClassificationRequest(_InputRequest):
