@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -122,10 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt text (with --chat, the user's message)")
     add_engine_args(p, precompile=False)
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens whose probability reaches this (default: 1, off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 means no limit (default: 0)")
+    model = "the model's generation_config.json, as vLLM's, else"  # sampling_params(): a flag left out takes the model's
+    g.add_argument("--max-tokens", type=int, default=None, help=f"most new tokens per answer (default: {model} 256)")
+    g.add_argument("--temperature", type=float, default=None, help=f"sampling temperature; 0 means greedy (default: {model} 0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens whose "
+                   f"probability reaches this (default: {model} 1, off)")  # fmt: skip
+    g.add_argument("--top-k", type=int, default=None, help=f"sample among the k most likely tokens; 0 means no limit (default: {model} 0)")
     g.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling (default: none)")
     g = p.add_argument_group("prompts")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (prompts are user messages)")
@@ -158,6 +161,24 @@ def parse_lora(spec: str | None):
     return LoRARequest(name, 1, path)
 
 
+# the sampling flags and this CLI's own defaults (greedy, 256 tokens), which the model's generation config overrides
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 256}
+
+
+def sampling_params(args, model_defaults: dict | None = None):
+    """The flags given, over the model's generation config defaults (LLM.get_default_sampling_params' fields: what
+    vLLM's users get for what they leave unset), over this CLI's own (greedy). Built before the model loads too
+    (model_defaults None), so a bad value stops the run at once."""
+    from jaxpaged.sampling_params import SamplingParams
+
+    given = {name: getattr(args, name) for name in CLI_SAMPLING_DEFAULTS if getattr(args, name) is not None}
+    from_model = {name: value for name, value in (model_defaults or {}).items() if name not in given}
+    if from_model:
+        logger.info("sampling defaults from the model's generation config, for what the flags leave unset "
+                    "(--generation-config vllm ignores it): %s", from_model)  # fmt: skip
+    return SamplingParams(**CLI_SAMPLING_DEFAULTS | from_model | given, seed=args.seed)
+
+
 def _messages(system: str | None, history: list[dict], user: str) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + history + [{"role": "user", "content": user}]
 
@@ -167,14 +188,11 @@ class Session:
 
     def __init__(self, args):
         from jaxpaged.entrypoints.llm import LLM
-        from jaxpaged.sampling_params import SamplingParams
 
         self.args = args
         kwargs = engine_kwargs(args)
         self.lora = parse_lora(args.lora)  # checked before the model loads, as the sampling flags
-        self.params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
-        )
+        self.params = sampling_params(args)  # the flags checked now; the model's defaults join once it has loaded
         if self.lora is not None:
             kwargs["enable_lora"] = True
         if args.prompts_file is None and kwargs["max_num_seqs"] is None:
@@ -193,6 +211,19 @@ class Session:
             )
         if self.lora is not None:
             self.llm.engine.add_lora(self.lora)  # read and checked now: a bad adapter stops before any prompt runs
+        self.params = sampling_params(args, self.llm.engine.default_sampling_kwargs)
+
+    @contextlib.contextmanager
+    def profiled(self):
+        """--profiler-dir: the whole run traced (LLM.start_profile / stop_profile)."""
+        if self.args.profiler_dir is None:
+            yield
+            return
+        self.llm.start_profile()
+        try:
+            yield
+        finally:
+            logger.info("profile written to %s", self.llm.stop_profile())
 
     def prompt_input(self, text: str, history: list[dict] | None = None):
         if not self.args.chat:
@@ -277,6 +308,23 @@ def read_prompts(path: str) -> list[str]:
         raise ValueError(f"--prompts-file {path}: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
+def _run(session: Session, args, prompts: list[str] | None) -> None:
+    if prompts is not None:
+        if args.output:
+            try:
+                out = open(args.output, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+            except OSError as exc:
+                raise ValueError(f"--output {args.output}: {exc.strerror}") from exc
+            with out:
+                session.batch(prompts, out)
+        else:
+            session.batch(prompts, sys.stdout)
+    elif args.prompt is not None:
+        session.stream(args.prompt)
+    else:
+        session.interactive()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -300,20 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         _Interrupt.check()  # a Ctrl-C during the load
         if session.llm.is_follower:
             return 0
-        if prompts is not None:
-            if args.output:
-                try:
-                    out = open(args.output, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-                except OSError as exc:
-                    raise ValueError(f"--output {args.output}: {exc.strerror}") from exc
-                with out:
-                    session.batch(prompts, out)
-            else:
-                session.batch(prompts, sys.stdout)
-        elif args.prompt is not None:
-            session.stream(args.prompt)
-        else:
-            session.interactive()
+        with session.profiled():
+            _run(session, args, prompts)
     except (ValueError, FileNotFoundError, MissingExtraError) as exc:
         print(f"error: {flag_message(parser, exc)}", file=sys.stderr)
         return 2

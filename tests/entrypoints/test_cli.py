@@ -90,6 +90,7 @@ def test_a_ctrl_c_a_library_swallows_during_the_load_still_stops_the_run(monkeyp
     class Engine:
         steps = 0
         pooler = None  # a generating model
+        default_sampling_kwargs: dict = {}  # a model without a generation config
 
         def add_request(self, *args, **kwargs):
             return "0"
@@ -240,7 +241,7 @@ def test_quiet_batch_shows_no_progress_bar(monkeypatch, tmp_path, capsys):
 
     class FakeLLM:
         is_follower = False
-        engine = SimpleNamespace(pooler=None)  # a generating model
+        engine = SimpleNamespace(pooler=None, default_sampling_kwargs={})  # a generating model, no generation config
 
         def __init__(self, **kwargs):
             pass
