@@ -230,10 +230,10 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     async def encode(self, prompt: PromptType | ChatPrompt, pooling_params: PoolingParams, request_id: str,
-                     lora_request: LoRARequest | None = None) -> AsyncIterator[PoolingRequestOutput]:  # fmt: skip
+                     lora_request: LoRARequest | None = None, priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:  # fmt: skip
         """A pooling engine's (runner="pooling") output for the prompt, yielded once it has run (vLLM's AsyncLLM.encode);
-        leaving early (or being cancelled) aborts it."""
-        async for out in self.generate(prompt, pooling_params, request_id, lora_request):
+        leaving early (or being cancelled) aborts it. priority: as generate's."""
+        async for out in self.generate(prompt, pooling_params, request_id, lora_request, priority):
             yield out
 
     async def _on_engine(self, fn: Callable[[Any], Any], when_idle: bool,

@@ -67,6 +67,30 @@ def test_last_token_embeddings_match_transformers(model, last):
     assert last.get_stats()["num_compiles_after_warmup"] == 0
 
 
+def test_async_encode_takes_a_priority(model, last):
+    """AsyncLLMEngine.encode passes priority on, as generate does: refused under fcfs (naming it), 0 served."""
+    import asyncio
+
+    from jaxpaged.engine.async_engine import AsyncLLMEngine
+
+    hf, _ = model
+    prompt = random_prompts(hf.config.vocab_size, [6], seed=2)[0]
+    engine = AsyncLLMEngine(last.engine)
+
+    async def run(priority):
+        return [out async for out in engine.encode({"prompt_token_ids": prompt}, PoolingParams(), f"p{priority}",
+                                                   priority=priority)][-1]  # fmt: skip
+
+    try:
+        with pytest.raises(ValueError, match="priority 2 needs scheduling_policy"):
+            asyncio.run(run(2))
+        out = asyncio.run(run(0))
+    finally:
+        engine.shutdown()
+    np.testing.assert_allclose(out.outputs.data, reference(hf, prompt, "LAST"), atol=1e-5, rtol=0)
+    assert not last.engine.has_unfinished_requests()
+
+
 def test_dimensions_and_normalize_per_request(model, last):
     hf, _ = model
     prompt = random_prompts(hf.config.vocab_size, [23], seed=3)[0]
