@@ -237,6 +237,23 @@ def test_a_classifier_without_score_weight_is_refused(tmp_path):
         load_model(str(folder), dtype="float32")
 
 
+def test_a_token_classifier_without_its_bias_is_refused_unless_its_config_has_none(tmp_path):
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    hf = transformers.LlamaForTokenClassification(tiny_llama_config(num_labels=2)).eval()
+    folder = save_hf_model(hf, tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    assert tensors.pop("score.bias").shape == (2,)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"LlamaForTokenClassification checkpoint needs score.bias"):
+        load_model(str(folder), dtype="float32")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"token_classification_bias": False}))
+    info = load_model(str(folder), dtype="float32").pooling
+    assert info.task == "token_classify" and info.bias is None and info.classifier.shape == (2, 64)
+
+
 def test_a_bidirectional_embedding_model_is_refused(tmp_path):
     _saved("Qwen3Model", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
