@@ -117,6 +117,27 @@ def test_beam_search_runs_within_a_replica(reference):
 
 
 @needs_devices
+def test_reset_prefix_cache_resets_every_replica_or_none(reference):
+    from jaxpaged import SamplingParams
+
+    folder, prompts, _ = reference
+    llm = _llm(folder, 2)
+    _greedy(llm, prompts)  # every replica caches some prompt blocks
+    assert all(s["kv_blocks_cached"] > 0 for s in llm.get_stats()["replicas"])
+    engine = llm.engine
+    engine.add_request("held", {"prompt_token_ids": prompts[2]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    cached = [s["kv_blocks_cached"] for s in llm.get_stats()["replicas"]]
+    assert llm.reset_prefix_cache() is False  # one replica's sequence holds blocks: neither replica forgets
+    assert [s["kv_blocks_cached"] for s in llm.get_stats()["replicas"]] == cached
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+    assert all(s["kv_blocks_cached"] == 0 for s in llm.get_stats()["replicas"])
+    _assert_idle(engine)
+
+
+@needs_devices
 def test_each_replica_lives_on_its_own_device(reference):
     engine = _llm(reference[0], 4).engine
     for r, replica in enumerate(engine.replicas):
