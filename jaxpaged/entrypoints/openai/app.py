@@ -106,6 +106,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     tokenize.add_routes(app, serving)  # vLLM's /tokenize and /detokenize
     pooling.add_routes(app, serving)  # vLLM's /v1/embeddings, /classify, /score, /rerank: a pooling model's
 
+    from jaxpaged.entrypoints.openai import responses
+
+    responses.add_routes(app, serving, pooling.refuse_unless_served)  # OpenAI's Responses API, run as chat turns
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         pooling.refuse_unless_served(serving, "/v1/completions")

@@ -17,6 +17,7 @@ from jaxpaged.entrypoints.openai.reasoning import MARKERS, HarmonyReader, Reason
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun, sse
 from jaxpaged.entrypoints.openai.tool_parsers import ToolCallReader, tool_reader
+from jaxpaged.sampling_params import SamplingParams
 
 
 def _fields(body: ChatCompletionRequest) -> dict[str, str]:
@@ -27,8 +28,9 @@ def _fields(body: ChatCompletionRequest) -> dict[str, str]:
     }
 
 
-async def create_chat_completion(serving: Serving, http_request: Request):
-    body: ChatCompletionRequest = await serving.parse(http_request, ChatCompletionRequest)
+def prepare(serving: Serving, body: ChatCompletionRequest) -> tuple[SamplingParams, ChatPrompt, dict[str, str]]:
+    """(sampling params, prompt, the engine's words -> request fields) of a chat request; a 400 for bad input.
+    The Responses API runs its requests through this too."""
     fields = _fields(body)
     if body.tool_mode == "auto" and serving.tool_parser is None:  # vLLM refuses it too
         raise errors.bad_request(
@@ -45,6 +47,13 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     tools = None if exclude else body.tools or None
     prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs, body.reasoning_effort,
                         body.continue_final_message)  # fmt: skip
+    return params, prompt, fields
+
+
+async def create_chat_completion(serving: Serving, http_request: Request):
+    body: ChatCompletionRequest = await serving.parse(http_request, ChatCompletionRequest)
+    params, prompt, fields = prepare(serving, body)
+    parser = serving.reasoning_parser
     request_id, run = await serving.submit(http_request, "chatcmpl", [prompt], params, fields, "messages", model=body.model,
                                            priority=body.priority)  # fmt: skip
     prompt_text = serving.prompt_text(run) if parser else ""
@@ -63,8 +72,8 @@ async def create_chat_completion(serving: Serving, http_request: Request):
     choices = []
     for c in final.outputs:
         logprobs = {"content": chat_logprobs(c, 0, len(c.token_ids), top, serving.token_bytes)} if body.logprobs else None
-        reader, thinking = _readers(serving, body, prompt_text)
-        message, finish = _message(reader, thinking, c.text, c.finish_reason)
+        reader, thinking = choice_readers(serving, body, prompt_text)
+        message, finish = assistant_message(reader, thinking, c.text, c.finish_reason)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                         "stop_reason": c.stop_reason})  # fmt: skip
     generated = sum(len(c.token_ids) for c in final.outputs)
@@ -79,7 +88,7 @@ def _reader(serving: Serving, body: ChatCompletionRequest) -> ToolCallReader | N
     return None if body.tool_mode is None else tool_reader(body.tool_mode, serving.tool_parser)
 
 
-def _readers(serving: Serving, body: ChatCompletionRequest, prompt_text: str):
+def choice_readers(serving: Serving, body: ChatCompletionRequest, prompt_text: str):
     """(tool-call reader, reasoning reader) of one choice. Under "auto" with the openai parser, harmony's reader is
     both: openai-harmony reads the reasoning, the answer and the calls (`to=functions.NAME`) from the messages."""
     if body.tool_mode == "auto" and serving.tool_parser == "openai":
@@ -89,12 +98,12 @@ def _readers(serving: Serving, body: ChatCompletionRequest, prompt_text: str):
     return _reader(serving, body), reasoning_reader(parser, prompt_text) if parser else None
 
 
-def _finish(reader: ToolCallReader | HarmonyReader | None, finish_reason: str | None) -> str | None:
+def choice_finish(reader: ToolCallReader | HarmonyReader | None, finish_reason: str | None) -> str | None:
     """"tool_calls" when the output ended by itself with calls in it; one cut short keeps its reason."""
     return "tool_calls" if reader is not None and reader.calls and finish_reason == "stop" else finish_reason
 
 
-def _message(
+def assistant_message(
     reader: ToolCallReader | HarmonyReader | None, thinking: ReasoningReader | None, text: str, finish_reason: str | None
 ) -> tuple[dict, str | None]:
     """The assistant message and finish reason; with a reasoning parser the thinking as reasoning_content (and only
@@ -107,7 +116,34 @@ def _message(
     content, calls = (text, reader.calls) if reader is thinking else reader.parse(text or "")
     if not calls:
         content = content or ("" if thinking is None else None)
-    return {**message, "content": content, "tool_calls": [c.openai() for c in calls]}, _finish(reader, finish_reason)
+    return {**message, "content": content, "tool_calls": [c.openai() for c in calls]}, choice_finish(reader, finish_reason)
+
+
+class MessageDeltas:
+    """The n choices of one streamed answer: each update's cumulative output in, OpenAI message deltas out
+    ({"reasoning_content"}, {"content"} or {"tool_calls"}), the thinking split off and the calls read from the
+    answer alone. Chat's chunks and the Responses API's events are both built from these."""
+
+    def __init__(self, serving: Serving, body: ChatCompletionRequest, prompt_text: str, n: int):
+        self.deltas = Deltas(n)
+        self.readers, self.thinkers = map(list, zip(*(choice_readers(serving, body, prompt_text) for _ in range(n))))
+        self.answers = [""] * n  # each choice's answer so far (its text but the thinking), which the tool reader reads
+
+    def step(self, c) -> tuple[list[dict], int, int]:
+        """(new deltas, first new token, end of new tokens) of choice c's latest output."""
+        text, start, end = self.deltas.advance(c.index, c.text, len(c.token_ids))
+        reader, thinker, done = self.readers[c.index], self.thinkers[c.index], c.finish_reason is not None
+        new = [{"content": text}] if text else []
+        if thinker is not None:
+            new = thinker.feed(c.text) + (thinker.finish(c.text) if done else [])
+        if reader is not None and reader is not thinker:  # (harmony's reader sends its calls itself)
+            answer = c.text if thinker is None else self.answers[c.index] + "".join(d.get("content", "") for d in new)
+            self.answers[c.index] = answer
+            new = [d for d in new if "reasoning_content" in d] + reader.feed(answer) + (reader.finish() if done else [])
+        return new, start, end
+
+    def finish_reason(self, c) -> str | None:
+        return choice_finish(self.readers[c.index], c.finish_reason)
 
 
 async def _stream(
@@ -115,9 +151,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     meta = {**meta, "object": "chat.completion.chunk"}
     extra = {"usage": usage(run.prompt_tokens, 0) if body.continuous_usage else None} if body.include_usage else {}
-    deltas = Deltas(body.n)
-    readers, thinkers = map(list, zip(*(_readers(serving, body, prompt_text) for _ in range(body.n))))
-    answers = [""] * body.n  # each choice's answer so far (its text but the thinking), which the tool reader reads
+    messages = MessageDeltas(serving, body, prompt_text, body.n)
     top = body.top_logprobs or 0
     for index in range(body.n):  # OpenAI opens every choice with the role
         delta = {"role": "assistant", "content": ""}
@@ -125,15 +159,7 @@ async def _stream(
 
     def chunk_for(_i, _out, c) -> list[dict] | None:
         """A chunk per delta: content, or under tools a call's opening (id, name) and then its arguments' pieces."""
-        text, start, end = deltas.advance(c.index, c.text, len(c.token_ids))
-        reader, thinker, done = readers[c.index], thinkers[c.index], c.finish_reason is not None
-        new = [{"content": text}] if text else []
-        if thinker is not None:
-            new = thinker.feed(c.text) + (thinker.finish(c.text) if done else [])
-        if reader is not None and reader is not thinker:  # (harmony's reader sends its calls itself)
-            answer = c.text if thinker is None else answers[c.index] + "".join(d.get("content", "") for d in new)
-            answers[c.index] = answer
-            new = [d for d in new if "reasoning_content" in d] + reader.feed(answer) + (reader.finish() if done else [])
+        new, start, end = messages.step(c)
         if not new:
             if c.finish_reason is None and (not body.logprobs or start == end):
                 return None
@@ -141,8 +167,8 @@ async def _stream(
         choices = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in new]
         if body.logprobs:
             choices[0]["logprobs"] = {"content": chat_logprobs(c, start, end, top, serving.token_bytes)}
-        choices[-1]["finish_reason"] = _finish(reader, c.finish_reason)
-        if done:
+        choices[-1]["finish_reason"] = messages.finish_reason(c)
+        if c.finish_reason is not None:
             choices[-1]["stop_reason"] = c.stop_reason  # (vLLM's: the stop string or token id that ended it)
         return choices
 
