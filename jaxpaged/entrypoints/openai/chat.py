@@ -85,7 +85,7 @@ async def create_chat_completion(serving: Serving, http_request: Request):
 
 def _reader(serving: Serving, body: ChatCompletionRequest) -> ToolCallReader | None:
     """What reads a choice's tool calls: the model's own format under "auto", the grammar's otherwise."""
-    return None if body.tool_mode is None else tool_reader(body.tool_mode, serving.tool_parser)
+    return None if body.tool_mode is None else tool_reader(body.tool_mode, serving.tool_parser, body.tools)
 
 
 def choice_readers(serving: Serving, body: ChatCompletionRequest, prompt_text: str):

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import uuid
 
-PARSERS = ("hermes", "llama3_json", "openai")
+PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder")
 ARG_KEYS = ("arguments", "parameters")  # Llama 3.1's template and vLLM's "required" array say "parameters"
 _WS = " \t\r\n"
 
@@ -27,6 +27,8 @@ def detect_parser(chat_template) -> str | None:
         chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str))
     if not chat_template:
         return None
+    if "<function=" in chat_template and "<parameter=" in chat_template:  # Qwen3-Coder's, Qwen3.5's XML calls
+        return "qwen3_coder"
     if "<tool_call>" in chat_template:
         return "hermes"
     if "<|channel|>" in chat_template and "<|message|>" in chat_template:  # gpt-oss's harmony
@@ -37,9 +39,14 @@ def detect_parser(chat_template) -> str | None:
     return None
 
 
-def tool_reader(mode: str, parser: str | None = None) -> ToolCallReader:
-    """The reader for a tool mode: "auto" (with the parser's format), "required", or a function's name."""
+def tool_reader(mode: str, parser: str | None = None, tools: list[dict] | None = None) -> ToolCallReader:
+    """The reader for a tool mode: "auto" (with the parser's format), "required", or a function's name. `tools`
+    (the request's) give qwen3_coder its parameters' types."""
     if mode == "auto":
+        if parser == "qwen3_coder":
+            from jaxpaged.entrypoints.openai.tool_parsers_xml import Qwen3CoderReader
+
+            return Qwen3CoderReader(tools)
         return HermesReader() if parser == "hermes" else JsonCallsReader(prefix="<|python_tag|>", sep=";")
     if mode == "required":
         return JsonCallsReader(prefix="[", sep=",", end="]")
@@ -230,8 +237,8 @@ class ToolCallReader:
         if body:
             self._emit(body)
 
-    def _begin(self, name: str) -> ToolCall:
-        call = ToolCall(name)
+    def _begin(self, name: str, call_id: str | None = None) -> ToolCall:
+        call = ToolCall(name) if call_id is None else ToolCall(name, id=call_id)
         self._call = call
         if not self._content:
             self._held = ""
@@ -242,7 +249,7 @@ class ToolCallReader:
     def _args(self, arguments: str) -> None:
         """The current call's arguments so far (the ones sent before are a prefix of them)."""
         new = arguments[len(self._call.arguments) :]
-        if new:
+        if new and arguments.startswith(self._call.arguments):
             self._call.arguments = arguments
             self._out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": new}}]})
 
