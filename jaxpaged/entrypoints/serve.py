@@ -15,8 +15,9 @@ from jaxpaged.entrypoints.generate import CLIParser, flag_message, prog_name
 from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder")  # tool_parsers.PARSERS, which needs the serve extra to import
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")  # reasoning.REASONING_PARSERS, likewise
+# tool_parsers.PARSERS and reasoning.REASONING_PARSERS, which need the serve extra to import
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 # `vllm serve`'s flags this server lacks, beyond those both CLIs know (generate.VLLM_HINTS)

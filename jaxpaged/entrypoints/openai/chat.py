@@ -16,7 +16,7 @@ from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxpaged.entrypoints.openai.reasoning import MARKERS, HarmonyReader, ReasoningReader, reasoning_reader
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun, sse
-from jaxpaged.entrypoints.openai.tool_parsers import ToolCallReader, tool_reader
+from jaxpaged.entrypoints.openai.tool_parsers import SPECIAL_MARKERS, ToolCallReader, tool_reader
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -40,8 +40,8 @@ def prepare(serving: Serving, body: ChatCompletionRequest) -> tuple[SamplingPara
             param="tool_choice",
         )
     parser = serving.reasoning_parser
-    if parser == "gpt_oss":
-        body.skip_special_tokens = False  # harmony's markers are special tokens: its reader needs them in the text
+    if parser == "gpt_oss" or (body.tool_mode == "auto" and serving.tool_parser in SPECIAL_MARKERS):
+        body.skip_special_tokens = False  # the markers are special tokens (harmony's, tool calls'): readers need them
     params = serving.sampling_params(body, fields, reasoning=MARKERS[parser] if parser else None)
     exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none
     tools = None if exclude else body.tools or None

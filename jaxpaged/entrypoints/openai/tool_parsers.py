@@ -16,7 +16,8 @@ import dataclasses
 import json
 import uuid
 
-PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder")
+PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2")
+SPECIAL_MARKERS = ("deepseek_v3", "deepseek_v31", "kimi_k2")  # their calls' markers are special tokens, kept in the text
 ARG_KEYS = ("arguments", "parameters")  # Llama 3.1's template and vLLM's "required" array say "parameters"
 _WS = " \t\r\n"
 
@@ -27,6 +28,10 @@ def detect_parser(chat_template) -> str | None:
         chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str))
     if not chat_template:
         return None
+    if "<｜tool▁calls▁begin｜>" in chat_template:  # DeepSeek: V3/R1-0528 wrap the arguments in ```json, V3.1 not
+        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+    if "<|tool_calls_section_begin|>" in chat_template or "<|tool_call_section_begin|>" in chat_template:
+        return "kimi_k2"
     if "<function=" in chat_template and "<parameter=" in chat_template:  # Qwen3-Coder's, Qwen3.5's XML calls
         return "qwen3_coder"
     if "<tool_call>" in chat_template:
@@ -47,6 +52,10 @@ def tool_reader(mode: str, parser: str | None = None, tools: list[dict] | None =
             from jaxpaged.entrypoints.openai.tool_parsers_xml import Qwen3CoderReader
 
             return Qwen3CoderReader(tools)
+        if parser in SPECIAL_MARKERS:
+            from jaxpaged.entrypoints.openai.tool_parsers_marked import MarkedCallsReader
+
+            return MarkedCallsReader(parser)
         return HermesReader() if parser == "hermes" else JsonCallsReader(prefix="<|python_tag|>", sep=";")
     if mode == "required":
         return JsonCallsReader(prefix="[", sep=",", end="]")
