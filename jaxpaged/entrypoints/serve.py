@@ -16,7 +16,8 @@ from jaxpaged.utils.extras import MissingExtraError, require
 from jaxpaged.utils.logging_utils import setup_logging
 
 # tool_parsers.PARSERS and reasoning.REASONING_PARSERS, which need the serve extra to import
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral",
+                     "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 

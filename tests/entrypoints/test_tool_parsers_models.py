@@ -91,6 +91,31 @@ CASES += [
      [("weather", '{"a": 1}')]),
     ("kimi_k2", f"{KB}<|tool_call_begin|>weather<|tool_call_argument_begin|>{{}}<|tool_call_end|>{KE}",
      f"{KB}<|tool_call_begin|>weather<|tool_call_argument_begin|>{{}}<|tool_call_end|>{KE}", []),  # no :IDX
+    # Mistral: the pre-v11 array, v11's NAME{...} and the newer NAME[ARGS]{...}, one per [TOOL_CALLS]
+    ("mistral", f'Checking. [TOOL_CALLS] [{{"name": "weather", "arguments": {W_ARGS}}}, {{"name": "now", "arguments": {{}}}}]',
+     "Checking.", [("weather", W_ARGS), ("now", "{}")]),
+    ("mistral", f"[TOOL_CALLS]weather{W_ARGS}[TOOL_CALLS]now{{}}", None, [("weather", W_ARGS), ("now", "{}")]),
+    ("mistral", f"Sure.\n[TOOL_CALLS]weather[ARGS]{W_ARGS}[TOOL_CALLS]now[ARGS]{{}}\nDone.", "Sure.\nDone.",
+     [("weather", W_ARGS), ("now", "{}")]),
+    ("mistral", '[TOOL_CALLS]weather[ARGS]{"city": "[TOOL_CALLS]}', None, [("weather", '{"city": "[TOOL_CALLS]}')]),
+    ("mistral", "[TOOL_CALLS]weat", "[TOOL_CALLS]weat", []),
+    ("mistral", "[TOOL_CALLS]weather[ARGS]", "[TOOL_CALLS]weather[ARGS]", []),
+    ("mistral", "I can't [TOOL_CALLS] that.", "I can't [TOOL_CALLS] that.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": 1}]', '[TOOL_CALLS] [{"name": 1}]', []),
+    ("mistral", "No calls [TOOL_", "No calls [TOOL_", []),
+    # pythonic: a list of calls, keyword literals to JSON; text first, or no list, is content
+    ("pythonic", '[weather(city="Oslo", days=3), now()]', None, [("weather", W_ARGS), ("now", "{}")]),
+    ("pythonic", "<|python_start|>[weather(city='a\\'(]', days=-3.5, tags=[1, None, True], opts={'k': (1, 2)})]<|python_end|>",
+     None, [("weather", '{"city": "a\'(]", "days": -3.5, "tags": [1, null, true], "opts": {"k": [1, 2]}}')]),
+    ("pythonic", '[weather(city="Oslo", days=3), now(x=__import__("os"))]', 'now(x=__import__("os"))]',
+     [("weather", W_ARGS)]),
+    ("pythonic", '[weather(city="Oslo", days=3), now()]\nDone.', "Done.", [("weather", W_ARGS), ("now", "{}")]),
+    ("pythonic", 'Let me check: [now()]', 'Let me check: [now()]', []),
+    ("pythonic", '[1, 2, 3]', '[1, 2, 3]', []),
+    ("pythonic", '[weather("Oslo")]', '[weather("Oslo")]', []),
+    ("pythonic", '[weather(city="Oslo", days=3, tags=[1, ', None, [("weather", W_ARGS[:-1] + ', "tags": [1]}')]),
+    ("pythonic", '[weather(city="Os', None, [("weather", '{"city": "Os"}')]),
+    ("pythonic", "[weat", "[weat", []),
 ]
 
 
@@ -128,9 +153,8 @@ def check(parser, text, content, calls):
     reader = tool_reader("auto", parser, TOOLS)
     got_content, got_calls = reader.parse(text)
     assert (got_content, [(c.name, c.arguments) for c in got_calls]) == (content, calls)
-    for _, arguments in calls:
-        if not arguments.startswith("{") or arguments.endswith("}"):
-            json.loads(arguments)
+    for _, arguments in calls if parser in ("qwen3_coder", "pythonic") else ():  # JSON these readers wrote
+        assert isinstance(json.loads(arguments), dict)
     assert _stream(parser, text, range(len(text) + 1)) == (content, calls)
     rng = random.Random(len(text))
     for _ in range(20):
@@ -144,6 +168,8 @@ def test_whole_and_streamed_in_any_pieces_agree(parser, text, content, calls):
     got = check(parser, text, content, calls)
     if parser == "kimi_k2":  # vLLM returns Kimi's own id, which its template writes back
         assert [c.id for c in got] == [f"functions.{name}:{i}" for i, (name, _) in enumerate(calls)]
+    elif parser == "mistral":  # Mistral refuses ids that are not 9 alphanumeric characters
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in got) and len({c.id for c in got}) == len(got)
     else:
         assert all(c.id.startswith("call_") for c in got)
 
@@ -177,10 +203,15 @@ KIMI_K2 = ("{{render_content(message)}}<|tool_calls_section_begin|>{%- for tool_
            "<|tool_call_begin|>{{ formatted_id }}<|tool_call_argument_begin|>{{ tool_call['function']['arguments'] }}")
 QWEN3_CODER = ("If you choose to call a function ONLY reply in the following format with NO suffix:\\n\\n<tool_call>\\n"
                "<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>")
+MISTRAL = ('{%- elif message["role"] == "assistant" %}{%- if message.tool_calls is defined %}{{- "[TOOL_CALLS]" }}'
+           '{%- for tool in message.tool_calls %}{{- tool["function"]["name"] + "[ARGS]" + arguments }}')
+PYTHONIC = ("- Use exact format: [func_name1(param1=value1, param2=value2), func_name2(...)]\\nExamples:\\nCORRECT: "
+            "[get_weather(location=\\\"Vancouver\\\")")
 
 
 @pytest.mark.parametrize(("template", "parser"), [
     (DEEPSEEK_V3, "deepseek_v3"), (DEEPSEEK_V31, "deepseek_v31"), (KIMI_K2, "kimi_k2"), (QWEN3_CODER, "qwen3_coder"),
+    (MISTRAL, "mistral"), (PYTHONIC, "pythonic"),
 ])  # fmt: skip
 def test_the_template_names_its_parser(template, parser):
     from jaxpaged.entrypoints.openai.tool_parsers import detect_parser

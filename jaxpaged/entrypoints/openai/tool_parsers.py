@@ -16,8 +16,10 @@ import dataclasses
 import json
 import uuid
 
-PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2")
-SPECIAL_MARKERS = ("deepseek_v3", "deepseek_v31", "kimi_k2")  # their calls' markers are special tokens, kept in the text
+PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral",
+           "pythonic")
+# parsers whose markers are special tokens: their requests keep special tokens in the text
+SPECIAL_MARKERS = ("deepseek_v3", "deepseek_v31", "kimi_k2", "mistral")
 ARG_KEYS = ("arguments", "parameters")  # Llama 3.1's template and vLLM's "required" array say "parameters"
 _WS = " \t\r\n"
 
@@ -32,6 +34,10 @@ def detect_parser(chat_template) -> str | None:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if "<|tool_calls_section_begin|>" in chat_template or "<|tool_call_section_begin|>" in chat_template:
         return "kimi_k2"
+    if "[TOOL_CALLS]" in chat_template:  # Mistral's
+        return "mistral"
+    if "[func_name1(" in chat_template:  # vLLM's pythonic templates (Llama 3.2, Llama 4) show the list of calls
+        return "pythonic"
     if "<function=" in chat_template and "<parameter=" in chat_template:  # Qwen3-Coder's, Qwen3.5's XML calls
         return "qwen3_coder"
     if "<tool_call>" in chat_template:
@@ -52,10 +58,18 @@ def tool_reader(mode: str, parser: str | None = None, tools: list[dict] | None =
             from jaxpaged.entrypoints.openai.tool_parsers_xml import Qwen3CoderReader
 
             return Qwen3CoderReader(tools)
-        if parser in SPECIAL_MARKERS:
+        if parser in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
             from jaxpaged.entrypoints.openai.tool_parsers_marked import MarkedCallsReader
 
             return MarkedCallsReader(parser)
+        if parser == "mistral":
+            from jaxpaged.entrypoints.openai.tool_parsers_mistral import MistralReader
+
+            return MistralReader()
+        if parser == "pythonic":
+            from jaxpaged.entrypoints.openai.tool_parsers_pythonic import PythonicReader
+
+            return PythonicReader()
         return HermesReader() if parser == "hermes" else JsonCallsReader(prefix="<|python_tag|>", sep=";")
     if mode == "required":
         return JsonCallsReader(prefix="[", sep=",", end="]")

@@ -98,8 +98,8 @@ class MarkedCallsReader(ToolCallReader):
                     self._state = "bad"
             elif self._state == "header":
                 j = t.find(m.header_end, self._at)
-                stop = min((k for k in (t.find(m.call_end, self._at), *(t.find(e, self._at) for e in m.ends)) if k >= 0),
-                           default=len(t))  # fmt: skip
+                ends = (t.find(tag, self._at) for tag in (m.call_end, *m.ends))
+                stop = min((k for k in ends if k >= 0), default=len(t))
                 got = _header(self.parser, t[self._at : j]) if 0 <= j < stop else None
                 if got is None:
                     if j < 0 and stop == len(t) and not final:

@@ -130,7 +130,8 @@ class Qwen3CoderReader(ToolCallReader):
                 call, func = t.find(CALL, self.pos), t.find(FUNC, self.pos)
                 j = min(k for k in (call, func, len(t)) if k >= 0)
                 if j == len(t):
-                    end = len(t) if final else len(t) - max(_partial_tag(t, self.pos, CALL), _partial_tag(t, self.pos, FUNC))
+                    held = max(_partial_tag(t, self.pos, CALL), _partial_tag(t, self.pos, FUNC))
+                    end = len(t) if final else len(t) - held
                     self._say(t[self.pos : end])
                     self.pos = end
                     return
