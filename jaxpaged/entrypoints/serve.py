@@ -18,7 +18,7 @@ from jaxpaged.utils.logging_utils import setup_logging
 # tool_parsers.PARSERS and reasoning.REASONING_PARSERS, which need the serve extra to import
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2", "mistral",
                      "pythonic")
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "deepseek_v3", "mistral")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 # `vllm serve`'s flags this server lacks, beyond those both CLIs know (generate.VLLM_HINTS)

@@ -13,7 +13,8 @@ from jaxpaged.engine.async_engine import ChatPrompt, EngineDeadError
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
-from jaxpaged.entrypoints.openai.reasoning import MARKERS, HarmonyReader, ReasoningReader, reasoning_reader
+from jaxpaged.entrypoints.openai.reasoning import MARKERS, SPECIAL_MARKERS as SPECIAL_THINKING
+from jaxpaged.entrypoints.openai.reasoning import HarmonyReader, ReasoningReader, reasoning_reader
 from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream_choices, usage
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun, sse
 from jaxpaged.entrypoints.openai.tool_parsers import SPECIAL_MARKERS, ToolCallReader, tool_reader
@@ -40,7 +41,7 @@ def prepare(serving: Serving, body: ChatCompletionRequest) -> tuple[SamplingPara
             param="tool_choice",
         )
     parser = serving.reasoning_parser
-    if parser == "gpt_oss" or (body.tool_mode == "auto" and serving.tool_parser in SPECIAL_MARKERS):
+    if parser in SPECIAL_THINKING or (body.tool_mode == "auto" and serving.tool_parser in SPECIAL_MARKERS):
         body.skip_special_tokens = False  # the markers are special tokens (harmony's, tool calls'): readers need them
     params = serving.sampling_params(body, fields, reasoning=MARKERS[parser] if parser else None)
     exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none

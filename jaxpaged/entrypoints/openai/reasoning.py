@@ -28,10 +28,13 @@ from jaxpaged.utils.extras import require
 # harmony's encoding and its offline vocabulary (re-exported: the engine renders GPT-OSS's prompts with them too)
 from jaxpaged.utils.harmony import BUNDLED_O200K, O200K_SHA256, bundled_vocabulary, harmony_encoding  # noqa: F401
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss", "deepseek_v3", "mistral")
 THINK = ("<think>", "</think>")
+MISTRAL_THINK = ("[THINK]", "[/THINK]")  # Magistral's control tokens (special: kept in the text for the reader)
 # (start, end): the markers the grammar of structured outputs waits behind (StructuredOutputsParams.reasoning_end)
-MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "gpt_oss": ("<|start|>", "<|channel|>final<|message|>")}
+MARKERS = {"qwen3": THINK, "deepseek_r1": THINK, "gpt_oss": ("<|start|>", "<|channel|>final<|message|>"),
+           "deepseek_v3": THINK, "mistral": MISTRAL_THINK}  # fmt: skip
+SPECIAL_MARKERS = ("gpt_oss", "mistral")  # parsers whose markers are special tokens: kept in the text
 
 
 def check_reasoning_parser(name: str | None) -> None:
@@ -55,10 +58,14 @@ def detect_reasoning_parser(chat_template, generation_prompt: str | None = None)
         return None
     if "<|channel|>" in chat_template and "<|message|>" in chat_template:
         return "gpt_oss"
+    if MISTRAL_THINK[0] in chat_template:  # Magistral's
+        return "mistral"
     if THINK[0] not in chat_template and THINK[1] not in chat_template:
         return None
-    opens = generation_prompt is not None and generation_prompt.rstrip().endswith(THINK[0])
-    return "deepseek_r1" if opens else "qwen3"
+    prompt_end = generation_prompt.rstrip() if generation_prompt is not None else ""
+    if "<｜Assistant｜>" in chat_template and prompt_end.endswith(THINK[1]):  # DeepSeek-V3.1: thinking off by default
+        return "deepseek_v3"
+    return "deepseek_r1" if prompt_end.endswith(THINK[0]) else "qwen3"
 
 
 def prompt_thinking(name: str, prompt_text: str) -> str | None:
@@ -74,6 +81,10 @@ def reasoning_reader(name: str, prompt_text: str = "") -> ReasoningReader:
     if name == "gpt_oss":
         return HarmonyReader()
     state = prompt_thinking(name, prompt_text)
+    if name == "mistral":
+        return MistralThinkReader(thinking=state == "open")
+    if name == "deepseek_v3":  # V3.1 thinks only when its template opened <think> (the `thinking` kwarg)
+        return ThinkReader(thinking=True) if state == "open" else ContentReader()
     return ThinkReader(thinking=state == "open" if name == "qwen3" else state != "closed")
 
 
@@ -222,3 +233,45 @@ class HarmonyReader(ReasoningReader):
                     self._out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": delta}}]})
         elif delta:
             self._emit("reasoning_content" if channel == "analysis" else "content", delta)
+
+
+class ContentReader(ReasoningReader):
+    """No reasoning: all of the output is content (deepseek_v3 with thinking off, as vLLM's identity parser)."""
+
+    def _advance(self, text: str | None, final: bool) -> None:
+        if text is not None:
+            self._emit("content", text[len(self.content or "") :])
+
+
+class MistralThinkReader(ReasoningReader):
+    """Magistral's `[THINK]reasoning[/THINK]content`, as vLLM reads it: no `[THINK]`, all content (a stray `[/THINK]`
+    dropped); text before `[THINK]` is content too. `thinking`: the prompt opened `[THINK]` itself."""
+
+    def __init__(self, thinking: bool = False):
+        super().__init__()
+        self.text, self.pos = "", 0
+        self._state = "reasoning" if thinking else "before"
+
+    def _advance(self, text: str | None, final: bool) -> None:
+        t = self.text = self.text if text is None else text
+        start, end = MISTRAL_THINK
+        while True:
+            if self._state == "content":
+                self._emit("content", t[self.pos :])
+                self.pos = len(t)
+                return
+            key = "reasoning_content" if self._state == "reasoning" else "content"
+            tags = (end,) if self._state == "reasoning" else (start, end)
+            found = [(j, tag) for tag in tags if (j := t.find(tag, self.pos)) >= 0]
+            if not found:
+                stop = len(t) if final else len(t) - max(_partial_tag(t, self.pos, tag) for tag in tags)
+                self._emit(key, t[self.pos : stop])
+                self.pos = stop
+                return
+            j, tag = min(found)
+            self._emit(key, t[self.pos : j])
+            self.pos = j + len(tag)
+            if tag == start:
+                self._state = "reasoning"
+            elif self._state == "reasoning":
+                self._state = "content"
