@@ -295,4 +295,4 @@ def test_a_generating_server_refuses_the_pooling_endpoints(cycle_model_dir):
     for r in responses:
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
-        assert "generates text" in message and message.endswith("serves /v1/completions, /v1/chat/completions, /v1/responses")
+        assert "generates text" in message and message.endswith("serves /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages")

@@ -8,29 +8,16 @@ names them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import openai
 import pytest
 
-from tests.reasoning_model import ANSWER, CONTENT, REASONING, write_think_model
+from tests.entrypoints.asgi import MODEL
+from tests.entrypoints.asgi import app_for as _app
+from tests.entrypoints.asgi import run
+from tests.reasoning_model import CONTENT, REASONING, write_think_model
 from tests.tool_model import CALLS, write_tool_model
-
-ENGINE = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 8, "num_kv_blocks": 256,
-          "dtype": "float32", "precompile": False}  # fmt: skip
-MODEL = "m"
-
-
-def _app(folder):
-    from jaxpaged import LLM
-    from jaxpaged.engine.async_engine import AsyncLLMEngine
-    from jaxpaged.entrypoints.openai import ServerSettings, build_app
-
-    engine = AsyncLLMEngine(LLM(str(folder), log_level="WARNING", **ENGINE).engine)
-    engine.start()
-    return build_app(engine, ServerSettings([MODEL])), engine
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +37,11 @@ def tools(tmp_path_factory):
 def _run(app, work):
     """work(client, http) -> awaitable, run against `app` with the openai client and raw httpx."""
 
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/v1", timeout=120) as http:
-            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http, max_retries=0)
-            return await work(client, http)
+    async def main(http):
+        client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http, max_retries=0)
+        return await work(client, http)
 
-    return asyncio.run(main())
+    return run(app, main)
 
 
 def test_reasoning_and_answer_as_items(think):

@@ -109,6 +109,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     from jaxpaged.entrypoints.openai import responses
 
     responses.add_routes(app, serving, pooling.refuse_unless_served)  # OpenAI's Responses API, run as chat turns
+    from jaxpaged.entrypoints.openai import anthropic
+
+    anthropic.add_routes(app, serving, pooling.refuse_unless_served)  # Anthropic's Messages API, run as chat turns
 
     @app.post("/v1/completions")
     async def completions(request: Request):

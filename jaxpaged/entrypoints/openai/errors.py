@@ -92,6 +92,11 @@ def rename_constraint(message: str, field: str) -> str:
     return re.sub(r"^structured_outputs(\.\w+)?", field, message, count=1)
 
 
+def rename_field(message: str, old: str, new: str) -> str:
+    """A message that names a request field `old` (as a whole word), worded with `new` instead."""
+    return re.sub(rf"(?<![\w.]){re.escape(old)}(?!\w)", new, message)
+
+
 def model_not_found(name: str, served: list[str]) -> APIError:
     return APIError(
         404, f"The model '{name}' does not exist; this server serves {', '.join(repr(s) for s in served)}",

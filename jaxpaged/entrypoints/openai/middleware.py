@@ -19,17 +19,24 @@ async def _no_receive():
 
 
 class APIKeyMiddleware:
-    """Every route except the probes (OPEN_PATHS) needs `Authorization: Bearer <key>` (compared in constant time)."""
+    """Every route except the probes (OPEN_PATHS) needs `Authorization: Bearer <key>`, or Anthropic's `x-api-key:
+    <key>` (what its clients send), compared in constant time."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+        key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        if not (bearer_ok or key_ok):
+            if scope["path"].startswith("/v1/messages"):  # an Anthropic client reads Anthropic's error shape
+                from jaxpaged.entrypoints.openai.anthropic import error_response
+
+                return await error_response(errors.unauthorized())({"type": "http"}, _no_receive, send)
             return await _send_error(send, errors.unauthorized())
         return await self.app(scope, receive, send)
 

@@ -31,7 +31,7 @@ from jaxpaged.entrypoints.openai.serving import Serving
 from jaxpaged.outputs import PoolingRequestOutput
 from jaxpaged.pooling_params import PoolingParams
 
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 # the engine's and PoolingParams' words -> the request's fields
 FIELDS = {name: name for name in ("dimensions", "normalize", "activation", "truncate_prompt_tokens", "messages",
                                   "priority", "task", "step_tag_id", "returned_token_ids")}

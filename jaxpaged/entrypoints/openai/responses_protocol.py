@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from pydantic import field_validator, model_validator
 
-from jaxpaged.entrypoints.openai.errors import FieldError
+from jaxpaged.entrypoints.openai.errors import FieldError, rename_field
 from jaxpaged.entrypoints.openai.protocol import _Strict, check_template_kwargs
 
 # vLLM's extras a Responses request may carry, passed to the chat request as they are
@@ -268,7 +268,4 @@ def renamed(param: str | None, message: str) -> tuple[str | None, str]:
     if new is None:
         return param, message
     full = f"{new}.{rest}" if rest else new
-    for old in (param, head):
-        if message.startswith(old):
-            return full, full + message[len(old) :]
-    return full, message
+    return full, rename_field(rename_field(message, param, full), head, new)
