@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request body in bytes; larger get 413 (default: 4 MiB)")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool_choice 'auto' reads calls from the output: hermes (<tool_call> JSON: Qwen2.5, "
-                   "Hermes), llama3_json (Llama 3.1/3.2 JSON calls) or openai (gpt-oss's harmony calls, read by "
+                   "Hermes), llama3_json (Llama 3.1/3.2 JSON calls), qwen3_coder (Qwen3-Coder/Qwen3.5 XML calls), "
+                   "deepseek_v3 (DeepSeek-V3, R1-0528), deepseek_v31 (DeepSeek-V3.1), kimi_k2 (Kimi-K2), mistral "
+                   "([TOOL_CALLS]), pythonic ([f(a=1), g()]) or openai (gpt-oss's harmony calls, read by "
                    "openai-harmony with the gpt_oss reasoning parser) (default: detected from the chat template; a "
                    "template with none of them gets 400 for 'auto')")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -86,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split a thinking model's reasoning from its answer: message.reasoning_content (streamed as "
                    "delta.reasoning_content) beside content; tool calls are read from the answer, and an output "
                    "constraint (response_format) starts after the thinking. qwen3 and deepseek_r1 read "
-                   "<think>...</think>; gpt_oss reads the harmony format (pip install 'jaxpaged[harmony]') "
+                   "<think>...</think>; deepseek_v3 reads it only when the template opened <think> (DeepSeek-V3.1's "
+                   "thinking kwarg); mistral reads Magistral's [THINK]...[/THINK]; gpt_oss reads the harmony format "
+                   "(pip install 'jaxpaged[harmony]') "
                    "(default: detected from the chat template; none: off)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="with --enable-lora: LoRA adapters (PEFT folders or hub ids) served as models named NAME")

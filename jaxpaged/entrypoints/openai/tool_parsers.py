@@ -2,7 +2,9 @@
 (vLLM's `--tool-call-parser`): Hermes-style `<tool_call>` JSON (Qwen2.5, Hermes) and Llama 3.1's JSON calls for
 tool_choice "auto", plus the grammar-shaped outputs of "required" (a JSON array) and a named function. gpt-oss's
 harmony calls (`openai`, vLLM's name: a commentary message `to=functions.NAME`) are read by openai-harmony, in the
-gpt_oss reasoning parser's reader (reasoning.HarmonyReader), not here.
+gpt_oss reasoning parser's reader (reasoning.HarmonyReader), not here. Newer families' formats have their own
+modules on the same reader: tool_parsers_xml (qwen3_coder), tool_parsers_marked (deepseek_v3, deepseek_v31,
+kimi_k2), tool_parsers_mistral (mistral) and tool_parsers_pythonic (pythonic).
 
 Each format is one reader of the choice's cumulative text that returns OpenAI deltas as it goes; the whole-text
 parse is the same reader fed the text at once, so a stream and a plain response always agree. A stream cannot
