@@ -137,6 +137,11 @@ class EngineConfig:
                                     "max_new_tokens), as vLLM; vllm: vLLM's own defaults; or a folder holding one", group="model")  # fmt: skip
     override_generation_config: Any = option(None, "generation config fields set over the model's, as JSON, e.g. "
                                              "'{\"temperature\": 0.5}'", group="model")  # fmt: skip
+    enable_prompt_embeds: bool = option(False, "accept prompts given as embeddings ({\"prompt_embeds\": [T, hidden]} in "
+                                        "LLM.generate; the server's prompt_embeds field, base64 of a torch.save'd tensor): "
+                                        "each step then carries an embeddings input beside the token ids; Llama-like "
+                                        "models, not with pipeline parallelism, speculative decoding or a pooling runner "
+                                        "(default: off)", group="model")  # fmt: skip
     profiler_dir: str | None = option(None, "folder for JAX profiler traces taken between LLM.start_profile() and "
                                       "stop_profile() (the server's POST /start_profile and /stop_profile, served "
                                       "only with it), as vLLM's VLLM_TORCH_PROFILER_DIR (default: none, profiling off)")  # fmt: skip
@@ -249,7 +254,7 @@ class EngineConfig:
         if self.moe_kernel not in MOE_KERNEL_CHOICES:
             raise ValueError(f"moe_kernel must be one of {MOE_KERNEL_CHOICES} (got {self.moe_kernel!r})")
         for name in ("enable_prefix_caching", "batch_invariant", "async_scheduling", "precompile", "quantize_activations",
-                     "fused_kv_write", "fuse_projections"):  # fmt: skip
+                     "fused_kv_write", "fuse_projections", "enable_prompt_embeds"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (got {getattr(self, name)!r})")
         if self.fused_kv_write and self.pipeline_parallel_size > 1:
@@ -273,6 +278,9 @@ class EngineConfig:
         from jaxpaged.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.enable_prompt_embeds and (self.speculative_config is not None or self.pipeline_parallel_size > 1):
+            raise ValueError("enable_prompt_embeds needs pipeline_parallel_size 1 and no speculative_config (their "
+                             "steps take token ids only)")  # fmt: skip
         if self.speculative_config is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config needs pipeline_parallel_size 1")
         if self.speculative_config is not None and self.speculative_config.method == "draft_model" and (

@@ -443,16 +443,29 @@ class CausalLM(nnx.Module):
     def embed(self, input_ids, positions):
         return self.embed_tokens(input_ids)
 
+    @classmethod
+    def takes_prompt_embeds(cls) -> bool:
+        """Whether a prompt may be given as embeddings (enable_prompt_embeds): a port whose input is the token
+        embedding alone (CausalLM's embed and forward), where a given vector stands where transformers' inputs_embeds
+        does. Ports that scale, norm or add positions to it, or read the ids again (Gemma, GPT-2, OPT, BLOOM,
+        Gemma 4, the vision-language ports), override one of them and are refused."""
+        return cls.embed is CausalLM.embed and cls.forward is CausalLM.forward
+
     def final(self, x):
         return self.norm(x)
 
-    def forward(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata, prompt_embeds=None):
         """input_ids, positions: [T] -> (final hidden states [T, D], this step's K/V [T, L, 2, H_kv, D]).
 
         Reads the cache only; the runner writes the new K/V with write_kv in a second jitted call
-        that donates the cache (see pallas_kernels/attention.py for why).
+        that donates the cache (see pallas_kernels/attention.py for why). prompt_embeds: (mask [T], rows [T, D]),
+        a step's given embeddings replacing the table's where mask is set (enable_prompt_embeds).
         """
-        x, new_kv = self.run_layers(self.embed(input_ids, positions), positions, kv_cache, attn_metadata, self.layers)
+        x = self.embed(input_ids, positions)
+        if prompt_embeds is not None:
+            mask, rows = prompt_embeds
+            x = jnp.where(mask[:, None], rows.astype(x.dtype), x)
+        x, new_kv = self.run_layers(x, positions, kv_cache, attn_metadata, self.layers)
         return self.final(x), new_kv
 
     def run_layers(self, x, positions, kv_cache, attn_metadata: AttentionMetadata, layers):

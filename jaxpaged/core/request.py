@@ -142,6 +142,8 @@ class Request:
             parent = self._block_hashes[-1] if i else (self.parent.cache_salt or b"") + self.rope_key or None
             if self.parent.mm is not None:  # the images it holds part of (placeholder tokens alike for any image)
                 parent = (parent or b"") + self.parent.mm.block_salt(i * block_size, block_size) or None
+            if self.parent.prompt_embeds is not None:  # its prompt's vectors (engine/prompt_embeds.py)
+                parent = (parent or b"") + self.parent.prompt_embeds.block_salt(i * block_size, block_size) or None
             if lanes is None:
                 tokens = _tokens_at(self.prompt_token_ids, self._output_token_ids, i * block_size, block_size)
             else:
@@ -228,6 +230,8 @@ class ParentRequest:
     lora_slot: int = -1  # the device slot of its LoRA adapter, held until it finishes (-1: the base model)
     cache_salt: bytes | None = None  # salts its first block's hash: a LoRA adapter's cached prefixes serve it alone
     mm: object | None = None  # its prompt's images (jaxpaged/multimodal/inputs.py: MultimodalInputs), for all its sequences
+    # a prompt given as embeddings (engine/prompt_embeds.py: PromptEmbeds): prompt_token_ids are then placeholders
+    prompt_embeds: object | None = None
     # a pooling engine's request (engine/pooling.py): its PoolingParams, and the step's code for its pooling type
     pooling: object | None = None
     pool_code: int = 0
@@ -238,3 +242,8 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.sequences)
+
+    @property
+    def shown_prompt_ids(self) -> list[int]:
+        """Its prompt token ids as outputs and penalties see them: none for a prompt given as embeddings."""
+        return [] if self.prompt_embeds is not None else self.prompt_token_ids

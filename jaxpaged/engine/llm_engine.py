@@ -37,6 +37,7 @@ from jaxpaged.engine.beam_search import BeamSearch
 from jaxpaged.engine.generation_defaults import default_sampling_kwargs
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.profiler import Profiler
+from jaxpaged.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds_engine, prompt_embeds_of
 from jaxpaged.engine.pooling import POOLING_RUN, Pooler, wants_pooling_runner
 from jaxpaged.engine.structured_output import StructuredOutputManager
 from jaxpaged.engine.token_controls import token_controls
@@ -153,6 +154,8 @@ class LLMEngine:
         spec_config = config.speculative_config
         _check_hybrid(self.loaded, config)
         self.pooler = self._pooler(config)
+        if config.enable_prompt_embeds:
+            check_prompt_embeds_engine(self.loaded, self.pooler is not None)
         if spec_config is not None and spec_config.method == "draft_model":
             from jaxpaged.spec_decode.draft_model import DraftModelProposer
 
@@ -283,6 +286,8 @@ class LLMEngine:
             ids = render_chat_prompt(self.tokenizer, prompt)
             return self.tokenizer.decode(ids, skip_special_tokens=False), ids  # the rendered text, as vLLM reports
         if isinstance(prompt, dict):
+            if "prompt_embeds" in prompt:  # (a generating engine's add_request takes them before this)
+                raise ValueError("prompt_embeds: only a generating engine takes prompts given as embeddings")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -375,16 +380,21 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         request_id = self._new_request_id(request_id)
-        text, ids, images = self._checked_prompt(prompt, params)
+        embeds = prompt_embeds_of(prompt, params, self)  # a prompt given as embeddings, or None
+        if embeds is None:
+            text, ids, images = self._checked_prompt(prompt, params)
+        else:  # a placeholder id per row: the scheduler and the KV cache see a prompt of that many tokens
+            text, ids, images = None, [PLACEHOLDER_ID] * len(embeds), None
         vocab = self.loaded.config.vocab_size
         max_tokens = self._max_tokens(params, len(ids))
         grammars = None
         if params.structured_outputs is not None:  # compiled (or found in the cache) here: a bad one is refused now
             count = 1 if params.use_beam_search else params.n  # beams copy the root's as they fork
-            grammars = [self.structured_outputs.new_state(params.structured_outputs, ids) for _ in range(count)]
+            shown = ids if embeds is None else []
+            grammars = [self.structured_outputs.new_state(params.structured_outputs, shown) for _ in range(count)]
         controls = token_controls(params, vocab, self.tokenizer)
         parent = ParentRequest(request_id, text, ids, params, priority=priority)
-        parent.mm = images
+        parent.mm, parent.prompt_embeds = images, embeds
         if lora_request is not None:
             parent.lora_request, parent.cache_salt = lora_request, lora_request.cache_salt
         if params.use_beam_search:

@@ -60,7 +60,7 @@ class OutputProcessor:
 
     def add_sequence(self, seq: Request) -> None:
         """A sampled sequence (not a beam): its detokenizer and logprob lists."""
-        params, ids = seq.params, seq.prompt_token_ids
+        params, ids = seq.params, seq.parent.shown_prompt_ids  # (an embeds prompt: detokenized from nothing)
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
@@ -253,7 +253,7 @@ class OutputProcessor:
             params = parent.params
             decode = (lambda ids: self._decode(ids, params.skip_special_tokens)) if params.detokenize else (lambda ids: "")
             return RequestOutput(
-                request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=list(parent.prompt_token_ids),
+                request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=list(parent.shown_prompt_ids),
                 outputs=search.completions(params.n, decode) if search.done else [], finished=search.done,
             )  # fmt: skip
         first = self._states[parent.sequences[0]]
@@ -262,7 +262,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
-            prompt_token_ids=list(parent.prompt_token_ids),
+            prompt_token_ids=list(parent.shown_prompt_ids),
             outputs=[self._completion(seq) for seq in parent.sequences],
             finished=parent.finished,
             prompt_logprobs=first.prompt_logprobs,

@@ -43,6 +43,8 @@ class StepInputs:
     mrope_positions: np.ndarray | None = None  # [3, T] M-RoPE models: each token's (t, h, w) position
     pool_rows: np.ndarray | None = None  # [T] a pooling engine's: the row whose pooled sum a token joins, else -1
     pool_tokens: bool = False  # a pooling engine's: some row reads its tokens' hidden states (ALL: the token tasks)
+    embeds_mask: np.ndarray | None = None  # [T] enable_prompt_embeds: the positions given as embeddings (None: none)
+    prompt_embeds: np.ndarray | None = None  # [T, D] their embeddings (worker/prompt_embeds_inputs.py)
 
 
 class _OutputsAtScheduling(Sequence):
@@ -127,6 +129,7 @@ class InputBatchBuilder:
         self._slot_mm: list = [None] * slots
         self._slot_images_end = np.zeros(slots, np.int32)  # positions past which its rows hold no image
         self._mrope_delta = np.zeros(slots, np.int32)
+        self.embeds = runner.prompt_embeds  # enable_prompt_embeds: each slot's prompt embeddings, a step's rows
 
     def blank(self, num_tokens: int) -> StepInputs:
         """An all-padding step of a bucket's shapes: compiles it and writes nothing."""
@@ -162,6 +165,8 @@ class InputBatchBuilder:
                 self._row_lora[slot] = req.parent.lora_slot
             if self._state_slots is not None:
                 self._state_slots[slot] = req.state_slot
+            if self.embeds is not None:
+                self.embeds.admit(slot, req.parent.prompt_embeds)
             if self.mm is not None:
                 mm = req.parent.mm
                 self._slot_mm[slot] = mm
@@ -260,6 +265,8 @@ class InputBatchBuilder:
             step.pool_rows, step.pool_tokens = self._pool_rows(t, scheduled, self._pool_code[slots], ends)
         if self.mm is not None:
             self._images(step, slots, starts, counts, ends, total, row_of)
+        if self.embeds is not None:
+            self.embeds.fill(step, slots, starts, counts, ends)
         return step
 
     @staticmethod
@@ -347,10 +354,11 @@ class InputBatchBuilder:
                 drafts = item.draft_token_ids  # sampled as if proposals 0..j-1 were output (history, grammar, min_tokens)
                 known = list(outputs)
                 for j, draft in enumerate((*drafts, -1)):
-                    rows.append(SamplingRow(req.params, req.prompt_token_ids, known + list(drafts[:j]), req.seed,
+                    rows.append(SamplingRow(req.params, req.parent.shown_prompt_ids, known + list(drafts[:j]), req.seed,
                                             self.eos_token_ids, grammar.after(drafts[:j]) if grammar else None, draft,
                                             req.controls))  # fmt: skip
                 continue
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, outputs, req.seed, self.eos_token_ids, grammar,
+            # (penalties count an embeds prompt's generated tokens only: its placeholder ids are no tokens)
+            rows.append(SamplingRow(req.params, req.parent.shown_prompt_ids, outputs, req.seed, self.eos_token_ids, grammar,
                                     controls=req.controls))  # fmt: skip
         return build_sampling_metadata(rows, s, self.runner.history_width, self.max_suppress, self.mask_words)

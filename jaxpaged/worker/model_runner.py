@@ -39,6 +39,7 @@ from jaxpaged.worker.input_batch import InputBatchBuilder, StepInputs
 from jaxpaged.worker.kv_memory import KVMemory, kv_pool, kv_writer
 from jaxpaged.worker.lora_slots import LoRASlots
 from jaxpaged.worker.packing import Packed
+from jaxpaged.worker.prompt_embeds_inputs import PromptEmbedsInputs
 from jaxpaged.worker.sampler import DYNAMIC, NUM_TOP_LOGPROBS, SamplerPlan, SamplingMetadata, prompt_logprobs, sample, _blank as _blank_array
 from jaxpaged.worker.sampler_plans import SamplerPlans
 from jaxpaged.worker.step_output import DispatchedStep, StepRef, StepResult
@@ -131,6 +132,8 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         self._dispatched: dict[int, DispatchedStep] = {}  # the last few steps, by seq
         self._num_dispatched = 0
         self.mm = None  # vision-language models: the encoder cache and its steps (_place; text only under PP)
+        # enable_prompt_embeds: each step's given embeddings (worker/prompt_embeds_inputs.py); None: the step takes none
+        self.prompt_embeds = PromptEmbedsInputs(self) if config.enable_prompt_embeds else None
         self._place(loaded)
         self.lora_weights = self._lora_slots(loaded.config) if config.enable_lora else None
         self.copy_width = config.max_num_seqs  # block copies per call (copy-on-write: about one per sequence)
@@ -269,19 +272,23 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
 
     # -- the jitted step ---------------------------------------------------------------------
 
-    def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None):
+    def _forward_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None,
+                      prompt_embeds=None):
         """-> (sampling rows' logits, prompt logprobs, the step's new K/V, the slots the write puts them in).
         A pooling engine: its rows' pooled sums in the prompt logprobs' place, read from that leaf's pool_rows, and
         the step's final hidden states [T, D] (fetched only by a step with token-task rows: step.pool_tokens).
         With enable_lora, the stacked LoRA arrays and (packed last) each token's adapter slot; without, neither.
-        A vision-language model's encoder cache, and (packed last) its per-token image rows (multimodal/runner.py)."""
+        A vision-language model's encoder cache, and (packed last) its per-token image rows (multimodal/runner.py).
+        With enable_prompt_embeds, the step's given embeddings [T, D] and (packed last) where they apply."""
         input_ids, positions, attn_metadata, logit_rows, prompt_next_ids, prev_rows, *lora_slots = step.unpack()
-        images = {} if self.mm is None else {"mm": self.mm.step_inputs(lora_slots.pop(), encoder_cache)}
+        inputs = {} if prompt_embeds is None else {"prompt_embeds": (lora_slots.pop(), prompt_embeds)}
+        if self.mm is not None:
+            inputs["mm"] = self.mm.step_inputs(lora_slots.pop(), encoder_cache)
         # Inputs sampled by the previous step come from its device output: the host never waited for them.
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
         with self._lora_active(lora_weights, lora_slots):
-            hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata, **images)
+            hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata, **inputs)
         if self.pooling:  # prompt_next_ids holds pool_rows (_forward_args); the token tasks read `hidden` whole
             pooled = pooled_sums(hidden, prompt_next_ids, logit_rows.shape[0])
             return model.compute_logits(hidden[logit_rows]), (pooled, hidden), new_kv, attn_metadata.slot_mapping
@@ -294,10 +301,11 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         model = nnx.merge(self.graphdef, state)
         return prompt_logprobs(model.compute_logits(hidden).astype(jnp.float32), prompt_next_ids)
 
-    def _fused_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None):
+    def _fused_impl(self, state, kv_cache, step: Packed, prev_sampled, lora_weights=None, encoder_cache=None,
+                    prompt_embeds=None):
         """-> (logits, prompt logprobs, the cache with the step's K/V written): _forward_impl and the write in one."""
         logits, prompt, new_kv, slot_mapping = self._forward_impl(state, kv_cache, step, prev_sampled, lora_weights,
-                                                                  encoder_cache)  # fmt: skip
+                                                                  encoder_cache, prompt_embeds)  # fmt: skip
         return logits, prompt, self._write(kv_cache, new_kv, slot_mapping)
 
     def _sample_impl(self, logits, packed: Packed, history, bitmask, suppress_ids, logit_bias, no_sampled,
@@ -541,7 +549,11 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
             leaves += (step.lora_slots if step.lora_slots is not None else none,)
         if self.mm is not None:  # each token's encoder-cache row (M-RoPE positions), and the cache
             leaves += (self.mm.step_leaves(step, t),)
+        if self.prompt_embeds is not None:  # where the step's given embeddings apply (all False in most steps)
+            leaves += (self.prompt_embeds.mask(step, t),)
         args = (self.state, self.kv_cache, Packed.of(leaves), prev.sampled if prev is not None else self._no_sampled)
+        if self.prompt_embeds is not None:
+            return (*args, self.lora_weights, None if self.mm is None else self.mm.array, self.prompt_embeds.rows(step, t))
         if self.mm is not None:
             return (*args, self.lora_weights, self.mm.array)
         return args if self.lora_weights is None else (*args, self.lora_weights)
