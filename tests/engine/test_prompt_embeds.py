@@ -93,6 +93,7 @@ def test_prefix_cache_keeps_embeds_and_token_prompts_apart(llm, hf_model):
     assert zeros.outputs[0].token_ids == _hf_greedy_embeds(hf_model, _table(hf_model, [0] * 24), 6)
 
 
+@pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`")
 def test_penalties_count_generated_tokens_only(llm, hf_model):
     """The placeholder ids are no tokens: an embeds prompt's repetition penalty sees only its outputs, so it samples
     as the token prompt does under presence/frequency penalties (which count outputs only either way)."""
@@ -162,3 +163,17 @@ def test_refused_without_the_flag(model_dir):
     assert plain.engine.runner.prompt_embeds is None  # no extra input in the step
     with pytest.raises(ValueError, match="enable_prompt_embeds"):
         plain.generate({"prompt_embeds": np.zeros((3, HIDDEN), np.float32)}, _greedy(2), use_tqdm=False)
+
+
+def test_refused_where_unsupported(model_dir, tmp_path):
+    import transformers
+
+    from jaxpaged.config import EngineConfig
+    from tests.hf_reference import random_hf_model, save_hf_model
+
+    with pytest.raises(ValueError, match="enable_prompt_embeds"):
+        EngineConfig(model=model_dir, enable_prompt_embeds=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    # GPT-2 adds learned positions to the token embedding: not an embed-only port
+    gpt2 = random_hf_model(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64))
+    with pytest.raises(ValueError, match="enable_prompt_embeds: GPT2"):
+        LLM(str(save_hf_model(gpt2, tmp_path / "gpt2")), enable_prompt_embeds=True, **ENGINE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from jaxpaged.entrypoints.openai.serving import SAMPLING_FIELDS, Serving, stream
 from jaxpaged.entrypoints.openai.streaming import Deltas, RequestRun
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 
-FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt"}
+FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "prompt_embeds": "prompt_embeds"}
 
 
 async def create_completion(serving: Serving, http_request: Request):
@@ -28,6 +29,8 @@ async def create_completion(serving: Serving, http_request: Request):
     params = serving.sampling_params(body, fields)
     prompts = body.prompts()
     engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p, "prompt": None} for p in prompts]
+    if body.prompt_embeds is not None:  # vLLM's order: the embeddings' prompts first, then prompt's
+        engine_prompts = [*await _embeds_prompts(serving, body), *engine_prompts]
     request_id, run = await serving.submit(http_request, "cmpl", engine_prompts, params, fields, "prompt", model=body.model,
                                            priority=body.priority)  # fmt: skip
     meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": serving.response_model(body.model)}
@@ -54,6 +57,23 @@ async def create_completion(serving: Serving, http_request: Request):
             if body.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, body.prompt_logprobs)
     return JSONResponse({**meta, "choices": choices, "usage": usage(run.prompt_tokens, generated)})
+
+
+async def _embeds_prompts(serving: Serving, body: CompletionRequest) -> list[dict]:
+    """The prompt_embeds field's tensors as engine prompts: a 400 naming prompt_embeds unless the server was started
+    with --enable-prompt-embeds (checked before any bytes are read), for bytes torch.load cannot read as a tensor
+    (weights_only: no pickled code runs), or without torch; echo has no prompt text to repeat (vLLM refuses it too)."""
+    config = getattr(serving.engine.engine, "config", None)
+    if not getattr(config, "enable_prompt_embeds", False):
+        raise errors.bad_request("prompt_embeds needs a server started with --enable-prompt-embeds", param="prompt_embeds")
+    if body.echo:
+        raise errors.bad_request("echo is not supported with prompt_embeds", param="echo")
+    from jaxpaged.engine.prompt_embeds import load_prompt_embeds
+
+    try:  # (off the event loop: a long prompt's tensor takes a while to decode)
+        return [{"prompt_embeds": t} for t in await asyncio.to_thread(lambda: [load_prompt_embeds(e) for e in body.prompt_embeds])]
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), param="prompt_embeds") from None
 
 
 def _echo(serving: Serving, prompt: str | list[int]) -> str:

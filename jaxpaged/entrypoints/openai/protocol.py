@@ -222,7 +222,9 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Any
+    prompt: Any = None  # required unless prompt_embeds is given
+    # vLLM's: base64 of torch.save'd [T, hidden] tensors, one or a list (servers started with --enable-prompt-embeds)
+    prompt_embeds: Any = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -234,12 +236,26 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value):
-        return prompt_input(value, MAX_PROMPTS)
+        return None if value is None else prompt_input(value, MAX_PROMPTS)
+
+    @field_validator("prompt_embeds", mode="before")
+    @classmethod
+    def _prompt_embeds(cls, value):
+        if value is None:
+            return None
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            raise ValueError("must be a base64 string or a non-empty list of them")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"may hold at most {MAX_PROMPTS} prompts (got {len(value)})")
+        return value
 
     @model_validator(mode="after")
     def _unsupported(self):
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("prompt is required (or prompt_embeds, on a server started with --enable-prompt-embeds)")
         return self
 
     @property
@@ -248,6 +264,9 @@ class CompletionRequest(_SamplingRequest):
         return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
+        """The text and token-id prompts (none where only prompt_embeds is given)."""
+        if self.prompt is None:
+            return []
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]
         return list(self.prompt)
