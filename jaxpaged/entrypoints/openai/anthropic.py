@@ -22,7 +22,8 @@ from starlette.requests import Request
 from jaxpaged.engine.async_engine import EngineDeadError
 from jaxpaged.entrypoints.openai import errors
 from jaxpaged.entrypoints.openai.anthropic_protocol import MessagesRequest, renamed
-from jaxpaged.entrypoints.openai.chat import MessageDeltas, assistant_message, choice_readers, prepare
+from jaxpaged.entrypoints.openai.chat import prepare
+from jaxpaged.entrypoints.openai.chat_turn import chat_request, final_message, message_deltas, submit
 from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxpaged.entrypoints.openai.serving import Serving
 from jaxpaged.entrypoints.openai.streaming import RequestRun
@@ -132,45 +133,27 @@ class MessagesServing:
             raise errors.from_validation_error(exc) from None
         if request.model not in self.serving.all_model_names:
             raise errors.model_not_found(request.model, self.serving.all_model_names)
-        try:
-            chat = ChatCompletionRequest.model_validate_json(json.dumps(request.chat_body(json.loads(raw_bytes))))
-        except errors.FieldError as exc:
-            raise errors.bad_request(str(exc), param=exc.param) from None
-        except ValidationError as exc:
-            raise _renamed(errors.from_validation_error(exc)) from None
+        chat = chat_request(lambda: request.chat_body(json.loads(raw_bytes)), renamed)
         return request, chat
 
     async def create(self, http_request: Request):
         request, chat = await self._parse(http_request)
         serving = self.serving
-        try:
-            params, prompt, fields = prepare(serving, chat)
-            _, run = await serving.submit(http_request, "msg", [prompt], params, fields, "messages", model=request.model,
-                                          priority=chat.priority)  # fmt: skip
-        except errors.APIError as exc:
-            raise _renamed(exc) from None
+        _, run, prompt_text = await submit(serving, http_request, chat, "msg", request.model, renamed)
         meta = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                 "model": serving.response_model(request.model)}  # fmt: skip
-        prompt_text = serving.prompt_text(run) if serving.reasoning_parser else ""
         if request.stream:
             return StreamingResponse(self._stream(request, chat, run, meta, prompt_text), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        try:
-            (final,) = await run.final()
-        except EngineDeadError as exc:
-            raise errors.engine_dead(str(exc)) from None
-        if run.disconnected:
+        done = await final_message(serving, chat, run, prompt_text)
+        if done is None:  # nobody reads this answer
             return JSONResponse({}, status_code=499)
-        (c,) = final.outputs
-        reader, thinking = choice_readers(serving, chat, prompt_text)
-        message, _ = assistant_message(reader, thinking, c.text, c.finish_reason)
+        final, deltas = done
         blocks = ContentBlocks(request.max_calls)
-        blocks.feed({"reasoning_content": message.get("reasoning_content")})
-        blocks.feed({"content": message.get("content")})
-        for call in message.get("tool_calls") or ():
-            blocks.feed({"tool_calls": [call]})
+        for delta in deltas:
+            blocks.feed(delta)
         blocks.finish()
-        stop_reason, stop_sequence = _stop(blocks, c, request.stop_sequences)
+        stop_reason, stop_sequence = _stop(blocks, final.outputs[0], request.stop_sequences)
         return JSONResponse({**meta, "content": blocks.blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                              "usage": _usage(run, final)})  # fmt: skip
 
@@ -181,17 +164,13 @@ class MessagesServing:
         start_usage = {"input_tokens": run.prompt_tokens, "output_tokens": 0}
         yield event({"type": "message_start", "message": {**meta, "content": [], "stop_reason": None, "stop_sequence": None,
                                                           "usage": start_usage}})  # fmt: skip
-        deltas = MessageDeltas(self.serving, chat, prompt_text, 1)
         blocks = ContentBlocks(request.max_calls)
         last = None
         try:
-            async for batch in run.updates():
-                for _, out in batch:
-                    last = out
-                    new, _, _ = deltas.step(out.outputs[0])
-                    for delta in new:
-                        for e in blocks.feed(delta):
-                            yield event(e)
+            async for last, new, _, _ in message_deltas(self.serving, chat, run, prompt_text):
+                for delta in new:
+                    for e in blocks.feed(delta):
+                        yield event(e)
         except EngineDeadError as exc:
             yield event({"type": "error", "error": {"type": "overloaded_error", "message": str(exc)}})
             return
@@ -219,11 +198,6 @@ class MessagesServing:
 
 class CountTokensRequest(MessagesRequest):
     max_tokens: int = 1  # (count_tokens takes none)
-
-
-def _renamed(exc: errors.APIError) -> errors.APIError:
-    exc.param, exc.message = renamed(exc.param, exc.message)
-    return exc
 
 
 def add_routes(app: FastAPI, serving: Serving, refuse_unless_served) -> None:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 
 from jaxpaged.engine.async_engine import EngineDeadError
 from jaxpaged.entrypoints.openai import errors
-from jaxpaged.entrypoints.openai.chat import MessageDeltas, assistant_message, choice_readers, prepare
+from jaxpaged.entrypoints.openai.chat_turn import chat_request, final_message, message_deltas, submit
 from jaxpaged.entrypoints.openai.logprobs import chat_logprobs
 from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxpaged.entrypoints.openai.responses_protocol import ResponsesRequest, renamed
@@ -213,13 +213,13 @@ class ResponsesServing:
         history = []
         if request.previous_response_id is not None:
             history = self.store.get(request.previous_response_id, param="previous_response_id").conversation
-        try:
-            chat_json = request.chat_body(history, json.loads(raw_bytes))
-            chat = ChatCompletionRequest.model_validate_json(json.dumps({**chat_json, "model": request.model or serving.model_name}))
-        except errors.FieldError as exc:
-            raise errors.bad_request(str(exc), param=exc.param) from None
-        except ValidationError as exc:
-            raise _renamed(errors.from_validation_error(exc)) from None
+        chat_json = {}
+
+        def build() -> dict:
+            chat_json.update(request.chat_body(history, json.loads(raw_bytes)), model=request.model or serving.model_name)
+            return chat_json
+
+        chat = chat_request(build, renamed)
         conversation = chat_json["messages"][1 if request.instructions else 0 :]  # as sent (chat parses call arguments)
         meta = {
             "id": _item_id("resp"), "object": "response", "created_at": int(time.time()),
@@ -235,29 +235,20 @@ class ResponsesServing:
 
     async def create(self, http_request: Request):
         turn = await self._turn(http_request)
-        try:
-            params, prompt, fields = prepare(self.serving, turn.chat)
-            request_id, run = await self.serving.submit(http_request, "resp", [prompt], params, fields, "messages",
-                                                        model=turn.request.model, priority=turn.chat.priority)  # fmt: skip
-        except errors.APIError as exc:
-            raise _renamed(exc) from None
+        params, run, prompt_text = await submit(self.serving, http_request, turn.chat, "resp", turn.request.model, renamed)
         turn.meta |= {"temperature": params.temperature, "top_p": params.top_p}
-        prompt_text = self.serving.prompt_text(run) if self.serving.reasoning_parser else ""
         if turn.request.stream:
             return StreamingResponse(self._stream(turn, run, prompt_text), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        try:
-            (final,) = await run.final()
-        except EngineDeadError as exc:
-            raise errors.engine_dead(str(exc)) from None
-        if run.disconnected:
+        done = await final_message(self.serving, turn.chat, run, prompt_text)
+        if done is None:  # nobody reads this answer
             return JSONResponse({}, status_code=499)
-        (c,) = final.outputs
-        reader, thinking = choice_readers(self.serving, turn.chat, prompt_text)
-        message, _ = assistant_message(reader, thinking, c.text, c.finish_reason)
+        final, deltas = done
+        c = final.outputs[0]
         items = OutputItems(turn.request.logprobs, turn.request.max_calls)
-        logprobs = chat_logprobs(c, 0, len(c.token_ids), turn.chat.top_logprobs or 0, self.serving.token_bytes) if turn.request.logprobs else None
-        for delta in _message_deltas(message):
+        top = turn.chat.top_logprobs or 0
+        logprobs = chat_logprobs(c, 0, len(c.token_ids), top, self.serving.token_bytes) if turn.request.logprobs else None
+        for delta in deltas:
             items.feed(delta, logprobs if "content" in delta else None)
         status = _status(c.finish_reason)
         items.finish(status)
@@ -275,21 +266,17 @@ class ResponsesServing:
         shown = turn.response("in_progress", [], None)
         yield event({"type": "response.created", "response": shown})
         yield event({"type": "response.in_progress", "response": shown})
-        deltas = MessageDeltas(self.serving, turn.chat, prompt_text, 1)
         items = OutputItems(turn.request.logprobs, turn.request.max_calls)
         top, last = turn.chat.top_logprobs or 0, None
         try:
-            async for batch in run.updates():
-                for _, out in batch:
-                    (c,) = out.outputs
-                    last = out
-                    new, start, end = deltas.step(c)
-                    logprobs = chat_logprobs(c, start, end, top, self.serving.token_bytes) if turn.request.logprobs else None
-                    for delta in new:
-                        for e in items.feed(delta, logprobs if "content" in delta else None):
-                            yield event(e)
-                        if "content" in delta:
-                            logprobs = None  # (one delta carries a step's tokens)
+            async for last, new, start, end in message_deltas(self.serving, turn.chat, run, prompt_text):
+                c = last.outputs[0]
+                logprobs = chat_logprobs(c, start, end, top, self.serving.token_bytes) if turn.request.logprobs else None
+                for delta in new:
+                    for e in items.feed(delta, logprobs if "content" in delta else None):
+                        yield event(e)
+                    if "content" in delta:
+                        logprobs = None  # (one delta carries a step's tokens)
         except EngineDeadError as exc:
             yield event({"type": "error", "code": "engine_dead", "message": str(exc), "param": None})
             return
@@ -318,20 +305,8 @@ class ResponsesServing:
             self.store.put(StoredResponse(body, [*turn.conversation, items.message()]))
 
 
-def _message_deltas(message: dict) -> list[dict]:
-    """A whole chat message as the deltas a stream of it would send (reasoning, content, then each call)."""
-    out = [{"reasoning_content": message.get("reasoning_content")}, {"content": message.get("content")}]
-    out += [{"tool_calls": [call]} for call in message.get("tool_calls") or ()]
-    return out
-
-
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
-
-
-def _renamed(exc: errors.APIError) -> errors.APIError:
-    exc.param, exc.message = renamed(exc.param, exc.message)
-    return exc
 
 
 def add_routes(app: FastAPI, serving: Serving, refuse_unless_served) -> ResponsesServing:
