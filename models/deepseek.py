@@ -295,18 +295,25 @@ class DeepseekForCausalLM(CausalLM):
             specs[f"{a}.kv_a_layernorm.weight"] = WeightSpec(f"{b}.kv_a_layernorm.scale")
             specs[f"{a}.kv_b_proj.weight"] = WeightSpec(f"{b}.kv_b_proj.kernel", transpose=True)
             specs |= linear_specs(f"{a}.o_proj", f"{b}.o_proj", bias=cfg.attention_bias)
-            mlp = f"{ours}.mlp"
-            if i not in moe.sparse_layers:
-                specs |= projection_specs(f"{hf}.mlp", mlp, bias=False)
-                continue
-            specs[f"{hf}.mlp.gate.weight"] = WeightSpec(f"{mlp}.gate.kernel", transpose=True)
-            if router.correction_bias:
-                specs[f"{hf}.mlp.gate.e_score_correction_bias"] = WeightSpec(f"{mlp}.e_score_correction_bias")
-            for proj in EXPERT_PROJECTIONS:
-                specs[expert_kernel_name(hf, proj)] = WeightSpec(f"{mlp}.experts.{proj}.kernel")
-            if moe.shared_expert_size:  # DeepSeek's shared_experts (plural), with no gate of their own
-                specs |= projection_specs(f"{hf}.mlp.shared_experts", f"{mlp}.shared_experts", bias=False)
+            specs |= deepseek_moe_specs(moe, router, i, hf, ours)
         return specs
+
+
+def deepseek_moe_specs(moe: MoeOptions, router: RouterOptions, layer: int, hf: str, ours: str,
+                       bias: str = "gate.e_score_correction_bias") -> dict[str, WeightSpec]:  # fmt: skip
+    """A DeepseekMoeBlock layer's MLP tensors (a dense GatedMLP's where the layer is not sparse), shared by the ports
+    that reuse it (GLM-4.5, MiniMax-M2); bias: where the checkpoint keeps e_score_correction_bias under `mlp.`."""
+    mlp = f"{ours}.mlp"
+    if layer not in moe.sparse_layers:
+        return projection_specs(f"{hf}.mlp", mlp, bias=False)
+    specs = {f"{hf}.mlp.gate.weight": WeightSpec(f"{mlp}.gate.kernel", transpose=True)}
+    if router.correction_bias:
+        specs[f"{hf}.mlp.{bias}"] = WeightSpec(f"{mlp}.e_score_correction_bias")
+    for proj in EXPERT_PROJECTIONS:
+        specs[expert_kernel_name(hf, proj)] = WeightSpec(f"{mlp}.experts.{proj}.kernel")
+    if moe.shared_expert_size:  # DeepSeek's shared_experts (plural), with no gate of their own
+        specs |= projection_specs(f"{hf}.mlp.shared_experts", f"{mlp}.shared_experts", bias=False)
+    return specs
 
 
 def _as_option(options) -> tuple[tuple[str, Any], ...]:

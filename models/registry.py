@@ -7,6 +7,7 @@ from jaxpaged.models.deepseek import DeepseekForCausalLM
 from jaxpaged.models.falcon import FalconForCausalLM
 from jaxpaged.models.gemma import GemmaForCausalLM
 from jaxpaged.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from jaxpaged.models.glm4_moe import Glm4MoeForCausalLM
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
@@ -47,6 +48,7 @@ MODEL_REGISTRY = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # multi-head latent attention (a latent cache), MoE with shared experts
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,  # + q low-rank, sigmoid router with groups and a correction bias
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # V3's dense MLA, its sparse indexer not run: up to index_topk
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # GLM-4.5/4.6/4.7: partial RoPE, DeepSeek-V3's router and shared experts
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
@@ -125,6 +127,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

@@ -36,6 +36,7 @@ import tests.models.test_gemma4 as gemma4_cases
 import tests.models.test_gpt_oss as gpt_oss_cases
 import tests.models.test_hybrid_models as hybrid_cases
 import tests.models.test_model_families as family_cases
+import tests.models.test_model_families_2026 as families_2026_cases
 import tests.models.test_moe as moe_cases
 import tests.models.test_phi as phi_cases
 import tests.models.test_vlm_qwen2_5 as qwen_vl_cases
@@ -61,7 +62,8 @@ IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES, **qwen3_vl_cases
 def _architectures() -> dict:
     """architecture -> a maker of one tiny config, from the family tests' cases."""
     found = {"LlamaForCausalLM": tiny_llama_config}
-    for config_cls, kwargs, arch in [*family_cases.CASES.values(), *moe_cases.CASES.values(), *hybrid_cases.CASES.values()]:
+    for config_cls, kwargs, arch in [*family_cases.CASES.values(), *moe_cases.CASES.values(), *hybrid_cases.CASES.values(),
+                                  *families_2026_cases.CASES.values()]:
         found.setdefault(arch, functools.partial(config_cls, **kwargs))
     for arch, (make_config, _) in IMAGE_TEXT.items():
         found.setdefault(arch, make_config)

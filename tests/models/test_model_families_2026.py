@@ -1,0 +1,152 @@
+"""The open-weight families of 2025-26 against transformers in float32: logits within 1e-4 at every position of
+prompts of 1-77 tokens (whole and in 16-token chunks) and greedy tokens identical, on tiny random configs written by
+transformers (2 layers, hidden 64); the MoE families also through jaxpaged.LLM with 16-token chunks, preemption and
+prefix-cache hits, compiling nothing after warm-up. Every weight is random (std 0.15), the routers' correction biases
+too (random_hf_model leaves buffers alone)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import transformers
+from jaxpaged.models.loader import load_model
+
+from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
+from tests.static_batch import StaticBatchRunner
+
+torch = pytest.importorskip("torch")
+
+VOCAB = 256
+BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+    bos_token_id=0, eos_token_id=1, pad_token_id=0,
+)  # fmt: skip
+
+# name -> (config class, kwargs, architecture the loader must pick)
+CASES = {
+    # GLM-4.5's layout: layer 0 dense, layer 1 routed (8 experts in 4 groups, 2 groups a token, top-2, renormalized,
+    # scaled 2.5) with a shared expert; q/k/v biases, per-head q/k norm, rotary on half of each 32-wide head
+    "glm4moe-groups-qknorm-bias": (
+        transformers.Glm4MoeConfig,
+        dict(BASE, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+             attention_bias=True, tie_word_embeddings=False),
+        "Glm4MoeForCausalLM",
+    ),
+}
+
+PROMPT_LENGTHS = [1, 9, 33, 77]
+GREEDY_TOKENS = 32
+
+
+def hf_model(case: str):
+    """A random model of the case, its routers' e_score_correction_bias random too."""
+    config_cls, kwargs, _ = CASES[case]
+    hf = random_hf_model(config_cls(**kwargs))
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+    return hf
+
+
+_SAVED: dict = {}
+
+
+def saved(case: str, tmp_path_factory):
+    if case not in _SAVED:
+        hf = hf_model(case)
+        _SAVED[case] = hf, save_hf_model(hf, tmp_path_factory.mktemp(case))
+    return _SAVED[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_greedy_match_transformers(case, tmp_path_factory):
+    hf, folder = saved(case, tmp_path_factory)
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.config.architecture == CASES[case][2]
+    assert set(loaded.skipped_tensors) <= {"the rotary cache: recomputed from the config"}
+    prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=7)
+    runner = StaticBatchRunner(loaded, block_size=8)
+    greedy, logits = runner.generate(prompts, GREEDY_TOKENS, return_prompt_logits=True)
+    chunked = runner.prompt_logits(prompts, prefill_chunk=16)
+    for prompt, got, got_chunked, tokens in zip(prompts, logits, chunked, greedy):
+        want = hf_logits(hf, prompt)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got_chunked, want, atol=1e-4, rtol=0)
+        assert tokens == hf_greedy(hf, prompt, GREEDY_TOKENS)
+
+
+def engine_matches_transformers(case, tmp_path_factory):
+    """Through jaxpaged.LLM: 16-token chunks, a pool small enough to preempt, prompts sharing prefixes."""
+    from jaxpaged import LLM, SamplingParams
+
+    hf, folder = saved(case, tmp_path_factory)
+    prompts = random_prompts(VOCAB, [45, 5, 30, 23, 38, 12], seed=4)
+    prompts += [prompts[0][:33] + [7, 8], prompts[2]]  # shared prefixes
+    max_tokens = [12, 20, 15, 9, 18, 11, 10, 6]
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=6, max_num_batched_tokens=16, block_size=4, num_kv_blocks=40,
+              log_level="WARNING")  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+# -- GLM-4.5 ------------------------------------------------------------------------------------------------------
+
+
+def test_glm4_moe_engine(tmp_path_factory):
+    engine_matches_transformers("glm4moe-groups-qknorm-bias", tmp_path_factory)
+
+
+def test_glm4_moe_router_is_transformers_and_its_group_limit_binds():
+    """grouped_route with GLM's options against Glm4MoeTopkRouter on 64 random tokens; without the group limit some
+    tokens would choose otherwise."""
+    import dataclasses
+
+    from jaxpaged.models.glm4_moe import Glm4MoeForCausalLM
+    from jaxpaged.models.moe import RouterOptions, grouped_route
+
+    config = CASES["glm4moe-groups-qknorm-bias"][0](**CASES["glm4moe-groups-qknorm-bias"][1])
+    router = transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.5)
+        router.e_score_correction_bias.copy_(0.3 * torch.randn(8))
+        logits, want_w, want_ids = router(torch.randn(64, 64))
+    opts = RouterOptions(**dict(Glm4MoeForCausalLM.config_from_hf(config, "Glm4MoeForCausalLM").option("router")))
+    assert (opts.num_groups, opts.topk_groups, opts.scaling, opts.renormalize) == (4, 2, 2.5, True)
+    bias = router.e_score_correction_bias.numpy()
+    got_w, got_ids = (np.asarray(a) for a in grouped_route(logits.numpy(), 2, opts, bias))
+    order, mine = np.argsort(want_ids.numpy(), 1), np.argsort(got_ids, 1)
+    want_sorted = np.take_along_axis(want_ids.numpy(), order, 1)
+    np.testing.assert_array_equal(np.take_along_axis(got_ids, mine, 1), want_sorted)
+    np.testing.assert_allclose(np.take_along_axis(got_w, mine, 1), np.take_along_axis(want_w.numpy(), order, 1),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    free = np.asarray(grouped_route(logits.numpy(), 2, dataclasses.replace(opts, num_groups=1), bias)[1])
+    assert (np.sort(free, 1) != want_sorted).any()
+
+
+def test_glm4_moe_mtp_layer_is_skipped_unread(tmp_path_factory, tmp_path):
+    """GLM-4.5 checkpoints store their MTP layer as model.layers.{num_hidden_layers}.*: skipped, named, not read."""
+    import shutil
+
+    from jaxpaged.models.deepseek import MTP_LAYERS
+    from safetensors.numpy import load_file, save_file
+
+    hf, folder = saved("glm4moe-groups-qknorm-bias", tmp_path_factory)
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    extra = {f"model.layers.2.{n}": np.ones((4, 4), np.float32) for n in ("eh_proj.weight", "enorm.weight",
+                                                                           "mlp.experts.0.up_proj.weight")}  # fmt: skip
+    save_file(tensors | extra, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), dtype="float32")
+    assert sorted(loaded.skipped_tensors[MTP_LAYERS]) == sorted(extra)
+    prompt = random_prompts(VOCAB, [12], seed=2)[0]
+    got = StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt])[0]
+    np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
