@@ -8,7 +8,9 @@ names them.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import openai
 import pytest
@@ -124,6 +126,39 @@ def test_previous_response_id_continues_and_store_reads_back(think):
     assert missing.status_code == 404
 
 
+def test_background_responses_run_on_and_can_be_cancelled(think):
+    async def work(client, http):
+        foreground = await client.responses.create(model=MODEL, input="2 + 2?", temperature=0, max_output_tokens=40)
+        queued = await client.responses.create(model=MODEL, input="2 + 2?", temperature=0, max_output_tokens=40,
+                                               background=True)  # fmt: skip
+        done = queued
+        while done.status in ("queued", "in_progress"):
+            await asyncio.sleep(0.05)
+            done = await client.responses.retrieve(queued.id)
+        # a long one (EOS ignored, to the context's end), cancelled while it runs
+        long = await client.responses.create(model=MODEL, input="2 + 2?", max_output_tokens=480, background=True,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+        running = await client.responses.retrieve(long.id)
+        cancelled = await client.responses.cancel(long.id)
+        follow = await http.post("/responses", json={"model": MODEL, "input": "x", "previous_response_id": long.id})
+        again = await client.responses.cancel(queued.id)  # finished: comes back as it is
+        return foreground, queued, done, running, cancelled, follow, again
+
+    foreground, queued, done, running, cancelled, follow, again = _run(think, work)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    assert done.status == "completed" and done.output_text == foreground.output_text == CONTENT
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+    assert running.status in ("queued", "in_progress") and cancelled.status == "cancelled"
+    assert follow.status_code == 400 and follow.json()["error"]["param"] == "previous_response_id"
+    assert again.status == "completed" and again.id == queued.id
+    pool = think.state.engine.engine.scheduler.kv.pool
+    for _ in range(100):  # the abort reaches the engine thread within a step or two
+        if pool.num_used == 0:
+            break
+        time.sleep(0.05)
+    assert pool.num_used == 0  # the cancelled run's KV blocks came back
+
+
 def test_function_calls_as_items_and_their_outputs_go_back(tools):
     app, _ = tools
     tool_defs = [{"type": "function", "name": "weather", "description": "forecast",
@@ -191,7 +226,8 @@ def test_logprobs_when_included(tools):
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r", "schema": 3}}}, "text.format.schema"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "background": True, "stream": True}, "background"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "x", "model": "other"}, "model"),

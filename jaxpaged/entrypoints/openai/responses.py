@@ -10,6 +10,7 @@ default) are kept in memory, the most recent `max_stored_responses`, for GET and
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import json
@@ -38,6 +39,7 @@ MAX_STORED_RESPONSES = 1024
 class StoredResponse:
     body: dict  # the response object as it was returned
     conversation: list[dict]  # the chat messages of the turns so far (no instructions), this response's included
+    pending: bool = False  # a background response still being made: not yet a conversation to continue
 
 
 class ResponseStore:
@@ -196,10 +198,19 @@ class _Turn:
                 "completed_at": int(time.time()) if status in ("completed", "incomplete") else None}  # fmt: skip
 
 
+class _Detached:
+    """A background response's stand-in for its HTTP request: the client leaves with the queued answer, the run
+    goes on (RequestRun aborts a run whose client disconnects)."""
+
+    async def receive(self):
+        await asyncio.Event().wait()
+
+
 class ResponsesServing:
     def __init__(self, serving: Serving, max_stored: int = MAX_STORED_RESPONSES):
         self.serving = serving
         self.store = ResponseStore(max_stored)
+        self._running: dict[str, tuple[asyncio.Task, RequestRun]] = {}  # background responses being made
 
     async def _turn(self, http_request: Request) -> _Turn:
         raw_bytes = await http_request.body()
@@ -212,7 +223,11 @@ class ResponsesServing:
             raise errors.model_not_found(request.model, serving.all_model_names)
         history = []
         if request.previous_response_id is not None:
-            history = self.store.get(request.previous_response_id, param="previous_response_id").conversation
+            previous = self.store.get(request.previous_response_id, param="previous_response_id")
+            if previous.pending or previous.body["status"] in ("cancelled", "failed"):
+                raise errors.bad_request(f"previous_response_id: response {request.previous_response_id!r} is "
+                                         f"{previous.body['status']}, not a finished turn", param="previous_response_id")
+            history = previous.conversation
         chat_json = {}
 
         def build() -> dict:
@@ -229,21 +244,33 @@ class ResponsesServing:
             "previous_response_id": request.previous_response_id, "reasoning": request.reasoning,
             "store": bool(request.store), "text": {"format": request.text_format()},
             "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "top_logprobs": request.top_logprobs,
-            "truncation": "disabled", "user": request.user, "background": False,
+            "truncation": "disabled", "user": request.user, "background": bool(request.background),
         }  # fmt: skip
         return _Turn(request, chat, conversation, meta)
 
     async def create(self, http_request: Request):
         turn = await self._turn(http_request)
-        params, run, prompt_text = await submit(self.serving, http_request, turn.chat, "resp", turn.request.model, renamed)
+        background = bool(turn.request.background)
+        watched = _Detached() if background else http_request  # a background run outlives its HTTP request
+        params, run, prompt_text = await submit(self.serving, watched, turn.chat, "resp", turn.request.model, renamed)
         turn.meta |= {"temperature": params.temperature, "top_p": params.top_p}
         if turn.request.stream:
             return StreamingResponse(self._stream(turn, run, prompt_text), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
+        if background:
+            body = turn.response("queued", [], None)
+            self.store.put(StoredResponse(body, [], pending=True))
+            task = asyncio.create_task(self._background(turn, run, prompt_text))
+            self._running[body["id"]] = (task, run)
+            task.add_done_callback(lambda _: self._running.pop(body["id"], None))
+            return JSONResponse(body)
         done = await final_message(self.serving, turn.chat, run, prompt_text)
         if done is None:  # nobody reads this answer
             return JSONResponse({}, status_code=499)
-        final, deltas = done
+        return JSONResponse(self._finished(turn, run, *done))
+
+    def _finished(self, turn: _Turn, run: RequestRun, final, deltas: list[dict]) -> dict:
+        """The response of a finished run (stored when asked)."""
         c = final.outputs[0]
         items = OutputItems(turn.request.logprobs, turn.request.max_calls)
         top = turn.chat.top_logprobs or 0
@@ -254,7 +281,35 @@ class ResponsesServing:
         items.finish(status)
         body = turn.response(status, items.items, self._usage(run, final, items))
         self._keep(turn, body, items)
-        return JSONResponse(body)
+        return body
+
+    async def _background(self, turn: _Turn, run: RequestRun, prompt_text: str) -> None:
+        """A background response's run: in_progress, then completed (or incomplete, failed, cancelled) in the store."""
+        self.store.put(StoredResponse(turn.response("in_progress", [], None), [], pending=True))
+        try:
+            self._finished(turn, run, *await final_message(self.serving, turn.chat, run, prompt_text))
+        except asyncio.CancelledError:
+            run.abort()  # (cancel() records the status: a task cancelled before it began never gets here)
+        except errors.APIError as exc:  # the engine died
+            failed = turn.response("failed", [], None) | {"error": {"code": "server_error", "message": exc.message}}
+            self.store.put(StoredResponse(failed, []))
+
+    async def cancel(self, response_id: str) -> dict:
+        """vLLM's and OpenAI's cancel: a background response still running stops (status cancelled); one that has
+        finished comes back as it is."""
+        stored = self.store.get(response_id)
+        if not stored.body.get("background"):
+            raise errors.bad_request("Only background responses can be cancelled", param="response_id")
+        running = self._running.get(response_id)
+        if running is not None:
+            task, run = running
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            run.abort()
+            stored = self.store.get(response_id)
+            if stored.pending:
+                self.store.put(StoredResponse({**stored.body, "status": "cancelled"}, []))
+        return self.store.get(response_id).body
 
     async def _stream(self, turn: _Turn, run: RequestRun, prompt_text: str) -> AsyncIterator[str]:
         seq = iter(range(1 << 62))
@@ -328,7 +383,6 @@ def add_routes(app: FastAPI, serving: Serving, refuse_unless_served) -> Response
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
-        responses.store.get(response_id)
-        raise errors.bad_request("Only background responses can be cancelled; this server runs none", param="response_id")
+        return JSONResponse(await responses.cancel(response_id))
 
     return responses

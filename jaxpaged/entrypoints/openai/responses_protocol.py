@@ -55,8 +55,9 @@ class ResponsesRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as in chat
     # OpenAI's fields that need what this server does not have (hosted state, background jobs, prompt templates),
     # with the value that asks for nothing: another value is refused, not dropped
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {"background": False, "conversation": None, "prompt": None,
-                                             "max_tool_calls": None, "context_management": None}  # fmt: skip
+    background: bool | None = False  # run on after the answer (status "queued"), read back with GET, cancellable
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {"conversation": None, "prompt": None, "max_tool_calls": None,
+                                             "context_management": None}  # fmt: skip
 
     _template_kwargs = field_validator("chat_template_kwargs")(classmethod(check_template_kwargs))
 
@@ -82,6 +83,14 @@ class ResponsesRequest(_Strict):
         if value not in (None, "disabled"):
             raise ValueError("only 'disabled' is supported: a prompt longer than the model's context is a 400")
         return value
+
+    @model_validator(mode="after")
+    def _background(self):
+        if self.background and self.store is False:
+            raise ValueError("background needs store: a background response is read back with GET /v1/responses/{id}")
+        if self.background and self.stream:
+            raise ValueError("background with stream is not supported by this server (poll GET /v1/responses/{id})")
+        return self
 
     @property
     def logprobs(self) -> bool:
