@@ -41,5 +41,5 @@ class OlmoeForCausalLM(MoeForCausalLM):
             intermediate_size=int(hf.intermediate_size),
         )  # fmt: skip
         clip = getattr(hf, "clip_qkv", None)
-        options = {"moe": moe.as_option(), "clip_qkv": None if clip is None else float(clip)}
+        options = {"moe": moe.as_option(), "clip_qkv": None if clip is None else float(clip), "whole_width_qk_norm": True}
         return model_config_from_hf(hf, architecture, qk_norm=True, options=options)

@@ -13,6 +13,7 @@ from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
 from jaxpaged.models.gptj import GPTJForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxpaged.models.mixtral import MoeForCausalLM
 from jaxpaged.models.mpt import MptForCausalLM
 from jaxpaged.models.nemotron_h import NemotronHForCausalLM
@@ -49,6 +50,7 @@ MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,  # + q low-rank, sigmoid router with groups and a correction bias
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # V3's dense MLA, its sparse indexer not run: up to index_topk
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # GLM-4.5/4.6/4.7: partial RoPE, DeepSeek-V3's router and shared experts
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # whole-projection q/k norm, partial RoPE, sigmoid router with bias
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
@@ -128,6 +130,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

@@ -71,6 +71,12 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
         raise ValueError(f"tensor_parallel_size={n}: {cfg.option('no_tensor_parallel')}")
     if cfg.option("moe") is not None:
         check_experts_divisible(cfg, n)
+    if n > cfg.num_kv_heads and cfg.option("whole_width_qk_norm"):  # OLMo 2/3, OLMoE, MiniMax-M2 (models/olmoe.py)
+        raise ValueError(
+            f"tensor_parallel_size={n} is more than this {cfg.architecture}'s {cfg.num_kv_heads} KV heads: its k norm "
+            "spans every KV head's features, so they cannot be repeated across devices; use at most "
+            f"{cfg.num_kv_heads} devices"
+        )
     problems = []
     if cfg.num_heads % n:
         problems.append(f"num_attention_heads={cfg.num_heads}")

@@ -6,6 +6,8 @@ too (random_hf_model leaves buffers alone)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import transformers
@@ -33,6 +35,14 @@ CASES = {
              first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
              attention_bias=True, tie_word_embeddings=False),
         "Glm4MoeForCausalLM",
+    ),
+    # MiniMax-M2's layout: every layer routed (8 experts, top-2, sigmoid + correction bias, renormalized), q/k norm
+    # over the whole projection, rotary on 16 of 32 dims in the released spelling (`rotary_dim`), GQA 2:1
+    "minimax-m2-qknorm-rotary16": (
+        transformers.MiniMaxM2Config,
+        dict(BASE, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
+             num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+        "MiniMaxM2ForCausalLM",
     ),
 }
 
@@ -148,5 +158,46 @@ def test_glm4_moe_mtp_layer_is_skipped_unread(tmp_path_factory, tmp_path):
     loaded = load_model(str(tmp_path), dtype="float32")
     assert sorted(loaded.skipped_tensors[MTP_LAYERS]) == sorted(extra)
     prompt = random_prompts(VOCAB, [12], seed=2)[0]
+    got = StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt])[0]
+    np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+# -- MiniMax-M2 ---------------------------------------------------------------------------------------------------
+
+
+def test_minimax_m2_engine(tmp_path_factory):
+    engine_matches_transformers("minimax-m2-qknorm-rotary16", tmp_path_factory)
+
+
+def test_minimax_m2_released_spellings_load(tmp_path_factory, tmp_path):
+    """The hub's layout: block_sparse_moe.{gate, e_score_correction_bias, experts.N.w1/w2/w3} (transformers renames
+    them on load) and MTP modules after the last layer (skipped, named); rotary_dim read (16 of 32 dims)."""
+    import shutil
+
+    from jaxpaged.models.deepseek import MTP_LAYERS
+    from safetensors.numpy import load_file, save_file
+
+    hf, folder = saved("minimax-m2-qknorm-rotary16", tmp_path_factory)
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_mtp_modules": 1}))
+    out = {}
+    for name, w in load_file(str(tmp_path / "model.safetensors")).items():
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, D] -> per expert w1 (gate), w3 (up)
+            for e, (g, u) in enumerate(zip(*np.split(w, 2, axis=1))):
+                out[name.replace("gate_up_proj", f"{e}.w1.weight")] = g
+                out[name.replace("gate_up_proj", f"{e}.w3.weight")] = u
+        elif name.endswith("experts.down_proj"):
+            out |= {name.replace("down_proj", f"{e}.w2.weight"): d for e, d in enumerate(w)}
+        else:
+            out[name] = w
+    assert any(".block_sparse_moe.experts.7.w2.weight" in n for n in out)
+    mtp = {"model.layers.2.eh_proj.weight": np.ones((4, 4), np.float32)}
+    save_file(out | mtp, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), dtype="float32")
+    assert loaded.config.rotary_dim == 16
+    assert sorted(loaded.skipped_tensors[MTP_LAYERS]) == sorted(mtp)
+    prompt = random_prompts(VOCAB, [20], seed=2)[0]
     got = StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt])[0]
     np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
