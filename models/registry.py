@@ -17,6 +17,7 @@ from jaxpaged.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxpaged.models.mixtral import MoeForCausalLM
 from jaxpaged.models.mpt import MptForCausalLM
 from jaxpaged.models.nemotron_h import NemotronHForCausalLM
+from jaxpaged.models.olmo2 import Olmo2ForCausalLM
 from jaxpaged.models.olmoe import OlmoeForCausalLM
 from jaxpaged.models.opt import OPTForCausalLM
 from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
@@ -44,6 +45,8 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": MoeForCausalLM,  # Llama attention + sparse MoE MLP (models/moe.py)
     "Qwen2MoeForCausalLM": MoeForCausalLM,  # + shared expert, dense layers where configured
     "Qwen3MoeForCausalLM": MoeForCausalLM,  # + q/k norm
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,  # post-norm layers, q/k norm over the whole projection
+    "Olmo3ForCausalLM": Olmo2ForCausalLM,  # + sliding and full layers, RoPE per layer type
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, sliding/full layers, biased MoE with clamped SwiGLU
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # multi-head latent attention (a latent cache), MoE with shared experts
@@ -124,6 +127,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",

@@ -44,6 +44,23 @@ CASES = {
              num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
         "MiniMaxM2ForCausalLM",
     ),
+    # OLMo 2: post-norm, q/k norm over the whole projection, biases on all four projections, GQA 2:1, tied
+    "olmo2-bias-gqa2-tied": (
+        transformers.Olmo2Config,
+        dict(BASE, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+             tie_word_embeddings=True),
+        "Olmo2ForCausalLM",
+    ),
+    # OLMo 3: a sliding layer (window 16, shorter than the prompts) and a full one with YaRN past 64 positions (the
+    # sliding layer's RoPE unscaled, as released configs have it), untied
+    "olmo3-sliding-full-yarn": (
+        transformers.Olmo3Config,
+        dict(BASE, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, sliding_window=16,
+             layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+             rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                           "attention_factor": 1.2, "rope_theta": 10000.0}),
+        "Olmo3ForCausalLM",
+    ),
 }
 
 PROMPT_LENGTHS = [1, 9, 33, 77]
@@ -201,3 +218,14 @@ def test_minimax_m2_released_spellings_load(tmp_path_factory, tmp_path):
     prompt = random_prompts(VOCAB, [20], seed=2)[0]
     got = StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt])[0]
     np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+# -- OLMo 2 / 3 ---------------------------------------------------------------------------------------------------
+
+
+def test_olmo3_ropes_per_layer_type(tmp_path_factory):
+    """The full layer's YaRN and the sliding layer's plain RoPE are both read (and the window)."""
+    _, folder = saved("olmo3-sliding-full-yarn", tmp_path_factory)
+    cfg = load_model(str(folder), dtype="float32").config
+    assert cfg.rope.rope_type == "yarn" and cfg.option("sliding_rope").rope_type == "default"
+    assert cfg.sliding_windows == (16, None) and cfg.max_position_embeddings == 512
