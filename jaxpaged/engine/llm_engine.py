@@ -278,6 +278,9 @@ class LLMEngine:
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, ChatPrompt):
             if self.harmony:
+                if prompt.chat_template:  # vLLM renders harmony anyway; a template it would drop is refused instead
+                    raise ValueError("chat_template: GPT-OSS's conversations are rendered by openai-harmony (as vLLM "
+                                     "renders them), which reads no chat template")  # fmt: skip
                 if prompt.continue_final_message:
                     raise ValueError("continue_final_message is not supported for GPT-OSS's harmony conversations")
                 from jaxpaged.utils.harmony import render_harmony_chat

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jaxpaged.distributed import ProcessGroupError
 from jaxpaged.engine.arg_utils import add_engine_args, engine_kwargs
+from jaxpaged.utils.chat_template import load_chat_template
 from jaxpaged.utils.extras import MissingExtraError
 from jaxpaged.utils.logging_utils import setup_logging
 from jaxpaged.utils.text import ChatPrompt
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("prompts")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (prompts are user messages)")
     g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                   help="with --chat: the chat template to use instead of the model's (vLLM's flag): a file, or the "
+                   "template's Jinja text (default: the model's)")
     g.add_argument("--prompts-file", default=None, help="run every line of this file as a prompt, in one batch; results as JSON lines")
     g.add_argument("--output", default=None, help="with --prompts-file: write the JSON lines here instead of stdout")
     g.add_argument("--lora", default=None, metavar="NAME=PATH",
@@ -228,7 +232,8 @@ class Session:
     def prompt_input(self, text: str, history: list[dict] | None = None):
         if not self.args.chat:
             return text
-        return ChatPrompt(_messages(self.args.system, history or [], text))  # rendered by the engine, as LLM.chat and the server
+        # rendered by the engine, as LLM.chat and the server
+        return ChatPrompt(_messages(self.args.system, history or [], text), chat_template=self.args.chat_template)
 
     def stream(self, text: str, history: list[dict] | None = None, out=None) -> str:
         out = out or sys.stdout  # looked up per call: a default bound at import would keep a replaced stream
@@ -337,11 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--output writes --prompts-file's results: give --prompts-file too")
     if args.system is not None and not args.chat:
         parser.error("--system is the system message of --chat: give --chat too")
+    if args.chat_template is not None and not args.chat:
+        parser.error("--chat-template is the template of --chat: give --chat too")
     if args.runner == "pooling":
         parser.error("--runner pooling: this CLI generates text; embed with LLM.embed or the server's /v1/embeddings")
     previous = _Interrupt.install()
     try:
         prompts = read_prompts(args.prompts_file) if args.prompts_file is not None else None
+        args.chat_template = load_chat_template(args.chat_template)  # a file's text, or the Jinja given
         if args.output is not None and not Path(args.output).absolute().parent.is_dir():
             raise ValueError(f"--output {args.output}: no such folder")
         session = Session(args)

@@ -305,8 +305,10 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         continue_final_message: bool = False,
         priority: Sequence[int] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Each conversation through the tokenizer's chat template, then generate. `tools` (OpenAI tool dicts, as
+        """Each conversation through the tokenizer's chat template (or `chat_template`, vLLM's: a template's Jinja
+        text used instead, e.g. for a base model that has none), then generate. `tools` (OpenAI tool dicts, as
         vLLM's LLM.chat) go to the template, which describes them to the model; the calls are left in the text.
         `chat_template_kwargs` are more template variables (vLLM's), e.g. {"enable_thinking": False}. GPT-OSS's
         conversations are rendered by openai-harmony instead (utils/harmony.py), its reasoning effort from
@@ -316,12 +318,15 @@ class LLM:
         priority: as generate's, one per conversation."""
         if self.engine.tokenizer is None and not getattr(self.engine, "harmony", False):
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise ValueError(f"chat_template must be a template's Jinja text (got {chat_template!r})")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False (the prompt ends inside "
                              "the last message, not with a new one)")  # fmt: skip
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [ChatPrompt(join_text_parts(c), add_generation_prompt, tools, chat_template_kwargs,
-                              continue_final_message=continue_final_message) for c in conversations]  # fmt: skip
+                              continue_final_message=continue_final_message, chat_template=chat_template)
+                   for c in conversations]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def _run(self, ids: list[str], use_tqdm: bool | Callable, desc: str = "Generating") -> list:

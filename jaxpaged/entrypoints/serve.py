@@ -28,7 +28,8 @@ SERVE_HINTS = {
     "--enable-log-requests": "jaxpaged does not log requests; --access-log logs each HTTP request",
     "--disable-log-stats": "jaxpaged logs no periodic stats (/metrics has them): drop the flag",
     "--disable-uvicorn-access-log": "the access log is off unless --access-log is given: drop the flag",
-    "--chat-template": "not supported: the model's own chat template is used (tokenizer_config.json or the GGUF's)",
+    "--chat-template-content-format": "not supported: a message's text parts reach the template joined into one "
+    "string (vLLM's 'string' format); drop the flag",
     "--enable-reasoning": "--reasoning-parser alone turns reasoning on (or it is detected): drop the flag",
 }
 
@@ -92,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "thinking kwarg); mistral reads Magistral's [THINK]...[/THINK]; gpt_oss reads the harmony format "
                    "(pip install 'jaxpaged[harmony]') "
                    "(default: detected from the chat template; none: off)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                   help="the chat template to render every conversation with instead of the model's (chat, "
+                   "/v1/responses, /v1/messages, /tokenize, embeddings' messages): a file, or the template's Jinja text; "
+                   "the tool-call and reasoning parsers are detected from it (default: the model's)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (chat and /tokenize); without it such a request gets 400")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="with --enable-lora: LoRA adapters (PEFT folders or hub ids) served as models named NAME")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
@@ -162,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             lora_modules=parse_lora_modules(args.lora_modules), allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             allow_weight_updates=args.allow_weight_updates, reasoning_parser=args.reasoning_parser,
-            enable_dev_endpoints=args.enable_dev_endpoints,
+            enable_dev_endpoints=args.enable_dev_endpoints, chat_template=args.chat_template,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         if (settings.lora_modules or settings.allow_runtime_lora_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")

@@ -82,7 +82,8 @@ class MultimodalFrontend:
         return text, ids, mm if mm.images else None
 
     def chat(self, prompt: ChatPrompt) -> tuple[None, list[int], MultimodalInputs | None]:
-        ids, mm = self.processor.chat(prompt.messages, prompt.add_generation_prompt, prompt.tools, prompt.template_kwargs)
+        ids, mm = self.processor.chat(prompt.messages, prompt.add_generation_prompt, prompt.tools, prompt.template_kwargs,
+                                      prompt.chat_template)  # fmt: skip
         return None, ids, mm if mm.images else None
 
     def stats(self) -> dict:

@@ -108,11 +108,15 @@ class MultimodalProcessor:
         return self._inputs(dict(out))
 
     def chat(
-        self, messages: Sequence[dict], add_generation_prompt: bool = True, tools=None, template_kwargs: dict | None = None
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, tools=None, template_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ) -> tuple[list[int], MultimodalInputs]:
+        """chat_template: Jinja text used instead of the processor's template (vLLM's --chat-template)."""
         converted, images = openai_parts(messages, self.loader)
         self._count(len(images))
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        if chat_template:
+            extra["chat_template"] = chat_template
         try:
             out = self.processor.apply_chat_template(
                 converted, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,

@@ -117,7 +117,7 @@ async def create_embedding(serving: Serving, http_request: Request):
     body: EmbeddingRequest = await serving.parse(http_request, EmbeddingRequest)
     params = _params(body, FIELDS)
     if body.messages is not None:
-        prompts, field = [body.chat_prompt()], "messages"
+        prompts, field = [body.chat_prompt(serving.template_for(body.chat_template))], "messages"
     else:
         special = body.add_special_tokens is not False
         prompts, field = [_engine_prompt(serving, p, special) for p in body.inputs()], "input"
@@ -144,7 +144,7 @@ async def create_pooling(serving: Serving, http_request: Request):
     except ValueError as exc:
         raise errors.from_value_error(exc, FIELDS) from None
     if body.messages is not None:
-        prompts, field = [body.chat_prompt()], "messages"
+        prompts, field = [body.chat_prompt(serving.template_for(body.chat_template))], "messages"
     else:
         special = body.add_special_tokens is not False
         prompts, field = [_engine_prompt(serving, p, special) for p in body.inputs()], "input"

@@ -63,6 +63,7 @@ class EmbeddingRequest(_InputRequest):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: the request's own template (--trust-request-chat-template)
 
     _template_kwargs = field_validator("chat_template_kwargs")(classmethod(check_template_kwargs))
 
@@ -79,9 +80,10 @@ class EmbeddingRequest(_InputRequest):
                 raise ValueError("continue_final_message needs add_generation_prompt false")
         return self
 
-    def chat_prompt(self) -> ChatPrompt:
+    def chat_prompt(self, chat_template: str | None = None) -> ChatPrompt:
+        """chat_template: the one the server chose (Serving.template_for), None the model's."""
         return ChatPrompt(conversation(self.messages), self.add_generation_prompt, None, self.chat_template_kwargs,
-                          continue_final_message=self.continue_final_message)  # fmt: skip
+                          continue_final_message=self.continue_final_message, chat_template=chat_template)  # fmt: skip
 
     def params(self) -> PoolingParams:
         """use_activation is vLLM's newer name for an embedding's normalize."""

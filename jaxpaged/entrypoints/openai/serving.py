@@ -20,6 +20,7 @@ from jaxpaged.entrypoints.openai.reasoning import check_reasoning_parser, detect
 from jaxpaged.entrypoints.openai.streaming import SSE_DONE, RequestRun, sse
 from jaxpaged.entrypoints.openai.tool_parsers import PARSERS, detect_parser
 from jaxpaged.sampling_params import MAX_N, SamplingParams
+from jaxpaged.utils.chat_template import load_chat_template
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -39,6 +40,8 @@ class ServerSettings:
     allow_weight_updates: bool = False  # POST /update_weights, /sleep, /wake_up; GET /is_sleeping (rollout.py)
     enable_dev_endpoints: bool = False  # POST /reset_prefix_cache (dev.py; vLLM's VLLM_SERVER_DEV_MODE)
     reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS; None: detected from the chat template; "none": off
+    chat_template: str | None = None  # --chat-template: a file or Jinja text, used instead of the model's template
+    trust_request_chat_template: bool = False  # accept a request's own chat_template (vLLM's flag)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -51,6 +54,7 @@ class ServerSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)} (got {self.tool_call_parser!r})")
         if self.reasoning_parser != "none":
             check_reasoning_parser(self.reasoning_parser)  # an unknown name, or gpt_oss without openai-harmony
+        self.chat_template = load_chat_template(self.chat_template)  # a file's text (read once, at start), or the Jinja
 
 
 class Serving:
@@ -59,8 +63,12 @@ class Serving:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
-        template = getattr(self.tokenizer, "chat_template", None)
         self.harmony = bool(getattr(engine, "harmony", False))  # GPT-OSS: prompts rendered by openai-harmony
+        if settings.chat_template and self.harmony:  # vLLM would render harmony and drop the template without a word
+            raise ValueError("--chat-template: GPT-OSS's prompts are rendered by openai-harmony (as vLLM renders them), "
+                             "which reads no chat template; drop the flag")  # fmt: skip
+        self.chat_template = settings.chat_template  # None: the model's own (the engine's tokenizer renders it)
+        template = settings.chat_template or getattr(self.tokenizer, "chat_template", None)  # what the parsers read
         self.tool_parser = settings.tool_call_parser or ("openai" if self.harmony else detect_parser(template))
         self.reasoning_parser = self._reasoning_parser(template)
         if self.tool_parser == "openai" and self.reasoning_parser != "gpt_oss":  # harmony's calls are its messages
@@ -95,8 +103,9 @@ class Serving:
             return "gpt_oss"
         generation_prompt = None
         with contextlib.suppress(Exception):  # a template that wants more than one user turn: judged on its text alone
+            extra = {"chat_template": template} if self.chat_template else {}
             generation_prompt = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+                [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False, **extra
             )
         name = detect_reasoning_parser(template, generation_prompt if isinstance(generation_prompt, str) else None)
         if name == "gpt_oss":
@@ -106,6 +115,22 @@ class Serving:
                 logger.warning("the chat template is gpt-oss's harmony, but reasoning stays in content: %s", exc)
                 return None
         return name
+
+    def template_for(self, requested: str | None) -> str | None:
+        """The template a conversation renders with: a request's own chat_template (vLLM's field; only on a server
+        started with --trust-request-chat-template, else a 400 naming it), else --chat-template's, else None (the
+        model's). The parsers stay those the server's template showed."""
+        if requested is None:
+            return self.chat_template
+        if self.harmony:
+            raise errors.bad_request("chat_template: GPT-OSS's prompts are rendered by openai-harmony (as vLLM renders "
+                                     "them), which reads no chat template", param="chat_template")  # fmt: skip
+        if not self.settings.trust_request_chat_template:
+            raise errors.bad_request("chat_template is refused: the server was not started with "
+                                     "--trust-request-chat-template", param="chat_template")  # fmt: skip
+        if not requested.strip():
+            raise errors.bad_request("chat_template must be a template's Jinja text", param="chat_template")
+        return requested
 
     def prompt_text(self, run: RequestRun) -> str:
         """The first prompt's text with special tokens kept, where a reasoning reader looks for thinking markers."""

@@ -24,6 +24,7 @@ class TokenizeRequest(_Strict):
     continue_final_message: bool = False
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: the request's own template (--trust-request-chat-template)
     return_token_strs: bool = False
 
     _template_kwargs = field_validator("chat_template_kwargs")(classmethod(check_template_kwargs))
@@ -62,7 +63,8 @@ def add_routes(app: FastAPI, serving: Serving) -> None:
             if any(isinstance(m.content, list) for m in body.messages):
                 raise errors.bad_request("/tokenize takes text messages only (no image parts)", param="messages")
             prompt = ChatPrompt(conversation(body.messages), body.add_generation_prompt, body.tools or None, body.chat_template_kwargs,
-                                continue_final_message=body.continue_final_message)  # fmt: skip
+                                continue_final_message=body.continue_final_message,
+                                chat_template=serving.template_for(body.chat_template))  # fmt: skip
             try:
                 _, ids = serving.engine.engine._prompt_ids(prompt)  # rendered as /v1/chat/completions renders it
             except ValueError as exc:
