@@ -2,7 +2,8 @@
 
 - Mistral: a sliding window on every layer (`sliding_window`);
 - Qwen2 / Qwen2.5: biases on q/k/v but not on o_proj; optional per-layer windows (`layer_types`);
-- Qwen3: q/k RMSNorm over head_dim before RoPE; `attention_bias` on all four projections.
+- Qwen3: q/k RMSNorm over head_dim before RoPE; `attention_bias` on all four projections;
+- Seed-OSS: q/k/v biased per `attention_bias`, o_proj per `attention_out_bias`, MLP biases per `mlp_bias`.
 
 The forward pass is pure in the cache: it takes kv_cache and returns the updated one (or, from
 `forward`, the new K/V for the runner to write into the donated cache in place).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
-from jaxpaged.models.config import ModelConfig, model_config_from_hf
+from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list
 from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.weights import (
@@ -63,6 +64,9 @@ class LlamaForCausalLM(CausalLM):
             return model_config_from_hf(hf_config, architecture, attention_bias=True, attention_out_bias=False)
         if architecture == "Qwen3ForCausalLM":
             return model_config_from_hf(hf_config, architecture, qk_norm=True)
+        if architecture == "SeedOssForCausalLM":  # q/k/v biased per attention_bias, o_proj per attention_out_bias
+            out_bias = bool(getattr(text_config(hf_config), "attention_out_bias", False))
+            return model_config_from_hf(hf_config, architecture, attention_out_bias=out_bias)
         return model_config_from_hf(hf_config, architecture)
 
     @staticmethod

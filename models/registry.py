@@ -25,6 +25,7 @@ from jaxpaged.models.pooling_head import POOLING_ARCHITECTURES, port_architectur
 from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
 from jaxpaged.models.vision.llava import LlavaForConditionalGeneration
 from jaxpaged.models.vision.qwen_vl import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+from jaxpaged.models.smollm3 import SmolLM3ForCausalLM
 from jaxpaged.models.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
 
 MODEL_REGISTRY = {
@@ -32,6 +33,8 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": LlamaForCausalLM,  # Llama + sliding window
     "Qwen2ForCausalLM": LlamaForCausalLM,  # Llama + q/k/v bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # Llama + q/k norm
+    "SeedOssForCausalLM": LlamaForCausalLM,  # Llama + q/k/v biases, o_proj's own attention_out_bias
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # Llama + NoPE layers (no_rope_layers)
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
@@ -114,6 +117,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gptj": "GPTJForCausalLM",

@@ -61,6 +61,20 @@ CASES = {
                            "attention_factor": 1.2, "rope_theta": 10000.0}),
         "Olmo3ForCausalLM",
     ),
+    # SmolLM3: layer 1 of 2 without RoPE (no_rope_layers), GQA 2:1, tied, as the released 3B (every fourth layer NoPE)
+    "smollm3-nope-layer1-tied": (
+        transformers.SmolLM3Config,
+        dict(BASE, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0],
+             tie_word_embeddings=True),
+        "SmolLM3ForCausalLM",
+    ),
+    # Seed-OSS: q/k/v biases without an o_proj bias (attention_out_bias false, as released), head_dim 32, untied
+    "seed-oss-qkv-bias": (
+        transformers.SeedOssConfig,
+        dict(BASE, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             attention_bias=True, attention_out_bias=False, tie_word_embeddings=False),
+        "SeedOssForCausalLM",
+    ),
 }
 
 PROMPT_LENGTHS = [1, 9, 33, 77]
@@ -229,3 +243,20 @@ def test_olmo3_ropes_per_layer_type(tmp_path_factory):
     cfg = load_model(str(folder), dtype="float32").config
     assert cfg.rope.rope_type == "yarn" and cfg.option("sliding_rope").rope_type == "default"
     assert cfg.sliding_windows == (16, None) and cfg.max_position_embeddings == 512
+
+
+# -- SmolLM3 ------------------------------------------------------------------------------------------------------
+
+
+def test_smollm3_nope_layer_matters(tmp_path_factory):
+    """The NoPE layer is read as such, and rotating there would change transformers' logits (so the flag is tested)."""
+    import copy
+
+    hf, folder = saved("smollm3-nope-layer1-tied", tmp_path_factory)
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.config.option("nope_layers") == (1,)
+    prompt = random_prompts(VOCAB, [20], seed=2)[0]
+    hf = copy.deepcopy(hf)  # the shared model stays as saved
+    for layer in hf.model.layers:
+        layer.self_attn.use_rope = 1
+    assert np.abs(hf_logits(hf, prompt) - StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt])[0]).max() > 1e-2
