@@ -62,7 +62,7 @@ BAD_JSON_BODIES = [
     (C, _c(bad_words=["x", ""]), "bad_words"),
     (C, _c(bad_words="x"), "bad_words"),
     # vLLM's fields this server lacks: refused, not dropped as unknown (which changed the output silently)
-    (C, _c(use_beam_search=True, n=2, best_of=2), "use_beam_search"),
+    (C, _c(use_beam_search=True, stop=["x"]), "stop"),  # beam search takes no stop strings (tests/entrypoints/test_beam_search_api.py)
     (C, _c(prompt_logprobs=21), "prompt_logprobs"),
     (C, _c(prompt_logprobs=1, stream=True), "prompt_logprobs"),
     (CHAT, _chat(prompt_logprobs=-1), "prompt_logprobs"),

@@ -25,7 +25,7 @@ def _fields(body: ChatCompletionRequest) -> dict[str, str]:
     return {
         **SAMPLING_FIELDS, "prompt": "messages", "prompt_token_ids": "messages", "messages": "messages",
         "max_tokens": body.max_tokens_field, "logprobs": "top_logprobs",
-        "structured_outputs": body.constraint_field,
+        "structured_outputs": body.constraint_field, "best_of": "n",  # (the engine's word for the beam width)
     }
 
 

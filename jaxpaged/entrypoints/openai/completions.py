@@ -25,7 +25,8 @@ FIELDS = {**SAMPLING_FIELDS, "prompt": "prompt", "prompt_token_ids": "prompt", "
 
 async def create_completion(serving: Serving, http_request: Request):
     body: CompletionRequest = await serving.parse(http_request, CompletionRequest)
-    fields = {**FIELDS, "structured_outputs": body.constraint_field}
+    # best_of: the engine's word for the beam width, which is n unless best_of was given
+    fields = {**FIELDS, "structured_outputs": body.constraint_field, "best_of": "best_of" if body.best_of is not None else "n"}
     params = serving.sampling_params(body, fields)
     prompts = body.prompts()
     engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p, "prompt": None} for p in prompts]

@@ -86,11 +86,15 @@ class _SamplingRequest(_Strict):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's beam search: the n best of n beams (width best_of on completions), sent whole when the search ends
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Any = False  # older vLLM's (transformers'): True, False or "never"; SamplingParams checks it
 
     _null_n = field_validator("n", mode="before")(classmethod(_null_is_default))
     # vLLM's request fields this server does not implement, with the value that asks for nothing: another value is
     # refused (dropped as an unknown field, it would change the output without a word)
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {"use_beam_search": False, "length_penalty": 1.0}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -107,6 +111,10 @@ class _SamplingRequest(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
+        if not self.use_beam_search:
+            for name, inert in (("length_penalty", 1.0), ("early_stopping", False)):
+                if getattr(self, name) != inert:  # (it would change nothing: refused, not ignored)
+                    raise ValueError(f"{name} is only used by beam search: set use_beam_search true, or leave it out")
         return self
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -135,6 +143,12 @@ class _SamplingRequest(_Strict):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
         chosen = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        if self.use_beam_search:  # beams rank by the model's logprobs: the model's sampling defaults do not apply
+            if self.temperature not in (None, 0):
+                raise FieldError(f"temperature must be 0 or unset with use_beam_search (beams are ranked by the model's "
+                                 f"logprobs; got {self.temperature!r})", "temperature")  # fmt: skip
+            chosen = {"temperature": 0.0, "use_beam_search": True, "length_penalty": self.length_penalty,
+                      "early_stopping": self.early_stopping}  # fmt: skip
         return chosen | {k: v for k, v in values.items() if v is not None}
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
@@ -498,6 +512,8 @@ class ChatCompletionRequest(_SamplingRequest):
         `defaults`: the model's generation config defaults (vLLM's), its max_new_tokens a cap on max_tokens."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         max_tokens = capped_max_tokens(max_tokens, defaults)
+        if self.use_beam_search and self.logprobs:
+            raise FieldError("logprobs is not supported with use_beam_search", "logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         constraint = self.structured_outputs_params()
         if constraint is not None and reasoning is not None:
