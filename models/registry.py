@@ -8,6 +8,7 @@ from jaxpaged.models.falcon import FalconForCausalLM
 from jaxpaged.models.gemma import GemmaForCausalLM
 from jaxpaged.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from jaxpaged.models.glm4_moe import Glm4MoeForCausalLM
+from jaxpaged.models.granite import GraniteForCausalLM
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
@@ -35,6 +36,7 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,  # Llama + q/k norm
     "SeedOssForCausalLM": LlamaForCausalLM,  # Llama + q/k/v biases, o_proj's own attention_out_bias
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # Llama + NoPE layers (no_rope_layers)
+    "GraniteForCausalLM": GraniteForCausalLM,  # Llama + embedding, attention, residual and logits multipliers
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
@@ -119,6 +121,7 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen3": "Qwen3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gptj": "GPTJForCausalLM",

@@ -75,6 +75,14 @@ CASES = {
              attention_bias=True, attention_out_bias=False, tie_word_embeddings=False),
         "SeedOssForCausalLM",
     ),
+    # Granite 3.x: the four multipliers at values like the released 3.x models' (embedding 12, attention 1/64 here,
+    # residual 0.22, logits divided by 8), GQA 2:1, tied
+    "granite-multipliers-tied": (
+        transformers.GraniteConfig,
+        dict(BASE, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=12.0,
+             attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True),
+        "GraniteForCausalLM",
+    ),
 }
 
 PROMPT_LENGTHS = [1, 9, 33, 77]
