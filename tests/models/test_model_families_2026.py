@@ -268,3 +268,8 @@ def test_smollm3_nope_layer_matters(tmp_path_factory):
     for layer in hf.model.layers:
         layer.self_attn.use_rope = 1
     assert np.abs(hf_logits(hf, prompt) - StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt])[0]).max() > 1e-2
+
+
+def test_olmo3_engine_with_kv_cache_groups(tmp_path_factory):
+    """OLMo 3's sliding layer (window 16) beside a full one: KV cache groups, chunks, preemption, the prefix cache."""
+    engine_matches_transformers("olmo3-sliding-full-yarn", tmp_path_factory)
