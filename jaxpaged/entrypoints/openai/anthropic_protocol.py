@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from pydantic import field_validator, model_validator
+from pydantic import field_validator
 
 from jaxpaged.entrypoints.openai.errors import FieldError, rename_field
 from jaxpaged.entrypoints.openai.protocol import _Strict, check_template_kwargs
@@ -36,18 +36,9 @@ class MessagesRequest(_Strict):
     output_config: dict | None = None  # {"format": {"type": "json_schema", "schema"}, "effort": ...}
     metadata: dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as in chat
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {"mcp_servers": None, "container": None}
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {"mcp_servers": [], "container": None}
 
     _template_kwargs = field_validator("chat_template_kwargs")(classmethod(check_template_kwargs))
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data):
-        if isinstance(data, dict):
-            for name, inert in cls.UNSUPPORTED.items():
-                if data.get(name) not in (None, inert, []):
-                    raise ValueError(f"{name} is not supported by this server")
-        return data
 
     @field_validator("messages")
     @classmethod

@@ -112,15 +112,20 @@ def _engine_prompt(serving: Serving, prompt: str | list[int], add_special_tokens
     return {"prompt_token_ids": prompt, "prompt": None}
 
 
+def _prompts(serving: Serving, body) -> tuple[list, str]:
+    """(engine prompts, the field they came from) of an embedding or /pooling body: its chat messages through the
+    template, or each input."""
+    if body.messages is not None:
+        return [body.chat_prompt(serving.template_for(body.chat_template))], "messages"
+    special = body.add_special_tokens is not False
+    return [_engine_prompt(serving, p, special) for p in body.inputs()], "input"
+
+
 async def create_embedding(serving: Serving, http_request: Request):
     refuse_unless_served(serving, "/v1/embeddings")
     body: EmbeddingRequest = await serving.parse(http_request, EmbeddingRequest)
     params = _params(body, FIELDS)
-    if body.messages is not None:
-        prompts, field = [body.chat_prompt(serving.template_for(body.chat_template))], "messages"
-    else:
-        special = body.add_special_tokens is not False
-        prompts, field = [_engine_prompt(serving, p, special) for p in body.inputs()], "input"
+    prompts, field = _prompts(serving, body)
     request_id, outs = await _pool(serving, http_request, "embd", prompts, params, FIELDS, field, body)
     data = [{"index": i, "object": "embedding", "embedding": _encode(o.outputs.data, body.encoding_format)}
             for i, o in enumerate(outs)]  # fmt: skip
@@ -143,11 +148,7 @@ async def create_pooling(serving: Serving, http_request: Request):
         params = body.params(serving.engine.engine.pooler.task)
     except ValueError as exc:
         raise errors.from_value_error(exc, FIELDS) from None
-    if body.messages is not None:
-        prompts, field = [body.chat_prompt(serving.template_for(body.chat_template))], "messages"
-    else:
-        special = body.add_special_tokens is not False
-        prompts, field = [_engine_prompt(serving, p, special) for p in body.inputs()], "input"
+    prompts, field = _prompts(serving, body)
     request_id, outs = await _pool(serving, http_request, "pool", prompts, params, FIELDS, field, body)
     data = [{"index": i, "object": "pooling", "data": _encode(o.outputs.data, body.encoding_format)}
             for i, o in enumerate(outs)]  # fmt: skip

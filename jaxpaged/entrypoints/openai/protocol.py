@@ -42,6 +42,18 @@ def _null_is_default(cls, value, info: ValidationInfo):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    # request fields this server does not implement, with the value that asks for nothing: another value is refused
+    # (dropped as an unknown field, it would change the output without a word)
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, inert in cls.UNSUPPORTED.items():
+                if data.get(name) not in (None, inert):
+                    raise ValueError(f"{name} is not supported by this server")
+        return data
 
 
 class StreamOptions(_Strict):
@@ -92,18 +104,6 @@ class _SamplingRequest(_Strict):
     early_stopping: Any = False  # older vLLM's (transformers'): True, False or "never"; SamplingParams checks it
 
     _null_n = field_validator("n", mode="before")(classmethod(_null_is_default))
-    # vLLM's request fields this server does not implement, with the value that asks for nothing: another value is
-    # refused (dropped as an unknown field, it would change the output without a word)
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data):
-        if isinstance(data, dict):
-            for name, inert in cls.UNSUPPORTED.items():
-                if name in data and data[name] not in (None, inert):
-                    raise ValueError(f"{name} is not supported by this server")
-        return data
 
     @model_validator(mode="after")
     def _check(self):

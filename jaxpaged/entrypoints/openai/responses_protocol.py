@@ -61,15 +61,6 @@ class ResponsesRequest(_Strict):
 
     _template_kwargs = field_validator("chat_template_kwargs")(classmethod(check_template_kwargs))
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data):
-        if isinstance(data, dict):
-            for name, inert in cls.UNSUPPORTED.items():
-                if data.get(name) not in (None, inert):
-                    raise ValueError(f"{name} is not supported by this server")
-        return data
-
     @field_validator("input")
     @classmethod
     def _input(cls, value):
