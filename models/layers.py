@@ -379,13 +379,19 @@ class Attention(nnx.Module):
         q, k, v = q.reshape(t, h, hd), k.reshape(t, -1, hd), v.reshape(t, -1, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q = apply_rope(q, rope, interleaved=self.interleaved)
-            k = apply_rope(k, rope, interleaved=self.interleaved)
+        q, k = self.rotate(q, k, rope)
         slopes = None if self.alibi is None else jnp.asarray(self.alibi, jnp.float32)
         sinks = None if self.sinks is None else self.sinks[...]
         out = paged_attention(q, k, v, kv_cache, self.layer, attn_metadata, self.spec, slopes, sinks, backend=self.backend)
         return self.o_proj(out.reshape(t, h * hd)), (k, v)
+
+
+    def rotate(self, q, k, rope):
+        """RoPE on q and k [T, H, D]; a port that scales or norms them around it (Ministral 3, Llama 4) overrides this,
+        its run_layers passing what it needs as `rope`."""
+        if rope is None:
+            return q, k
+        return apply_rope(q, rope, interleaved=self.interleaved), apply_rope(k, rope, interleaved=self.interleaved)
 
 
 class GatedMLP(nnx.Module):

@@ -14,7 +14,9 @@ from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
 from jaxpaged.models.gptj import GPTJForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from jaxpaged.models.minimax_m2 import MiniMaxM2ForCausalLM
+from jaxpaged.models.mistral3 import Ministral3ForCausalLM, Mistral3ForConditionalGeneration
 from jaxpaged.models.mixtral import MoeForCausalLM
 from jaxpaged.models.mpt import MptForCausalLM
 from jaxpaged.models.nemotron_h import NemotronHForCausalLM
@@ -37,6 +39,8 @@ MODEL_REGISTRY = {
     "SeedOssForCausalLM": LlamaForCausalLM,  # Llama + q/k/v biases, o_proj's own attention_out_bias
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # Llama + NoPE layers (no_rope_layers)
     "GraniteForCausalLM": GraniteForCausalLM,  # Llama + embedding, attention, residual and logits multipliers
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,  # Llama + YaRN and Llama 4's q temperature (llama_4_scaling_beta)
+    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,  # its language model only (text prompts)
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
@@ -59,6 +63,8 @@ MODEL_REGISTRY = {
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # V3's dense MLA, its sparse indexer not run: up to index_topk
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # GLM-4.5/4.6/4.7: partial RoPE, DeepSeek-V3's router and shared experts
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # whole-projection q/k norm, partial RoPE, sigmoid router with bias
+    "Llama4ForCausalLM": Llama4ForCausalLM,  # chunked local attention on RoPE layers, NoPE layers, top-1 sigmoid MoE + shared
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # its language model only (text prompts)
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
@@ -122,6 +128,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "seed_oss": "SeedOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
     "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gptj": "GPTJForCausalLM",
@@ -144,6 +152,8 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
+    "llama4_text": "Llama4ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

@@ -64,6 +64,9 @@ def paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionMetad
                     sinks=None, *, backend: AttentionBackend) -> jax.Array:  # fmt: skip
     """`backend`'s attention (AttentionBackend's contract), per device under shard_map when traced under a TP mesh;
     the per-head alibi_slopes and sinks [H] split with the heads."""
+    if spec.chunk_size is not None and not backend.supports_chunks:
+        raise ValueError(f"the {backend.name} attention backend does not take chunked local attention (chunk_size); "
+                         "a port routes such layers through one that does (ReferenceAttention)")  # fmt: skip
     layer, attn_metadata = attn_metadata.for_layer(layer)  # KV cache groups: the layer's group and index
     per_head = lambda x: jnp.zeros((q.shape[1],), jnp.float32) if x is None else x.astype(jnp.float32)  # noqa: E731
     attend = functools.partial(_attend, layer=layer, spec=spec, backend=backend, use_alibi=alibi_slopes is not None,

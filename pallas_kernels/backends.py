@@ -24,6 +24,7 @@ class AttentionBackend:
     learned sink logit joins its softmax denominator (GPT-OSS)."""
 
     name: ClassVar[str]
+    supports_chunks: ClassVar[bool] = False  # AttentionSpec.chunk_size (chunked local attention) honoured
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, layer: int,
                  attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes: jax.Array | None = None,
@@ -36,6 +37,7 @@ class ReferenceAttention(AttentionBackend):
     """The pure-JAX definition any device runs; batch_invariant makes a row's result independent of the step."""
 
     batch_invariant: bool = False
+    supports_chunks: ClassVar[bool] = True
 
     @property
     def name(self) -> str:

@@ -62,6 +62,9 @@ class AttentionSpec:
     scale: float  # on q.k
     sliding_window: int | None = None  # a query sees the keys at most this many positions back, itself included
     soft_cap: float | None = None  # scores -> soft_cap * tanh(scores / soft_cap), before ALiBi and the mask
+    # chunked local attention (Llama 4's RoPE layers): a query sees only the keys of its own chunk, positions
+    # [pos // chunk_size * chunk_size, pos]; only backends with supports_chunks take it (pallas_kernels/attention.py)
+    chunk_size: int | None = None
 
 
 def kv_cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int):

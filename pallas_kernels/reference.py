@@ -36,12 +36,19 @@ def key_limits(attn_metadata: AttentionMetadata, pos: jax.Array) -> jax.Array:
     return pos if attn_metadata.key_ends is None else jnp.maximum(pos, attn_metadata.key_ends)
 
 
-def _mask(ctx_pos, pos, valid, sliding_window, limit=None):
+def local_mask(mask, key_pos, query_pos, spec: AttentionSpec):
+    """mask [rows, keys] less the keys outside each row's sliding window or its chunk (chunked local attention)."""
+    if spec.sliding_window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - spec.sliding_window
+    if spec.chunk_size is not None:
+        mask &= key_pos[None, :] >= query_pos[:, None] // spec.chunk_size * spec.chunk_size
+    return mask
+
+
+def _mask(ctx_pos, pos, valid, spec: AttentionSpec, limit=None):
     """[T, C] which context positions each token may see (up to `limit`, default its own position)."""
     mask = (ctx_pos[None, :] <= (pos if limit is None else limit)[:, None]) & valid[:, None]
-    if sliding_window is not None:
-        mask &= ctx_pos[None, :] > pos[:, None] - sliding_window
-    return mask
+    return local_mask(mask, ctx_pos, pos, spec)
 
 
 def cached_blocks(kv_cache, layer: int, kv: int, blocks: jax.Array, dtype) -> jax.Array:
@@ -74,7 +81,7 @@ def naive_paged_attention(q, kv_cache, layer: int, attn_metadata: AttentionMetad
     """The definition: q [T, H, D] -> [T, H, D], causal attention over each token's paged context (this step's K/V
     already written); alibi_slopes [H] float32 adds slope * (key_pos - query_pos) to each score; sinks [H] float32
     (GPT-OSS's learned attention sinks) join each head's softmax denominator as exp(sink - max), with no value."""
-    scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
+    scale, soft_cap = spec.scale, spec.soft_cap
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -94,7 +101,7 @@ def naive_paged_attention(q, kv_cache, layer: int, attn_metadata: AttentionMetad
     ctx_pos = jnp.arange(ctx, dtype=jnp.int32)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, ctx_pos, pos, num_kv_heads)
-    mask = _mask(ctx_pos, pos, valid, sliding_window, key_limits(attn_metadata, pos))
+    mask = _mask(ctx_pos, pos, valid, spec, key_limits(attn_metadata, pos))
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
 
     peak = jnp.max(scores, axis=-1, keepdims=True)
@@ -124,7 +131,6 @@ def reference_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: Atte
     """
     if batch_invariant:
         return batch_invariant_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, sinks)
-    sliding_window = spec.sliding_window
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
@@ -153,9 +159,7 @@ def reference_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: Atte
             kc = cached_blocks(kv_cache, layer, 0, blocks, q.dtype)
             vc = cached_blocks(kv_cache, layer, 1, blocks, q.dtype)
             ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            mask = ctx_pos[None, :] < cached_rows[:, None]
-            if sliding_window is not None:
-                mask &= ctx_pos[None, :] > pos_rows[:, None] - sliding_window
+            mask = local_mask(ctx_pos[None, :] < cached_rows[:, None], ctx_pos, pos_rows, spec)
             s = _scores("tkgd,tckbd->tkgcb", q_rows, kc, None, ctx_pos, pos_rows, **kw).reshape(n, num_kv_heads, group, chunk)
             s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
             return _fold(carry, s.reshape(n, num_kv_heads, group, cols, block_size), "tkgcb,tckbd->tkgd", vc, prec)
@@ -220,8 +224,7 @@ def fresh_token_softmax(q, k, v, attn_metadata: AttentionMetadata, spec: Attenti
     init = _empty_softmax(num_tokens, num_kv_heads, group, head_dim, sinks, valid)
     limit = key_limits(attn_metadata, pos)
     mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= limit[:, None]) & valid[:, None] & valid[None, :]
-    if spec.sliding_window is not None:
-        mask &= pos[None, :] > pos[:, None] - spec.sliding_window
+    mask = local_mask(mask, pos, pos, spec)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     kw = {"spec": spec, "alibi_slopes": alibi_slopes, "num_kv_heads": num_kv_heads, "prec": prec}
     return _fold(init, _scores("tkgd,ukd->tkgu", qg, k, mask, pos, pos, **kw), "tkgu,ukd->tkgd", v, prec)
@@ -273,9 +276,7 @@ def batch_invariant_attention(q, k, v, kv_cache, layer: int, attn_metadata: Atte
 
     def body(i, carry):
         ctx_pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = (ctx_pos[None, :] <= limit[:, None]) & valid[:, None]
-        if spec.sliding_window is not None:
-            mask &= ctx_pos[None, :] > pos[:, None] - spec.sliding_window
+        mask = local_mask((ctx_pos[None, :] <= limit[:, None]) & valid[:, None], ctx_pos, pos, spec)
         kc, vc = keys(i, 0, k_new), keys(i, 1, v_new)
         s = _scores("tkgd,tckd->tkgc", qg, kc, mask, ctx_pos, pos, **kw)
         return _fold(carry, s, "tkgc,tckd->tkgd", vc, prec)

@@ -34,6 +34,8 @@ import tests.models.test_deepseek_v32 as deepseek_v32_cases
 import tests.models.test_gemma as gemma_cases
 import tests.models.test_gemma4 as gemma4_cases
 import tests.models.test_gpt_oss as gpt_oss_cases
+import tests.models.test_llama4 as llama4_cases
+import tests.models.test_mistral3 as mistral3_cases
 import tests.models.test_hybrid_models as hybrid_cases
 import tests.models.test_model_families as family_cases
 import tests.models.test_model_families_2026 as families_2026_cases
@@ -56,7 +58,8 @@ MISSING = "model.layers.1.mlp.down_proj"  # ... and what they lack (its .weight,
 
 
 # image-text architectures: (config maker, model maker), AutoModelForCausalLM making none or the text-only model
-IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES, **qwen3_vl_cases.CASES, **llava_cases.CASES}
+IMAGE_TEXT = {**hybrid_cases.IMAGE_TEXT, **qwen_vl_cases.CASES, **qwen3_vl_cases.CASES, **llava_cases.CASES,
+              **mistral3_cases.IMAGE_TEXT, **llama4_cases.IMAGE_TEXT}
 
 
 def _architectures() -> dict:
@@ -75,6 +78,8 @@ def _architectures() -> dict:
     for name, arch in (("v2", "DeepseekV2ForCausalLM"), ("v3", "DeepseekV3ForCausalLM")):
         found.setdefault(arch, functools.partial(lambda n: deepseek_cases._configs()[n], name))
     found.setdefault("DeepseekV32ForCausalLM", deepseek_v32_cases.v32_config)
+    found.setdefault("Ministral3ForCausalLM", mistral3_cases.ministral3_config)
+    found.setdefault("Llama4ForCausalLM", llama4_cases.llama4_text_config)
     return found
 
 
@@ -125,6 +130,8 @@ def test_tying_follows_transformers_per_architecture(arch):
     for flag in (True, False):
         config = ARCHITECTURES[arch]()
         config.tie_word_embeddings = flag
+        if arch in llama4_cases.IMAGE_TEXT:  # transformers reads its language model's own flag there
+            config.text_config.tie_word_embeddings = flag
         with torch.device("meta"):  # (Qwen3.5's image-text classes: AutoModelForCausalLM makes the text-only one)
             hf = getattr(transformers, arch)(config) if arch in IMAGE_TEXT else transformers.AutoModelForCausalLM.from_config(config)
         theirs = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
@@ -218,6 +225,8 @@ def test_every_family_loads_with_nothing_unexplained(arch, tmp_path):
     expected = {"Gemma3ForConditionalGeneration": {SIGLIP_HEAD}} | dict.fromkeys(hybrid_cases.IMAGE_TEXT, {VISION})
     expected |= dict.fromkeys(llava_cases.CASES, {LLAVA_UNREAD})  # the tower's final LayerNorm (SigLIP's head)
     expected["Gemma4ForConditionalGeneration"] = {GEMMA4_TOWERS}  # none of its 6 layers shares K/V
+    expected["Mistral3ForConditionalGeneration"] = {mistral3_cases.SKIPPED}  # the Pixtral tower and the projector
+    expected["Llama4ForConditionalGeneration"] = {llama4_cases.SKIPPED}  # the vision model and the projector
     expected["DeepseekV32ForCausalLM"] = {INDEXER}  # the sparse-attention indexer: dense MLA within index_topk
     assert set(loaded.skipped_tensors) == expected.get(arch, set())
     skipped = {n for names in loaded.skipped_tensors.values() for n in names}

@@ -1,0 +1,134 @@
+"""Llama 4 against transformers in float32, text prompts: 4 layers, RoPE layers with chunked local attention (chunks of
+12 positions, shorter than the prompts and not aligned with the 16-token prefill chunks), q/k L2 norm and llama3
+RoPE on interleaved pairs; a NoPE layer with its attention temperature (floor_scale 8, so it grows within the
+prompts); MoE every second layer (4 experts, top-1 sigmoid router scaling the expert's input, a shared expert) beside
+dense MLPs. Logits within 1e-4 at every position of prompts of 1-77 tokens, whole and in 16-token chunks, 16 greedy
+tokens identical; Llama4ForConditionalGeneration's language model with its vision model skipped and named; the engine
+with 16-token chunks, preemption and prefix-cache hits on prompts past the attention chunk."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import transformers
+from jaxpaged.models.loader import load_model
+
+from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
+from tests.static_batch import StaticBatchRunner
+
+torch = pytest.importorskip("torch")
+
+VOCAB = 256
+TEXT = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+    num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+    attention_chunk_size=12, attn_temperature_tuning=True, floor_scale=8, attn_scale=0.1, use_qk_norm=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+)  # fmt: skip
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+              patch_size=16, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64,
+              pixel_shuffle_ratio=0.5)  # fmt: skip
+SKIPPED = "the vision model and the projector: not ported, prompts are text"
+
+
+def llama4_text_config(**extra):
+    return transformers.Llama4TextConfig(**copy.deepcopy(TEXT | extra))
+
+
+def llama4_config():
+    return transformers.Llama4Config(text_config=copy.deepcopy(TEXT), vision_config=VISION, tie_word_embeddings=False)
+
+
+def llama4_hf_model(config, seed: int = 0, std: float = 0.15):
+    """Every weight random (norms near 1): AutoModelForCausalLM makes the text-only model from this config."""
+    torch.manual_seed(seed)
+    hf = transformers.Llama4ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, std)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+IMAGE_TEXT = {"Llama4ForConditionalGeneration": (llama4_config, llama4_hf_model)}
+_SAVED: dict = {}
+
+
+def saved(tmp_path_factory):
+    if not _SAVED:
+        hf = random_hf_model(llama4_text_config())
+        _SAVED["text"] = hf, save_hf_model(hf, tmp_path_factory.mktemp("llama4"))
+    return _SAVED["text"]
+
+
+def test_logits_and_greedy_match_transformers(tmp_path_factory):
+    hf, folder = saved(tmp_path_factory)
+    loaded = load_model(str(folder), dtype="float32")
+    cfg = loaded.config
+    assert cfg.architecture == "Llama4ForCausalLM" and set(loaded.skipped_tensors) <= {"the rotary cache: recomputed from the config"}
+    assert (cfg.option("chunked_layers"), cfg.option("nope_layers"), cfg.option("chunk_size")) == ((0, 1, 3), (2,), 12)
+    prompts = random_prompts(VOCAB, [1, 9, 33, 77], seed=7)
+    runner = StaticBatchRunner(loaded, block_size=8)
+    greedy, logits = runner.generate(prompts, 16, return_prompt_logits=True)
+    chunked = runner.prompt_logits(prompts, prefill_chunk=16)
+    for prompt, got, got_chunked, tokens in zip(prompts, logits, chunked, greedy):
+        want = hf_logits(hf, prompt)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got_chunked, want, atol=1e-4, rtol=0)
+        assert tokens == hf_greedy(hf, prompt, 16)
+
+
+def test_chunks_and_temperature_matter(tmp_path_factory):
+    """transformers' logits move past the first chunk when its layers attend causally, and past position 6 without
+    the NoPE layer's temperature: both features decide the output above."""
+    hf, _ = saved(tmp_path_factory)
+    prompt = random_prompts(VOCAB, [40], seed=3)[0]
+    want = hf_logits(hf, prompt)
+    full = copy.deepcopy(hf)
+    full.config.layer_types = ["full_attention"] * 4
+    moved = np.abs(hf_logits(full, prompt) - want).max(-1)
+    assert moved[:12].max() < 1e-5 and moved[12:].min() > 1e-3
+    cold = copy.deepcopy(hf)
+    for layer in cold.model.layers:
+        layer.self_attn.attn_temperature_tuning = False
+    moved = np.abs(hf_logits(cold, prompt) - want).max(-1)
+    assert moved[:7].max() < 1e-5 and moved[7:].min() > 1e-4
+
+
+def test_image_text_checkpoint_loads_its_language_model(tmp_path):
+    hf = llama4_hf_model(llama4_config())
+    loaded = load_model(str(save_hf_model(hf, tmp_path)), dtype="float32")
+    assert loaded.config.architecture == "Llama4ForConditionalGeneration"
+    names = loaded.skipped_tensors[SKIPPED]
+    assert any(".vision_model." in f".{n}" for n in names) and any("multi_modal_projector." in n for n in names)
+    prompt = random_prompts(VOCAB, [30], seed=3)[0]
+    got = StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt], prefill_chunk=16)[0]
+    with torch.no_grad():  # its forward's logits on text, from its language model (transformers 5.24's forward
+        # itself fails building its output: MoeCausalLMOutputWithPast has no image_outputs)
+        want = hf.language_model(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_llama4_engine(tmp_path_factory):
+    """Through jaxpaged.LLM (the CPU platform's default attention: the chunked layers on the reference): 16-token
+    chunks, a pool small enough to preempt, prompts sharing prefixes, prompts and outputs past several chunks."""
+    from jaxpaged import LLM, SamplingParams
+
+    hf, folder = saved(tmp_path_factory)
+    prompts = random_prompts(VOCAB, [45, 5, 30, 23, 38, 12], seed=4)
+    prompts += [prompts[0][:33] + [7, 8], prompts[2]]
+    max_tokens = [12, 20, 15, 9, 18, 11, 10, 6]
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=6, max_num_batched_tokens=16, block_size=4, num_kv_blocks=40,
+              log_level="WARNING")  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
