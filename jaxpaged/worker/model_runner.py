@@ -76,8 +76,13 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
     """The device side of the engine; its compiles, sizing and adapters live in the mixins' modules."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
-                 executable_dir=None, devices: Sequence[jax.Device] | None = None, pooling: bool = False):  # fmt: skip
+                 executable_dir=None, devices: Sequence[jax.Device] | None = None, pooling: bool = False,
+                 keep_hidden: bool = False):  # fmt: skip
         self.config = config
+        # speculative method "mtp": each step keeps its final hidden states for the MTP layer's shadow step (self.mtp,
+        # spec_decode/mtp.py); other engines' forwards are unchanged
+        self.keep_hidden = keep_hidden
+        self.mtp = None
         # a pooling engine (engine/pooling.py): the forward returns its rows' pooled hidden states, not prompt logprobs
         self.pooling = pooling
         # the devices this engine runs on: the first tensor_parallel_size of them (a data-parallel replica gets its own)
@@ -257,7 +262,8 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         first use: sizing the pool may compile the sampler before _place has finished.)"""
         stored = self._executable_dir if self.single_device else None
         # the forward's outputs differ where prompt logprobs are computed apart: part of every stored step's key
-        return ExecutableCache(stored, salt=f"{self.graphdef!r} prompt_apart={self._prompt_apart} pooling={self.pooling}", device=self.device)
+        return ExecutableCache(stored, salt=f"{self.graphdef!r} prompt_apart={self._prompt_apart} pooling={self.pooling}"
+                               + (" keep_hidden" if self.keep_hidden else ""), device=self.device)
 
     def _sampler_plans(self, jit_kwargs: dict) -> SamplerPlans:
         static = not self.platform.device_conditionals
@@ -294,7 +300,10 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
             return model.compute_logits(hidden[logit_rows]), (pooled, hidden), new_kv, attn_metadata.slot_mapping
         if self._prompt_apart:  # the final hidden states in the prompt's place: _prompt_impl reads them if asked
             return model.compute_logits(hidden[logit_rows]), hidden, new_kv, attn_metadata.slot_mapping
-        return (*logits_and_prompt(model, hidden, logit_rows, prompt_next_ids), new_kv, attn_metadata.slot_mapping)
+        logits, prompt = logits_and_prompt(model, hidden, logit_rows, prompt_next_ids)
+        if self.keep_hidden:  # the MTP layer's input beside the prompt logprobs
+            prompt = (prompt, hidden)
+        return logits, prompt, new_kv, attn_metadata.slot_mapping
 
     def _prompt_impl(self, state, hidden, prompt_next_ids):
         """Prompt logprobs from a step's final hidden states, for a step where some row asked for them."""
@@ -443,11 +452,23 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
             self.mm.encode(scheduler_output.encoder_work)
         step = self.input_batch.build(scheduler_output, with_sampling=not defer_sampling)
         step.state_copies = scheduler_output.state_copies
-        return self.dispatch(step, scheduler_output.block_copies, prev)
+        dispatched = self.dispatch(step, scheduler_output.block_copies, prev)
+        if self.mtp is not None:  # the MTP layer's shadow step, once the step's tokens are sampled (on the device)
+            dispatched.mtp_step = step
+            if not defer_sampling:
+                self._shadow(scheduler_output, dispatched)
+        return dispatched
+
+    def _shadow(self, scheduler_output: SchedulerOutput, dispatched: DispatchedStep) -> None:
+        step, dispatched.mtp_step = dispatched.mtp_step, None
+        hidden, dispatched.hidden = dispatched.hidden, None
+        self.mtp.shadow(scheduler_output, step, dispatched, hidden)
 
     def sample_later(self, scheduler_output: SchedulerOutput, dispatched: DispatchedStep) -> None:
         """Sample a step dispatched with defer_sampling, its sampling rows built from the requests as they are now."""
         self.sample(dispatched, self.input_batch.sampling(scheduler_output, dispatched.bucket))
+        if self.mtp is not None:
+            self._shadow(scheduler_output, dispatched)
 
     def dispatch(self, step: StepInputs, copies: list[tuple[int, int]] = (), prev: DispatchedStep | None = None) -> DispatchedStep:
         """Queue the step on the device and return at once; `prev` supplies the inputs step.prev_rows point at.
@@ -474,12 +495,16 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
             if step.sampling is not None:
                 self.sample(dispatched, step.sampling)
             return dispatched
+        hidden = None
+        if self.keep_hidden:  # the final hidden states: the second output itself where prompt logprobs are apart
+            hidden = prompt if self._prompt_apart else prompt[1]
+            prompt = prompt if self._prompt_apart else prompt[0]
         want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
         if want_prompt and self._prompt_apart:  # `prompt` holds the step's hidden states
             args = (self.state, prompt, self._put(step.prompt_next_ids))
             with self._on_mesh():
                 prompt = self._executable("prompt", self._prompt, t, args)(*args)
-        dispatched = DispatchedStep(t, logits, prompt if want_prompt else None)
+        dispatched = DispatchedStep(t, logits, prompt if want_prompt else None, hidden=hidden)
         if step.sampling is not None:
             self.sample(dispatched, step.sampling)
         return dispatched

@@ -28,6 +28,8 @@ class DispatchedStep:
     seq: int = -1  # the runner's count of dispatched steps: followers of a process group find theirs by it
     pooled: jax.Array | None = None  # a pooling engine's [S, D] pooled sums (model_runner.pooled_sums)
     pooled_tokens: jax.Array | None = None  # [T, D] its final hidden states, kept when a row runs a token task
+    hidden: jax.Array | None = None  # [T, D] the final hidden states, for the MTP layer (ModelRunner.keep_hidden)
+    mtp_step: object = None  # the step's inputs, until the MTP layer's shadow step has run (ModelRunner._shadow)
 
     def fetch(self) -> StepResult:
         get = lambda tree: jax.tree.map(distributed.host_value, tree)  # noqa: E731
