@@ -163,10 +163,15 @@ class LLMEngine:
                 draft = DraftModelProposer.load(config, spec_config, self.loaded, self.max_model_len, platform, devices=devices,
                                                 executable_dir=executables)  # fmt: skip
         runner = PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner
+        mtp = spec_config is not None and spec_config.method == "mtp"
         self.runner = runner(
             self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
-            devices=devices, pooling=self.pooler is not None,
+            devices=devices, pooling=self.pooler is not None, **({"keep_hidden": True} if mtp else {}),
         )
+        if mtp:  # the checkpoint's MTP layer: a shadow step after each of the runner's (spec_decode/mtp.py)
+            from jaxpaged.spec_decode.mtp import MtpProposer
+
+            draft = self.runner.mtp = MtpProposer(self.loaded, self.runner, config, spec_config, self.max_model_len)
         hybrid = getattr(self.runner, "state_spec", None) is not None  # linear layers' states (core/state_slots.py)
         if hybrid and config.enable_prefix_caching:
             logger.info("prefix caching is off for %s: a cached block holds no linear layer's state at its boundary",
@@ -186,6 +191,8 @@ class LLMEngine:
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
             policy=config.scheduling_policy,
         )  # fmt: skip
+        if mtp:
+            draft.kv = self.scheduler.kv  # its chained guesses write where the sequences' blocks are
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.pooler)
         self.mm = None  # vision-language models: prompts with images, the scheduler's encoder part (multimodal/engine.py)
         if getattr(self.runner, "mm", None) is not None:

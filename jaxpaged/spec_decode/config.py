@@ -7,7 +7,9 @@ from typing import Any
 
 from jaxpaged.utils.json_option import json_object
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's older names for "mtp" (it maps them the same way)
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "ernie_mtp", "mimo_mtp")
 # batch 1 gains, batch 64 forced on loses 0.31 on free text (docs/speculative_decoding.md); 8 is between, not tuned
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # vLLM has no default
 
@@ -30,6 +32,8 @@ class SpeculativeConfig:
         value = json_object("speculative_config", value, (f.name for f in dataclasses.fields(cls)))
         if "method" not in value:
             value["method"] = "draft_model" if value.get("model") else "ngram"
+        if value["method"] in MTP_ALIASES:
+            value["method"] = "mtp"
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         return cls(**value)
@@ -46,5 +50,5 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")  # fmt: skip
         if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
             raise ValueError("speculative_config.model is required for method 'draft_model' (the draft's folder or id)")
-        if self.model is not None and self.method == "ngram":
-            raise ValueError("speculative_config.model is for method 'draft_model'; ngram needs no model")
+        if self.model is not None and self.method in ("ngram", "mtp"):
+            raise ValueError(f"speculative_config.model is for method 'draft_model'; {self.method} needs no model")

@@ -1,0 +1,340 @@
+"""The `mtp` proposer: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3/R1), as vLLM runs it.
+
+The MTP layer at position t takes the target's final hidden state h_t (after its final norm: vLLM hands its drafts
+the model's output) and the embedding of token t+1 (zero at position 0), normalizes them (enorm, hnorm), projects
+their concatenation (eh_proj), runs its decoder layer (MLA + MoE, its own latent cache) at position t, and predicts
+token t+2 through shared_head.norm and the head (shared_head.head where the checkpoint has it, else the target's).
+k guesses chain it: each next step takes the previous step's output hidden state and guess, one position on.
+
+Why a shadow step: the layer needs h_t of every position it will ever attend to, and those exist on the device only
+during the target's step. So after every target step (ModelRunner.execute_model) the layer runs over the same tokens
+with the same block tables and slots (its cache is the target's pool layout, one latent layer, so a target block id
+is an MTP block id and nothing is allocated or freed apart), its token inputs shifted by one: the next prompt token,
+or the token the step sampled at that row (read on the device). It keeps, per sampling row, its greedy guess and
+output hidden state on the device; propose() picks the row of each sequence's last accepted position, gathers them
+and chains k - 1 one-token steps, reading every guess back once. Guesses past a sequence's allocated blocks write
+into scratch blocks beyond the pool (the next shadow step rewrites those positions in the real ones).
+
+Greedy guesses are point masses, so verification (rejection_sampler.py) keeps the target's output exact whatever
+the layer proposes; the layer's cache entries only ever affect how often guesses are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpaged.models.accounting import TensorLedger
+from jaxpaged.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
+from jaxpaged.models.layers import Linear, RMSNorm, rope_table, stack_new_kv
+from jaxpaged.models.loader import DTYPES, LoadedModel, _safetensors_files
+from jaxpaged.models.moe import MoeOptions, regroup_expert_tensors
+from jaxpaged.models.safetensors_io import open_files, tensors_in_order
+from jaxpaged.models.weights import WeightSpec, linear_specs, load_tensors_into
+from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
+from jaxpaged.worker.kv_memory import kv_pool
+
+logger = logging.getLogger("jaxpaged.spec_decode")
+
+ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+OWN_EMBEDDING = ("the MTP layer's copy of the embedding (model.layers.{n}.embed_tokens): DeepSeek-V3 shares the "
+                 "target's, which the layer reads")  # fmt: skip
+
+
+def _with_option(cfg, name: str, value):
+    return dataclasses.replace(cfg, options=tuple((k, value if k == name else v) for k, v in cfg.options))
+
+
+class DeepseekMtpLayer(nnx.Module):
+    """One MTP layer: enorm, hnorm, eh_proj, a decoder layer (its cache layer 0; MoE where vLLM makes it MoE: a layer
+    index past first_k_dense_replace), shared_head.norm and, where the checkpoint has one, shared_head.head."""
+
+    def __init__(self, cfg, *, dtype, attention, own_head: bool):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        moe = MoeOptions.of(cfg)
+        sparse = (0,) if moe.sparse_layers else ()
+        self.config = cfg
+        self.num_experts = moe.num_experts
+        self.enorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.hnorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.eh_proj = Linear(2 * d, d, bias=False, dtype=dtype)
+        block_cfg = _with_option(cfg, "moe", dataclasses.replace(moe, sparse_layers=sparse).as_option())
+        self.mtp_block = DeepseekDecoderLayer(block_cfg, 0, dtype=dtype, attention=attention)
+        self.shared_head_norm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.head = Linear(d, cfg.vocab_size, bias=False, dtype=dtype) if own_head else None
+
+    def regroup_tensors(self, tensors, missing=None):
+        return regroup_expert_tensors(tensors, self.num_experts, missing)
+
+    def __call__(self, embeds, hidden, positions, kv_cache, attn_metadata):
+        """-> (output hidden states [T, D], this step's latent K/V)."""
+        cfg = self.config
+        embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)  # vLLM: unused at position 0
+        x = self.eh_proj(jnp.concatenate([self.enorm(embeds), self.hnorm(hidden.astype(embeds.dtype))], axis=-1))
+        rope = rope_table(cfg.rope, positions, cfg.rotary_dim or cfg.head_dim, attn_metadata, interleaved=cfg.rope_interleaved)
+        x, kv = self.mtp_block(x, rope, kv_cache, attn_metadata)
+        return x, stack_new_kv([kv])
+
+    def logits(self, x, target) -> jax.Array:
+        h = self.shared_head_norm(x)
+        return self.head(h).astype(jnp.float32) if self.head is not None else target.compute_logits(h)
+
+
+def mtp_weight_specs(cfg, own_head: bool) -> dict[str, WeightSpec]:
+    """The checkpoint names of the first MTP layer (model.layers.{num_hidden_layers}.*) -> DeepseekMtpLayer's paths:
+    the decoder layer's as the target's layers name them, plus the MTP's own tensors."""
+    n = cfg.num_layers
+    moe = MoeOptions.of(cfg)
+    sparse = moe.sparse_layers + ((n,) if moe.sparse_layers else ())
+    wide = _with_option(dataclasses.replace(cfg, num_layers=n + 1), "moe", dataclasses.replace(moe, sparse_layers=sparse).as_option())
+    hf, ours = f"model.layers.{n}.", f"layers.{n}."
+    specs = {}
+    for name, spec in DeepseekForCausalLM.weight_specs(wide).items():
+        if name.startswith(hf):
+            paths = tuple("mtp_block." + p[len(ours):] for p in spec.paths)
+            specs[name] = dataclasses.replace(spec, path=paths[0] if len(paths) == 1 else paths)
+    specs[f"{hf}enorm.weight"] = WeightSpec("enorm.scale")
+    specs[f"{hf}hnorm.weight"] = WeightSpec("hnorm.scale")
+    specs |= linear_specs(f"{hf}eh_proj", "eh_proj", bias=False)
+    specs[f"{hf}shared_head.norm.weight"] = WeightSpec("shared_head_norm.scale")
+    if own_head:
+        specs[f"{hf}shared_head.head.weight"] = WeightSpec("head.kernel", transpose=True)
+    return specs
+
+
+def load_mtp_layer(loaded: LoadedModel, attention) -> DeepseekMtpLayer:
+    """The checkpoint's first MTP layer, read from its safetensors (the target's load skips them); a ValueError
+    naming speculative_config where the model has none or jaxpaged cannot run them."""
+    cfg = loaded.config
+    if cfg.architecture not in ARCHITECTURES:
+        raise ValueError(f"speculative_config.method 'mtp': not supported for {cfg.architecture} (supported: "
+                         f"{', '.join(ARCHITECTURES)})")  # fmt: skip
+    if not int(cfg.option("mtp_layers", 0) or 0):
+        raise ValueError(f"speculative_config.method 'mtp': {loaded.source} has no multi-token-prediction layers "
+                         "(num_nextn_predict_layers is 0)")  # fmt: skip
+    if getattr(loaded.hf_config, "quantization_config", None):
+        raise ValueError("speculative_config.method 'mtp': not supported for a quantized checkpoint yet")
+    folder = Path(loaded.source)
+    prefix = f"model.layers.{cfg.num_layers}."
+    where = open_files(_safetensors_files(folder)) if folder.is_dir() else {}
+    where = {name: f for name, f in where.items() if name.startswith(prefix)}
+    if not where:
+        raise ValueError(f"speculative_config.method 'mtp': {loaded.source} declares MTP layers but holds no "
+                         f"{prefix}* tensors")  # fmt: skip
+    own_head = f"{prefix}shared_head.head.weight" in where
+    dtype = DTYPES[loaded.dtype]
+    layer = DeepseekMtpLayer(cfg, dtype=dtype, attention=attention, own_head=own_head)
+    ledger = TensorLedger(((rf"^{re.escape(prefix)}embed_tokens\.", OWN_EMBEDDING.format(n=cfg.num_layers)),))
+    load_tensors_into(layer, mtp_weight_specs(cfg, own_head), tensors_in_order(where), dtype, ledger=ledger)
+    return layer
+
+
+def shadow_feed(output, t: int):
+    """A target step's MTP inputs: per token row, the next token (host) or the sampled row holding it (-1: host);
+    and per sampling sequence (seq_id, its first sampled row, that row's position, rows)."""
+    next_ids = np.zeros(t, np.int32)
+    take = np.full(t, -1, np.int32)
+    records = []
+    for item in output.scheduled:
+        req, first = item.request, item.first_token_row
+        k = len(item.draft_token_ids)
+        real = item.num_tokens - k
+        host = real - 1 if item.samples else item.num_tokens  # rows whose next token the host knows
+        if item.samples:
+            take[first + host : first + item.num_tokens] = item.row + np.arange(k + 1)
+            records.append((req.seq_id, item.row, item.start + real - 1, k + 1))
+        if host:
+            p = len(req.prompt_token_ids)
+            lo, hi = item.start + 1, item.start + 1 + host
+            ids = req.prompt_token_ids[lo:hi] + req.output_token_ids[max(lo - p, 0) : max(hi - p, 0)]
+            next_ids[first : first + host] = ids
+    return next_ids, take, records
+
+
+def _gather(acc_tokens, acc_hidden, tokens, hidden, idx):
+    """Rows of one step's guesses into the batch being proposed (idx -1: keep)."""
+    take = idx >= 0
+    safe = jnp.maximum(idx, 0)
+    return jnp.where(take, tokens[safe], acc_tokens), jnp.where(take[:, None], hidden[safe], acc_hidden)
+
+
+class MtpProposer:
+    """Runs the MTP layer beside a ModelRunner (runner.mtp): a shadow step after each target step, and propose()."""
+
+    def __init__(self, loaded: LoadedModel, runner, config, spec, max_model_len: int):
+        if spec.num_speculative_tokens >= config.max_num_seqs:
+            raise ValueError(f"speculative_config.num_speculative_tokens ({spec.num_speculative_tokens}) must be below "
+                             f"max_num_seqs ({config.max_num_seqs}): a verifying row samples 1 + k rows of a step")  # fmt: skip
+        attention = loaded.model.layers[0].self_attn.backend
+        layer = load_mtp_layer(loaded, attention)
+        runner.platform.prepare_model(layer, config.matmul_backend, dtype=runner.dtype, tensor_parallel_size=1,
+                                      moe_kernel=config.moe_kernel)  # fmt: skip
+        self.graphdef, state = nnx.split(layer)
+        self.state = jax.device_put(state, runner.device)
+        self.runner = runner
+        self.k = spec.num_speculative_tokens
+        self.block_size = config.block_size
+        self.width = config.max_num_seqs  # the shadow's outputs: one row per possible sampling row
+        self.rows = max(1, min(config.max_num_seqs, spec.disable_by_batch_size - 1))  # sequences proposing at once
+        self.scratch_per_row = -(-self.k // self.block_size) + 1
+        self.scratch0 = runner.num_blocks
+        cfg = runner.model_config
+        num_blocks = runner.num_blocks + self.rows * self.scratch_per_row
+        shape = kv_cache_shape(1, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
+        self.cache, self._write, self._copy = kv_pool(shape, runner.kv_cache_dtype, runner.platform.kv_storage_dtype(runner.dtype),
+                                                      None, runner.device)  # fmt: skip
+        self.cache = jax.device_put(self.cache, runner.device)  # committed, as it is once a step has written it
+        self.kv = None  # the scheduler's KVCacheManager (block tables by sequence id), set by the engine
+        self._shadow = jax.jit(self._shadow_impl)
+        self._chain = jax.jit(self._chain_impl)
+        self._gather = jax.jit(_gather)
+        d = cfg.hidden_size
+        self._zeros = (jax.device_put(np.zeros(self.width, np.int32), runner.device),
+                       jax.device_put(np.zeros((self.width, d), runner.dtype), runner.device))  # fmt: skip
+        self.records: dict[str, tuple] = {}  # seq_id -> ((guesses, hidden) on the device, first row, its position, rows)
+        logger.info("MTP layer of %s: its latent cache %d blocks (%d scratch)", loaded.source, num_blocks,
+                    num_blocks - runner.num_blocks)  # fmt: skip
+
+    # -- the device functions ------------------------------------------------------------------
+
+    def _run(self, target_state, state, cache, ids, hidden, positions, attn):
+        target = nnx.merge(self.runner.graphdef, target_state)
+        layer = nnx.merge(self.graphdef, state)
+        return target, layer, *layer(target.embed_tokens(ids), hidden, positions, cache, attn)
+
+    def _padded(self, tokens, hidden):
+        s = tokens.shape[0]
+        out_t = jnp.zeros(self.width, jnp.int32).at[:s].set(tokens.astype(jnp.int32))
+        out_h = jnp.zeros((self.width, hidden.shape[-1]), self.runner.dtype).at[:s].set(hidden.astype(self.runner.dtype))
+        return out_t, out_h
+
+    def _shadow_impl(self, target_state, state, cache, hidden, sampled, next_ids, take, positions, attn, logit_rows):
+        ids = jnp.where(take >= 0, sampled[jnp.maximum(take, 0)], next_ids)
+        target, layer, out, new_kv = self._run(target_state, state, cache, ids, hidden, positions, attn)
+        rows = out[logit_rows]
+        return *self._padded(jnp.argmax(layer.logits(rows, target), axis=-1), rows), new_kv
+
+    def _chain_impl(self, target_state, state, cache, tokens, hidden, positions, attn):
+        r = positions.shape[0]
+        target, layer, out, new_kv = self._run(target_state, state, cache, tokens[:r], hidden[:r], positions, attn)
+        return *self._padded(jnp.argmax(layer.logits(out, target), axis=-1), out), new_kv
+
+    # -- after each target step ----------------------------------------------------------------
+
+    def shadow(self, output, step, dispatched, hidden) -> None:
+        """The layer over the target step's tokens (see the module's docstring); keeps each sampling sequence's rows."""
+        if output.block_copies:  # copy-on-write blocks: the layer's entries go along
+            self._copy_blocks(output.block_copies)
+        t = step.input_ids.shape[0]
+        next_ids, take, records = shadow_feed(output, t)
+        attn = step.attention
+        inputs = self._put((hidden, dispatched.sampled, next_ids, take, step.positions, attn, step.logit_rows))
+        tokens, rows_hidden, new_kv = self._shadow(self.runner.state, self.state, self.cache, *inputs)
+        self.cache = self._write(self.cache, new_kv, self._put(attn.slot_mapping))
+        for seq_id, row, pos, n in records:
+            self.records[seq_id] = ((tokens, rows_hidden), row, pos, n)
+
+    def _put(self, tree):
+        """Every input committed to the runner's device, host arrays or not: one signature per shape, so warm-up's
+        calls are the ones serving makes."""
+        return jax.device_put(tree, self.runner.device)
+
+    def _copy_blocks(self, pairs) -> None:
+        width, outside = self.runner.copy_width, self.scratch0 + self.rows * self.scratch_per_row
+        for i in range(0, len(pairs), width):
+            src, dst = np.zeros(width, np.int32), np.full(width, outside, np.int32)  # padding: out of range, dropped
+            src[: len(pairs[i : i + width])], dst[: len(pairs[i : i + width])] = zip(*pairs[i : i + width])
+            self.cache = self._copy(self.cache, *self._put((src, dst)))
+
+    # -- the Proposer protocol -------------------------------------------------------------------
+
+    @property
+    def held(self) -> Iterable[str]:
+        return self.records.keys()
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in list(seq_ids):
+            self.records.pop(seq_id, None)
+
+    def propose(self, tokens: Sequence[Sequence[int]], ks: Sequence[int], seq_ids: Sequence[str]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in tokens]
+        live = []  # (i, source arrays, row): guess 1 of sequence i is the source's row
+        for i, (toks, seq_id) in enumerate(zip(tokens, seq_ids)):
+            rec = self.records.get(seq_id)
+            if rec is None or len(live) == self.rows:
+                continue
+            arrays, row, pos, n = rec
+            m = len(toks) - 2 - pos  # the row of the last known token's position
+            if 0 <= m < n:
+                live.append((i, arrays, row + m))
+        if not live:
+            return out
+        acc = self._zeros
+        for arrays in {id(a): a for _, a, _ in live}.values():
+            idx = np.full(self.width, -1, np.int32)
+            for r, (_, a, row) in enumerate(live):
+                if a is arrays:
+                    idx[r] = row
+            acc = self._gather(*acc, *arrays, self._put(idx))
+        guesses = [acc[0]]
+        for j in range(1, max(ks[i] for i, _, _ in live)):
+            positions, attn = self._chain_inputs(tokens, ks, seq_ids, live, j)
+            tok, hid, new_kv = self._chain(self.runner.state, self.state, self.cache, *acc, *self._put((positions, attn)))
+            self.cache = self._write(self.cache, new_kv, self._put(attn.slot_mapping))
+            acc = (tok, hid)
+            guesses.append(tok)
+        host = jax.device_get(guesses)  # the one wait of a call
+        for r, (i, _, _) in enumerate(live):
+            out[i] = [int(host[j][r]) for j in range(ks[i])]
+        return out
+
+    def _chain_inputs(self, tokens, ks, seq_ids, live, j: int) -> tuple[np.ndarray, AttentionMetadata]:
+        """Guess j + 1's step: live row r at position len - 2 + j, its blocks the sequence's table, then scratch."""
+        n, bs, width = self.rows, self.block_size, self.runner.table_width
+        positions, slots = np.zeros(n, np.int32), np.full(n, -1, np.int32)
+        tables, seq_lens = np.zeros((n, width), np.int32), np.zeros(n, np.int32)
+        qsl = np.arange(n + 1, dtype=np.int32)
+        for r, (i, _, _) in enumerate(live):
+            if ks[i] <= j:
+                continue
+            q = len(tokens[i]) - 2 + j
+            table = list(self.kv.block_table(seq_ids[i]))[: q // bs + 1]
+            scratch = self.scratch0 + r * self.scratch_per_row
+            table += list(range(scratch, scratch + q // bs + 1 - len(table)))
+            tables[r, : len(table)] = table
+            positions[r], seq_lens[r] = q, q + 1
+            slots[r] = table[q // bs] * bs + q % bs
+        return positions, AttentionMetadata(slots, tables, seq_lens, qsl)
+
+    # -- warm-up ---------------------------------------------------------------------------------
+
+    def warmup(self) -> float:
+        """Compile the shadow step for every target bucket, the gather, the chain step and the block copy."""
+        import time
+
+        t0 = time.perf_counter()
+        runner, d = self.runner, self.runner.model_config.hidden_size
+        for t in runner.buckets:
+            step = runner.input_batch.blank(t)
+            hidden = jax.device_put(np.zeros((t, d), runner.dtype), runner.device)
+            inputs = self._put((hidden, runner._no_sampled, np.zeros(t, np.int32), np.full(t, -1, np.int32),
+                                step.positions, step.attention, step.logit_rows))  # fmt: skip
+            *_, new_kv = self._shadow(runner.state, self.state, self.cache, *inputs)
+            self.cache = self._write(self.cache, new_kv, self._put(step.attention.slot_mapping))
+        acc = self._gather(*self._zeros, *self._zeros, self._put(np.full(self.width, -1, np.int32)))
+        n = self.rows
+        attn = AttentionMetadata(np.full(n, -1, np.int32), np.zeros((n, runner.table_width), np.int32),
+                                 np.zeros(n, np.int32), np.zeros(n + 1, np.int32))  # fmt: skip
+        *_, new_kv = self._chain(runner.state, self.state, self.cache, *acc, *self._put((np.zeros(n, np.int32), attn)))
+        self.cache = self._write(self.cache, new_kv, self._put(attn.slot_mapping))
+        self._copy_blocks([(0, 0)])  # block 0 onto itself: the copy compiled
+        jax.block_until_ready(self.cache)
+        return time.perf_counter() - t0
