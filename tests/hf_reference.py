@@ -72,6 +72,27 @@ def random_prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
     return [rng.integers(2, vocab, size=n).tolist() for n in lengths]
 
 
+def engine_matches_transformers(hf, folder, vocab: int, **llm_kwargs):
+    """Through jaxpaged.LLM: 16-token chunks, a pool small enough to preempt, prompts sharing prefixes: greedy tokens
+    equal transformers', with preemptions and prefix-cache hits, nothing compiled after warm-up, every KV block back.
+    -> the LLM, for a family's own checks."""
+    from jaxpaged import LLM, SamplingParams
+
+    prompts = random_prompts(vocab, [45, 5, 30, 23, 38, 12], seed=4)
+    prompts += [prompts[0][:33] + [7, 8], prompts[2]]  # shared prefixes
+    max_tokens = [12, 20, 15, 9, 18, 11, 10, 6]
+    llm = LLM(str(folder), **{"dtype": "float32", "max_num_seqs": 6, "max_num_batched_tokens": 16, "block_size": 4,
+                              "num_kv_blocks": 40, "log_level": "WARNING", **llm_kwargs})  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    return llm
+
+
 def with_quantized_inputs(model, kind: str):
     """A copy of an HF model whose every Linear but the head quantizes its input per token first (int8: rounded to
     max|x| / 127 steps; fp8: e4m3 at max|x| / 448), in float32: what quantize_activations computes."""

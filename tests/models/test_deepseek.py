@@ -13,7 +13,9 @@ import pytest
 import transformers
 from jaxpaged.models.loader import load_model
 
-from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
+from tests.hf_reference import (
+    engine_matches_transformers, hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model,
+)
 from tests.static_batch import StaticBatchRunner
 
 torch = pytest.importorskip("torch")
@@ -183,21 +185,9 @@ def test_latent_cache_holds_latent_and_rope_key_per_token():
 def test_engine_chunked_prefill_preemption_prefix_cache(tmp_path_factory):
     """Through jaxpaged.LLM: 16-token chunks, a pool small enough to preempt, repeated prompts hitting the prefix cache;
     greedy tokens equal transformers', nothing compiles after warm-up, and a token costs (R + P) values a layer."""
-    from jaxpaged import LLM, SamplingParams
-
     hf, folder = _saved("v3", tmp_path_factory)
-    prompts = random_prompts(VOCAB, [45, 5, 30, 23, 38, 12], seed=4)
-    prompts += [prompts[0][:33] + [7, 8], prompts[2]]  # shared prefixes
-    max_tokens = [12, 20, 15, 9, 18, 11, 10, 6]
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=6, max_num_batched_tokens=16, block_size=4, num_kv_blocks=40,
-              log_level="WARNING")  # fmt: skip
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    llm = engine_matches_transformers(hf, folder, VOCAB)
     stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["num_compiles_after_warmup"] == 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["kv_bytes_per_token"] == 2 * (32 + 16) * 4  # 2 layers x (latent + RoPE key) x float32
     assert llm.engine.runner.kv_cache.shape[3] == 1  # one latent "head"
 

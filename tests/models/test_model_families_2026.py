@@ -13,7 +13,9 @@ import pytest
 import transformers
 from jaxpaged.models.loader import load_model
 
-from tests.hf_reference import hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model
+from tests.hf_reference import (
+    engine_matches_transformers, hf_greedy, hf_logits, random_hf_model, random_prompts, save_hf_model,
+)
 from tests.static_batch import StaticBatchRunner
 
 torch = pytest.importorskip("torch")
@@ -127,30 +129,17 @@ def test_logits_and_greedy_match_transformers(case, tmp_path_factory):
         assert tokens == hf_greedy(hf, prompt, GREEDY_TOKENS)
 
 
-def engine_matches_transformers(case, tmp_path_factory):
+def engine_case(case, tmp_path_factory):
     """Through jaxpaged.LLM: 16-token chunks, a pool small enough to preempt, prompts sharing prefixes."""
-    from jaxpaged import LLM, SamplingParams
-
     hf, folder = saved(case, tmp_path_factory)
-    prompts = random_prompts(VOCAB, [45, 5, 30, 23, 38, 12], seed=4)
-    prompts += [prompts[0][:33] + [7, 8], prompts[2]]  # shared prefixes
-    max_tokens = [12, 20, 15, 9, 18, 11, 10, 6]
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=6, max_num_batched_tokens=16, block_size=4, num_kv_blocks=40,
-              log_level="WARNING")  # fmt: skip
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
-    stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["num_compiles_after_warmup"] == 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    engine_matches_transformers(hf, folder, VOCAB)
 
 
 # -- GLM-4.5 ------------------------------------------------------------------------------------------------------
 
 
 def test_glm4_moe_engine(tmp_path_factory):
-    engine_matches_transformers("glm4moe-groups-qknorm-bias", tmp_path_factory)
+    engine_case("glm4moe-groups-qknorm-bias", tmp_path_factory)
 
 
 def test_glm4_moe_router_is_transformers_and_its_group_limit_binds():
@@ -205,7 +194,7 @@ def test_glm4_moe_mtp_layer_is_skipped_unread(tmp_path_factory, tmp_path):
 
 
 def test_minimax_m2_engine(tmp_path_factory):
-    engine_matches_transformers("minimax-m2-qknorm-rotary16", tmp_path_factory)
+    engine_case("minimax-m2-qknorm-rotary16", tmp_path_factory)
 
 
 def test_minimax_m2_released_spellings_load(tmp_path_factory, tmp_path):
@@ -272,4 +261,4 @@ def test_smollm3_nope_layer_matters(tmp_path_factory):
 
 def test_olmo3_engine_with_kv_cache_groups(tmp_path_factory):
     """OLMo 3's sliding layer (window 16) beside a full one: KV cache groups, chunks, preemption, the prefix cache."""
-    engine_matches_transformers("olmo3-sliding-full-yarn", tmp_path_factory)
+    engine_case("olmo3-sliding-full-yarn", tmp_path_factory)

@@ -213,14 +213,8 @@ def test_stops_and_max_tokens_as_without_speculation(engines):
 
 
 def test_metrics_export_the_spec_decode_stats(engines):
-    from jaxpaged.entrypoints.openai.metrics import _EngineGauges
-
-    class Snapshot:  # what the server's metrics read: the async engine's get_stats() and errored
-        errored = False
-
-        def get_stats(self):
-            return engines[1].get_stats()
-
-    names = {family.name for family in _EngineGauges(Snapshot()).collect()}
+    """The server's /metrics and LLM.get_metrics() read one list (engine/metrics.py): it holds the drafts' stats."""
+    names = {m.name for m in engines[1].get_metrics()}
     assert {"jaxpaged:spec_decode_acceptance_rate", "jaxpaged:spec_decode_mean_accepted_length",
             "jaxpaged:spec_decode_num_accepted_tokens", "jaxpaged:spec_decode_num_draft_tokens"} <= names  # fmt: skip
+    assert "jaxpaged:spec_decode_num_draft_tokens" not in {m.name for m in engines[0].get_metrics()}
