@@ -198,11 +198,7 @@ class DeepseekMoeBlock(SparseMoeBlock):
 
 class DeepseekDecoderLayer(MoeDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
-        moe = MoeOptions.of(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MlaAttention(cfg, layer, dtype=dtype, attention=attention)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = DeepseekMoeBlock(cfg, moe, dtype=dtype) if layer in moe.sparse_layers else GatedMLP(cfg, dtype=dtype)
+        super().__init__(cfg, layer, dtype=dtype, attention=attention, attention_cls=MlaAttention, moe_cls=DeepseekMoeBlock)
 
 
 class DeepseekForCausalLM(CausalLM):

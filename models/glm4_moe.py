@@ -16,7 +16,7 @@ from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_confi
 from jaxpaged.models.deepseek import (
     DeepseekForCausalLM, DeepseekMoeBlock, _as_option, deepseek_moe_specs, router_options_from_hf,
 )  # fmt: skip
-from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, Embedding, GatedMLP, RMSNorm, module_list
+from jaxpaged.models.layers import REFERENCE_ATTENTION, Embedding, RMSNorm, module_list
 from jaxpaged.models.llama import attention_specs
 from jaxpaged.models.mixtral import MoeDecoderLayer, MoeForCausalLM
 from jaxpaged.models.moe import MoeOptions, RouterOptions
@@ -24,26 +24,14 @@ from jaxpaged.models.weights import WeightSpec, decoder_specs, layer_prefixes, s
 from jaxpaged.pallas_kernels import AttentionBackend
 
 
-class RoutedMoeDecoderLayer(MoeDecoderLayer):
-    """Pre-norm attention (`attention_cls`), then DeepSeek's routed MoE block on sparse layers, a GatedMLP elsewhere."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend, attention_cls=Attention):
-        moe = MoeOptions.of(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = attention_cls(cfg, layer, dtype=dtype, attention=attention)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        sparse = layer in moe.sparse_layers
-        self.mlp = DeepseekMoeBlock(cfg, moe, dtype=dtype) if sparse else GatedMLP(cfg, dtype=dtype)
-
-
 class RoutedMoeForCausalLM(MoeForCausalLM):
-    """MoeForCausalLM with RoutedMoeDecoderLayer: the decoder GLM-4.5 and MiniMax-M2 share."""
+    """MoeForCausalLM with DeepSeek's routed MoE block: the decoder GLM-4.5 and MiniMax-M2 share."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = module_list([
-            RoutedMoeDecoderLayer(cfg, i, dtype=dtype, attention=attention, attention_cls=self.attention_cls)
+            MoeDecoderLayer(cfg, i, dtype=dtype, attention=attention, attention_cls=self.attention_cls, moe_cls=DeepseekMoeBlock)
             for i in range(cfg.num_layers)
         ])  # fmt: skip
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)

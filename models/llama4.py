@@ -24,6 +24,7 @@ from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, CausalLM, Embedding, GatedMLP, RMSNorm, module_list, rope_table
 from jaxpaged.models.llama import attention_specs
+from jaxpaged.models.mixtral import MoeDecoderLayer
 from jaxpaged.models.moe import MoeOptions, SparseMoeBlock
 from jaxpaged.models.weights import WeightSpec, decoder_specs, layer_prefixes, projection_specs, scale_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
@@ -85,30 +86,14 @@ class Llama4MoeBlock(SparseMoeBlock):
         return self.shared_expert(x) + routed
 
 
-class Llama4DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
-        moe = MoeOptions.of(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Llama4Attention(cfg, layer, dtype=dtype, attention=attention)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = Llama4MoeBlock(cfg, moe, dtype=dtype) if layer in moe.sparse_layers else GatedMLP(cfg, dtype=dtype)
-
-    def __call__(self, x, rope, kv_cache, attn_metadata):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
-        x = x + attn
-        h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, Llama4MoeBlock):  # the bucket's padding rows take no expert
-            return x + self.mlp(h, num_valid=attn_metadata.query_start_loc[-1]), new_kv
-        return x + self.mlp(h), new_kv
-
-
 class Llama4ForCausalLM(CausalLM):
     SKIPPED_TENSORS = (ROTARY_CACHE,)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = module_list([Llama4DecoderLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)])
+        self.layers = module_list([MoeDecoderLayer(cfg, i, dtype=dtype, attention=attention, attention_cls=Llama4Attention,
+                                                   moe_cls=Llama4MoeBlock) for i in range(cfg.num_layers)])  # fmt: skip
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)
 

@@ -20,12 +20,16 @@ from jaxpaged.pallas_kernels import AttentionBackend
 
 
 class MoeDecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend, attention_cls=Attention):
+    """Pre-norm attention (`attention_cls`), then a sparse MoE block (`moe_cls`: Mixtral's, DeepSeek's, Llama 4's) on
+    the sparse layers and a GatedMLP elsewhere."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend, attention_cls=Attention,
+                 moe_cls=SparseMoeBlock):  # fmt: skip
         moe = MoeOptions.of(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = attention_cls(cfg, layer, dtype=dtype, attention=attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = SparseMoeBlock(cfg, moe, dtype=dtype) if layer in moe.sparse_layers else GatedMLP(cfg, dtype=dtype)
+        self.mlp = moe_cls(cfg, moe, dtype=dtype) if layer in moe.sparse_layers else GatedMLP(cfg, dtype=dtype)
 
     def __call__(self, x, rope, kv_cache, attn_metadata):
         attn, new_kv = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn_metadata)
