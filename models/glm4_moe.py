@@ -38,6 +38,17 @@ class RoutedMoeForCausalLM(MoeForCausalLM):
         self.init_head(cfg, cfg.hidden_size, dtype)
 
     unread_tensors = staticmethod(DeepseekForCausalLM.unread_tensors)  # the MTP layers (option "mtp_layers")
+    CORRECTION_BIAS = "gate.e_score_correction_bias"  # where the checkpoint keeps the router's bias, under `mlp.`
+
+    @classmethod
+    def weight_specs(cls, cfg: ModelConfig) -> dict[str, WeightSpec]:
+        moe, router = MoeOptions.of(cfg), RouterOptions(**dict(cfg.option("router")))
+        specs = decoder_specs(cfg.tie_word_embeddings)
+        for i, hf, ours in layer_prefixes(cfg.num_layers):
+            specs |= scale_specs(hf, ours)
+            specs |= attention_specs(cfg, hf, ours)
+            specs |= deepseek_moe_specs(moe, router, i, hf, ours, bias=cls.CORRECTION_BIAS)
+        return specs
 
 
 def partial_rotary_dim(hf, head_dim: int, default: float = 1.0) -> int:
@@ -69,12 +80,3 @@ class Glm4MoeForCausalLM(RoutedMoeForCausalLM):
             rotary_dim=partial_rotary_dim(hf, head_dim, default=0.5), options=options,
         )  # fmt: skip
 
-    @staticmethod
-    def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-        moe, router = MoeOptions.of(cfg), RouterOptions(**dict(cfg.option("router")))
-        specs = decoder_specs(cfg.tie_word_embeddings)
-        for i, hf, ours in layer_prefixes(cfg.num_layers):
-            specs |= scale_specs(hf, ours)
-            specs |= attention_specs(cfg, hf, ours)
-            specs |= deepseek_moe_specs(moe, router, i, hf, ours)
-        return specs

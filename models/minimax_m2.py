@@ -12,16 +12,15 @@
 from __future__ import annotations
 
 from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
-from jaxpaged.models.deepseek import _as_option, deepseek_moe_specs
+from jaxpaged.models.deepseek import _as_option
 from jaxpaged.models.glm4_moe import RoutedMoeForCausalLM, partial_rotary_dim
-from jaxpaged.models.llama import attention_specs
 from jaxpaged.models.moe import MoeOptions, RouterOptions
 from jaxpaged.models.olmoe import OlmoeAttention
-from jaxpaged.models.weights import WeightSpec, decoder_specs, layer_prefixes, scale_specs
 
 
 class MiniMaxM2ForCausalLM(RoutedMoeForCausalLM):
     attention_cls = OlmoeAttention  # q/k norm over the whole projection width
+    CORRECTION_BIAS = "e_score_correction_bias"  # beside mlp.gate, not in it
 
     @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:
@@ -45,12 +44,3 @@ class MiniMaxM2ForCausalLM(RoutedMoeForCausalLM):
             options=options,
         )  # fmt: skip
 
-    @staticmethod
-    def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-        moe, router = MoeOptions.of(cfg), RouterOptions(**dict(cfg.option("router")))
-        specs = decoder_specs(cfg.tie_word_embeddings)
-        for i, hf, ours in layer_prefixes(cfg.num_layers):
-            specs |= scale_specs(hf, ours)
-            specs |= attention_specs(cfg, hf, ours)
-            specs |= deepseek_moe_specs(moe, router, i, hf, ours, bias="e_score_correction_bias")
-        return specs
