@@ -31,10 +31,14 @@ def tiny_llama_config(**overrides) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**kwargs)
 
 
-def random_hf_model(config, seed: int = 0, std: float = 0.15):
-    """Every parameter random (biases and norms too), so no mapping mistake can hide behind a zero or a one."""
+def random_hf_model(config, seed: int = 0, std: float = 0.15, model_cls=None):
+    """Every parameter random (biases and norms too), so no mapping mistake can hide behind a zero or a one;
+    `model_cls` for a class AutoModelForCausalLM does not make from the config (an image-text model)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_cls is None:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = model_cls(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -47,15 +47,7 @@ def llama4_config():
 
 
 def llama4_hf_model(config, seed: int = 0, std: float = 0.15):
-    """Every weight random (norms near 1): AutoModelForCausalLM makes the text-only model from this config."""
-    torch.manual_seed(seed)
-    hf = transformers.Llama4ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, std)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf
+    return random_hf_model(config, seed, std, model_cls=transformers.Llama4ForConditionalGeneration)
 
 
 IMAGE_TEXT = {"Llama4ForConditionalGeneration": (llama4_config, llama4_hf_model)}

@@ -46,15 +46,7 @@ def mistral3_config(text: str = "ministral3"):
 
 
 def mistral3_hf_model(config, seed: int = 0, std: float = 0.15):
-    """Every weight random (norms near 1): AutoModelForCausalLM does not make this class."""
-    torch.manual_seed(seed)
-    hf = transformers.Mistral3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, std)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf
+    return random_hf_model(config, seed, std, model_cls=transformers.Mistral3ForConditionalGeneration)
 
 
 # architecture -> (config maker, model maker), for tests that build every architecture (checkpoint accounting)
