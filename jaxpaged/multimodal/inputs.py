@@ -4,6 +4,7 @@ embeddings replace, and, for M-RoPE models, the prompt's 3-D positions."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,11 +55,12 @@ class MultimodalInputs:
         return len(self.images)
 
 
-def place_images(input_ids, image_token_id: int, items: list[EncoderItem]) -> list[PlacedImage]:
-    """Each item's span among the prompt's placeholder tokens, in order: item i takes the next num_rows of them, which
+def place_images(input_ids, image_token_ids: int | Sequence[int], items: list[EncoderItem]) -> list[PlacedImage]:
+    """Each item's span among the prompt's placeholder tokens (image_token_ids: the placeholder, or every token an
+    image's span is made of: ImageAdapter.placeholder_tokens), in order: item i takes the next num_rows of them, which
     must be contiguous. ValueError when the prompt and the images disagree (the processor expands each image's
     placeholder, so they agree unless the prompt wrote expanded placeholders itself)."""
-    at = np.flatnonzero(np.asarray(input_ids) == image_token_id)
+    at = np.flatnonzero(np.isin(np.asarray(input_ids), image_token_ids))
     need = sum(item.num_rows for item in items)
     if len(at) != need:
         raise ValueError(f"the prompt holds {len(at)} image placeholder tokens where its {len(items)} image(s) need {need}; "

@@ -134,7 +134,7 @@ class MultimodalProcessor:
         for i, item in enumerate(items):
             if self.check is not None:
                 self.check(item, f"image {i}")
-        images = place_images(ids, self.spec.image_token_id, items)
+        images = place_images(ids, self.adapter.placeholder_tokens(), items)
         mm = MultimodalInputs(images)
         if self.spec.mrope:
             mm.mrope_positions, mm.mrope_delta = self.adapter.mrope_positions(ids, items)

@@ -82,6 +82,11 @@ class ImageAdapter:
         """One item per image, in prompt order, from the processor's outputs (numpy arrays)."""
         raise NotImplementedError
 
+    def placeholder_tokens(self) -> tuple[int, ...]:
+        """The token ids an image's span is made of: its placeholder, and any the processor interleaves whose rows the
+        encoder yields too (Pixtral's [IMG_BREAK] between token rows)."""
+        return (self.spec.image_token_id,)
+
     def mrope_positions(self, input_ids: Sequence[int], items: Sequence[EncoderItem]) -> tuple[np.ndarray, int] | None:
         """M-RoPE families: ([3, L] positions of the prompt's tokens, the offset decode positions carry)."""
         return None
@@ -159,6 +164,47 @@ def dense_attention(q, k, v, mask, scale: float) -> jax.Array:
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(jnp.isnan(p), 0.0, p)  # rows that see nothing (padding)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+QUERY_CHUNK = 1024  # attention across a batch of images takes queries this many at a time: [H, chunk, P] scores at most
+
+
+def segment_attention(q, k, v, q_seg, k_seg, scale: float) -> jax.Array:
+    """q, k, v [N, H, D]: each query attends to the keys of its segment (a key's segment -1: padding, seen by none)
+    -> [N, H, D]; softmax in float32. Images batched into one sequence attend block-diagonally this way, as
+    transformers' variable-resolution towers do (Qwen's full blocks, Pixtral)."""
+    prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jnp.einsum("qhd,khd->hqk", q, k, precision=prec, preferred_element_type=jnp.float32) * scale
+    mask = (q_seg[:, None] == k_seg[None, :]) & (k_seg >= 0)[None, :]
+    s = jnp.where(mask[None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.isnan(p), 0.0, p)  # padding queries see nothing
+    return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def batch_attention(q, k, v, seg, scale: float) -> jax.Array:
+    """segment_attention over a whole batch [N, H, D] of images (seg [N]), queries QUERY_CHUNK at a time, so no
+    [N, N] matrix is made."""
+    chunk = min(q.shape[0], QUERY_CHUNK)
+    return jnp.concatenate([segment_attention(q[i : i + chunk], k, v, seg[i : i + chunk], seg, scale)
+                            for i in range(0, q.shape[0], chunk)])  # fmt: skip
+
+
+def axial_rope(pos: jax.Array, inv_h, inv_w) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [P, 2 * (len(inv_h) + len(inv_w))] for patches at pos [P, 2] (row, column): the row's angles, then
+    the column's, twice (the rotate-half layout of layers.apply_rope): Qwen's and Pixtral's 2-D RoPE."""
+    pos = pos.astype(jnp.float32)
+    hw = jnp.concatenate([pos[:, :1] * jnp.asarray(inv_h, jnp.float32), pos[:, 1:] * jnp.asarray(inv_w, jnp.float32)], -1)
+    emb = jnp.concatenate([hw, hw], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def segment_call_patches(adapter: ImageAdapter, items: Sequence[EncoderItem], largest_bucket: int) -> int:
+    """ImageAdapter.call_patches for towers whose batches attend across a segment mask: its cost is every pair of a
+    call's patches, so a call holds images up to twice the largest one's bucket (batching without paying for a
+    quadratic whole)."""
+    biggest = max(item.num_patches for item in items)
+    return min(largest_bucket, next((b for b in adapter.buckets(largest_bucket) if b >= 2 * biggest), largest_bucket))
 
 
 def contiguous_spans(input_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:

@@ -85,10 +85,12 @@ class LlavaVisionConfig:
 
 
 class LlavaProjector(nnx.Module):
-    def __init__(self, cfg: LlavaVisionConfig, text_hidden: int, *, dtype):
-        self.linear_1 = Linear(cfg.tower.hidden_size, text_hidden, bias=cfg.projector_bias, dtype=dtype)
-        self.linear_2 = Linear(text_hidden, text_hidden, bias=cfg.projector_bias, dtype=dtype)
-        self.act = cfg.projector_act
+    """linear_1 -> activation -> linear_2: LLaVA's projector (Pixtral-12B's too), and Mistral 3's after its merger."""
+
+    def __init__(self, features: int, text_hidden: int, *, bias: bool, act: str, dtype):
+        self.linear_1 = Linear(features, text_hidden, bias=bias, dtype=dtype)
+        self.linear_2 = Linear(text_hidden, text_hidden, bias=bias, dtype=dtype)
+        self.act = act
 
     def __call__(self, x):
         return self.linear_2(activation(self.act)(self.linear_1(x)))
@@ -112,7 +114,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         super().__init__(cfg, dtype=dtype, attention=attention)
         vision: LlavaVisionConfig = cfg.option("vision")
         self.vision_tower = VisionTransformer(vision.tower, dtype=dtype)
-        self.multi_modal_projector = LlavaProjector(vision, cfg.hidden_size, dtype=dtype)
+        self.multi_modal_projector = LlavaProjector(vision.tower.hidden_size, cfg.hidden_size, bias=vision.projector_bias,
+                                                    act=vision.projector_act, dtype=dtype)
         self.image_newline = _param((cfg.hidden_size,), dtype) if vision.kind != "llava" else None
 
     @staticmethod

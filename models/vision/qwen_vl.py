@@ -32,13 +32,11 @@ from jaxpaged.models.layers import (
 )  # fmt: skip
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.vision.common import (
-    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, images_only, merge_embeddings, placeholder_ids,
+    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, axial_rope, batch_attention, images_only, merge_embeddings,
+    placeholder_ids, segment_attention, segment_call_patches,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
-
-QUERY_CHUNK = 1024  # full-attention blocks take queries this many at a time: [H, chunk, P] scores at most
-
 
 @dataclasses.dataclass(frozen=True)
 class QwenVisionConfig:
@@ -92,17 +90,6 @@ def _precision(x):
     return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
 
-def segment_attention(q, k, v, q_seg, k_seg, scale: float) -> jax.Array:
-    """q, k, v [N, H, D]: each query attends to the keys of its segment (a key's segment -1: padding, seen by none)
-    -> [N, H, D]; softmax in float32."""
-    s = jnp.einsum("qhd,khd->hqk", q, k, precision=_precision(q), preferred_element_type=jnp.float32) * scale
-    mask = (q_seg[:, None] == k_seg[None, :]) & (k_seg >= 0)[None, :]
-    s = jnp.where(mask[None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(jnp.isnan(p), 0.0, p)  # padding queries see nothing
-    return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, precision=_precision(q), preferred_element_type=jnp.float32).astype(q.dtype)
-
-
 def rotate_half(x):
     half = x.shape[-1] // 2
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -151,9 +138,7 @@ class QwenVisionBlock(nnx.Module):
             out = windows(q.reshape(w, block, h, -1), k.reshape(w, block, h, -1), v.reshape(w, block, h, -1), seg_w, seg_w, scale)
             out = out.reshape(n, h, -1)
         else:
-            chunk = min(n, QUERY_CHUNK)
-            out = jnp.concatenate([segment_attention(q[i : i + chunk], k, v, seg[i : i + chunk], seg, scale)
-                                   for i in range(0, n, chunk)])  # fmt: skip
+            out = batch_attention(q, k, v, seg, scale)
         return self.attn.proj(out.reshape(n, d))
 
     def __call__(self, x, cos, sin, seg, block: int):
@@ -209,11 +194,8 @@ class QwenVisionTransformer(nnx.Module):
         self.inv_freq = tuple(float(f) for f in 1.0 / (cfg.rope_theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial)))
 
     def rotary(self, pos):
-        """pos [P, 2] (h, w) -> (cos, sin) [P, head_dim]: h's frequencies then w's, twice (rotate-half layout)."""
-        freqs = pos.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq, jnp.float32)  # [P, 2, hd/4]
-        hw = jnp.concatenate([freqs[:, 0], freqs[:, 1]], axis=-1)
-        emb = jnp.concatenate([hw, hw], axis=-1)
-        return jnp.cos(emb), jnp.sin(emb)
+        """pos [P, 2] (h, w) -> (cos, sin) [P, head_dim]: the same frequencies for h and w."""
+        return axial_rope(pos, self.inv_freq, self.inv_freq)
 
     def __call__(self, batch: dict) -> jax.Array:
         """-> the merger's output [P / merge^2, out_hidden] in the batch's layout."""
@@ -561,10 +543,8 @@ class QwenImages(ImageAdapter):
         self.features = self.vision.in_channels * self.vision.temporal_patch_size * self.vision.patch_size**2
 
     def call_patches(self, items, largest_bucket: int) -> int:
-        """A call's full-attention blocks compute every pair of its patches (masked to each image's), so a call
-        holds images up to twice the largest one's bucket: batching without paying for a quadratic whole."""
-        biggest = max(item.num_patches for item in items)
-        return min(largest_bucket, next((b for b in self.buckets(largest_bucket) if b >= 2 * biggest), largest_bucket))
+        """Full-attention blocks attend across a segment mask (segment_call_patches)."""
+        return segment_call_patches(self, items, largest_bucket)
 
     def _max_pixels(self) -> int:
         size = self.processor.image_processor.size if self.processor is not None else {"longest_edge": 28 * 28 * 1280}

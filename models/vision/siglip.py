@@ -66,10 +66,14 @@ class PatchEmbedding(nnx.Module):
         self.patch = patch
 
     def __call__(self, pixels: jax.Array) -> jax.Array:
-        patches = patchify(pixels.astype(self.weight.dtype), self.patch)
+        return self.embed_patches(patchify(pixels.astype(self.weight.dtype), self.patch))
+
+    def embed_patches(self, patches: jax.Array) -> jax.Array:
+        """[..., C * p * p] patches flattened as patchify lays them out (a host that cut them already) -> [..., out]."""
+        patches = patches.astype(self.weight.dtype)
         w = self.weight[...].reshape(self.weight.shape[0], -1)
         prec = jax.lax.Precision.HIGHEST if patches.dtype == jnp.float32 else None
-        y = jnp.einsum("bnk,ok->bno", patches, w, precision=prec, preferred_element_type=jnp.float32).astype(patches.dtype)
+        y = jnp.einsum("...k,ok->...o", patches, w, precision=prec, preferred_element_type=jnp.float32).astype(patches.dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
