@@ -79,6 +79,8 @@ def _progress(items: Iterable, total: int, desc: str) -> Iterator:
 def _port_config(hf_config):
     """(the Flax port's class, its ModelConfig) for an HF config."""
     arch, cls = resolve_architecture(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
+    if hasattr(cls, "port_for"):  # an architecture some of whose configs another class serves (LLaVA with a Pixtral tower)
+        cls = cls.port_for(hf_config)
     return cls, cls.config_from_hf(hf_config, arch)
 
 

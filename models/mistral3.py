@@ -4,8 +4,8 @@
   1 + beta * log(1 + floor(position / original_max_position_embeddings)) after RoPE (`llama_4_scaling_beta` in
   rope_parameters: Llama 4's attention temperature, on every layer); a window where `sliding_window` is set.
 - Mistral3ForConditionalGeneration: a Pixtral vision tower, a patch merger and projector, and a Mistral or Ministral 3
-  language model (`model.language_model.*`, or the 4.x `language_model.model.*`): the language model runs, the tower
-  and projector are skipped and named (image prompts are refused as for any text-only model).
+  language model (`model.language_model.*`, or the 4.x `language_model.model.*`). This module's class is the
+  language model; models/vision/mistral3.py adds the tower and projector (the registry's class).
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_confi
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Attention, Embedding, RMSNorm, module_list, rope_table
 from jaxpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
-
-VISION = (r"^(model\.)?(vision_tower|multi_modal_projector)\.",
-          "the Pixtral vision tower and the projector: not ported, prompts are text")  # fmt: skip
-
 
 def llama4_query_scale(positions, beta: float, original: int):
     """[T] Llama 4's attention temperature as Ministral 3 applies it to q: 1 + beta * log(1 + floor(pos / original))."""
@@ -82,11 +78,11 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
 
 
 class Mistral3ForConditionalGeneration(Ministral3ForCausalLM):
-    """The language model of a Mistral 3 image-text checkpoint; the Pixtral tower and projector are skipped."""
+    """The language model of a Mistral 3 image-text checkpoint (models/vision/mistral3.py's base)."""
 
     CHECKPOINT_RENAMES = (
         (r"^model\.language_model\.", "model."),
         (r"^language_model\.model\.", "model."),  # the 4.x spelling, as published
         (r"^language_model\.lm_head\.", "lm_head."),
     )
-    SKIPPED_TENSORS = (ROTARY_CACHE, VISION)
+    SKIPPED_TENSORS = (ROTARY_CACHE,)

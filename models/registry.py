@@ -16,7 +16,7 @@ from jaxpaged.models.gptj import GPTJForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from jaxpaged.models.minimax_m2 import MiniMaxM2ForCausalLM
-from jaxpaged.models.mistral3 import Ministral3ForCausalLM, Mistral3ForConditionalGeneration
+from jaxpaged.models.mistral3 import Ministral3ForCausalLM
 from jaxpaged.models.mixtral import MoeForCausalLM
 from jaxpaged.models.mpt import MptForCausalLM
 from jaxpaged.models.nemotron_h import NemotronHForCausalLM
@@ -27,6 +27,7 @@ from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
 from jaxpaged.models.pooling_head import POOLING_ARCHITECTURES, port_architecture
 from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
 from jaxpaged.models.vision.llava import LlavaForConditionalGeneration
+from jaxpaged.models.vision.mistral3 import Mistral3ForConditionalGeneration
 from jaxpaged.models.vision.qwen_vl import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from jaxpaged.models.smollm3 import SmolLM3ForCausalLM
 from jaxpaged.models.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
@@ -40,7 +41,7 @@ MODEL_REGISTRY = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # Llama + NoPE layers (no_rope_layers)
     "GraniteForCausalLM": GraniteForCausalLM,  # Llama + embedding, attention, residual and logits multipliers
     "Ministral3ForCausalLM": Ministral3ForCausalLM,  # Llama + YaRN and Llama 4's q temperature (llama_4_scaling_beta)
-    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,  # its language model only (text prompts)
+    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,  # + the Pixtral tower, patch merger, projector
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
@@ -73,7 +74,7 @@ MODEL_REGISTRY = {
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # its language model only (text prompts)
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # Qwen2 with M-RoPE + its window ViT
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,  # Qwen3, interleaved M-RoPE, DeepStack
-    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: CLIP + a GELU projector
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: CLIP + a GELU projector; Pixtral-12B
     "LlavaNextForConditionalGeneration": LlavaForConditionalGeneration,  # + any-resolution tiles, unpad, newlines
     "LlavaOnevisionForConditionalGeneration": LlavaForConditionalGeneration,  # SigLIP, tiles resized to anyres_max_N
     # hybrids: linear layers keep a state per sequence beside the paged KV (models/hybrid.py)

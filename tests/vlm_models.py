@@ -330,3 +330,58 @@ def llava_checkpoint(kind: str, folder: Path, seed: int = 0, **text):
     model = random_vlm(config, seed=seed)
     processor = llava_processor(kind, config)
     return model, processor, write_vlm(folder, model, processor)
+
+
+# -- Mistral 3 and Pixtral-12B (Pixtral towers) -------------------------------------------------------------------
+
+MISTRAL3_CHAT_TEMPLATE = (  # the shape of Mistral Small 3.1's: [INST] turns, [IMG] where an image goes
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for block in message['content'] %}{% if block['type'] == 'text' %}{{ block['text'] }}"
+    "{% elif block['type'] == 'image' %}[IMG]{% endif %}{% endfor %}{% endif %}[/INST]{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] if message['content'] is string else message['content'][0]['text'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+MISTRAL3_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL3_IDS = {t: 256 + i for i, t in enumerate(MISTRAL3_SPECIALS)}
+MISTRAL3_VOCAB = 256 + len(MISTRAL3_SPECIALS)
+
+
+def mistral3_config(kind: str = "mistral3", **text):
+    """A 2-layer Pixtral tower over 4-pixel patches; Mistral 3 merges them 2 x 2 under a Ministral 3 language model
+    (YaRN and the q temperature past position 16), Pixtral-12B (LLaVA) reads every patch under a Mistral one."""
+    ids = MISTRAL3_IDS
+    text_kwargs = dict(
+        vocab_size=MISTRAL3_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=ids["<s>"],
+        eos_token_id=ids["</s>"], pad_token_id=ids["<unk>"], tie_word_embeddings=False,
+    ) | text  # fmt: skip
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  patch_size=4, image_size=32, hidden_act="silu")  # fmt: skip
+    if kind == "pixtral":
+        return transformers.LlavaConfig(text_config=dict(text_kwargs, model_type="mistral", sliding_window=None),
+                                        vision_config=vision, image_token_id=ids["[IMG]"], vision_feature_layer=-1,
+                                        vision_feature_select_strategy="full", projector_hidden_act="gelu")  # fmt: skip
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 16,
+            "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1}  # fmt: skip
+    text_config = transformers.Ministral3Config(**text_kwargs, rope_parameters=rope)
+    return transformers.Mistral3Config(text_config=text_config.to_dict(), vision_config=vision, image_token_index=ids["[IMG]"],
+                                       spatial_merge_size=2, tie_word_embeddings=False)  # fmt: skip
+
+
+def mistral3_processor(kind: str = "mistral3"):
+    """Images resized to fit 32 pixels (Mistral 3: whole 8-pixel tokens, 2 x 2 patches) or 24 (Pixtral-12B: 4-pixel
+    tokens): transformers' PixtralProcessor, built without torchvision as jaxpaged builds it."""
+    from jaxpaged.models.vision.pixtral import pixtral_processor_class
+
+    tokenizer = byte_tokenizer(MISTRAL3_SPECIALS, MISTRAL3_CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    merge, longest = (2, 32) if kind == "mistral3" else (1, 24)
+    image_processor = transformers.PixtralImageProcessorPil(size={"longest_edge": longest}, patch_size=4)
+    return pixtral_processor_class()(image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
+                                     spatial_merge_size=merge, chat_template=MISTRAL3_CHAT_TEMPLATE)  # fmt: skip
+
+
+def mistral3_checkpoint(folder: Path, kind: str = "mistral3", seed: int = 0, **text):
+    """(transformers model, processor, folder) of a tiny Mistral 3 ("mistral3") or Pixtral-12B ("pixtral")."""
+    model = random_vlm(mistral3_config(kind, **text), seed=seed)
+    return model, mistral3_processor(kind), write_vlm(folder, model, mistral3_processor(kind))

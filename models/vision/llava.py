@@ -118,6 +118,15 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                                                     act=vision.projector_act, dtype=dtype)
         self.image_newline = _param((cfg.hidden_size,), dtype) if vision.kind != "llava" else None
 
+    @classmethod
+    def port_for(cls, hf_config) -> type:
+        """The class serving this config (the loader asks): Pixtral-12B's, a Pixtral tower, is models/vision/pixtral.py's."""
+        if getattr(getattr(hf_config, "vision_config", None), "model_type", None) == "pixtral":
+            from jaxpaged.models.vision.pixtral import PixtralLlavaForConditionalGeneration
+
+            return PixtralLlavaForConditionalGeneration
+        return cls
+
     @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:
         text = hf_config.get_text_config()

@@ -225,7 +225,6 @@ def test_every_family_loads_with_nothing_unexplained(arch, tmp_path):
     expected = {"Gemma3ForConditionalGeneration": {SIGLIP_HEAD}} | dict.fromkeys(hybrid_cases.IMAGE_TEXT, {VISION})
     expected |= dict.fromkeys(llava_cases.CASES, {LLAVA_UNREAD})  # the tower's final LayerNorm (SigLIP's head)
     expected["Gemma4ForConditionalGeneration"] = {GEMMA4_TOWERS}  # none of its 6 layers shares K/V
-    expected["Mistral3ForConditionalGeneration"] = {mistral3_cases.SKIPPED}  # the Pixtral tower and the projector
     expected["Llama4ForConditionalGeneration"] = {llama4_cases.SKIPPED}  # the vision model and the projector
     expected["DeepseekV32ForCausalLM"] = {INDEXER}  # the sparse-attention indexer: dense MLA within index_topk
     assert set(loaded.skipped_tensors) == expected.get(arch, set())
