@@ -179,7 +179,8 @@ def segment_attention(q, k, v, q_seg, k_seg, scale: float) -> jax.Array:
     s = jnp.where(mask[None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(jnp.isnan(p), 0.0, p)  # padding queries see nothing
-    return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32).astype(q.dtype)
+    out = jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
 
 
 def batch_attention(q, k, v, seg, scale: float) -> jax.Array:
@@ -194,7 +195,8 @@ def axial_rope(pos: jax.Array, inv_h, inv_w) -> tuple[jax.Array, jax.Array]:
     """(cos, sin) [P, 2 * (len(inv_h) + len(inv_w))] for patches at pos [P, 2] (row, column): the row's angles, then
     the column's, twice (the rotate-half layout of layers.apply_rope): Qwen's and Pixtral's 2-D RoPE."""
     pos = pos.astype(jnp.float32)
-    hw = jnp.concatenate([pos[:, :1] * jnp.asarray(inv_h, jnp.float32), pos[:, 1:] * jnp.asarray(inv_w, jnp.float32)], -1)
+    rows, cols = pos[:, :1] * jnp.asarray(inv_h, jnp.float32), pos[:, 1:] * jnp.asarray(inv_w, jnp.float32)
+    hw = jnp.concatenate([rows, cols], axis=-1)
     emb = jnp.concatenate([hw, hw], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 

@@ -55,8 +55,8 @@ class Mistral3ForConditionalGeneration(PixtralEncoder, mistral3.Mistral3ForCondi
         vision: PixtralVisionConfig = cfg.option("vision")
         bias, act = cfg.option("projector")
         self.vision_tower = PixtralVisionModel(vision, dtype=dtype)
-        self.multi_modal_projector = Mistral3Projector(vision, cfg.hidden_size, bias=bias, act=act, eps=cfg.rms_norm_eps,
-                                                       dtype=dtype)  # fmt: skip
+        self.multi_modal_projector = Mistral3Projector(vision, cfg.hidden_size, bias=bias, act=act,
+                                                       eps=cfg.rms_norm_eps, dtype=dtype)  # fmt: skip
 
     @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:

@@ -200,7 +200,8 @@ def pixtral_processor_class(cls=None):
         saved = sys.modules.get(name)
         sys.modules[name] = stand_in
         try:
-            PixtralProcessor = importlib.import_module("transformers.models.pixtral.processing_pixtral").PixtralProcessor
+            module = importlib.import_module("transformers.models.pixtral.processing_pixtral")
+            PixtralProcessor = module.PixtralProcessor
         finally:
             if saved is None:
                 sys.modules.pop(name, None)
@@ -231,8 +232,8 @@ class PixtralImages(ImageAdapter):
         self.break_id = int(processor.image_break_token_id)
         merge = int(getattr(processor, "spatial_merge_size", 1) or 1)
         if int(processor.patch_size) != self.patch or merge != self.merge:
-            raise ValueError(f"the processor's patch_size {processor.patch_size} and spatial_merge_size {merge} differ from "
-                             f"the model's ({self.patch}, {self.merge})")  # fmt: skip
+            raise ValueError(f"the processor's patch_size {processor.patch_size} and spatial_merge_size {merge} "
+                             f"differ from the model's ({self.patch}, {self.merge})")  # fmt: skip
         size = getattr(processor.image_processor, "size", None) or {}
         get = size.get if isinstance(size, dict) else lambda name: getattr(size, name, None)
         self.longest = int(get("longest_edge") or get("height") or self.longest)
@@ -309,14 +310,15 @@ class PixtralLlavaForConditionalGeneration(PixtralEncoder, LlavaForConditionalGe
         vision: PixtralVisionConfig = cfg.option("vision")
         bias, act = cfg.option("projector")
         self.vision_tower = PixtralVisionModel(vision, dtype=dtype)
-        self.multi_modal_projector = LlavaProjector(vision.hidden_size, cfg.hidden_size, bias=bias, act=act, dtype=dtype)
+        self.multi_modal_projector = LlavaProjector(vision.hidden_size, cfg.hidden_size, bias=bias, act=act,
+                                                    dtype=dtype)  # fmt: skip
 
     @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:
         strategy = getattr(hf_config, "vision_feature_select_strategy", "full")
         if strategy != "full":
-            raise ValueError(f"vision_feature_select_strategy={strategy!r} with a Pixtral tower: only 'full' (every patch) "
-                             "is supported, as Pixtral-12B's config sets it")  # fmt: skip
+            raise ValueError(f"vision_feature_select_strategy={strategy!r} with a Pixtral tower: only 'full' (every "
+                             "patch) is supported, as Pixtral-12B's config sets it")  # fmt: skip
         cfg = LlamaForCausalLM.config_from_hf(hf_config, "LlamaForCausalLM")
         projector = (bool(getattr(hf_config, "multimodal_projector_bias", True)), str(hf_config.projector_hidden_act))
         options = dict(cfg.options, vision=PixtralVisionConfig.from_hf(hf_config), projector=projector)
