@@ -467,6 +467,7 @@ class Scheduler:
         tail = single + multi
         if draft_tokens:
             self._fit_draft_rows(tail)
+            self._snapshot_states(tail)
             tail.sort(key=lambda item: item.num_tokens > 1)  # (in admission order until here)
         return SchedulerOutput(ScheduledRows(rows.reqs, tail), preempted)  # (schedule() adds the tail's requests to rows)
 
@@ -581,6 +582,17 @@ class Scheduler:
                 item.draft_token_ids = item.draft_token_ids[: len(item.draft_token_ids) - cut]
                 item.num_tokens -= cut
                 excess -= cut
+
+    def _snapshot_states(self, scheduled: list[ScheduledSequence]) -> None:
+        """A hybrid model's verifying sequences: their linear layers' states saved before the step (a rejected guess
+        restores them: core/state_slots.py); one whose state cannot be saved verifies nothing this step."""
+        snapshot = getattr(self.kv, "snapshot", None)
+        if snapshot is None:
+            return
+        for item in scheduled:
+            if item.draft_token_ids and not snapshot(item.request.seq_id):
+                item.num_tokens -= len(item.draft_token_ids)
+                item.draft_token_ids = ()
 
     def update(self, output: SchedulerOutput, sampled_tokens: Sequence[int], stop_strings: dict[Request, str]) -> Sequence[ScheduledSequence]:
         """Take a step's results: fill in each sampling sequence's oldest in-flight token, register the blocks

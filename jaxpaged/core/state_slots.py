@@ -10,6 +10,14 @@ slot of its own and queues a copy of the parent's state into it, made on the dev
 
 Prefix caching is off for these models: a cached block holds the attention layers' K/V but no linear layer's state at
 its boundary, so a hit would skip the recurrence over the cached tokens.
+
+Speculative decoding: a verifying row runs its last token and k guesses through the linear layers, whose state then
+includes every guess; a rejected guess cannot be taken out of it. So before such a step the sequence's state is
+copied into a spare slot (snapshot, queued with the step's other copies), and once the step is verified (settle) a
+sequence that rejected a guess has the spare copied back into its slot before its next step, the state before the
+row, and computes the row's kept tokens again then (spec_decode/decoder.py). The spare is free again at once: copies
+are made in the order queued, each batch reading before it writes, so a later snapshot into it reads nothing stale.
+Spares: one for each sequence that may verify at once (`spare_state_slots`).
 """
 
 from __future__ import annotations
@@ -18,13 +26,23 @@ from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_manager import HashedSequence, KVCacheManager
 
 
+def spare_state_slots(config) -> int:
+    """Spare slots for speculative decoding's snapshots: one per sequence that may verify in a step (fewer than
+    disable_by_batch_size run then); 0 without speculative_config."""
+    spec = config.speculative_config
+    return 0 if spec is None else max(1, min(config.max_num_seqs, spec.disable_by_batch_size - 1))
+
+
 class HybridKVCacheManager(KVCacheManager):
-    def __init__(self, pool: BlockPool, block_size: int, num_state_slots: int):
+    def __init__(self, pool: BlockPool, block_size: int, num_state_slots: int, num_spare_slots: int = 0):
+        """num_state_slots for the sequences, then num_spare_slots for snapshots (the state arrays hold both)."""
         if num_state_slots < 1:
             raise ValueError(f"num_state_slots must be >= 1 (got {num_state_slots})")
         super().__init__(pool, block_size)
         self.num_state_slots = num_state_slots
         self._free_states = list(range(num_state_slots - 1, -1, -1))
+        self._spares = list(range(num_state_slots + num_spare_slots - 1, num_state_slots - 1, -1))
+        self._snapshots: dict[str, int] = {}  # seq_id -> the spare holding its state before its verifying row
         self._state_of: dict[str, int] = {}
         self._state_copies: list[tuple[int, int]] = []  # (src, dst) slot copies the next step needs first
 
@@ -60,7 +78,29 @@ class HybridKVCacheManager(KVCacheManager):
         self._state_copies.append((src, dst))
         return True
 
+    def snapshot(self, seq_id: str) -> bool:
+        """Before seq_id's verifying step: its state copied into a spare (queued); False (nothing done) when it holds
+        no slot or no spare is free: it must not verify then."""
+        slot = self._state_of.get(seq_id)
+        if slot is None or not self._spares or seq_id in self._snapshots:
+            return False
+        spare = self._snapshots[seq_id] = self._spares.pop()
+        src = next((s for s, d in reversed(self._state_copies) if d == slot), slot)  # (a fork's copy still queued)
+        self._state_copies.append((src, spare))
+        return True
+
+    def settle(self, seq_id: str, restore: bool) -> None:
+        """After the verifying step: restore, its snapshot (the state before the row) copied back into its slot before
+        its next step; the spare goes back either way."""
+        spare = self._snapshots.pop(seq_id, None)
+        if spare is None:
+            return
+        if restore and seq_id in self._state_of:
+            self._state_copies.append((spare, self._state_of[seq_id]))
+        self._spares.append(spare)
+
     def free(self, seq_id: str) -> None:
+        self.settle(seq_id, restore=False)
         super().free(seq_id)
         slot = self._state_of.pop(seq_id, None)
         if slot is not None:

@@ -29,7 +29,7 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator
 from jaxpaged.core.kv_cache_manager import KVCacheManager, freeing_window, max_blocks_held
-from jaxpaged.core.state_slots import HybridKVCacheManager
+from jaxpaged.core.state_slots import HybridKVCacheManager, spare_state_slots
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.rope_regime import LengthDependentRope
 from jaxpaged.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -88,13 +88,9 @@ def _check_hybrid(loaded: LoadedModel, config: EngineConfig) -> None:
     naming the option."""
     if not hasattr(loaded.model, "state_spec"):
         return
-    arch = loaded.config.architecture
-    if config.speculative_config is not None:
-        raise ValueError(f"speculative_config: speculative decoding is not supported for {arch}: its linear layers' "
-                         "states cannot roll back the tokens a verification rejects")  # fmt: skip
     if config.pipeline_parallel_size > 1:
-        raise ValueError(f"pipeline_parallel_size: pipeline parallelism is not supported for {arch} (a hybrid model "
-                         "with a state cache)")  # fmt: skip
+        raise ValueError(f"pipeline_parallel_size: pipeline parallelism is not supported for {loaded.config.architecture} "
+                         "(a hybrid model with a state cache)")  # fmt: skip
 
 
 def _loading_place(config: EngineConfig):
@@ -179,7 +175,7 @@ class LLMEngine:
         pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching and not hybrid)
         groups = self.runner.kv_groups
         if hybrid:
-            kv = HybridKVCacheManager(pool, config.block_size, self.runner.num_state_slots)
+            kv = HybridKVCacheManager(pool, config.block_size, config.max_num_seqs, spare_state_slots(config))
         elif groups is None:
             kv = KVCacheManager(pool, config.block_size, freeing_window(self.loaded.config.sliding_windows))
         else:
@@ -226,7 +222,8 @@ class LLMEngine:
         if config.speculative_config is not None:
             from jaxpaged.spec_decode.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, draft, rope=self.scheduler.rope)
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, draft, rope=self.scheduler.rope,
+                                    states=self.scheduler.kv if hybrid else None)  # fmt: skip
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
         self.weight_sync = WeightSync(self)  # update_weights, sleep and wake_up (engine/weight_sync.py)
         self.profiler = Profiler(config.profiler_dir)  # start_profile / stop_profile (engine/profiler.py)

@@ -33,8 +33,11 @@ def can_speculate(req: Request) -> bool:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None,
-                 rope: LengthDependentRope | None = None):  # fmt: skip
+                 rope: LengthDependentRope | None = None, states=None):  # fmt: skip
         self.config = config
+        # a hybrid model's HybridKVCacheManager: a rejected guess restores the linear layers' state (core/state_slots.py)
+        self.states = states
+        self.num_restored = 0  # verifying rows restored so (their kept tokens computed again)
         self.max_model_len = max_model_len
         # longrope: a sequence in the short regime verifies no position past the switch, where it is recomputed
         self.rope_switch = rope.recompute_past if rope is not None else 0
@@ -108,6 +111,11 @@ class SpecDecoder:
             accepted = k if match.all() else int(np.argmin(match))
             emitted.append((item, rows[: accepted + 1].tolist()))
             item.request.num_computed_tokens -= k - accepted
+            if self.states is not None:  # the state before the row where a guess failed; its tokens run again
+                self.states.settle(item.request.seq_id, restore=accepted < k)
+                if accepted < k:
+                    item.request.num_computed_tokens = item.start
+                    self.num_restored += 1
             self.num_drafts += 1
             self.num_draft_tokens += k
             self.num_accepted_tokens += accepted
@@ -141,5 +149,6 @@ class SpecDecoder:
             "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / drafts,  # tokens per verifying row
             "spec_decode_proposals_per_step": self.num_drafts / max(self.num_spec_steps, 1),
             "spec_decode_accepted_per_position": self.accepted_at.tolist(),
+            **({"spec_decode_num_restored": self.num_restored} if self.states is not None else {}),
             **(self.proposer.stats() if hasattr(self.proposer, "stats") else {}),
         }

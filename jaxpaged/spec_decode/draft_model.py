@@ -84,6 +84,9 @@ def load_draft(config: EngineConfig, spec: SpeculativeConfig, target: LoadedMode
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens, "
                          f"the target's has {target.config.vocab_size}: a draft must share the target's vocabulary")  # fmt: skip
+    if hasattr(draft.model, "state_spec"):  # its proposer keeps KV blocks only: no state to roll back
+        raise ValueError(f"speculative_config.model {spec.model!r} is a hybrid model ({draft.config.architecture}, linear "
+                         "layers with a state per sequence): not supported as a draft")  # fmt: skip
     if draft.config.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config.model {spec.model!r} has a context of {draft.config.max_position_embeddings} "
                          f"tokens, shorter than max_model_len ({max_model_len}); lower max_model_len")  # fmt: skip

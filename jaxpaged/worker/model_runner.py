@@ -25,6 +25,7 @@ from flax import nnx
 from jaxpaged import distributed, platforms
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.state_slots import spare_state_slots
 from jaxpaged.models import lora
 from jaxpaged.models.fused_projections import fuse_projections
 from jaxpaged.models.loader import DTYPES, LoadedModel
@@ -117,9 +118,10 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         # hybrid models (windowed and global layers): KV cache groups, so local layers free what their window left
         self.kv_groups = self._kv_groups(config, loaded.config)
         # hybrid models: their linear layers' state per sequence beside the KV pool, a slot for each sequence that can
-        # run at once (pallas_kernels/state_cache.py; the scheduler's HybridKVCacheManager hands them out)
+        # run at once and spares for speculative decoding's snapshots (pallas_kernels/state_cache.py; the scheduler's
+        # HybridKVCacheManager hands them out)
         self.state_spec = loaded.model.state_spec() if hasattr(loaded.model, "state_spec") else None
-        self.num_state_slots = config.max_num_seqs if self.state_spec is not None else 0
+        self.num_state_slots = config.max_num_seqs + spare_state_slots(config) if self.state_spec is not None else 0
         self._executable_dir = executable_dir
         # (function, bucket) -> executable: forward and write per token bucket, sample per number of sampling rows
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}

@@ -7,7 +7,9 @@ float32, 16-token steps, so prompts prefill in chunks beside other sequences' de
   in place (the donated write's output aliases its input).
 - n > 1 and beams: the children get the parent's state at the fork (seeded samples equal the same seeds run alone;
   beams equal transformers' beam search); with no slot free a fork falls back to computing the child from scratch.
-- Prefix caching is off (said in the memory plan), speculative decoding and pipeline parallelism are refused.
+- Speculative decoding (ngram): a rejected guess restores the state saved before its row, and greedy output still
+  equals transformers (the MTP layer of Qwen3-Next: tests/spec_decode/test_mtp_families.py).
+- Prefix caching is off (said in the memory plan), pipeline parallelism and a hybrid draft model are refused.
 """
 
 from __future__ import annotations
@@ -140,12 +142,27 @@ def test_a_fork_without_a_free_slot_computes_the_child_from_scratch(case):
     _assert_clean(one)
 
 
-def test_speculative_decoding_and_pipeline_parallelism_are_refused(case):
-    _, _, folder = case
-    with pytest.raises(ValueError, match="speculative_config"):
-        _llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_speculative_decoding_restores_the_state_of_a_rejected_row(case, workload):
+    """ngram guesses on Mamba-2 layers: each rejected row's linear layers go back to the state saved before it
+    (core/state_slots.py), its kept tokens computed again; every spare slot back. (Gated DeltaNet's, with guesses
+    both kept and rejected: tests/spec_decode/test_mtp_families.py.)"""
+    if case[0] != "nemotron-h":
+        pytest.skip("Gated DeltaNet's restore is checked with Qwen3-Next's MTP layer")
+    prompts, max_tokens, expected = workload
+    spec = _llm(case[2], speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert [g[0] for g in _run(spec, prompts, [_greedy(m) for m in max_tokens])] == expected
+    stats = spec.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_restored"] > 0, stats
+    kv = spec.engine.scheduler.kv
+    assert _free_states(spec) == 4 and len(kv._spares) == spec.engine.runner.num_state_slots - 4 and not kv._snapshots
+    _assert_clean(spec)
+
+
+def test_pipeline_parallelism_and_a_hybrid_draft_model_are_refused(case):
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        _llm(folder, pipeline_parallel_size=2)
+        _llm(case[2], pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_config.model .* hybrid model"):
+        _llm(case[2], speculative_config={"method": "draft_model", "model": case[2], "num_speculative_tokens": 2})
 
 
 def test_state_slot_manager_rules():
@@ -171,6 +188,25 @@ def test_state_slot_manager_rules():
     assert kv.take_state_copies() == [(kv.state_slot("i"), chained)]
     with pytest.raises(ValueError, match="num_state_slots"):
         HybridKVCacheManager(BlockPool(4, enable_caching=False), 4, 0)
+
+
+def test_snapshots_of_verifying_rows():
+    """A verifying row's state goes to a spare first; settle copies it back where a guess failed, and the spare is
+    free again either way (also when the sequence ends first); no spare, no snapshot."""
+    from jaxpaged.core.block_pool import BlockPool
+
+    kv = HybridKVCacheManager(BlockPool(32, enable_caching=False), 4, 2, num_spare_slots=1)
+    assert kv.allocate_slots("a", 0, 5) and kv.allocate_slots("b", 0, 5)
+    a, b = kv.state_slot("a"), kv.state_slot("b")
+    assert kv.snapshot("a") and not kv.snapshot("b")  # one spare
+    assert kv.take_state_copies() == [(a, 2)]
+    kv.settle("a", restore=True)
+    assert kv.take_state_copies() == [(2, a)] and kv.state_slot("a") == a
+    assert kv.snapshot("b") and kv.take_state_copies() == [(b, 2)]
+    kv.settle("b", restore=False)
+    assert kv.take_state_copies() == [] and kv.snapshot("a")
+    kv.free("a")  # ended before its row was verified: the spare is back
+    assert kv.snapshot("b") and not kv.snapshot("x")
 
 
 def test_state_slots_reach_the_step(llm):
