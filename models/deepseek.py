@@ -69,7 +69,8 @@ from jaxpaged.pallas_kernels.attention import TP_AXIS, tp_size
 from jaxpaged.pallas_kernels.mla import latent_planes, mla_attention
 
 MTP_LAYERS = ("the multi-token-prediction layer (model.layers.{num_hidden_layers}.*: enorm, hnorm, eh_proj, "
-              "shared_head and a decoder layer; a draft head for speculative decoding): not run")
+              "shared_head and a decoder layer; a draft head for speculative decoding): not part of the model; "
+              "DeepSeek-V3's and GLM-4.5's are read apart by speculative method 'mtp' only")
 INDEXER = ("DeepSeek-V3.2's sparse-attention indexer (self_attn.indexer.*: wq_b, wk, k_norm, weights_proj): not run; "
            "dense MLA is the model's attention while a sequence fits index_topk, at which max_model_len is capped")
 V32_CONTEXT = ("DeepSeek-V3.2 runs here as dense MLA, which equals its sparse attention (each query's top "
@@ -203,11 +204,12 @@ class DeepseekDecoderLayer(MoeDecoderLayer):
 
 class DeepseekForCausalLM(CausalLM):
     SKIPPED_TENSORS = (ROTARY_CACHE,)
+    decoder_layer = DeepseekDecoderLayer  # (cfg, layer, *, dtype, attention): also the MTP layer's block (spec_decode)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = module_list([DeepseekDecoderLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)])
+        self.layers = module_list([self.decoder_layer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)
 

@@ -6,7 +6,7 @@
   DeepseekMoeBlock): sigmoid scores plus `e_score_correction_bias` for choosing, groups (`n_group`/`topk_group`)
   ranked by their top-2 sum, `norm_topk_prob`, `routed_scaling_factor`, and `n_shared_experts` always-on experts;
 - the multi-token-prediction layer (`num_nextn_predict_layers`, stored as `model.layers.{num_hidden_layers}.*`) is
-  skipped unread, as DeepSeek-V3's is.
+  skipped unread, as DeepSeek-V3's is; speculative method "mtp" reads and runs it (spec_decode/mtp_layers.py).
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ class RoutedMoeForCausalLM(MoeForCausalLM):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = module_list([
-            MoeDecoderLayer(cfg, i, dtype=dtype, attention=attention, attention_cls=self.attention_cls, moe_cls=DeepseekMoeBlock)
-            for i in range(cfg.num_layers)
-        ])  # fmt: skip
+        self.layers = module_list([self.decoder_layer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)
+
+    @classmethod
+    def decoder_layer(cls, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend) -> MoeDecoderLayer:
+        """Layer `layer` (also GLM-4.5's MTP layer's block: spec_decode/mtp_layers.py)."""
+        return MoeDecoderLayer(cfg, layer, dtype=dtype, attention=attention, attention_cls=cls.attention_cls, moe_cls=DeepseekMoeBlock)
 
     unread_tensors = staticmethod(DeepseekForCausalLM.unread_tensors)  # the MTP layers (option "mtp_layers")
     CORRECTION_BIAS = "gate.e_score_correction_bias"  # where the checkpoint keeps the router's bias, under `mlp.`

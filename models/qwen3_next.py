@@ -11,7 +11,8 @@ attention in the rest (`layer_types`), zero-centred RMSNorms.
   `decoder_sparse_step` say); Qwen3.5 dense; Qwen3.5-MoE sparse in every layer, top-k renormalized.
 
 Qwen3.5's image-text checkpoints (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) load their
-language model; the vision tower is skipped, as is every checkpoint's multi-token-prediction head (`mtp.*`).
+language model; the vision tower is skipped, as is every checkpoint's multi-token-prediction head (`mtp.*`) unless
+speculative method "mtp" reads and runs it (spec_decode/mtp_layers.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from jaxpaged.pallas_kernels import AttentionBackend, AttentionSpec, paged_atten
 from jaxpaged.pallas_kernels.gated_delta import gated_delta_rule
 from jaxpaged.pallas_kernels.state_cache import StateArray, causal_conv
 
-MTP = (r"^mtp\.", "the multi-token-prediction layers (a draft head for speculative decoding): not run")
+MTP = (r"^mtp\.", "the multi-token-prediction layers (a draft head for speculative decoding): not part of the model, "
+       "read apart by speculative method 'mtp' only")
 VISION = (r"^model\.visual\.", "the vision tower and projector: not ported, prompts are text")  # (Gemma 3's reason)
 FUSED_GDN = ("Qwen3NextForCausalLM",)  # checkpoints with in_proj_qkvz / in_proj_ba
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -193,11 +195,12 @@ class Qwen3NextDecoderLayer(nnx.Module):
 
 class Qwen3NextForCausalLM(HybridCausalLM):
     SKIPPED_TENSORS = (ROTARY_CACHE, MTP)
+    decoder_layer = Qwen3NextDecoderLayer  # (cfg, layer, *, dtype, attention): also the MTP layer's block (spec_decode)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = module_list([Qwen3NextDecoderLayer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)])
+        self.layers = module_list([self.decoder_layer(cfg, i, dtype=dtype, attention=attention) for i in range(cfg.num_layers)])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.init_head(cfg, cfg.hidden_size, dtype)
 

@@ -160,14 +160,18 @@ class LLMEngine:
                                                 executable_dir=executables)  # fmt: skip
         runner = PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner
         mtp = spec_config is not None and spec_config.method == "mtp"
-        self.runner = runner(
-            self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
-            devices=devices, pooling=self.pooler is not None, **({"keep_hidden": True} if mtp else {}),
-        )
-        if mtp:  # the checkpoint's MTP layer: a shadow step after each of the runner's (spec_decode/mtp.py)
+        extra = {}
+        if mtp:  # the checkpoint's MTP layer: placed first, its cache counted where the pool is sized (spec_decode/mtp.py)
             from jaxpaged.spec_decode.mtp import MtpProposer
 
-            draft = self.runner.mtp = MtpProposer(self.loaded, self.runner, config, spec_config, self.max_model_len)
+            mtp_weights = MtpProposer.load(self.loaded, config, spec_config, platform, (devices or jax.devices())[0])
+            extra = {"keep_hidden": True, "mirrored_kv": MtpProposer.mirrored_kv(config, spec_config)}
+        self.runner = runner(
+            self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
+            devices=devices, pooling=self.pooler is not None, **extra,
+        )
+        if mtp:  # a shadow step after each of the runner's
+            draft = self.runner.mtp = MtpProposer(mtp_weights, self.runner, config, spec_config, self.loaded.source)
         hybrid = getattr(self.runner, "state_spec", None) is not None  # linear layers' states (core/state_slots.py)
         if hybrid and config.enable_prefix_caching:
             logger.info("prefix caching is off for %s: a cached block holds no linear layer's state at its boundary",

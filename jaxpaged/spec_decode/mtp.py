@@ -1,14 +1,14 @@
-"""The `mtp` proposer: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3/R1), as vLLM runs it.
+"""The `mtp` proposer: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next
+and Qwen3.5), as vLLM runs it.
 
-The MTP layer at position t takes the target's final hidden state h_t (after its final norm: vLLM hands its drafts
-the model's output) and the embedding of token t+1 (zero at position 0), normalizes them (enorm, hnorm), projects
-their concatenation (eh_proj), runs its decoder layer (MLA + MoE, its own latent cache) at position t, and predicts
-token t+2 through shared_head.norm and the head (shared_head.head where the checkpoint has it, else the target's).
-k guesses chain it: each next step takes the previous step's output hidden state and guess, one position on.
+The MTP layer (spec_decode/mtp_layers.py) at position t takes the target's final hidden state h_t (after its final
+norm: vLLM hands its drafts the model's output) and the embedding of token t+1, runs its decoder layer (the target's
+own kind, its own one-layer KV cache) at position t, and predicts token t+2. k guesses chain it: each next step takes
+the previous step's output hidden state and guess, one position on.
 
 Why a shadow step: the layer needs h_t of every position it will ever attend to, and those exist on the device only
 during the target's step. So after every target step (ModelRunner.execute_model) the layer runs over the same tokens
-with the same block tables and slots (its cache is the target's pool layout, one latent layer, so a target block id
+with the same block tables and slots (its cache is the target's pool layout, one layer, so a target block id
 is an MTP block id and nothing is allocated or freed apart), its token inputs shifted by one: the next prompt token,
 or the token the step sampled at that row (read on the device). It keeps, per sampling row, its greedy guess and
 output hidden state on the device; propose() picks the row of each sequence's last accepted position, gathers them
@@ -21,120 +21,25 @@ the layer proposes; the layer's cache entries only ever affect how often guesses
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.models.accounting import TensorLedger
-from jaxpaged.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
-from jaxpaged.models.layers import Linear, RMSNorm, rope_table, stack_new_kv
-from jaxpaged.models.loader import DTYPES, LoadedModel, _safetensors_files
-from jaxpaged.models.moe import MoeOptions, regroup_expert_tensors
-from jaxpaged.models.safetensors_io import open_files, tensors_in_order
-from jaxpaged.models.weights import WeightSpec, linear_specs, load_tensors_into
+from jaxpaged.models.loader import DTYPES, LoadedModel
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
+from jaxpaged.spec_decode.mtp_layers import load_mtp_layer
 from jaxpaged.worker.kv_memory import kv_pool
 
 logger = logging.getLogger("jaxpaged.spec_decode")
 
-ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-OWN_EMBEDDING = ("the MTP layer's copy of the embedding (model.layers.{n}.embed_tokens): DeepSeek-V3 shares the "
-                 "target's, which the layer reads")  # fmt: skip
 
-
-def _with_option(cfg, name: str, value):
-    return dataclasses.replace(cfg, options=tuple((k, value if k == name else v) for k, v in cfg.options))
-
-
-class DeepseekMtpLayer(nnx.Module):
-    """One MTP layer: enorm, hnorm, eh_proj, a decoder layer (its cache layer 0; MoE where vLLM makes it MoE: a layer
-    index past first_k_dense_replace), shared_head.norm and, where the checkpoint has one, shared_head.head."""
-
-    def __init__(self, cfg, *, dtype, attention, own_head: bool):
-        d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        moe = MoeOptions.of(cfg)
-        sparse = (0,) if moe.sparse_layers else ()
-        self.config = cfg
-        self.num_experts = moe.num_experts
-        self.enorm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.hnorm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.eh_proj = Linear(2 * d, d, bias=False, dtype=dtype)
-        block_cfg = _with_option(cfg, "moe", dataclasses.replace(moe, sparse_layers=sparse).as_option())
-        self.mtp_block = DeepseekDecoderLayer(block_cfg, 0, dtype=dtype, attention=attention)
-        self.shared_head_norm = RMSNorm(d, eps=eps, dtype=dtype)
-        self.head = Linear(d, cfg.vocab_size, bias=False, dtype=dtype) if own_head else None
-
-    def regroup_tensors(self, tensors, missing=None):
-        return regroup_expert_tensors(tensors, self.num_experts, missing)
-
-    def __call__(self, embeds, hidden, positions, kv_cache, attn_metadata):
-        """-> (output hidden states [T, D], this step's latent K/V)."""
-        cfg = self.config
-        embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)  # vLLM: unused at position 0
-        x = self.eh_proj(jnp.concatenate([self.enorm(embeds), self.hnorm(hidden.astype(embeds.dtype))], axis=-1))
-        rope = rope_table(cfg.rope, positions, cfg.rotary_dim or cfg.head_dim, attn_metadata, interleaved=cfg.rope_interleaved)
-        x, kv = self.mtp_block(x, rope, kv_cache, attn_metadata)
-        return x, stack_new_kv([kv])
-
-    def logits(self, x, target) -> jax.Array:
-        h = self.shared_head_norm(x)
-        return self.head(h).astype(jnp.float32) if self.head is not None else target.compute_logits(h)
-
-
-def mtp_weight_specs(cfg, own_head: bool) -> dict[str, WeightSpec]:
-    """The checkpoint names of the first MTP layer (model.layers.{num_hidden_layers}.*) -> DeepseekMtpLayer's paths:
-    the decoder layer's as the target's layers name them, plus the MTP's own tensors."""
-    n = cfg.num_layers
-    moe = MoeOptions.of(cfg)
-    sparse = moe.sparse_layers + ((n,) if moe.sparse_layers else ())
-    wide = _with_option(dataclasses.replace(cfg, num_layers=n + 1), "moe", dataclasses.replace(moe, sparse_layers=sparse).as_option())
-    hf, ours = f"model.layers.{n}.", f"layers.{n}."
-    specs = {}
-    for name, spec in DeepseekForCausalLM.weight_specs(wide).items():
-        if name.startswith(hf):
-            paths = tuple("mtp_block." + p[len(ours):] for p in spec.paths)
-            specs[name] = dataclasses.replace(spec, path=paths[0] if len(paths) == 1 else paths)
-    specs[f"{hf}enorm.weight"] = WeightSpec("enorm.scale")
-    specs[f"{hf}hnorm.weight"] = WeightSpec("hnorm.scale")
-    specs |= linear_specs(f"{hf}eh_proj", "eh_proj", bias=False)
-    specs[f"{hf}shared_head.norm.weight"] = WeightSpec("shared_head_norm.scale")
-    if own_head:
-        specs[f"{hf}shared_head.head.weight"] = WeightSpec("head.kernel", transpose=True)
-    return specs
-
-
-def load_mtp_layer(loaded: LoadedModel, attention) -> DeepseekMtpLayer:
-    """The checkpoint's first MTP layer, read from its safetensors (the target's load skips them); a ValueError
-    naming speculative_config where the model has none or jaxpaged cannot run them."""
-    cfg = loaded.config
-    if cfg.architecture not in ARCHITECTURES:
-        raise ValueError(f"speculative_config.method 'mtp': not supported for {cfg.architecture} (supported: "
-                         f"{', '.join(ARCHITECTURES)})")  # fmt: skip
-    if not int(cfg.option("mtp_layers", 0) or 0):
-        raise ValueError(f"speculative_config.method 'mtp': {loaded.source} has no multi-token-prediction layers "
-                         "(num_nextn_predict_layers is 0)")  # fmt: skip
-    if getattr(loaded.hf_config, "quantization_config", None):
-        raise ValueError("speculative_config.method 'mtp': not supported for a quantized checkpoint yet")
-    folder = Path(loaded.source)
-    prefix = f"model.layers.{cfg.num_layers}."
-    where = open_files(_safetensors_files(folder)) if folder.is_dir() else {}
-    where = {name: f for name, f in where.items() if name.startswith(prefix)}
-    if not where:
-        raise ValueError(f"speculative_config.method 'mtp': {loaded.source} declares MTP layers but holds no "
-                         f"{prefix}* tensors")  # fmt: skip
-    own_head = f"{prefix}shared_head.head.weight" in where
-    dtype = DTYPES[loaded.dtype]
-    layer = DeepseekMtpLayer(cfg, dtype=dtype, attention=attention, own_head=own_head)
-    ledger = TensorLedger(((rf"^{re.escape(prefix)}embed_tokens\.", OWN_EMBEDDING.format(n=cfg.num_layers)),))
-    load_tensors_into(layer, mtp_weight_specs(cfg, own_head), tensors_in_order(where), dtype, ledger=ledger)
-    return layer
+def attention_backend(model):
+    """The backend the target's attention layers run (a hybrid's first layers may be linear ones)."""
+    return next(layer.self_attn.backend for layer in model.layers if getattr(layer, "self_attn", None) is not None)
 
 
 def shadow_feed(output, t: int):
@@ -166,25 +71,47 @@ def _gather(acc_tokens, acc_hidden, tokens, hidden, idx):
     return jnp.where(take, tokens[safe], acc_tokens), jnp.where(take[:, None], hidden[safe], acc_hidden)
 
 
+def _proposing_rows(config, spec) -> int:
+    """Sequences proposing at once: fewer than disable_by_batch_size run when any does."""
+    return max(1, min(config.max_num_seqs, spec.disable_by_batch_size - 1))
+
+
+def _scratch_per_row(config, spec) -> int:
+    """Blocks a chained guess may need past a sequence's allocation: k positions on, and the block it starts in."""
+    return -(-spec.num_speculative_tokens // config.block_size) + 1
+
+
 class MtpProposer:
     """Runs the MTP layer beside a ModelRunner (runner.mtp): a shadow step after each target step, and propose()."""
 
-    def __init__(self, loaded: LoadedModel, runner, config, spec, max_model_len: int):
+    @staticmethod
+    def load(loaded: LoadedModel, config, spec, platform, device) -> tuple:
+        """The checkpoint's MTP layer laid out for the platform and placed on `device`: before the target's runner,
+        whose KV pool is then sized from the memory left (-> (graphdef, state))."""
         if spec.num_speculative_tokens >= config.max_num_seqs:
             raise ValueError(f"speculative_config.num_speculative_tokens ({spec.num_speculative_tokens}) must be below "
                              f"max_num_seqs ({config.max_num_seqs}): a verifying row samples 1 + k rows of a step")  # fmt: skip
-        attention = loaded.model.layers[0].self_attn.backend
-        layer = load_mtp_layer(loaded, attention)
-        runner.platform.prepare_model(layer, config.matmul_backend, dtype=runner.dtype, tensor_parallel_size=1,
-                                      moe_kernel=config.moe_kernel)  # fmt: skip
-        self.graphdef, state = nnx.split(layer)
-        self.state = jax.device_put(state, runner.device)
+        layer = load_mtp_layer(loaded, attention_backend(loaded.model))
+        platform.prepare_model(layer, config.matmul_backend, dtype=DTYPES[loaded.dtype], tensor_parallel_size=1,
+                               moe_kernel=config.moe_kernel)  # fmt: skip
+        graphdef, state = nnx.split(layer)
+        return graphdef, jax.device_put(state, device)
+
+    @staticmethod
+    def mirrored_kv(config, spec) -> tuple[int, int]:
+        """(KV layers on the pool's block ids, extra blocks of them): the layer's cache, one layer over the pool's
+        blocks plus scratch blocks for guesses past a sequence's allocation (the runner counts them when it sizes
+        the pool)."""
+        return 1, _proposing_rows(config, spec) * _scratch_per_row(config, spec)
+
+    def __init__(self, weights: tuple, runner, config, spec, source: str = ""):
+        self.graphdef, self.state = weights
         self.runner = runner
         self.k = spec.num_speculative_tokens
         self.block_size = config.block_size
         self.width = config.max_num_seqs  # the shadow's outputs: one row per possible sampling row
-        self.rows = max(1, min(config.max_num_seqs, spec.disable_by_batch_size - 1))  # sequences proposing at once
-        self.scratch_per_row = -(-self.k // self.block_size) + 1
+        self.rows = _proposing_rows(config, spec)  # sequences proposing at once
+        self.scratch_per_row = _scratch_per_row(config, spec)
         self.scratch0 = runner.num_blocks
         cfg = runner.model_config
         num_blocks = runner.num_blocks + self.rows * self.scratch_per_row
@@ -200,8 +127,7 @@ class MtpProposer:
         self._zeros = (jax.device_put(np.zeros(self.width, np.int32), runner.device),
                        jax.device_put(np.zeros((self.width, d), runner.dtype), runner.device))  # fmt: skip
         self.records: dict[str, tuple] = {}  # seq_id -> ((guesses, hidden) on the device, first row, its position, rows)
-        logger.info("MTP layer of %s: its latent cache %d blocks (%d scratch)", loaded.source, num_blocks,
-                    num_blocks - runner.num_blocks)  # fmt: skip
+        logger.info("MTP layer of %s: its KV cache %d blocks (%d scratch)", source, num_blocks, num_blocks - runner.num_blocks)
 
     # -- the device functions ------------------------------------------------------------------
 

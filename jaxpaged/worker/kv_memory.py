@@ -83,6 +83,17 @@ class KVMemory:
         per_token_head = kv_bytes_per_token_head(cfg.head_dim, self.config.kv_cache_dtype, self.dtype)
         return self.kv_layers * 2 * cfg.num_kv_heads * self.block_size * per_token_head
 
+    @property
+    def layer_block_bytes(self) -> int:
+        """One block's bytes in one layer."""
+        return self.block_bytes // self.kv_layers
+
+    @property
+    def mirrored_block_bytes(self) -> int:
+        """What each block id costs beside the pool: the layers kept apart on the pool's block ids (mirrored_kv: the
+        MTP layer's cache, spec_decode/mtp.py)."""
+        return self.mirrored_kv[0] * self.layer_block_bytes
+
     def memory_plan(self) -> str:
         """What start-up put on the device: weights (and how they are stored), the KV pool and the tokens it holds."""
         weights = param_bytes(self.state) / 1e6
@@ -100,6 +111,10 @@ class KVMemory:
                     f"a block serving one group; windowed groups give back what their window left, so a "
                     f"{self.history_width}-token sequence holds at most {self.seq_blocks} blocks over all groups "
                     f"({self.num_blocks // self.seq_blocks} such sequences at once)")  # fmt: skip
+        layers, extra = self.mirrored_kv
+        if layers:
+            held += (f"; the MTP layer's cache beside it on the same block ids ({layers} layer, {extra} scratch blocks: "
+                     f"{(self.num_blocks + extra) * self.mirrored_block_bytes / 1e6:.1f} MB)")  # fmt: skip
         return (f"weights {weights:.1f} MB ({jnp.dtype(self.dtype).name}, quantization: {scheme}); KV cache {self.num_blocks} blocks "
                 f"of {self.block_size} tokens in {kv} ({self.num_blocks * self.block_bytes / 1e6:.1f} MB, {per_token:.1f} kB a token), "
                 f"up to {tokens} tokens held at once{held}{self._state_plan()}")  # fmt: skip
@@ -117,7 +132,8 @@ class KVMemory:
         """Before the KV pool is allocated: the weights and one max_model_len sequence's KV must fit this engine's
         devices. Logs how many devices the model and context need; a ValueError saying so when they do not fit."""
         per_device, shared = self.platform.device_memory(self.device)
-        need = weight_bytes + self.seq_blocks * self.block_bytes + (self.state_spec.slot_bytes if self.state_spec else 0)
+        need = weight_bytes + self.seq_blocks * (self.block_bytes + self.mirrored_block_bytes)
+        need += self.state_spec.slot_bytes if self.state_spec else 0
         n = self.config.devices_per_replica
         if per_device is None:
             return
@@ -140,7 +156,8 @@ class KVMemory:
         self.check_memory(weight_bytes)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        mirrored = self.mirrored_kv[1] * self.mirrored_block_bytes  # (its scratch blocks)
         return self.platform.num_kv_blocks(
-            self.config, block_bytes=self.block_bytes, weight_bytes=weight_bytes, table_width=self.seq_blocks,
-            reserved_bytes=self._workspace_bytes() + self.state_bytes,
+            self.config, block_bytes=self.block_bytes + self.mirrored_block_bytes, weight_bytes=weight_bytes,
+            table_width=self.seq_blocks, reserved_bytes=self._workspace_bytes() + self.state_bytes + mirrored,
         )

@@ -78,11 +78,14 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
                  executable_dir=None, devices: Sequence[jax.Device] | None = None, pooling: bool = False,
-                 keep_hidden: bool = False):  # fmt: skip
+                 keep_hidden: bool = False, mirrored_kv: tuple[int, int] = (0, 0)):  # fmt: skip
         self.config = config
         # speculative method "mtp": each step keeps its final hidden states for the MTP layer's shadow step (self.mtp,
         # spec_decode/mtp.py); other engines' forwards are unchanged
         self.keep_hidden = keep_hidden
+        # (KV layers kept apart on the pool's block ids, their extra blocks): the MTP layer's cache, counted where
+        # the pool is sized (worker/kv_memory.py)
+        self.mirrored_kv = mirrored_kv
         self.mtp = None
         # a pooling engine (engine/pooling.py): the forward returns its rows' pooled hidden states, not prompt logprobs
         self.pooling = pooling
