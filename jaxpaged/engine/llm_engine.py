@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -228,6 +229,8 @@ class LLMEngine:
 
             self.spec = SpecDecoder(config.speculative_config, self.max_model_len, draft, rope=self.scheduler.rope,
                                     states=self.scheduler.kv if hybrid else None)  # fmt: skip
+            if mtp:  # its shadow step writes K/V only while speculation is off for the batch size
+                draft.guessing = functools.partial(self.spec.active, self.scheduler)
         self.num_overlapped_steps = 0  # steps dispatched before the previous step's results were read
         self.weight_sync = WeightSync(self)  # update_weights, sleep and wake_up (engine/weight_sync.py)
         self.profiler = Profiler(config.profiler_dir)  # start_profile / stop_profile (engine/profiler.py)

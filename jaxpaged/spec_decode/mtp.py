@@ -13,7 +13,9 @@ is an MTP block id and nothing is allocated or freed apart), its token inputs sh
 or the token the step sampled at that row (read on the device). It keeps, per sampling row, its greedy guess and
 output hidden state on the device; propose() picks the row of each sequence's last accepted position, gathers them
 and chains k - 1 one-token steps, reading every guess back once. Guesses past a sequence's allocated blocks write
-into scratch blocks beyond the pool (the next shadow step rewrites those positions in the real ones).
+into scratch blocks beyond the pool (the next shadow step rewrites those positions in the real ones). While no guess
+is wanted (disable_by_batch_size or more sequences running, decided on the host) the shadow step writes the layer's
+K/V only, so the cache stays whole for the guesses that follow and the block's attention, MLP and head are skipped.
 
 Greedy guesses are point masses, so verification (rejection_sampler.py) keeps the target's output exact whatever
 the layer proposes; the layer's cache entries only ever affect how often guesses are accepted.
@@ -121,7 +123,13 @@ class MtpProposer:
         self.cache = jax.device_put(self.cache, runner.device)  # committed, as it is once a step has written it
         self.kv = None  # the scheduler's KVCacheManager (block tables by sequence id), set by the engine
         self._shadow = jax.jit(self._shadow_impl)
+        self._shadow_kv = jax.jit(self._shadow_kv_impl)
         self._chain = jax.jit(self._chain_impl)
+        # whether guesses will be wanted (the engine's SpecDecoder.active: fewer than disable_by_batch_size running);
+        # while not, the shadow step writes the layer's K/V only
+        self.guessing = lambda: True
+        self.may_skip = spec.disable_by_batch_size <= config.max_num_seqs  # (else always wanted: not compiled)
+        self.num_kv_only = 0  # shadow steps that wrote K/V only
         self._gather = jax.jit(_gather)
         d = cfg.hidden_size
         self._zeros = (jax.device_put(np.zeros(self.width, np.int32), runner.device),
@@ -148,6 +156,11 @@ class MtpProposer:
         rows = out[logit_rows]
         return *self._padded(jnp.argmax(layer.logits(rows, target), axis=-1), rows), new_kv
 
+    def _shadow_kv_impl(self, target_state, state, cache, hidden, sampled, next_ids, take, positions, attn):
+        ids = jnp.where(take >= 0, sampled[jnp.maximum(take, 0)], next_ids)
+        target, layer = nnx.merge(self.runner.graphdef, target_state), nnx.merge(self.graphdef, state)
+        return layer.new_kv(target.embed_tokens(ids), hidden, positions, cache, attn)
+
     def _chain_impl(self, target_state, state, cache, tokens, hidden, positions, attn):
         r = positions.shape[0]
         target, layer, out, new_kv = self._run(target_state, state, cache, tokens[:r], hidden[:r], positions, attn)
@@ -156,17 +169,28 @@ class MtpProposer:
     # -- after each target step ----------------------------------------------------------------
 
     def shadow(self, output, step, dispatched, hidden) -> None:
-        """The layer over the target step's tokens (see the module's docstring); keeps each sampling sequence's rows."""
+        """The layer over the target step's tokens (see the module's docstring); keeps each sampling sequence's rows.
+        While no guess is wanted (disable_by_batch_size), its K/V only: the cache stays whole for later guesses, the
+        block's attention, MLP and head are skipped (no other compile than warm-up's; decided on the host)."""
         if output.block_copies:  # copy-on-write blocks: the layer's entries go along
             self._copy_blocks(output.block_copies)
         t = step.input_ids.shape[0]
         next_ids, take, records = shadow_feed(output, t)
         attn = step.attention
-        inputs = self._put((hidden, dispatched.sampled, next_ids, take, step.positions, attn, step.logit_rows))
-        tokens, rows_hidden, new_kv = self._shadow(self.runner.state, self.state, self.cache, *inputs)
+        inputs = self._put((hidden, dispatched.sampled, next_ids, take, step.positions, attn))
+        if self.may_skip and not self.guessing():
+            new_kv = self._shadow_kv(self.runner.state, self.state, self.cache, *inputs)
+            self.cache = self._write(self.cache, new_kv, self._put(attn.slot_mapping))
+            self.num_kv_only += 1
+            self.release(seq_id for seq_id, *_ in records)  # (stale rows would otherwise be read)
+            return
+        tokens, rows_hidden, new_kv = self._shadow(self.runner.state, self.state, self.cache, *inputs, self._put(step.logit_rows))
         self.cache = self._write(self.cache, new_kv, self._put(attn.slot_mapping))
         for seq_id, row, pos, n in records:
             self.records[seq_id] = ((tokens, rows_hidden), row, pos, n)
+
+    def stats(self) -> dict:
+        return {"spec_decode_mtp_kv_only_steps": self.num_kv_only}
 
     def _put(self, tree):
         """Every input committed to the runner's device, host arrays or not: one signature per shape, so warm-up's
@@ -243,7 +267,8 @@ class MtpProposer:
     # -- warm-up ---------------------------------------------------------------------------------
 
     def warmup(self) -> float:
-        """Compile the shadow step for every target bucket, the gather, the chain step and the block copy."""
+        """Compile the shadow steps (full, and K/V only where speculation can be off for the batch size) for every
+        target bucket, the gather, the chain step and the block copy."""
         import time
 
         t0 = time.perf_counter()
@@ -252,8 +277,10 @@ class MtpProposer:
             step = runner.input_batch.blank(t)
             hidden = jax.device_put(np.zeros((t, d), runner.dtype), runner.device)
             inputs = self._put((hidden, runner._no_sampled, np.zeros(t, np.int32), np.full(t, -1, np.int32),
-                                step.positions, step.attention, step.logit_rows))  # fmt: skip
-            *_, new_kv = self._shadow(runner.state, self.state, self.cache, *inputs)
+                                step.positions, step.attention))  # fmt: skip
+            if self.may_skip:
+                self._shadow_kv(runner.state, self.state, self.cache, *inputs)
+            *_, new_kv = self._shadow(runner.state, self.state, self.cache, *inputs, self._put(step.logit_rows))
             self.cache = self._write(self.cache, new_kv, self._put(step.attention.slot_mapping))
         acc = self._gather(*self._zeros, *self._zeros, self._put(np.full(self.width, -1, np.int32)))
         n = self.rows

@@ -105,13 +105,26 @@ class MtpLayer(nnx.Module):
     def regroup_tensors(self, tensors, missing=None):
         return regroup_expert_tensors(tensors, self.num_experts, missing) if self.num_experts else tensors
 
-    def __call__(self, embeds, hidden, positions, kv_cache, attn_metadata):
-        """-> (the hidden state the next guess chains from [T, D], this step's K/V for the layer's cache)."""
+    def _block_input(self, embeds, hidden, positions, attn_metadata):
+        """The block's input and RoPE table: eh_proj(concat(enorm(embedding), hnorm(hidden)))."""
         cfg = self.config
         if self.layout.mask_first:  # vLLM: the embedding is unused at position 0
             embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
         x = self.eh_proj(jnp.concatenate([self.enorm(embeds), self.hnorm(hidden.astype(embeds.dtype))], axis=-1))
         rope = rope_table(cfg.rope, positions, cfg.rotary_dim or cfg.head_dim, attn_metadata, interleaved=cfg.rope_interleaved)
+        return x, rope
+
+    def new_kv(self, embeds, hidden, positions, kv_cache, attn_metadata):
+        """This step's K/V alone, for the layer's cache while nothing is proposed: the block's attention input and its
+        K/V projections (both layer kinds pre-norm their attention: input_layernorm, self_attn); the attention's
+        output, the MLP and the head are never used, so XLA computes none of them."""
+        x, rope = self._block_input(embeds, hidden, positions, attn_metadata)
+        _, kv = self.mtp_block.self_attn(self.mtp_block.input_layernorm(x), rope, kv_cache, attn_metadata)
+        return stack_new_kv([kv])
+
+    def __call__(self, embeds, hidden, positions, kv_cache, attn_metadata):
+        """-> (the hidden state the next guess chains from [T, D], this step's K/V for the layer's cache)."""
+        x, rope = self._block_input(embeds, hidden, positions, attn_metadata)
         if self.hybrid:
             x, kv, _ = self.mtp_block(x, rope, HybridCache(kv_cache, {}), attn_metadata, None)
         else:

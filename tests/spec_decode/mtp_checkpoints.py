@@ -117,8 +117,8 @@ def qwen_mtp_checkpoint(folder, config, block_index: int, *, construct: str | No
     return hf, block, mtp
 
 
-def mtp_spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": 64}
+def mtp_spec(k: int, disable_by_batch_size: int = 64) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": disable_by_batch_size}
 
 
 def generate_tokens(llm, prompts, params):
@@ -138,14 +138,14 @@ def cycle_prompts() -> list[list[int]]:
     return [[int(x) for x in CYCLE[s : s + n]] for s, n in ((0, 5), (40, 12), (90, 3))]
 
 
-def assert_walks_the_cycle_and_accepts_all(llm) -> None:
+def assert_walks_the_cycle_and_accepts_all(llm, max_tokens=(16, 16, 16)) -> None:
     """The constructed target walks the cycle; an MTP layer that knows the token after next has every guess of these
     requests accepted (a misaligned token, row, position or chained input would propose something else)."""
     from jaxpaged import SamplingParams
 
     before = llm.get_stats()
     prompts = cycle_prompts()
-    outs = generate_tokens(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 3)
+    outs = generate_tokens(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens])
     for prompt, [out] in zip(prompts, outs):
         assert out == [int(SUCC[x]) for x in [prompt[-1], *out[:-1]]]
     stats = llm.get_stats()

@@ -36,20 +36,20 @@ GLM = dict(BASE, intermediate_size=96, moe_intermediate_size=32, num_attention_h
 GLM_LAYERS = 1
 
 
-def _mixed_then_all_accepted(llm, hf) -> dict:
+def _mixed_then_all_accepted(llm, hf, max_tokens=(16, 16, 16)) -> dict:
     """A target built with `residual` mostly walks the cycle; the MTP layer that knows the cycle has guesses kept and
     rejected: greedy tokens and logprobs are transformers' along the whole path (16-token chunks, a batch of 3). Then
     the target made to walk the cycle exactly (same engine): every guess accepted. Blocks back, nothing compiled.
     -> the first part's stats."""
     prompts = cycle_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=0) for m in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_matches_transformers_path(hf, prompts, [o.outputs[0] for o in outs])
     stats = llm.get_stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
     assert_clean(llm)
     walk_the_cycle_exactly(llm, hf)
-    assert_walks_the_cycle_and_accepts_all(llm)
+    assert_walks_the_cycle_and_accepts_all(llm, max_tokens)
     return stats
 
 
@@ -73,7 +73,8 @@ def test_glm_layer_matches_transformers_modules(tmp_path):
 
 
 def test_glm_greedy_unchanged_and_a_layer_that_knows_the_cycle_always_accepted(tmp_path, monkeypatch):
-    """Also: the pool is sized with the MTP layer's cache counted (one more layer a block, its scratch blocks)."""
+    """Also: the pool is sized with the MTP layer's cache counted (one more layer a block, its scratch blocks); while
+    3 sequences run (disable_by_batch_size 3) the shadow step writes K/V only, the same K/V the full one writes."""
     from jaxpaged.platforms.cpu.platform import CpuPlatform
 
     sized, size = {}, CpuPlatform.num_kv_blocks
@@ -81,13 +82,29 @@ def test_glm_greedy_unchanged_and_a_layer_that_knows_the_cycle_always_accepted(t
     nextn_checkpoint(tmp_path, transformers.Glm4MoeConfig, GLM, GLM_LAYERS, construct="tokens", residual=3.0)
     # transformers reads the target's layers (model.safetensors), not mtp.safetensors
     target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    llm = LLM(str(tmp_path), speculative_config=mtp_spec(3), **ENGINE)
+    llm = LLM(str(tmp_path), speculative_config=mtp_spec(3, disable_by_batch_size=3), **ENGINE)
     runner, proposer = llm.engine.runner, llm.engine.spec.proposer
     layer_bytes = runner.block_bytes // GLM_LAYERS
     assert sized["block_bytes"] == runner.block_bytes + layer_bytes
     scratch = proposer.rows * proposer.scratch_per_row
     assert sized["reserved_bytes"] >= scratch * layer_bytes and "the MTP layer's cache" in runner.memory_plan()
-    _mixed_then_all_accepted(llm, target)
+    _assert_kv_only_shadow_writes_the_full_ones_kv(proposer)
+    stats = _mixed_then_all_accepted(llm, target, max_tokens=(6, 16, 24))
+    assert stats["spec_decode_mtp_kv_only_steps"] > 0
+
+
+def _assert_kv_only_shadow_writes_the_full_ones_kv(proposer) -> None:
+    """The K/V-only shadow step against the full one on a 16-token step of random hidden states and tokens (the
+    executables warm-up compiled)."""
+    runner, t = proposer.runner, 16
+    rng = np.random.default_rng(1)
+    step = runner.input_batch.blank(t)
+    hidden = rng.standard_normal((t, D)).astype(np.float32)
+    inputs = proposer._put((hidden, runner._no_sampled, rng.integers(0, VOCAB, t).astype(np.int32),
+                            np.full(t, -1, np.int32), np.arange(t, dtype=np.int32), step.attention))  # fmt: skip
+    *_, full = proposer._shadow(runner.state, proposer.state, proposer.cache, *inputs, proposer._put(step.logit_rows))
+    np.testing.assert_array_equal(np.asarray(proposer._shadow_kv(runner.state, proposer.state, proposer.cache, *inputs)),
+                                  np.asarray(full))  # fmt: skip
 
 
 # -- Qwen3-Next ---------------------------------------------------------------------------------------------------
