@@ -13,6 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import transformers
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.loader import load_model
@@ -58,8 +61,6 @@ def _mixed_then_all_accepted(llm, hf, max_tokens=(16, 16, 16)) -> dict:
 
 def test_glm_layer_matches_transformers_modules(tmp_path):
     """GLM-4.5's layer against Glm4MoeDecoderLayer (layer_idx 1: MoE) and Glm4MoeRMSNorm with its weights."""
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
-
     hf, mtp = nextn_checkpoint(tmp_path, transformers.Glm4MoeConfig, GLM, GLM_LAYERS)
     loaded = load_model(str(tmp_path), dtype="float32")
     layer = load_mtp_layer(loaded, attention_backend(loaded.model))
@@ -115,19 +116,24 @@ QWEN = dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_at
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=8, intermediate_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=48)  # fmt: skip
+# Qwen3.5 dense: tied embeddings, biased attention, partial RoPE 0.5 (as test_hybrid_models.py's qwen3.5-dense-tied)
+QWEN35 = dict({k: v for k, v in QWEN.items() if "expert" not in k and "moe" not in k}, tie_word_embeddings=True, attention_bias=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})  # fmt: skip
 
 
-def test_qwen3_next_layer_matches_transformers_modules(tmp_path):
-    """Qwen3-Next's layer against Qwen3NextDecoderLayer (full attention, MoE) and Qwen3NextRMSNorm ((1 + w)) with its
-    weights and the target's lm_head; the chained state is the output after mtp.norm (vLLM's)."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
-
-    config = transformers.Qwen3NextConfig(**QWEN)
+@pytest.mark.parametrize("config_cls, config, norm_cls, experts", [
+    (transformers.Qwen3NextConfig, QWEN, Qwen3NextRMSNorm, 4),
+    (transformers.Qwen3_5TextConfig, QWEN35, Qwen3_5RMSNorm, 0),
+], ids=["qwen3-next-moe", "qwen3.5-dense-tied"])  # fmt: skip
+def test_qwen_layer_matches_transformers_modules(config_cls, config, norm_cls, experts, tmp_path):
+    """Qwen3-Next's and Qwen3.5's layer against their transformers decoder layer (full attention; MoE or MLP) and
+    RMSNorm ((1 + w)) with its weights and the target's lm_head; the chained state is the output after mtp.norm."""
+    config = config_cls(**config)
     hf, block, mtp = qwen_mtp_checkpoint(tmp_path, config, 1)
     loaded = load_model(str(tmp_path), dtype="float32")
     layer = load_mtp_layer(loaded, attention_backend(loaded.model))
-    assert layer.head is None and layer.num_experts == 4
-    norm = lambda name: hf_norm(Qwen3NextRMSNorm, mtp[f"mtp.{name}.weight"], config.rms_norm_eps)  # noqa: E731
+    assert layer.head is None and layer.num_experts == experts
+    norm = lambda name: hf_norm(norm_cls, mtp[f"mtp.{name}.weight"], config.rms_norm_eps)  # noqa: E731
     hidden, ids = random_pairs()
     want_out, want = hf_mtp_reference(hf, block, norm("pre_fc_norm_embedding"), norm("pre_fc_norm_hidden"),
                                       mtp["mtp.fc.weight"], norm("norm"), hf.lm_head, ids, hidden, mask_first=False)  # fmt: skip
