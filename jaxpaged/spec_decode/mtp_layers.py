@@ -111,7 +111,8 @@ class MtpLayer(nnx.Module):
         if self.layout.mask_first:  # vLLM: the embedding is unused at position 0
             embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
         x = self.eh_proj(jnp.concatenate([self.enorm(embeds), self.hnorm(hidden.astype(embeds.dtype))], axis=-1))
-        rope = rope_table(cfg.rope, positions, cfg.rotary_dim or cfg.head_dim, attn_metadata, interleaved=cfg.rope_interleaved)
+        dim = cfg.rotary_dim or cfg.head_dim
+        rope = rope_table(cfg.rope, positions, dim, attn_metadata, interleaved=cfg.rope_interleaved)
         return x, rope
 
     def new_kv(self, embeds, hidden, positions, kv_cache, attn_metadata):
@@ -136,7 +137,8 @@ class MtpLayer(nnx.Module):
         return self.head(h).astype(jnp.float32) if self.head is not None else target.compute_logits(h)
 
 
-def mtp_weight_specs(target_cls, cfg: ModelConfig, layout: MtpLayout, *, sparse: bool, own_head: bool) -> dict[str, WeightSpec]:
+def mtp_weight_specs(target_cls, cfg: ModelConfig, layout: MtpLayout, *, sparse: bool,
+                     own_head: bool) -> dict[str, WeightSpec]:  # fmt: skip
     """The checkpoint names of the first MTP layer -> MtpLayer's paths: the block's as the target names its layer 0
     (moved under the layout's block prefix), plus the layer's own tensors."""
     n = cfg.num_layers
@@ -145,7 +147,8 @@ def mtp_weight_specs(target_cls, cfg: ModelConfig, layout: MtpLayout, *, sparse:
     for name, spec in target_cls.weight_specs(block_config(cfg, sparse)).items():
         if name.startswith("model.layers.0."):
             paths = tuple("mtp_block." + p.removeprefix("layers.0.") for p in spec.paths)
-            specs[block + name.removeprefix("model.layers.0.")] = dataclasses.replace(spec, path=paths[0] if len(paths) == 1 else paths)
+            path = paths[0] if len(paths) == 1 else paths
+            specs[block + name.removeprefix("model.layers.0.")] = dataclasses.replace(spec, path=path)
     specs[f"{pre}{layout.enorm}.weight"] = WeightSpec("enorm.scale")
     specs[f"{pre}{layout.hnorm}.weight"] = WeightSpec("hnorm.scale")
     specs |= linear_specs(f"{pre}{layout.proj}", "eh_proj", bias=False)
@@ -181,8 +184,8 @@ def load_mtp_layer(loaded: LoadedModel, attention) -> MtpLayer:
     own_head = layout.head is not None and f"{prefix}{layout.head}.weight" in where
     dtype = DTYPES[loaded.dtype]
     target_cls = type(loaded.model)
-    layer = MtpLayer(cfg, layout, target_cls.decoder_layer, dtype=dtype, attention=attention, sparse=sparse, own_head=own_head,
-                     hybrid=hasattr(loaded.model, "state_spec"))  # fmt: skip
+    layer = MtpLayer(cfg, layout, target_cls.decoder_layer, dtype=dtype, attention=attention, sparse=sparse,
+                     own_head=own_head, hybrid=hasattr(loaded.model, "state_spec"))  # fmt: skip
     ledger = TensorLedger(((rf"^{re.escape(prefix)}embed_tokens\.", OWN_EMBEDDING.format(prefix=prefix)),))
     specs = mtp_weight_specs(target_cls, cfg, layout, sparse=sparse, own_head=own_head)
     load_tensors_into(layer, specs, tensors_in_order(where), dtype, ledger=ledger)

@@ -79,7 +79,8 @@ def test_glm_greedy_unchanged_and_a_layer_that_knows_the_cycle_always_accepted(t
     from jaxpaged.platforms.cpu.platform import CpuPlatform
 
     sized, size = {}, CpuPlatform.num_kv_blocks
-    monkeypatch.setattr(CpuPlatform, "num_kv_blocks", lambda self, config, **kw: sized.update(kw) or size(self, config, **kw))
+    spy = lambda self, config, **kw: sized.update(kw) or size(self, config, **kw)  # noqa: E731
+    monkeypatch.setattr(CpuPlatform, "num_kv_blocks", spy)
     nextn_checkpoint(tmp_path, transformers.Glm4MoeConfig, GLM, GLM_LAYERS, construct="tokens", residual=3.0)
     # transformers reads the target's layers (model.safetensors), not mtp.safetensors
     target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -117,8 +118,8 @@ QWEN = dict(BASE, num_hidden_layers=2, layer_types=["linear_attention", "full_at
             linear_value_head_dim=8, intermediate_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=48)  # fmt: skip
 # Qwen3.5 dense: tied embeddings, biased attention, partial RoPE 0.5 (as test_hybrid_models.py's qwen3.5-dense-tied)
-QWEN35 = dict({k: v for k, v in QWEN.items() if "expert" not in k and "moe" not in k}, tie_word_embeddings=True, attention_bias=True,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})  # fmt: skip
+QWEN35 = dict({k: v for k, v in QWEN.items() if "expert" not in k and "moe" not in k}, tie_word_embeddings=True,
+              attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})  # fmt: skip
 
 
 @pytest.mark.parametrize("config_cls, config, norm_cls, experts", [
