@@ -13,6 +13,7 @@ DEVICE_MARKS = ("gpu", "tpu")  # tests that run compiled on that device; skipped
 def pytest_configure(config):
     _one_torch_thread_per_worker()
     _fast_cpu_compiles()
+    _build_native_kernels_before_the_workers(config)
     for mark in DEVICE_MARKS:
         config.addinivalue_line("markers", f"{mark}: needs a {mark.upper()}: runs compiled there, skipped elsewhere")
     config.addinivalue_line("markers", "network: installs packages from PyPI (skipped when it is unreachable; "
@@ -58,6 +59,25 @@ def _accelerator_plugin() -> bool:
     return os.environ.get("JAX_PLATFORMS", "") != "cpu" and any(importlib.util.find_spec(p) for p in plugins)
 
 
+def _build_native_kernels_before_the_workers(config) -> None:
+    """The native CPU kernels, compiled once by the controlling process (~25 s of C++ each) before the workers
+    start: each worker's first engine would otherwise compile them again beside the other's."""
+    if hasattr(config, "workerinput") or _accelerator_plugin():
+        return
+    from jaxpaged.platforms.cpu import attention, matmul, native_build
+
+    if native_build.compiler() is None:
+        return
+    attention.start_build()
+    matmul.start_build()  # where the engine may take it (AVX-512)
+    try:
+        attention.build()
+        if matmul.may_take_auto():
+            native_build.build(matmul.SOURCE)
+    except RuntimeError:  # reported by the tests that need the kernels
+        pass
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): on the CPU a worker per core, at most 4, each a JAX process of a few GB at
     its peak; one where JAX has an accelerator plugin (each process would take most of the device's memory),
@@ -71,6 +91,10 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_collection_modifyitems(config, items):
     import jax
+
+    from tests.scheduling import longest_files_first
+
+    longest_files_first(items)
 
     here = jax.default_backend()
     for item in items:
