@@ -1,5 +1,7 @@
 """Tensor parallelism on 4 CPU devices: TP=2 and TP=4 give TP=1's greedy tokens (and transformers'),
-each device holds 1/N of every sharded weight and of the KV array, and bad sizes are clear errors.
+each device holds 1/N of every sharded weight and of the KV array, and bad sizes are clear errors. Each family and
+quantized case runs at one of the two sizes (the other size is covered by another family or case); TP=4 over 2 KV
+heads (each KV head replicated on two devices) is covered by llama-gqa2, the int8 cache and the Q4_0 weights.
 
 The device count must be fixed before JAX starts, and the rest of the suite runs on one device, so
 in a normal run the first test re-runs this file in a subprocess with
@@ -37,7 +39,7 @@ def _llm(folder, n, backend="reference", **kw):
     from jaxpaged import LLM
 
     return LLM(
-        str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+        str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=8,
         tensor_parallel_size=n, attention_backend=backend, log_level="WARNING", **kw,
     )  # fmt: skip
 
@@ -82,21 +84,22 @@ def _prepare(name, tmp_path_factory):
     return reference_family(_PREPARED, name, _families()[name], tmp_path_factory, PROMPT_LENGTHS, MAX_TOKENS, VOCAB)
 
 
-@pytest.fixture(scope="module", params=["llama-gqa2", "falcon-mqa", "bloom-alibi", "qwen2-hybrid-window"])
-def family(request, tmp_path_factory):
-    return _prepare(request.param, tmp_path_factory)
+# one size per family: llama-gqa2 at 4 (2 KV heads replicated to 4; at 2 in the fused_kv_write and 8-bit tests),
+# falcon-mqa at 2 (its one KV head replicated; at 4 in test_fused_projections_tp.py), bloom-alibi at 4 (one head and
+# its slope a device; at 2 with the Pallas kernel below), qwen2-hybrid-window at 2 (KV cache groups under shard_map)
+FAMILY_SIZES = [("llama-gqa2", 4), ("falcon-mqa", 2), ("bloom-alibi", 4), ("qwen2-hybrid-window", 2)]
 
 
 @needs_devices
-def test_tp2_and_tp4_equal_tp1_token_for_token(family):
+@pytest.mark.parametrize("name,n", FAMILY_SIZES)
+def test_tp2_and_tp4_equal_tp1_token_for_token(name, n, tmp_path_factory):
     """Equal to transformers' greedy tokens, which one device gives too (tests/models/test_model_families.py, test_llama_parity.py)."""
-    folder, prompts, expected = family
-    for n in (2, 4):
-        llm = _llm(folder, n)
-        assert _greedy(llm, prompts) == expected, f"tensor_parallel_size={n} differs"
-        assert llm.get_stats()["num_compiles_after_warmup"] == 0
-        _assert_split_1_over_n(llm.engine.runner, n)
-        assert (llm.engine.runner.kv_groups is not None) == ("hybrid" in str(folder))
+    folder, prompts, expected = _prepare(name, tmp_path_factory)
+    llm = _llm(folder, n)
+    assert _greedy(llm, prompts) == expected, f"tensor_parallel_size={n} differs"
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
+    _assert_split_1_over_n(llm.engine.runner, n)
+    assert (llm.engine.runner.kv_groups is not None) == ("hybrid" in str(folder))
 
 
 def _assert_split_1_over_n(runner, n):
@@ -136,7 +139,7 @@ def test_fused_kv_write_keeps_the_cache_split(tmp_path_factory):
     folder, prompts, expected = _prepare("llama-gqa2", tmp_path_factory)
     llm = _llm(folder, 2, fused_kv_write=True)
     assert _greedy(llm, prompts) == expected
-    assert ("step", 16) in llm.engine.runner._compiled and llm.get_stats()["num_compiles_after_warmup"] == 0
+    assert ("step", 8) in llm.engine.runner._compiled and llm.get_stats()["num_compiles_after_warmup"] == 0
     _assert_split_1_over_n(llm.engine.runner, 2)
 
 
@@ -154,11 +157,13 @@ def test_head_count_that_does_not_divide_is_a_clear_error(tmp_path):
 
 
 @needs_devices
-@pytest.mark.parametrize("scheme", ["int8-w8a8", "gguf-q4_0"])
-def test_quantized_weights_split_like_their_kernels(scheme, tmp_path):
-    """Scales and offsets split with their kernels (a packed 4-bit kernel on its halved input axis too): TP=2 and
-    TP=4 give TP=1's tokens. The int8 case quantizes activations too (a row-parallel layer's per-token scale is a
-    max over its split input), which covers weight-only int8's splits as well: only the dot differs."""
+@pytest.mark.parametrize("scheme,n", [("int8-w8a8", 2), ("gguf-q4_0", 4)])
+def test_quantized_weights_split_like_their_kernels(scheme, n, tmp_path):
+    """Scales and offsets split with their kernels (a packed 4-bit kernel on its halved input axis too): TP=n gives
+    TP=1's tokens. The int8 case quantizes activations too (a row-parallel layer's per-token scale is a max over its
+    split input), which covers weight-only int8's splits as well: only the dot differs. Q4_0 at TP=4 splits its
+    packed blocks finest and replicates the 2 quantized KV heads; int8 at TP=2 splits them (and int8 scales are
+    replicated at TP=4 in test_fused_projections_tp.py)."""
     from jaxpaged import LLM
 
     from tests.gguf_writer import write_llama_gguf
@@ -173,39 +178,38 @@ def test_quantized_weights_split_like_their_kernels(scheme, tmp_path):
     activations = scheme.endswith("w8a8")
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)
 
-    def run(n):
-        llm = LLM(str(source), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8, tensor_parallel_size=n,
+    def run(tp):
+        llm = LLM(str(source), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=8, tensor_parallel_size=tp,
                   attention_backend="reference", quantization=quantization, quantize_activations=activations,
                   log_level="WARNING")  # fmt: skip
         assert ("x 8-bit activations" in llm.engine.runner.memory_plan()) == activations
         return _greedy(llm, prompts), llm
 
     single, _ = run(1)
-    for n in (2, 4):
-        tokens, llm = run(n)
-        assert tokens == single, f"tensor_parallel_size={n} differs"
-        kernel = llm.engine.runner.state["layers"][0]["mlp"]["down_proj"]["kernel"][...]
-        assert all(s.data.shape[0] == kernel.shape[0] // n for s in kernel.addressable_shards)  # row-parallel, split
+    tokens, llm = run(n)
+    assert tokens == single, f"tensor_parallel_size={n} differs"
+    kernel = llm.engine.runner.state["layers"][0]["mlp"]["down_proj"]["kernel"][...]
+    assert all(s.data.shape[0] == kernel.shape[0] // n for s in kernel.addressable_shards)  # row-parallel, split
 
 
 @needs_devices
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_quantized_kv_cache_splits_with_its_scales(kv_cache_dtype, tmp_path_factory):
-    """An 8-bit cache and its scales split by KV head (TP=4 over 2 KV heads: widened to 4): TP=2 and TP=4 give
-    TP=1's tokens (the Pallas kernel per device at TP=2), and nothing compiles after warm-up."""
+@pytest.mark.parametrize("kv_cache_dtype,n,backend", [("int8", 4, "reference"), ("fp8", 2, "pallas")])
+def test_quantized_kv_cache_splits_with_its_scales(kv_cache_dtype, n, backend, tmp_path_factory):
+    """An 8-bit cache and its scales split by KV head (TP=4 over 2 KV heads: widened to 4): TP=n gives TP=1's
+    tokens (the Pallas kernel per device at TP=2), and nothing compiles after warm-up. The split does not depend
+    on the 8-bit format (QuantizedKV holds either), so int8 runs at TP=4 and fp8 at TP=2."""
     from jaxpaged.pallas_kernels.kv_quant import QuantizedKV
 
     folder, prompts, _ = _prepare("llama-gqa2", tmp_path_factory)
     single = _greedy(_llm(folder, 1, kv_cache_dtype=kv_cache_dtype), prompts)
-    for n, backend in ((2, "pallas"), (4, "reference")):
-        llm = _llm(folder, n, backend, kv_cache_dtype=kv_cache_dtype)
-        assert _greedy(llm, prompts) == single, f"tensor_parallel_size={n} differs"
-        assert llm.get_stats()["num_compiles_after_warmup"] == 0
-        cache = llm.engine.runner.kv_cache
-        assert isinstance(cache, QuantizedKV) and cache.data.dtype.itemsize == 1
-        heads = cache.shape[3]
-        assert all(s.data.shape[3] == heads // n for s in cache.data.addressable_shards)
-        assert all(s.data.shape[3] == heads // n for s in cache.scale.addressable_shards)
+    llm = _llm(folder, n, backend, kv_cache_dtype=kv_cache_dtype)
+    assert _greedy(llm, prompts) == single, f"tensor_parallel_size={n} differs"
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
+    cache = llm.engine.runner.kv_cache
+    assert isinstance(cache, QuantizedKV) and cache.data.dtype.itemsize == 1 and cache.kind == kv_cache_dtype
+    heads = cache.shape[3]
+    assert all(s.data.shape[3] == heads // n for s in cache.data.addressable_shards)
+    assert all(s.data.shape[3] == heads // n for s in cache.scale.addressable_shards)
 
 
 @needs_devices
@@ -219,7 +223,7 @@ def test_one_device_executables_load_on_a_many_device_host(tmp_path_factory):
     runs = []
     for _ in range(2):
         # block size 16: programs no earlier test compiled in this process (only a program's first compile is stored)
-        llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=16,
                   attention_backend="reference", cache_dir=str(cache), log_level="WARNING")  # fmt: skip
         runs.append((_greedy(llm, prompts), llm.engine.runner.executables.num_loaded))
     assert runs[0] == (expected, 0)
@@ -227,11 +231,18 @@ def test_one_device_executables_load_on_a_many_device_host(tmp_path_factory):
 
 
 @needs_devices
-def test_a_pooling_engine_under_tp_equals_one_device(tmp_path_factory):
-    """runner pooling: the pooled sums come back replicated; TP 4 gives one device's embeddings."""
+def test_a_pooling_engine_under_tp_equals_transformers_and_one_device(tmp_path_factory):
+    """runner pooling: the pooled sums come back replicated; TP 4 gives transformers' normalized mean of the final
+    hidden states, which one device gives too (tests/engine/test_pooling.py)."""
+    import transformers
+
+    from tests.engine.test_pooling import reference
+    from tests.hf_reference import torch
+
     folder, prompts, _ = _prepare("llama-gqa2", tmp_path_factory)
-    one, four = (_llm(folder, n, runner="pooling", pooler_config={"pooling_type": "MEAN"}) for n in (1, 4))
-    want, got = ([o.outputs.data for o in llm.encode([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
-                 for llm in (one, four))  # fmt: skip
+    four = _llm(folder, 4, runner="pooling", pooler_config={"pooling_type": "MEAN"})
+    got = [o.outputs.data for o in four.encode([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    want = [reference(hf, p, "MEAN") for p in prompts]
     np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-5, rtol=0)
     assert four.get_stats()["num_compiles_after_warmup"] == 0
