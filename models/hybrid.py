@@ -116,11 +116,12 @@ class HybridCausalLM(CausalLM):
         dim = cfg.rotary_dim or cfg.head_dim
         return self.shared(lambda: rope_table(cfg.rope, positions, dim, attn_metadata), positions)
 
-    def run_layers(self, x, positions, kv_cache: HybridCache, attn_metadata: AttentionMetadata, layers):
-        """x [T, D] through `layers` -> (x, StateUpdate): the attention layers' K/V, the linear layers' states."""
+    def run_layers(self, x, positions, kv_cache: HybridCache, attn_metadata: AttentionMetadata, layers, rope=None):
+        """x [T, D] through `layers` -> (x, StateUpdate): the attention layers' K/V, the linear layers' states.
+        rope: the step's (cos, sin) where the port computes its own (Qwen3.5's M-RoPE), else the config's."""
         if attn_metadata.state_slots is None:
             raise ValueError(f"a {self.config.architecture} step needs AttentionMetadata.state_slots (its rows' state slots)")
-        rope = self.rope(positions, attn_metadata)
+        rope = self.rope(positions, attn_metadata) if rope is None else rope
         rows = Rows.of(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.state_slots, x.shape[0])
         new_kv, new_states = [], []
         for layer in layers:

@@ -10,9 +10,9 @@ attention in the rest (`layer_types`), zero-centred RMSNorms.
 - MLP: Qwen3-Next sparse (models/moe.py) with a shared expert behind a sigmoid gate (dense where `mlp_only_layers` /
   `decoder_sparse_step` say); Qwen3.5 dense; Qwen3.5-MoE sparse in every layer, top-k renormalized.
 
-Qwen3.5's image-text checkpoints (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) load their
-language model; the vision tower is skipped, as is every checkpoint's multi-token-prediction head (`mtp.*`) unless
-speculative method "mtp" reads and runs it (spec_decode/mtp_layers.py).
+Qwen3.5's image-text checkpoints (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`) are this
+language model under a vision tower (models/vision/qwen3_5.py). Every checkpoint's multi-token-prediction head
+(`mtp.*`) is skipped unless speculative method "mtp" reads and runs it (spec_decode/mtp_layers.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from jaxpaged.pallas_kernels.state_cache import StateArray, causal_conv
 
 MTP = (r"^mtp\.", "the multi-token-prediction layers (a draft head for speculative decoding): not part of the model, "
        "read apart by speculative method 'mtp' only")
-VISION = (r"^model\.visual\.", "the vision tower and projector: not ported, prompts are text")  # (Gemma 3's reason)
 FUSED_GDN = ("Qwen3NextForCausalLM",)  # checkpoints with in_proj_qkvz / in_proj_ba
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -269,13 +268,6 @@ class Qwen3NextForCausalLM(HybridCausalLM):
                 specs |= attention_specs(cfg, hf, ours)
             specs |= moe_mlp_specs(moe, i, hf, ours)
         return specs
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
-    """The language model of a Qwen3.5 image-text checkpoint (`model.language_model.*`)."""
-
-    CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
-    SKIPPED_TENSORS = (ROTARY_CACHE, MTP, VISION)
 
 
 def _linear_attn_specs(cfg: ModelConfig, g: GdnDims, hf: str, ours: str) -> dict[str, WeightSpec]:

@@ -28,9 +28,10 @@ from jaxpaged.models.pooling_head import POOLING_ARCHITECTURES, port_architectur
 from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
 from jaxpaged.models.vision.llava import LlavaForConditionalGeneration
 from jaxpaged.models.vision.mistral3 import Mistral3ForConditionalGeneration
+from jaxpaged.models.vision.qwen3_5 import Qwen3_5ForConditionalGeneration
 from jaxpaged.models.vision.qwen_vl import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from jaxpaged.models.smollm3 import SmolLM3ForCausalLM
-from jaxpaged.models.qwen3_next import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
+from jaxpaged.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -81,7 +82,7 @@ MODEL_REGISTRY = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Gated DeltaNet + gated attention, MoE with a shared expert
     "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,  # the same layers, dense MLP, q/k/v and z apart
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,  # + MoE with a shared expert
-    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # its language model only
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # the hybrid text model under Qwen3-VL's tower
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "NemotronHForCausalLM": NemotronHForCausalLM,  # Mamba-2, attention and MLP blocks
 }

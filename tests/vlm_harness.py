@@ -16,6 +16,7 @@ from jaxpaged.multimodal.media import MediaLoader
 from jaxpaged.multimodal.processing import MultimodalProcessor
 from jaxpaged.multimodal.runner import image_step_arrays, vision_parts
 from jaxpaged.pallas_kernels import AttentionMetadata, kv_cache_shape
+from jaxpaged.pallas_kernels.state_cache import HybridCache
 
 BLOCK = 16
 
@@ -67,10 +68,14 @@ class VLMRunner:
         tables = np.arange(len(requests) * width, dtype=np.int32).reshape(len(requests), width)
         image_rows = [(int(qsl[i]), mm, 0, n) for i, ((_, mm), n) in enumerate(zip(requests, lens)) if mm is not None]
         mm_rows, key_ends, mrope = image_step_arrays(self.spec, rows.__getitem__, total, positions, image_rows, None)
+        states = getattr(self.model, "state_spec", None)  # a hybrid model: request i's linear layers' state in slot i
         md = AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lens, jnp.int32), jnp.asarray(qsl),
-                               key_ends=None if key_ends is None else jnp.asarray(key_ends))  # fmt: skip
+                               key_ends=None if key_ends is None else jnp.asarray(key_ends),
+                               state_slots=None if states is None else jnp.arange(len(requests), dtype=jnp.int32))  # fmt: skip
         cfg = self.loaded.config
-        kv = jnp.zeros(kv_cache_shape(cfg.num_layers, cfg.num_kv_heads, len(requests) * width, BLOCK, cfg.head_dim), jnp.float32)
+        kv = jnp.zeros(kv_cache_shape(cfg.num_kv_layers, cfg.num_kv_heads, len(requests) * width, BLOCK, cfg.head_dim), jnp.float32)
+        if states is not None:
+            kv = HybridCache(kv, states().empty(len(requests)))
         mm = MultimodalStep(jnp.asarray(mm_rows), cache, None if mrope is None else jnp.asarray(mrope))
         out = np.asarray(self._logits(self.state, jnp.asarray(ids), jnp.asarray(positions), kv, md, mm))
         return [out[qsl[i] : qsl[i + 1]] for i in range(len(requests))]

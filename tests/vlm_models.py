@@ -385,3 +385,52 @@ def mistral3_checkpoint(folder: Path, kind: str = "mistral3", seed: int = 0, **t
     """(transformers model, processor, folder) of a tiny Mistral 3 ("mistral3") or Pixtral-12B ("pixtral")."""
     model = random_vlm(mistral3_config(kind, **text), seed=seed)
     return model, mistral3_processor(kind), write_vlm(folder, model, mistral3_processor(kind))
+
+
+# -- Qwen3.5 (Qwen3-VL's tower less DeepStack, the hybrid Gated DeltaNet language model) ---------------------------
+
+
+def qwen3_5_config(moe: bool = False, **text):
+    """Qwen3-VL's tower (1 block, patches of 16 merged 2x2, a learned 4 x 4 position grid) under a Gated DeltaNet layer
+    and a gated attention layer with partial rotary 0.5 (8 of 16 dims) and interleaved M-RoPE sections (2, 1, 1): its 4
+    frequencies take t, h, w, t; MoE: 4 experts, top-2, a shared expert."""
+    ids = QWEN_IDS
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64, in_channels=3, num_position_embeddings=16)  # fmt: skip
+    text_kwargs = dict(
+        vocab_size=QWEN_VOCAB, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=512, eos_token_id=ids["<|im_end|>"],
+        bos_token_id=None, pad_token_id=ids["<|endoftext|>"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    )  # fmt: skip
+    if moe:
+        text_kwargs |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    else:
+        text_kwargs |= dict(intermediate_size=96)
+    cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    return cls(text_config=text_kwargs | text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+               vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+
+
+def random_qwen3_5(config, seed: int = 0):
+    """random_vlm at std 0.1, the language model's zero-centred RMSNorms (x * (1 + w)) around 0, as
+    tests/models/test_hybrid_models.py explains (float32 rounding in the delta rule's solve otherwise nears 1e-4)."""
+    model = random_vlm(config, seed=seed, std=0.1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and "norm" in name and "linear_attn.norm" not in name:
+                p.sub_(1.0)
+    return model
+
+
+def qwen3_5_checkpoint(folder: Path, moe: bool = False, seed: int = 0, **text):
+    """Images resized to multiples of 32 between 64x64 and 128x128 pixels, through transformers' Qwen3VLProcessor
+    (the one Qwen3.5's folders name)."""
+    model = random_qwen3_5(qwen3_5_config(moe, **text), seed=seed)
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16, merge_size=2, temporal_patch_size=2)
+    processor = qwen_vl_processor(transformers.Qwen3VLProcessor, image_processor)
+    return model, processor, write_vlm(folder, model, processor)

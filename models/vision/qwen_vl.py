@@ -4,10 +4,8 @@ The vision transformer: a Conv3d patch embedding (each image's patches as the pr
 of 2x2 patches contiguous), 2-D rotary positions (h, w), RMSNorm pre-norm blocks attending within windows of
 `window_size` pixels except the `fullatt_block_indexes` blocks, which attend across the whole image, and the patch
 merger (RMSNorm, 2x2 patches concatenated, a GELU MLP) giving one embedding per merge unit. The language model is
-Qwen2 (models/llama.py) with M-RoPE: each token has a (t, h, w) position and the rotary frequencies are split into
-`mrope_section` parts, one per axis; text tokens carry the same position on all three, an image's tokens their grid's,
-and text after an image resumes at the image's start + max(h, w) / merge, so a generated token at sequence position p
-has position p + rope_delta (negative) on all axes (transformers' get_rope_index; MultimodalInputs.mrope_delta).
+Qwen2 (models/llama.py) with M-RoPE (models/vision/mrope.py: 3-D positions for image tokens). Qwen3-VL's tower (a
+learned position grid, DeepStack) also reads Qwen3.5's images (models/vision/qwen3_5.py).
 
 Static shapes for the encoder (models/vision/common.py: ImageAdapter): the host lays each image out in transformers'
 window order with every window padded to its full size (ws^2 merge units, ws = window_size / merge / patch), so a
@@ -26,15 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxpaged.models.accounting import ROTARY_CACHE
-from jaxpaged.models.config import ModelConfig, RopeConfig, model_config_from_hf, rope_from_hf, text_config
+from jaxpaged.models.config import ModelConfig, model_config_from_hf, text_config
 from jaxpaged.models.layers import (
-    REFERENCE_ATTENTION, Embedding, LayerNorm, Linear, RMSNorm, _param, activation, module_list, rope_inv_freq,
+    REFERENCE_ATTENTION, Embedding, LayerNorm, Linear, RMSNorm, _param, activation, module_list,
 )  # fmt: skip
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.vision.common import (
     EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, axial_rope, batch_attention, images_only, merge_embeddings,
     placeholder_ids, segment_attention, segment_call_patches,
 )  # fmt: skip
+from jaxpaged.models.vision.mrope import mrope_axes, mrope_rope, mrope_sections, rope_index
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend, stack_new_kv
 
@@ -80,7 +79,8 @@ class QwenVisionConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)), window_size=int(getattr(v, "window_size", 0) or 0),
             fullatt_blocks=tuple(int(i) for i in getattr(v, "fullatt_block_indexes", ()) or ()),
             image_token_id=int(hf_config.image_token_id),
-            kind="qwen3" if getattr(v, "deepstack_visual_indexes", None) is not None else "qwen2_5",
+            # the learned position grid marks Qwen3-VL's tower, which Qwen3.5's is less DeepStack
+            kind="qwen3" if getattr(v, "num_position_embeddings", None) else "qwen2_5",
             num_position_embeddings=int(getattr(v, "num_position_embeddings", 0) or 0),
             deepstack=tuple(int(i) for i in getattr(v, "deepstack_visual_indexes", ()) or ()),
         )  # fmt: skip
@@ -301,48 +301,6 @@ def bilinear_taps(rows: np.ndarray, cols: np.ndarray, height: int, width: int, s
     return idx.astype(np.int32), (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
 
 
-def mrope_axes(sections: Sequence[int], interleaved: bool) -> np.ndarray:
-    """[sum(sections)] which position axis (0 t, 1 h, 2 w) each rotary frequency takes: Qwen2.5-VL's contiguous sections
-    (t's first, then h's, then w's), or Qwen3-VL's interleaving (h at 1, 4, 7, ... and w at 2, 5, 8, ... up to three
-    times their sections, t elsewhere)."""
-    n = int(sum(sections))
-    if not interleaved:
-        return np.concatenate([np.full(s, i % 3, np.int32) for i, s in enumerate(sections)])
-    axes = np.zeros(n, np.int32)
-    for axis in (1, 2):  # (a slice, as transformers': past the last frequency it stops)
-        axes[axis : sections[axis] * 3 : 3] = axis
-    return axes
-
-
-def mrope_table(rope: RopeConfig, axes: tuple[int, ...], positions: jax.Array, head_dim: int):
-    """(cos, sin) [T, head_dim] for M-RoPE positions [3, T]: each frequency at its axis's position."""
-    inv_freq = jnp.asarray(rope_inv_freq(rope, head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [3, T, hd/2]
-    axes = jnp.asarray(axes)
-    picked = jnp.where(axes == 0, freqs[0], jnp.where(axes == 1, freqs[1], freqs[2]))
-    emb = jnp.concatenate([picked, picked], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def mrope_sections(text) -> tuple[tuple[int, ...], RopeConfig]:
-    """(mrope_section, the RoPE config less it) from transformers 5's rope_parameters or a published checkpoint's
-    rope_scaling {"type": "mrope", "mrope_section": ...}."""
-    params = dict(getattr(text, "rope_parameters", None) or {})
-    scaling = dict(getattr(text, "rope_scaling", None) or {})
-    sections = params.get("mrope_section") or scaling.get("mrope_section")
-    if not sections:
-        raise ValueError("an M-RoPE model's config needs rope_parameters.mrope_section")
-    clean = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
-    if clean.get("rope_type", clean.get("type")) == "mrope":
-        clean["rope_type"] = "default"
-    import types
-
-    theta = clean.get("rope_theta", getattr(text, "rope_theta", 10000.0))
-    rope = rope_from_hf(types.SimpleNamespace(rope_parameters={**clean, "rope_theta": theta, "rope_type": clean.get("rope_type", "default")},
-                                              max_position_embeddings=text.max_position_embeddings))  # fmt: skip
-    return tuple(int(s) for s in sections), rope
-
-
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     """Qwen2 with M-RoPE, and the vision tower (`visual`)."""
 
@@ -394,9 +352,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return merged[batch["out"]][:, None, :]
 
     def rope(self, positions, mm: MultimodalStep | None):
-        cfg = self.config
-        mrope = mm.mrope_positions if mm is not None and mm.mrope_positions is not None else jnp.broadcast_to(positions, (3,) + positions.shape)
-        return self.shared(lambda: mrope_table(cfg.rope, cfg.option("mrope_axes"), mrope, cfg.head_dim), positions)
+        return mrope_rope(self, positions, mm)
 
     def forward(self, input_ids, positions, kv_cache, attn_metadata, mm: MultimodalStep | None = None):
         x = merge_embeddings(self.embed(placeholder_ids(input_ids, mm), positions), mm)
@@ -428,27 +384,7 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
 
     @staticmethod
     def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-        specs = LlamaForCausalLM.weight_specs(cfg)
-        v: QwenVisionConfig = cfg.option("vision")
-        specs["visual.patch_embed.proj.weight"] = WeightSpec("visual.patch_embed.proj.weight")
-        specs["visual.patch_embed.proj.bias"] = WeightSpec("visual.patch_embed.proj.bias")
-        specs["visual.pos_embed.weight"] = WeightSpec("visual.pos_embed.embedding")
-        for i in range(v.depth):
-            hf = f"visual.blocks.{i}"
-            for norm in ("norm1", "norm2"):
-                specs[f"{hf}.{norm}.weight"] = WeightSpec(f"{hf}.{norm}.scale")
-                specs[f"{hf}.{norm}.bias"] = WeightSpec(f"{hf}.{norm}.bias")
-            for proj in ("attn.qkv", "attn.proj"):
-                specs |= linear_specs(f"{hf}.{proj}", f"{hf}.{proj}", bias=True)
-            for fc in ("linear_fc1", "linear_fc2"):
-                specs |= linear_specs(f"{hf}.mlp.{fc}", f"{hf}.mlp.{fc}", bias=True)
-        mergers = ["visual.merger"] + [f"visual.deepstack_merger_list.{j}" for j in range(len(v.deepstack))]
-        for hf in mergers:
-            specs[f"{hf}.norm.weight"] = WeightSpec(f"{hf}.norm.scale")
-            specs[f"{hf}.norm.bias"] = WeightSpec(f"{hf}.norm.bias")
-            for fc in ("linear_fc1", "linear_fc2"):
-                specs |= linear_specs(f"{hf}.{fc}", f"{hf}.mlp.{fc}", bias=True)
-        return specs
+        return LlamaForCausalLM.weight_specs(cfg) | qwen3_vision_specs(cfg.option("vision"))
 
     @property
     def vision_spec(self) -> VisionSpec:
@@ -470,6 +406,29 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
                 rows = mm.rows
                 x = x + jnp.where((rows >= 0)[:, None], mm.cache[jnp.maximum(rows, 0), i + 1].astype(x.dtype), 0)
         return self.final(x), stack_new_kv(new_kv)
+
+
+def qwen3_vision_specs(v: QwenVisionConfig) -> dict[str, WeightSpec]:
+    """Qwen3-VL's tower (Qwen3.5's: no DeepStack mergers), as its checkpoints name it after the `visual.` rename."""
+    specs = {"visual.patch_embed.proj.weight": WeightSpec("visual.patch_embed.proj.weight")}
+    specs["visual.patch_embed.proj.bias"] = WeightSpec("visual.patch_embed.proj.bias")
+    specs["visual.pos_embed.weight"] = WeightSpec("visual.pos_embed.embedding")
+    for i in range(v.depth):
+        hf = f"visual.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            specs[f"{hf}.{norm}.weight"] = WeightSpec(f"{hf}.{norm}.scale")
+            specs[f"{hf}.{norm}.bias"] = WeightSpec(f"{hf}.{norm}.bias")
+        for proj in ("attn.qkv", "attn.proj"):
+            specs |= linear_specs(f"{hf}.{proj}", f"{hf}.{proj}", bias=True)
+        for fc in ("linear_fc1", "linear_fc2"):
+            specs |= linear_specs(f"{hf}.mlp.{fc}", f"{hf}.mlp.{fc}", bias=True)
+    mergers = ["visual.merger"] + [f"visual.deepstack_merger_list.{j}" for j in range(len(v.deepstack))]
+    for hf in mergers:
+        specs[f"{hf}.norm.weight"] = WeightSpec(f"{hf}.norm.scale")
+        specs[f"{hf}.norm.bias"] = WeightSpec(f"{hf}.norm.bias")
+        for fc in ("linear_fc1", "linear_fc2"):
+            specs |= linear_specs(f"{hf}.{fc}", f"{hf}.mlp.{fc}", bias=True)
+    return specs
 
 
 # -- the host side ----------------------------------------------------------------------------------
@@ -501,35 +460,6 @@ def window_layout(grid_h: int, grid_w: int, merge: int, units: int) -> tuple[np.
 def image_slots(grid_h: int, grid_w: int, merge: int, units: int) -> int:
     """Patches an image takes in the padded layout."""
     return len(window_layout(grid_h, grid_w, merge, units)[0]) * merge * merge
-
-
-def rope_index(input_ids: Sequence[int], image_token_id: int, grids: Sequence[tuple[int, int, int]], merge: int):
-    """transformers' get_rope_index for a prompt of text and images: ([3, L] positions, rope_delta)."""
-    ids = np.asarray(input_ids)
-    is_image = ids == image_token_id
-    out = np.zeros((3, len(ids)), np.int64)
-    pos, i, g = 0, 0, 0
-    while i < len(ids):
-        if not is_image[i]:
-            j = i
-            while j < len(ids) and not is_image[j]:
-                j += 1
-            out[:, i:j] = pos + np.arange(j - i)
-            pos += j - i
-            i = j
-            continue
-        t, h, w = grids[g]
-        lt, lh, lw = t, h // merge, w // merge
-        tt, hh, ww = np.meshgrid(np.arange(lt), np.arange(lh) + pos, np.arange(lw) + pos, indexing="ij")
-        n = lt * lh * lw
-        out[0, i : i + n] = (tt + pos).reshape(-1)
-        out[1, i : i + n] = hh.reshape(-1)
-        out[2, i : i + n] = ww.reshape(-1)
-        pos += max(h, w) // merge
-        i += n
-        g += 1
-    delta = int(out.max()) + 1 - len(ids) if len(ids) else 0
-    return out.astype(np.int32), delta
 
 
 class QwenImages(ImageAdapter):
