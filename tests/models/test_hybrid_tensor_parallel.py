@@ -56,7 +56,7 @@ def _prepare(name, tmp_path_factory):
 def _llm(folder, n):
     from jaxpaged import LLM
 
-    return LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8, max_model_len=128,
+    return LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=8, max_model_len=128,
                tensor_parallel_size=n, attention_backend="reference", log_level="WARNING")  # fmt: skip
 
 
