@@ -1,6 +1,6 @@
 """Hybrid models through the engine: the attention layers' paged KV and the linear layers' state slots
 (core/state_slots.py, pallas_kernels/state_cache.py). Tiny random Qwen3.5 and Nemotron-H (tests/models/test_hybrid_models.py),
-float32, 16-token steps, so prompts prefill in chunks beside other sequences' decode rows.
+float32, 8-token steps (buckets 4 and 8), so prompts prefill in chunks beside other sequences' decode rows.
 
 - Greedy output equals transformers through chunked prefill and preemption (recomputed from prompt and outputs).
 - A slot per running sequence, returned at once by a finished or aborted one; the step's decode writes the states
@@ -28,7 +28,7 @@ VOCAB = 256
 
 
 def _llm(folder, **kw) -> LLM:
-    kw = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 8, "max_model_len": 256,
+    kw = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 8, "block_size": 8, "max_model_len": 256,
           "log_level": "WARNING", **kw}  # fmt: skip
     return LLM(folder, **kw)
 
@@ -47,7 +47,7 @@ def llm(case):
 
 @pytest.fixture(scope="module")
 def workload(case):
-    """Six prompts (more than the 4 slots), up to five 16-token chunks each."""
+    """Six prompts (more than the 4 slots), up to ten 8-token chunks each."""
     _, hf, _ = case
     lengths, max_tokens = [5, 40, 77, 3, 20, 33], [14, 20, 8, 24, 12, 16]
     prompts = random_prompts(VOCAB, lengths, seed=3)
@@ -133,7 +133,7 @@ def test_n_samples_and_beams_copy_the_parents_state_at_the_fork(case, llm):
 def test_a_fork_without_a_free_slot_computes_the_child_from_scratch(case):
     """One slot: the first sample holds it, so its siblings cannot fork and compute the prompt themselves."""
     _, _, folder = case
-    one = _llm(folder, max_num_seqs=1, max_num_batched_tokens=16)
+    one = _llm(folder, max_num_seqs=1, max_num_batched_tokens=4)  # one bucket: the 21-token prompt in 4-token chunks
     prompt = random_prompts(VOCAB, [21], seed=4)[0]
     (together,) = _run(one, [prompt], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
     alone = [_run(one, [prompt], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=6, ignore_eos=True))[0][0]
