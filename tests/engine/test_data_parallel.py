@@ -1,6 +1,7 @@
-"""Data parallelism on 4 CPU devices: D=2 and D=4 replicas give D=1's greedy tokens (and transformers'), the router
+"""Data parallelism on 4 CPU devices: D=4 replicas give D=1's greedy tokens (and transformers'), the router
 spreads and balances requests, each replica lives on its own device and gives every KV block back, aborts reach
-the right replica, and the OpenAI server serves concurrent requests with --data-parallel-size 2.
+the right replica, and the OpenAI server serves concurrent requests with --data-parallel-size 2. The in-process
+tests share one D=4 engine (D=2 runs in the server test here and as D=2 x P=2 in test_pipeline_parallel.py).
 
 As in tests/models/test_tensor_parallel.py, the device count must be fixed before JAX starts, so in a normal run
 the first test re-runs this file in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4 and the
@@ -82,7 +83,7 @@ def _assert_idle(engine):
 
 
 @needs_devices
-def test_d2_and_d4_equal_d1_and_transformers(reference):
+def test_d4_equals_d1_and_transformers(reference):
     from jaxpaged.engine.data_parallel import DataParallelEngine
     from jaxpaged.engine.llm_engine import LLMEngine
 
@@ -90,16 +91,15 @@ def test_d2_and_d4_equal_d1_and_transformers(reference):
     single = _llm(folder, 1)
     assert isinstance(single.engine, LLMEngine)
     assert _greedy(single, prompts) == expected
-    for d in (2, 4):
-        llm = _llm(folder, d)
-        assert isinstance(llm.engine, DataParallelEngine) and len(llm.engine.replicas) == d
-        assert _greedy(llm, prompts) == expected, f"data_parallel_size={d} differs"
-        stats = llm.get_stats()
-        assert stats["num_compiles_after_warmup"] == 0
-        # every replica computed its share of the 8 prompts
-        assert all(s["num_computed_tokens"] > 0 for s in stats["replicas"]), stats["replicas"]
-        assert stats["num_computed_tokens"] == sum(s["num_computed_tokens"] for s in stats["replicas"])
-        _assert_idle(llm.engine)
+    llm = _llm(folder, 4)
+    assert isinstance(llm.engine, DataParallelEngine) and len(llm.engine.replicas) == 4
+    assert _greedy(llm, prompts) == expected, "data_parallel_size=4 differs"
+    stats = llm.get_stats()
+    assert stats["num_compiles_after_warmup"] == 0
+    # every replica computed its share of the 8 prompts
+    assert all(s["num_computed_tokens"] > 0 for s in stats["replicas"]), stats["replicas"]
+    assert stats["num_computed_tokens"] == sum(s["num_computed_tokens"] for s in stats["replicas"])
+    _assert_idle(llm.engine)
 
 
 @needs_devices
@@ -110,7 +110,7 @@ def test_beam_search_runs_within_a_replica(reference):
     params = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
     beams = lambda llm: [[s.output_token_ids for s in o.sequences] for o in llm.beam_search(  # noqa: E731
         [{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)]  # fmt: skip
-    llm = _llm(folder, 2)
+    llm = _llm(folder, 4)
     assert beams(llm) == beams(_llm(folder, 1))
     assert llm.get_stats()["num_compiles_after_warmup"] == 0
     _assert_idle(llm.engine)
@@ -121,7 +121,7 @@ def test_reset_prefix_cache_resets_every_replica_or_none(reference):
     from jaxpaged import SamplingParams
 
     folder, prompts, _ = reference
-    llm = _llm(folder, 2)
+    llm = _llm(folder, 4)
     _greedy(llm, prompts)  # every replica caches some prompt blocks
     assert all(s["kv_blocks_cached"] > 0 for s in llm.get_stats()["replicas"])
     engine = llm.engine
@@ -174,7 +174,7 @@ def test_abort_frees_the_blocks_on_its_replica(reference):
     from jaxpaged import SamplingParams
 
     folder, prompts, _ = reference
-    engine = _llm(folder, 2).engine
+    engine = _llm(folder, 4).engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = engine.add_request(None, {"prompt_token_ids": prompts[3]}, params)
     second = engine.add_request(None, {"prompt_token_ids": prompts[2]}, params)
