@@ -37,8 +37,8 @@ FAMILIES = {
     ),
 }
 PROMPTS = random_prompts(VOCAB, [1, 6, 19, 40], seed=3)
-ENGINE = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 8, "num_kv_blocks": 64,
-          "log_level": "WARNING"}  # fmt: skip
+ENGINE = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 8, "block_size": 8, "num_kv_blocks": 64,
+          "log_level": "WARNING"}  # fmt: skip (8-token steps: two buckets, the longer prompts still in chunks)
 MAX_TOKENS = 8
 
 
@@ -59,8 +59,13 @@ def _paths(model) -> set[str]:
     return {".".join(map(str, p)) for p, _ in nnx.iter_modules(model)}
 
 
-@pytest.mark.parametrize("matmul", ["xla", "auto"])
-@pytest.mark.parametrize("name", list(FAMILIES))
+# Each family on one matmul backend, each backend with and without biases: the backend computes the fused Linear
+# whatever layer it sits in (XLA's dot, or the CPU's packed kernel), and the family decides what is fused around it
+# (GQA, biases, q/k norm, a MoE's shared expert). llama-gqa4-bias on the packed matmul is
+# test_engine_fused_equals_unfused[float32]'s (the engine's default backend).
+@pytest.mark.parametrize("name,matmul", [("llama-gqa4-bias", "xla"), ("qwen3-qknorm", "xla"), ("qwen2-bias", "auto"),
+                                         ("qwen2moe-shared", "auto")],
+                         ids=["llama-gqa4-bias-xla", "qwen3-qknorm-xla", "qwen2-bias-auto", "qwen2moe-shared-auto"])  # fmt: skip
 def test_fused_logits_and_greedy_equal_unfused(saved, name, matmul):
     _, folder = saved(name)
     plain, fused = load_model(folder, dtype="float32"), load_model(folder, dtype="float32")
@@ -69,9 +74,10 @@ def test_fused_logits_and_greedy_equal_unfused(saved, name, matmul):
     paths = _paths(fused.model)
     assert "layers.0.self_attn.qkv_proj" in paths and "layers.0.self_attn.q_proj" not in paths
     a, b = StaticBatchRunner(plain, matmul_backend=matmul), StaticBatchRunner(fused, matmul_backend=matmul)
-    for want, got in zip(a.prompt_logits(PROMPTS), b.prompt_logits(PROMPTS)):
+    (want_tokens, want_logits), (got_tokens, got_logits) = (r.generate(PROMPTS, 16, return_prompt_logits=True) for r in (a, b))
+    for want, got in zip(want_logits, got_logits):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    assert a.generate(PROMPTS, 16) == b.generate(PROMPTS, 16)
+    assert got_tokens == want_tokens
 
 
 def test_unfit_layers_stay_unfused(tmp_path):
@@ -91,15 +97,23 @@ def _engine_tokens(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     ]
 
 
+@pytest.fixture(scope="module")
+def fused_float32(saved):
+    """The float32 engine with fuse_projections, shared by test_engine_fused_equals_unfused[float32] and the weight
+    update test (which puts the original weights back when it is done)."""
+    _, folder = saved("llama-gqa4-bias")
+    return LLM(folder, **ENGINE, fuse_projections=True)
+
+
 @pytest.mark.parametrize("extra", [{}, {"quantization": "int8"}, {"quantization": "fp8", "matmul_backend": "xla"},
                                    {"quantization": "int8", "quantize_activations": True}],
                          ids=["float32", "int8", "fp8-xla", "w8a8-int8"])  # fmt: skip
-def test_engine_fused_equals_unfused(saved, extra):
+def test_engine_fused_equals_unfused(saved, extra, request):
     hf, folder = saved("llama-gqa4-bias")
     plain = LLM(folder, **ENGINE, **extra)
     want, want_lp = _engine_tokens(plain)
     del plain
-    fused = LLM(folder, **ENGINE, **extra, fuse_projections=True)
+    fused = LLM(folder, **ENGINE, **extra, fuse_projections=True) if extra else request.getfixturevalue("fused_float32")
     runner = fused.engine.runner
     state = nnx.state(nnx.merge(runner.graphdef, runner.state))
     assert "qkv_proj" in state["layers"][0]["self_attn"] and "q_proj" not in state["layers"][0]["self_attn"]
@@ -170,11 +184,18 @@ def _hf_arrays(model):
     return {name: jnp.asarray(t.detach().numpy()) for name, t in model.state_dict().items()}
 
 
-def test_weight_update_and_sleep_write_the_fused_weights(saved):
-    hf, folder = saved("llama-gqa4-bias")
+def test_weight_update_and_sleep_write_the_fused_weights(saved, fused_float32):
+    hf, _ = saved("llama-gqa4-bias")
     other = random_hf_model(hf.config, seed=7)
-    llm = LLM(folder, **ENGINE, fuse_projections=True)
+    llm = fused_float32
     prompts = PROMPTS[1:3]
+    try:
+        _weight_update_and_sleep(llm, hf, other, prompts)
+    finally:
+        llm.update_weights(_hf_arrays(hf))  # the shared engine's own weights again
+
+
+def _weight_update_and_sleep(llm, hf, other, prompts):
     assert _engine_tokens(llm, prompts)[0] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     llm.update_weights(_hf_arrays(other))
     assert _engine_tokens(llm, prompts)[0] == [hf_greedy(other, p, MAX_TOKENS) for p in prompts]
