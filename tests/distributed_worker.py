@@ -17,7 +17,8 @@ def main(spec_path: str, process_id: int) -> int:
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.distributed import ProcessGroupError
 
-    llm = LLM(spec["model"], dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+    # 8-token steps (buckets 4 and 8): the test's longer prompts still prefill in chunks
+    llm = LLM(spec["model"], dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=8,
               attention_backend="reference", tensor_parallel_size=spec["tensor_parallel_size"], log_level="WARNING",
               coordinator_address=spec["coordinator"], num_processes=spec["num_processes"], process_id=process_id,
               distributed_timeout_s=spec.get("timeout", 60))  # fmt: skip

@@ -21,7 +21,7 @@ from tests.hf_reference import hf_greedy, random_hf_model, random_prompts, save_
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 256
 PROMPT_LENGTHS = [3, 11, 29, 40]
-MAX_TOKENS = 16
+MAX_TOKENS = 8
 START_TIMEOUT_S = 240  # two processes loading and compiling on a 2-core machine
 
 
@@ -75,7 +75,7 @@ def test_two_processes_at_tp4_give_one_process_and_transformers_tokens(model, tm
     from jaxpaged import LLM, SamplingParams
 
     folder, prompts, expected = model
-    single = LLM(folder, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+    single = LLM(folder, dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=8,
                  attention_backend="reference", log_level="WARNING")  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
