@@ -18,6 +18,10 @@ from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
 from tests.spec_decode.test_spec_decode import ENGINE, _tokens, _workload
 
 
+# The proposer tests' engines: 16-token steps (buckets 4, 8, 16) of at most 4 sequences (one sampler shape)
+SMALL = {**ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+
+
 def _draft(model: str, k: int = 3) -> dict:
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "disable_by_batch_size": 64}
 
@@ -64,6 +68,21 @@ def base(model_dir):
     return LLM(model_dir, **ENGINE)
 
 
+@pytest.fixture(scope="module")
+def noisy_spec(model_dir, noisy_dir):
+    """The target drafted for by the noisy model (k = 3): the mixed-batch, sampled and abort tests share it, each
+    leaving it with nothing running or held."""
+    return LLM(model_dir, speculative_config=_draft(noisy_dir), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def tight_spec(model_dir, small_dir):
+    """A tight target pool (16 blocks) and a 16-token step budget, the small draft guessing 2: the preemption and
+    step-budget tests share it."""
+    return LLM(model_dir, speculative_config=_draft(small_dir, k=2),
+               **{**ENGINE, "num_kv_blocks": 16, "max_num_batched_tokens": 16, "max_num_seqs": 8})  # fmt: skip
+
+
 def _assert_clean(llm: LLM) -> None:
     """Nothing held by the target or the draft, nothing compiled after warm-up."""
     stats = llm.get_stats()
@@ -88,16 +107,16 @@ def test_guesses_are_the_drafts_own_greedy_tokens_after_rejections_and_long_prom
     all kept plus a bonus token), and for prompts longer than a step's budget; a windowed draft and one with
     length-dependent RoPE too."""
     draft = request.getfixturevalue(draft)
-    spec = LLM(model_dir, speculative_config=_draft(draft, k=4), **ENGINE)
+    spec = LLM(model_dir, speculative_config=_draft(draft, k=4), **SMALL)
     proposer = spec.engine.spec.proposer
-    alone = LLM(draft, **ENGINE)
+    alone = LLM(draft, **SMALL)
 
     def greedy(tokens, k):
         params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
         return alone.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0].outputs[0].token_ids
 
     rng = np.random.default_rng(7)
-    a, b, c = (rng.integers(2, 256, size=n).tolist() for n in (13, 150, 5))  # b: over the 64-token step budget
+    a, b, c = (rng.integers(2, 256, size=n).tolist() for n in (13, 40, 5))  # b: over the 16-token step budget
     assert proposer.propose([a, b], [4, 3], ["a", "b"]) == [greedy(a, 4), greedy(b, 3)]
     ga = greedy(a, 4)
     wrong = (ga[2] + 1) % 256
@@ -121,10 +140,10 @@ def test_the_target_drafting_for_itself_accepts_every_guess(model_dir, base):
     _assert_clean(spec)
 
 
-def test_greedy_identical_with_a_different_draft_in_a_mixed_batch(model_dir, noisy_dir, base):
+def test_greedy_identical_with_a_different_draft_in_a_mixed_batch(noisy_spec, base):
     """Requests with logprobs (not speculating), n = 2, and short max_tokens (a smaller k near the end), in one
     batch; again, with the prefix cache serving the target and the draft starting over."""
-    spec = LLM(model_dir, speculative_config=_draft(noisy_dir), **ENGINE)
+    spec = noisy_spec
     prompts, params = _workload(10, seed=1)
     expected = _tokens(base, prompts, params)
     compiled = len(spec.engine.spec.proposer.runner._compiled)
@@ -139,16 +158,16 @@ def test_greedy_identical_with_a_different_draft_in_a_mixed_batch(model_dir, noi
     _assert_clean(spec)
 
 
-def test_greedy_identical_under_preemption_with_a_smaller_draft(model_dir, small_dir, base):
+def test_greedy_identical_under_preemption_with_a_smaller_draft(tight_spec, base, monkeypatch):
     """A tight target pool preempts; a 16-token step budget chunks the draft's catch-up of long prompts too."""
     prompts, params = _workload(10, seed=3)
     expected = _tokens(base, prompts, params)
-    tight = LLM(model_dir, speculative_config=_draft(small_dir, k=2),
-                **{**ENGINE, "num_kv_blocks": 16, "max_num_batched_tokens": 16, "max_num_seqs": 8})  # fmt: skip
+    tight = tight_spec
     engine, proposer = tight.engine, tight.engine.spec.proposer
     preempted = set()  # sequences whose draft blocks went back while they waited to run again
     release = proposer.release
-    proposer.release = lambda ids: preempted.update(set(ids) & {r.seq_id for r in engine.scheduler.waiting}) or release(ids)
+    monkeypatch.setattr(proposer, "release", lambda ids: preempted.update(set(ids) & {r.seq_id for r in engine.scheduler.waiting})
+                        or release(ids))  # fmt: skip
     assert _tokens(tight, prompts, params) == expected
     stats = tight.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
@@ -160,8 +179,8 @@ def test_greedy_identical_under_preemption_with_a_smaller_draft(model_dir, small
     _assert_clean(tight)
 
 
-def test_sampled_requests_are_reproducible_and_release_their_draft_blocks(model_dir, noisy_dir):
-    spec = LLM(model_dir, speculative_config=_draft(noisy_dir), **ENGINE)
+def test_sampled_requests_are_reproducible_and_release_their_draft_blocks(noisy_spec):
+    spec = noisy_spec
     prompts, _ = _workload(3, seed=5)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, ignore_eos=True) for s in range(3)]
     first = _tokens(spec, prompts, params)
@@ -170,9 +189,8 @@ def test_sampled_requests_are_reproducible_and_release_their_draft_blocks(model_
     _assert_clean(spec)
 
 
-def test_an_aborted_request_gives_its_draft_blocks_back(model_dir, noisy_dir):
-    spec = LLM(model_dir, speculative_config=_draft(noisy_dir), **ENGINE)
-    engine = spec.engine
+def test_an_aborted_request_gives_its_draft_blocks_back(noisy_spec):
+    engine = noisy_spec.engine
     prompts, _ = _workload(2, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -183,6 +201,7 @@ def test_an_aborted_request_gives_its_draft_blocks_back(model_dir, noisy_dir):
     assert "r0#0" not in engine.spec.proposer.seqs and "r1#0" in engine.spec.proposer.seqs
     engine.abort_request("r1")
     assert engine.get_stats()["spec_decode_draft_blocks_used"] == 0
+    _assert_clean(noisy_spec)
 
 
 def test_a_draft_of_another_vocabulary_is_a_value_error_naming_the_field(model_dir, tmp_path):
@@ -209,13 +228,14 @@ def test_the_clis_flag_takes_a_draft_model():
     assert SpeculativeConfig.parse({"model": "some/draft", "num_speculative_tokens": 2}).method == "draft_model"
 
 
-def test_draft_steps_stay_in_the_runners_buckets(model_dir, noisy_dir):
-    """Catch-up steps of many long prompts are cut to the step budget: each dispatched step fits a bucket."""
-    spec = LLM(model_dir, speculative_config=_draft(noisy_dir), **{**ENGINE, "max_num_batched_tokens": 16})
+def test_draft_steps_stay_in_the_runners_buckets(tight_spec, monkeypatch):
+    """Catch-up steps of many long prompts are cut to the step budget (16 tokens): each dispatched step fits a bucket."""
+    spec = tight_spec
     proposer = spec.engine.spec.proposer
     sizes = []
     dispatch = proposer.runner.dispatch
-    proposer.runner.dispatch = lambda step, *a, **kw: sizes.append(step.input_ids.shape[0]) or dispatch(step, *a, **kw)
+    monkeypatch.setattr(proposer.runner, "dispatch", lambda step, *a, **kw: sizes.append(step.input_ids.shape[0])
+                        or dispatch(step, *a, **kw))  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 256, size=40).tolist() for _ in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
