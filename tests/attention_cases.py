@@ -8,6 +8,7 @@ prefill chunks on cached context and fresh prompts. SMOKE_CASES are two small on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -119,11 +120,20 @@ class KernelCase:
         )  # fmt: skip
 
 
+@functools.partial(jax.jit, static_argnames=("spec", "layer"))
+def definition(q, k, v, kv_cache, attn_metadata: AttentionMetadata, spec: AttentionSpec, alibi_slopes=None, sinks=None,
+               layer: int = 0):  # fmt: skip
+    """The definition in float32: this step's K/V written into the cache's `layer`, then naive attention over it.
+    One compiled program per shape and spec (run op by op it compiled some sixty small programs per case)."""
+    new = stack_new_kv([(k, v)])
+    written = kv_cache.at[layer].set(write_kv(kv_cache[layer : layer + 1], new, attn_metadata.slot_mapping)[0])
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return naive_paged_attention(f32(q), f32(written), layer, attn_metadata, spec, alibi_slopes, sinks)
+
+
 def expected_output(case: Case, **kwargs) -> np.ndarray:
     """The definition in float32: this step's K/V written into the cache, then naive attention over it."""
-    written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return np.asarray(naive_paged_attention(f32(case.q), f32(written), 0, case.attn_metadata, *attention_args(**kwargs)))
+    return np.asarray(definition(case.q, case.k, case.v, case.kv_cache, case.attn_metadata, *attention_args(**kwargs)))
 
 
 def compare_kernel(backend, kc: KernelCase, kv_cache_dtype: str = "auto") -> dict:

@@ -4,6 +4,8 @@ chunk, padded rows and tokens; the state each row leaves; and one compile for ev
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,26 @@ def _l2(x):
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
 
 
+# One jitted step per kernel (and chunk), shared by the tests: every step has the shapes of one bucket (T tokens, S
+# rows), so the three mixes of rows run one executable, as test_one_compile_serves_every_mix_of_rows checks.
+@functools.partial(jax.jit, static_argnames="chunk")
+def _gated_delta_step(q, k, v, g, beta, cache, qsl, seq_lens, slots, *, chunk):
+    rows = Rows.of(qsl, seq_lens, slots, T)
+    return gated_delta_rule(q, k, v, g, beta, rows.initial(cache), rows, chunk=chunk)
+
+
+@functools.partial(jax.jit, static_argnames="chunk")
+def _ssd_step(x, dt, b, c, a, cache, qsl, seq_lens, slots, *, chunk):
+    rows = Rows.of(qsl, seq_lens, slots, T)
+    return ssd_scan(x, dt, b, c, a, rows.initial(cache), rows, chunk=chunk)
+
+
+@jax.jit
+def _conv_step(x, weight, bias, cache, qsl, seq_lens, slots):
+    rows = Rows.of(qsl, seq_lens, slots, T)
+    return causal_conv(x, weight, bias, rows.initial(cache), rows)
+
+
 @pytest.mark.parametrize("chunk", [8, 64])
 @pytest.mark.parametrize("step", range(len(STEPS)))
 def test_gated_delta_rule_equals_the_per_token_recurrence(step, chunk):
@@ -60,12 +82,7 @@ def test_gated_delta_rule_equals_the_per_token_recurrence(step, chunk):
     beta = (1 / (1 + np.exp(-rng.standard_normal((T, H))))).astype(np.float32)
     cache = rng.standard_normal((S, H, dk, dv)).astype(np.float32)  # by slot; rows without context ignore theirs
 
-    @jax.jit
-    def run(q, k, v, g, beta, cache, qsl, seq_lens, slots):
-        rows = Rows.of(qsl, seq_lens, slots, T)
-        return gated_delta_rule(q, k, v, g, beta, rows.initial(cache), rows, chunk=chunk)
-
-    o, final = (np.asarray(a) for a in run(q, k, v, g, beta, cache, qsl, seq_lens, slots))
+    o, final = (np.asarray(a) for a in _gated_delta_step(q, k, v, g, beta, cache, qsl, seq_lens, slots, chunk=chunk))
     for r, s, n, has_context in _each_row(q_lens, context, qsl):
         start = cache[slots[r]] if has_context else np.zeros((H, dk, dv))
         want_o, want_state = naive_gated_delta(q[s : s + n], k[s : s + n], v[s : s + n], g[s : s + n], beta[s : s + n], start)
@@ -87,12 +104,7 @@ def test_ssd_equals_the_per_token_recurrence(step, chunk):
     a = -np.abs(rng.standard_normal(H)).astype(np.float32) - 0.1
     cache = rng.standard_normal((S, H, p, n_state)).astype(np.float32)
 
-    @jax.jit
-    def run(x, dt, b, c, cache, qsl, seq_lens, slots):
-        rows = Rows.of(qsl, seq_lens, slots, T)
-        return ssd_scan(x, dt, b, c, jnp.asarray(a), rows.initial(cache), rows, chunk=chunk)
-
-    y, final = (np.asarray(v) for v in run(x, dt, b, c, cache, qsl, seq_lens, slots))
+    y, final = (np.asarray(v) for v in _ssd_step(x, dt, b, c, a, cache, qsl, seq_lens, slots, chunk=chunk))
     for r, s, n, has_context in _each_row(q_lens, context, qsl):
         start = cache[slots[r]] if has_context else np.zeros((H, p, n_state))
         want_y, want_state = naive_ssd(x[s : s + n], dt[s : s + n], b[s : s + n], c[s : s + n], a, start)
@@ -111,12 +123,7 @@ def test_causal_conv_continues_each_rows_window(step):
     bias = rng.standard_normal(channels).astype(np.float32)
     cache = rng.standard_normal((S, width - 1, channels)).astype(np.float32)
 
-    @jax.jit
-    def run(x, cache, qsl, seq_lens, slots):
-        rows = Rows.of(qsl, seq_lens, slots, T)
-        return causal_conv(x, jnp.asarray(weight), jnp.asarray(bias), rows.initial(cache), rows)
-
-    y, state = (np.asarray(v) for v in run(x, cache, qsl, seq_lens, slots))
+    y, state = (np.asarray(v) for v in _conv_step(x, weight, bias, cache, qsl, seq_lens, slots))
     for r, s, n, has_context in _each_row(q_lens, context, qsl):
         start = cache[slots[r]] if has_context else np.zeros((width - 1, channels))
         want_y, want_state = naive_causal_conv(x[s : s + n], weight, bias, start)

@@ -77,22 +77,24 @@ def _ids(rng, kind, tokens, experts, top_k):
     return route(jnp.asarray(logits), top_k, True)[::-1]
 
 
-# tokens, experts, top_k, d, f, first expert held, experts held, valid rows, routing
+# tokens, experts, top_k, d, f, first expert held, experts held, valid rows, routing, dtype: each case's layout in
+# one dtype, float32 and bfloat16 in turn (the dtype changes the roundings, not the tiles: a case in both compiled
+# the same layout twice)
 CASES = [
-    (1, 8, 2, 80, 40, 0, 8, None, "random"),  # decode: one token; d and f not multiples of the blocks
-    (37, 8, 2, 80, 40, 0, 8, None, "random"),  # two K blocks, a ragged N block
-    (37, 8, 2, 64, 32, 0, 8, None, "empty_experts"),
-    (24, 8, 2, 48, 24, 0, 8, None, "one_expert"),
-    (37, 8, 2, 48, 24, 0, 8, 5, "random"),  # rows from 5 on are bucket padding: routed nowhere
-    (37, 8, 2, 48, 24, 4, 4, None, "random"),  # experts 4..7 held here (expert parallelism), 0..3 elsewhere
-    (300, 4, 2, 32, 48, 0, 4, None, "random"),  # 128-row tiles
+    (1, 8, 2, 80, 40, 0, 8, None, "random", "float32"),  # decode: one token; d and f not multiples of the blocks
+    (37, 8, 2, 80, 40, 0, 8, None, "random", "bfloat16"),  # two K blocks, a ragged N block
+    (37, 8, 2, 64, 32, 0, 8, None, "empty_experts", "float32"),
+    (24, 8, 2, 48, 24, 0, 8, None, "one_expert", "bfloat16"),
+    (37, 8, 2, 48, 24, 0, 8, 5, "random", "float32"),  # rows from 5 on are bucket padding: routed nowhere
+    (37, 8, 2, 48, 24, 4, 4, None, "random", "bfloat16"),  # experts 4..7 held here (expert parallelism), 0..3 elsewhere
+    (300, 4, 2, 32, 48, 0, 4, None, "random", "float32"),  # 128-row tiles
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("tokens,experts,top_k,d,f,first,held,valid,routing", CASES)
+@pytest.mark.parametrize("tokens,experts,top_k,d,f,first,held,valid,routing,dtype", CASES)
 def test_kernel_equals_the_loops_and_a_per_token_reference(tokens, experts, top_k, d, f, first, held, valid, routing, dtype):
     rng = np.random.default_rng(tokens * 7 + d + f + held)
+    dtype = jnp.dtype(dtype)
     x = jnp.asarray(rng.standard_normal((tokens, d), dtype=np.float32), dtype)
     gate, up, down = _experts(rng, held, d, f, dtype)
     ids, weights = _ids(rng, routing, tokens, experts, top_k)
@@ -227,23 +229,22 @@ def test_mxfp4_layout_decodes_to_the_dequantized_values():
     assert (blocks_k // 2 + blocks_k // 32) * 8 / blocks_k == 4.25
 
 
-MXFP4_CASES = [  # tokens, experts, top_k, d, f, routing
-    (1, 8, 2, 96, 64, "random"),  # decode; d = 96: K padded to 128, a ragged 64-block
-    (37, 8, 2, 128, 32, "empty_experts"),  # f = 32: down's K is half a block (its high half all padding)
-    (24, 8, 2, 64, 96, "one_expert"),
-    (300, 4, 2, 64, 160, "random"),  # 128-row tiles; N ragged against the column blocks
-]
+MXFP4_CASES = [  # tokens, experts, top_k, d, f, routing, activation, dtype
+    (1, 8, 2, 96, 64, "random", "gpt-oss", "bfloat16"),  # decode; d = 96: K padded to 128, a ragged 64-block
+    (37, 8, 2, 128, 32, "empty_experts", "silu", "float32"),  # f = 32: down's K is half a block (its high half padding)
+    (24, 8, 2, 64, 96, "one_expert", "gpt-oss", "float32"),
+    (300, 4, 2, 64, 160, "random", "silu", "bfloat16"),  # 128-row tiles; N ragged against the column blocks
+]  # each layout once, each activation in both dtypes: the layouts, the activation and the dtype are independent
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("act", ["silu", CLAMPED], ids=["silu", "gpt-oss"])
-@pytest.mark.parametrize("tokens,experts,top_k,d,f,routing", MXFP4_CASES)
+@pytest.mark.parametrize("tokens,experts,top_k,d,f,routing,act,dtype", MXFP4_CASES)
 def test_mxfp4_kernel_equals_dequantized_experts(tokens, experts, top_k, d, f, routing, act, dtype):
     """The grouped GEMM reading MXFP4 codes and scales (decoded in its inner loop) against the same experts
     dequantized once (models/mxfp4.dequantize_mxfp4, checked against transformers' in tests/models/test_gpt_oss.py)
     run by the float kernel and by the loop over the experts in use: GPT-OSS's clamped SwiGLU with alpha, limit and
     gate/up biases, and plain SiLU without; ragged expert counts, empty experts, one expert taking every token."""
     rng = np.random.default_rng(tokens + d + f)
+    act, dtype = {"silu": "silu", "gpt-oss": CLAMPED}[act], jnp.dtype(dtype)
     bias = act == CLAMPED
     x = jnp.asarray(rng.standard_normal((tokens, d), dtype=np.float32) * (2 if bias else 1), dtype)
     (gate, gate_f), (up, up_f), (down, down_f) = (_mxfp4(rng, experts, *kn, dtype, bias=bias and i < 2)
@@ -378,12 +379,12 @@ def test_experts_past_32_bit_offsets_stay_on_the_static_tiles():
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 2048])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
-def test_lowers_for_cuda_with_mxfp4_experts(dtype, tokens):
+def test_lowers_for_cuda_with_mxfp4_experts(tokens):
     """GPT-OSS-20B's experts kept MXFP4 (32 of 2880 over 2880, top 4, biases, clamped SwiGLU): the decode (16-row
-    tiles) and a prefill (128-row tiles) lower to the same two Triton launches a layer, on an H100's shared memory
-    and on the default's."""
-    for memory in (227 * 1024, None):
+    tiles) and a prefill (128-row tiles) lower to the same two Triton launches a layer, in bfloat16 and float32, on
+    an H100's shared memory and on the default's (each dtype on each memory over the three token counts)."""
+    memories = (227 * 1024, None) if tokens != 64 else (None, 227 * 1024)
+    for dtype, memory in zip((jnp.bfloat16, jnp.float32), memories):
         module = _export(tokens, 32, 4, 2880, 2880, dtype, act=CLAMPED, w_dtype="mxfp4", bias=True, shared_memory=memory)
         assert len(kernel_calls(module, TRITON_CALLS)) == 2
         assert "stablehlo.while" not in module
