@@ -11,19 +11,25 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.utils import compile_monitor
 from tests import REPO
-from tests.hf_reference import random_hf_model, random_prompts, save_hf_model, tiny_llama_config
 
-ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=8,
+# buckets 4, 8 and 16: several (one compiled on first use leaves others unused), each step of this file's engines
+# compiled 8 programs (a 32-token bucket more made it 10 in each of some twenty engine starts)
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64, block_size=8,
               dtype="float32")
+# one bucket (4 programs): for the tests where the compiled steps' count does not matter
+ONE_BUCKET = dict(max_num_seqs=1, max_num_batched_tokens=4)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
+
     config = tiny_llama_config(num_key_value_heads=2)
     return save_hf_model(random_hf_model(config), tmp_path_factory.mktemp("startup-model"))
 
@@ -43,11 +49,13 @@ def _greedy(engine: LLMEngine, prompts) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-PROMPTS = random_prompts(256, (3, 9, 30), seed=4)
+_rng = np.random.default_rng(4)  # tests.hf_reference.random_prompts(256, (3, 9, 30), seed=4), without its torch import
+PROMPTS = [_rng.integers(2, 256, size=n).tolist() for n in (3, 9, 30)]
 
 
 def _in_new_process(model: Path, cache: Path) -> dict:
-    """A fresh interpreter's engine on `cache`: what it loaded, compiled and generated."""
+    """A fresh interpreter's engine on `cache`: what it loaded, compiled and generated. (This module imports no
+    torch or transformers' models at its top, so that the interpreter does not either: ~4 s of CPU a start.)"""
     script = (
         "import json, sys; from pathlib import Path; from tests.engine.test_startup import _engine, _greedy, PROMPTS; "
         "e = _engine(Path(sys.argv[1]), Path(sys.argv[2])); x = e.runner.executables; "
@@ -57,6 +65,17 @@ def _in_new_process(model: Path, cache: Path) -> dict:
                           text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> LLMEngine:
+    """A precompiled engine of ENGINE's shape, built once: the tokens and compiled steps the tests' engines (compiled
+    on first use, in the background, side by side) must reproduce. Read only: its `tokens` are PROMPTS' greedy
+    tokens, computed here."""
+    engine = _engine(model_dir, tmp_path_factory.mktemp("reference"))
+    engine.tokens = _greedy(engine, PROMPTS)
+    assert engine.get_stats()["num_compiles_after_warmup"] == 0
+    return engine
 
 
 def _step_entries(root) -> list:
@@ -104,24 +123,28 @@ def test_a_damaged_entry_is_compiled_again_and_rewritten(model_dir, tmp_path, ca
     assert _in_new_process(model_dir, tmp_path) == {"loaded": len(entries), "compiled": 0, "tokens": want}
 
 
-def test_another_model_graph_never_takes_these_executables(model_dir, tmp_path):
-    _engine(model_dir, tmp_path)
+def test_another_model_graph_never_takes_these_executables(model_dir, tmp_path, monkeypatch):
+    from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
+
+    monkeypatch.setattr("jaxpaged.worker.executable_cache._programs_seen", set())  # as in a new process: all stored
+    _engine(model_dir, tmp_path, **ONE_BUCKET)
+    assert _step_entries(tmp_path)  # executables the other model could take
     other = save_hf_model(random_hf_model(tiny_llama_config(num_key_value_heads=2, rope_theta=500.0)), tmp_path / "other")
-    engine = _engine(other, tmp_path)  # same shapes, one static attribute (the RoPE frequencies) differs
+    engine = _engine(other, tmp_path, **ONE_BUCKET)  # same shapes, one static attribute (the RoPE frequencies) differs
     assert engine.runner.executables.num_loaded == 0
 
 
-def test_without_precompile_buckets_compile_on_first_use_and_results_are_the_same(model_dir, tmp_path):
+def test_without_precompile_buckets_compile_on_first_use_and_results_are_the_same(model_dir, tmp_path, reference):
     eager = _engine(model_dir, tmp_path / "a", precompile=False)
     assert eager.warmup_seconds == 0.0 and not eager.runner._compiled
     got = _greedy(eager, PROMPTS)
     used = {bucket for _, bucket in eager.runner._compiled}
     assert 0 < len(used) < len(eager.runner.buckets)  # only what these steps needed
     assert eager.get_stats()["num_compiles_after_warmup"] == 0  # compiles on first use are the ones asked for
-    assert got == _greedy(_engine(model_dir, tmp_path / "b"), PROMPTS)
+    assert got == reference.tokens
 
 
-def test_a_bucket_compiled_in_the_background_is_picked_up(model_dir, tmp_path):
+def test_a_bucket_compiled_in_the_background_is_picked_up(model_dir, tmp_path, reference):
     engine = _engine(model_dir, tmp_path / "a", precompile=False)
     smallest = engine.runner.buckets[0]
     engine.runner.prefetch(smallest)
@@ -129,13 +152,13 @@ def test_a_bucket_compiled_in_the_background_is_picked_up(model_dir, tmp_path):
     got = _greedy(engine, PROMPTS)
     assert not engine.runner._pending and ("write", smallest) in engine.runner._compiled
     assert engine.get_stats()["num_compiles_after_warmup"] == 0  # the background compile was asked for
-    assert got == _greedy(_engine(model_dir, tmp_path / "b"), PROMPTS)
+    assert got == reference.tokens
 
 
-def test_warmup_on_many_cores_compiles_the_buckets_side_by_side_once_each(model_dir, tmp_path, monkeypatch):
+def test_warmup_on_many_cores_compiles_the_buckets_side_by_side_once_each(model_dir, tmp_path, monkeypatch, reference):
     """With 4+ cores warm-up compiles on a thread pool: the same executables as one at a time (each sampler once),
     stored from the main thread, nothing after warm-up, the same tokens."""
-    serial = _engine(model_dir, tmp_path / "a")  # 2 cores in CI: one at a time
+    serial = reference  # compiled one at a time (2 cores in CI), in a folder of its own
     threads = []
     monkeypatch.setattr("jaxpaged.worker.bucket_compiles.os.cpu_count", lambda: 8)
     real_compile = serial.runner.executables.compile.__func__
@@ -161,10 +184,10 @@ def test_warmup_on_many_cores_compiles_the_buckets_side_by_side_once_each(model_
     assert stored and set(stored) == {"MainThread"}  # serialized after warm-up's steps, never on a compile thread
     got = _greedy(side_by_side, PROMPTS)
     assert side_by_side.get_stats()["num_compiles_after_warmup"] == 0
-    assert got == _greedy(serial, PROMPTS)
+    assert got == serial.tokens
 
 
-def test_background_compile_serves_at_once_and_no_step_waits_for_a_compile(model_dir, tmp_path, monkeypatch):
+def test_background_compile_serves_at_once_and_no_step_waits_for_a_compile(model_dir, tmp_path, monkeypatch, reference):
     """background_compile (a GPU's default): warm-up compiles only the largest bucket; the rest compile on a thread
     while steps run padded to the smallest bucket ready. Here those compiles are held until generation is over, so a
     step that waited for one would hang: the same tokens come out, nothing compiles after warm-up, and once the
@@ -196,10 +219,11 @@ def test_background_compile_serves_at_once_and_no_step_waits_for_a_compile(model
         assert engine.get_stats()["num_compiles_after_warmup"] == 0
     finally:
         release.set()
-    assert got == _greedy(_engine(model_dir, tmp_path / "b", background_compile=False), PROMPTS)
+    assert not reference.config.background_compile
+    assert got == reference.tokens
     assert runner.finish_background_compiles() > 0
     assert runner.ready_buckets == runner.buckets and runner.step_bucket(1)[0] == runner.buckets[0]
-    assert sorted(runner._compiled) == sorted(_engine(model_dir, tmp_path / "b", background_compile=False).runner._compiled)
+    assert sorted(runner._compiled) == sorted(reference.runner._compiled)
     assert _greedy(engine, PROMPTS) == got  # now in the small buckets
     assert engine.get_stats()["num_compiles_after_warmup"] == 0
 
@@ -217,7 +241,8 @@ def test_precompiled_engines_still_count_a_compile_after_warmup(model_dir, tmp_p
     import jax
     import jax.numpy as jnp
 
-    engine = _engine(model_dir, tmp_path)
+    engine = _engine(model_dir, tmp_path, **ONE_BUCKET)
+    assert engine.runner._compiled  # precompiled
     step = engine._step
 
     def step_and_compile():
@@ -291,6 +316,8 @@ def test_an_entry_this_process_already_holds_is_not_deserialized_again(tmp_path,
 
     # an MLP width no other test uses: forward programs this process has not compiled yet, so the first engine stores
     # them (programs it compiled before, as other tests' samplers, it does not store: see the test above)
+    from tests.hf_reference import random_hf_model, save_hf_model, tiny_llama_config
+
     model_dir = save_hf_model(random_hf_model(tiny_llama_config(num_key_value_heads=2, intermediate_size=192)), tmp_path / "m")
     first = _engine(model_dir, tmp_path)
     stored = len(_step_entries(tmp_path))

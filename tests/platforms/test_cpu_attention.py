@@ -18,13 +18,23 @@ pytestmark = pytest.mark.skipif(cpu_attention.compiler() is None, reason="no C++
 
 
 def test_built_once_and_cached_by_source_jax_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXPAGED_CACHE_DIR", str(tmp_path))
+    """The caching around the compiler, on a one-line source: attention.cc itself takes half a minute to compile,
+    and is built by every test here that runs it (its default build, and the narrower ones below)."""
+    monkeypatch.setenv("JAXPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "kernel.cc"
+    source.write_text('extern "C" int jaxpaged_test_kernel() { return 1; }\n')
+    monkeypatch.setattr(cpu_attention, "SOURCE", source)
     path = cpu_attention.build()
-    assert path.exists() and path.parent == tmp_path / "native"
+    assert path.exists() and path.parent == tmp_path / "cache" / "native"
     stamp = path.stat().st_mtime_ns
     assert cpu_attention.build() == path and path.stat().st_mtime_ns == stamp  # not rebuilt
-    # another source would be another library, next to this one
-    monkeypatch.setattr(cpu_attention, "CXXFLAGS", (*cpu_attention.CXXFLAGS, "-DJAXPAGED_TEST_VARIANT"))
+    # other flags, or another source, would be another library, next to this one
+    flags = cpu_attention.CXXFLAGS
+    monkeypatch.setattr(cpu_attention, "CXXFLAGS", (*flags, "-DJAXPAGED_TEST_VARIANT"))
+    assert cpu_attention.library_path() != path
+    monkeypatch.setattr(cpu_attention, "CXXFLAGS", flags)
+    assert cpu_attention.library_path() == path
+    source.write_text('extern "C" int jaxpaged_test_kernel() { return 2; }\n')
     assert cpu_attention.library_path() != path
 
 
@@ -64,6 +74,9 @@ def test_the_cache_is_read_in_place():
     assert " dot(" not in hlo and "dot_general" not in hlo
 
 
+reference = jax.jit(reference_paged_attention, static_argnames=("layer", "spec"))
+
+
 def _decode_batch_against_the_reference(monkeypatch=None, target=None):
     """Many sequences, long contexts, blocks scattered over the pool: the shape of a real decode step."""
     if target is not None:
@@ -81,7 +94,7 @@ def _decode_batch_against_the_reference(monkeypatch=None, target=None):
     k, v = (jnp.asarray(rng.normal(size=(seqs, kv_heads, dim)), jnp.float32) for _ in range(2))
     for layer in range(layers):
         got = cpu_attention.cpu_paged_attention(q, k, v, cache, layer, attn_metadata, AttentionSpec(0.125))
-        want = reference_paged_attention(q, k, v, cache, layer, attn_metadata, AttentionSpec(0.125))
+        want = reference(q, k, v, cache, layer, attn_metadata, AttentionSpec(0.125))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=0)
 
 

@@ -186,8 +186,9 @@ def test_the_engine_packs_its_float32_weights_and_greedy_output_is_unchanged(tmp
     prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (1, 7, 40)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for backend in ("native", "xla"):
-        llm = LLM(str(folder), matmul_backend=backend, log_level="WARNING")
+    for backend in ("native", "xla"):  # 4 sequences and 64 tokens a step: 5 step sizes to compile, not 64 and 256's 10
+        llm = LLM(str(folder), matmul_backend=backend, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                  log_level="WARNING")  # fmt: skip
         runner = llm.engine.runner
         assert runner.matmul_backend == backend
         kernels = [
@@ -202,11 +203,13 @@ def test_the_engine_packs_its_float32_weights_and_greedy_output_is_unchanged(tmp
     assert outputs["native"] == outputs["xla"]
 
 
-def test_explicit_native_matmul_for_bfloat16_is_refused_naming_the_field():
+def test_explicit_native_matmul_for_bfloat16_is_refused_naming_the_field(tmp_path):
     from jaxpaged import LLM
+    from tests.hf_reference import tiny_llama_config
 
+    tiny_llama_config().to_json_file(tmp_path / "config.json")  # random weights: the built-in model took 8x as long
     with pytest.raises(ValueError, match="matmul_backend"):
-        LLM(dtype="bfloat16", matmul_backend="native", log_level="WARNING")
+        LLM(str(tmp_path / "config.json"), dtype="bfloat16", matmul_backend="native", log_level="WARNING")
 
 
 def _packed_methods(model) -> dict[str, list[str]]:
@@ -259,8 +262,8 @@ def test_an_int8_engine_packs_its_kernels_and_greedy_output_is_xlas(tmp_path):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
     outputs = {}
     for backend in ("native", "xla"):
-        llm = LLM(str(folder), quantization="int8", matmul_backend=backend, max_num_seqs=4, max_model_len=128,
-                  log_level="WARNING")  # fmt: skip
+        llm = LLM(str(folder), quantization="int8", matmul_backend=backend, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=128, log_level="WARNING")  # fmt: skip
         q_proj = llm.engine.loaded.model.layers[0].self_attn.q_proj
         assert llm.engine.runner.matmul_backend == backend
         assert isinstance(q_proj.method, PackedChannelLinear) == (backend == "native")

@@ -15,7 +15,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.loader import load_model
 from jaxpaged.spec_decode.mtp import load_mtp_layer
 
-from tests.hf_reference import random_hf_model, random_prompts
+from tests.hf_reference import hf_greedy, random_hf_model, random_prompts
 from tests.spec_decode.mtp_checkpoints import (
     D, VOCAB, assert_clean, assert_walks_the_cycle_and_accepts_all, generate_tokens, hf_mtp_reference, hf_norm, mtp_spec,
     nextn_checkpoint, our_mtp, random_pairs,
@@ -30,7 +30,8 @@ CONFIG = dict(
     first_k_dense_replace=1, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=0,
     q_lora_rank=48, n_shared_experts=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
 )  # fmt: skip
-ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, block_size=8, log_level="WARNING")
+# 16-token steps: buckets 4-16 (the cycle prompts are 3-12 tokens)
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8, log_level="WARNING")
 _mtp_model = functools.partial(nextn_checkpoint, config_cls=transformers.DeepseekV3Config, config=CONFIG, n=N)
 
 
@@ -68,10 +69,15 @@ def _workload(count: int, seed: int):
 
 
 def test_greedy_unchanged_through_batches_chunks_and_preemption(random_mtp):
+    """Transformers' greedy tokens for the target (its N layers: the MTP layer's tensors are not in model.safetensors),
+    which the engine without speculation gives (tests/models/test_deepseek.py)."""
     folder = str(random_mtp[0])
     prompts, params = _workload(6, seed=2)
-    expected = generate_tokens(LLM(folder, **ENGINE), prompts, params)
-    llm = LLM(folder, speculative_config=mtp_spec(2), **{**ENGINE, "num_kv_blocks": 11, "max_num_batched_tokens": 16})
+    target = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert target.config.num_hidden_layers == N
+    target.generation_config.eos_token_id = None  # as random_hf_model's: EOS is an ordinary token here (ignore_eos)
+    expected = [[hf_greedy(target, p, s.max_tokens)] * s.n for p, s in zip(prompts, params)]
+    llm = LLM(folder, speculative_config=mtp_spec(2), **{**ENGINE, "num_kv_blocks": 11})
     assert generate_tokens(llm, prompts, params) == expected
     stats = llm.get_stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
