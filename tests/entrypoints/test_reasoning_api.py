@@ -166,15 +166,21 @@ def _needs_harmony() -> None:
         pytest.skip(f"openai-harmony cannot load its o200k vocabulary here (offline: no litellm copy, no TIKTOKEN_ENCODINGS_BASE): {exc}")
 
 
-def test_gpt_oss_harmony(tmp_path):
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """The harmony model served with --reasoning-parser gpt_oss (the two tests below share it)."""
     _needs_harmony()
-    proc = _serve(write_harmony_model(tmp_path / "model"), tmp_path / "log", "--reasoning-parser", "gpt_oss")
-    try:
-        (choice,) = _create(proc).choices
-        assert (choice.message.reasoning_content, choice.message.content) == (HARMONY_REASONING, HARMONY_CONTENT)
-        assert _streamed(proc) == (HARMONY_REASONING, HARMONY_CONTENT, "stop", [])
-    finally:
-        proc.stop()
+    proc = _serve(write_harmony_model(tmp_path_factory.mktemp("harmony")), tmp_path_factory.mktemp("harmony-server") / "log",
+                  "--reasoning-parser", "gpt_oss")  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def test_gpt_oss_harmony(harmony):
+    proc = harmony
+    (choice,) = _create(proc).choices
+    assert (choice.message.reasoning_content, choice.message.content) == (HARMONY_REASONING, HARMONY_CONTENT)
+    assert _streamed(proc) == (HARMONY_REASONING, HARMONY_CONTENT, "stop", [])
 
 
 def test_gpt_oss_harmony_tool_calls(tmp_path):
@@ -198,24 +204,20 @@ def test_gpt_oss_harmony_tool_calls(tmp_path):
         proc.stop()
 
 
-def test_gpt_oss_the_output_constraint_starts_at_the_final_channel(tmp_path):
+def test_gpt_oss_the_output_constraint_starts_at_the_final_channel(harmony):
     """Harmony's thinking is the analysis channel: a response_format's grammar waits behind
     `<|channel|>final<|message|>`, so the analysis comes back as the model wrote it and only the final message
     follows the schema, whole and streamed (the openai client on the gpt_oss format, as qwen3's test above)."""
-    _needs_harmony()
-    proc = _serve(write_harmony_model(tmp_path / "model"), tmp_path / "log", "--reasoning-parser", "gpt_oss")
+    proc = harmony
     fields = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}, "max_tokens": 120}
-    try:
-        (choice,) = _create(proc).choices  # unconstrained, the final message is not JSON: the grammar is what makes it so
-        assert choice.message.content == HARMONY_CONTENT
-        (choice,) = _create(proc, **fields).choices
-        got = [(choice.message.reasoning_content, choice.message.content, choice.finish_reason), _streamed(proc, **fields)[:3]]
-        for reasoning, content, finish in got:
-            assert reasoning == HARMONY_REASONING and finish == "stop"
-            jsonschema.validate(json.loads(content), SCHEMA)
-        assert "Traceback" not in proc.log()
-    finally:
-        proc.stop()
+    (choice,) = _create(proc).choices  # unconstrained, the final message is not JSON: the grammar is what makes it so
+    assert choice.message.content == HARMONY_CONTENT
+    (choice,) = _create(proc, **fields).choices
+    got = [(choice.message.reasoning_content, choice.message.content, choice.finish_reason), _streamed(proc, **fields)[:3]]
+    for reasoning, content, finish in got:
+        assert reasoning == HARMONY_REASONING and finish == "stop"
+        jsonschema.validate(json.loads(content), SCHEMA)
+    assert "Traceback" not in proc.log()
 
 
 def test_an_unknown_parser_stops_the_start(cycle_model_dir):
