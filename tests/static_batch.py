@@ -33,6 +33,8 @@ class StaticBatchRunner:
         # the engine's matmuls, chosen and packed as ModelRunner does
         platforms.get().prepare_model(loaded.model, matmul_backend, dtype=self.dtype, tensor_parallel_size=1)
         self.graphdef, self.state = nnx.split(loaded.model)
+        placed = {d for leaf in jax.tree_util.tree_leaves(self.state) if getattr(leaf, "committed", False) for d in leaf.devices()}
+        self._device = placed.pop() if len(placed) == 1 else jax.devices()[0]
         self._model_step = jax.jit(self._model_step_impl)
         self._write_kv = jax.jit(write_kv, donate_argnums=(0,))
 
@@ -49,6 +51,11 @@ class StaticBatchRunner:
         sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
         return logits, jnp.where(temperature > 0, sampled, greedy), new_kv
 
+    def _committed(self, tree):
+        """On the model's device and committed there, as the steps' outputs are: jit keys its cache on that too, so
+        a step fed an uncommitted cache (or token) first would compile once more when fed its own output."""
+        return jax.device_put(tree, self._device)
+
     def _kv_cache(self, num_seqs: int, width: int):
         """The paged KV of every layer; a hybrid model's (models/hybrid.py): of its attention layers, beside a state
         slot per sequence (sequence i in slot i)."""
@@ -56,20 +63,21 @@ class StaticBatchRunner:
         shape = kv_cache_shape(cfg.num_kv_layers, cfg.num_kv_heads, num_seqs * width, self.block_size, cfg.head_dim)
         kv = jnp.zeros(shape, self.dtype)
         spec = getattr(self.loaded.model, "state_spec", None)
-        return kv if spec is None else HybridCache(kv, spec().empty(num_seqs))
+        return self._committed(kv if spec is None else HybridCache(kv, spec().empty(num_seqs)))
 
     @property
     def _hybrid(self) -> bool:
         return hasattr(self.loaded.model, "state_spec")
 
-    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], width: int, start: int = 0, chunk: int | None = None):
+    def _prefill_inputs(self, prompts: Sequence[Sequence[int]], width: int, start: int = 0, chunk: int | None = None,
+                        padded: int | None = None):
         """One step of each prompt's tokens [start, start + chunk) (all of them without a chunk); prompts with none
-        left take no row."""
+        left take no row. Padded to `padded` tokens (default: the step's own bucket)."""
         rows = [i for i, p in enumerate(prompts) if len(p) > start]
         ends = np.array([len(prompts[i]) if chunk is None else min(len(prompts[i]), start + chunk) for i in rows], np.int32)
         lens = ends - start
         total = int(lens.sum())
-        padded = _bucket(total)
+        padded = padded or _bucket(total)
         ids = np.zeros(padded, np.int32)
         positions = np.zeros(padded, np.int32)
         slots = np.full(padded, -1, np.int32)
@@ -98,12 +106,15 @@ class StaticBatchRunner:
 
     def _prefill(self, prompts, width, kv, chunk, all_logits: bool, temperature: float, key):
         """Every prompt through the model, in steps of `chunk` tokens per prompt (one step without): -> (each
-        prompt's logits at every position, or None; its next token, the cache)."""
+        prompt's logits at every position, or None; its next token, the cache). Every step is padded to the first's
+        bucket (no later step has more tokens): one compiled step per prefill, not one per step size."""
         longest = max(len(p) for p in prompts)
         logits = [[] for _ in prompts]
         tokens = [None] * len(prompts)
+        padded = None
         for start in range(0, longest, chunk or longest):
-            ids, positions, attn_metadata, total, qsl = self._prefill_inputs(prompts, width, start, chunk)
+            ids, positions, attn_metadata, total, qsl = self._prefill_inputs(prompts, width, start, chunk, padded)
+            padded = ids.shape[0]
             live = [i for i, p in enumerate(prompts) if len(p) > start]
             rows = jnp.arange(ids.shape[0], dtype=jnp.int32) if all_logits else jnp.asarray(np.maximum(qsl[1:] - 1, 0))
             out, sampled, kv = self._forward(self.state, kv, ids, positions, attn_metadata, rows, temperature, key)
@@ -168,7 +179,7 @@ class StaticBatchRunner:
         key = jax.random.key(seed)
         key, sub = jax.random.split(key)
         prompt_logits, tokens, kv = self._prefill(prompts, width, kv, prefill_chunk, return_prompt_logits, temperature, sub)
-        tokens = jnp.asarray(tokens, jnp.int32)
+        tokens = self._committed(jnp.asarray(tokens, jnp.int32))
 
         outputs: list[list[int]] = [[] for _ in range(n)]
         done = np.zeros(n, bool)

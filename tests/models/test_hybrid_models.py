@@ -1,9 +1,9 @@
 """Hybrid linear-attention ports against transformers in float32: Qwen3-Next, Qwen3.5 (dense and MoE) and Nemotron-H.
 
 Logits at every position of four prompts (1 to 77 tokens) within 1e-4 and 32 greedy tokens equal to `generate`,
-with the prompts in one ragged step and in 16-token chunks (77 tokens: five chunks, each continuing the linear
-layers' convolution and recurrent state from the last). The caches are models/hybrid.py's: the paged KV of the
-attention layers beside a state slot per sequence.
+with the prompts in one ragged step and in 32-token chunks (77 tokens: three chunks, 33 tokens: a 1-token one, each
+continuing the linear layers' convolution and recurrent state from the last). The caches are models/hybrid.py's: the
+paged KV of the attention layers beside a state slot per sequence.
 
 Random weights have std 0.1, and the zero-centred RMSNorms (Qwen's x * (1 + w)) weights around 0, as in the real
 models: with std 0.15 and such norms near 2, transformers' own float32 logits were up to 1.5e-4 from its float64
@@ -66,7 +66,7 @@ CASES = {
 NEVER_TIED = ("NemotronHForCausalLM",)  # transformers' class ties no head, whatever tie_word_embeddings says
 
 PROMPT_LENGTHS = [1, 9, 33, 77]
-CHUNK = 16
+CHUNK = 32  # the first chunked step (74 tokens) pads to the whole step's 128: both run one compiled step
 GREEDY_TOKENS = 32
 
 
@@ -94,11 +94,13 @@ def test_logits_and_greedy_match_transformers_through_chunked_prefill(family):
     hf, loaded = family
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=7)
     runner = StaticBatchRunner(loaded, block_size=8)
-    whole = runner.prompt_logits(prompts)  # each prompt in one step: the kernels' own chunks (77 > 64)
+    # each prompt in one step (the kernels' own chunks: 77 > 64), then in chunks; each prefill followed by decoding
+    greedy_whole, whole = runner.generate(prompts, GREEDY_TOKENS, return_prompt_logits=True)
     greedy, chunked = runner.generate(prompts, GREEDY_TOKENS, return_prompt_logits=True, prefill_chunk=CHUNK)
     exact = copy.deepcopy(hf).double()
     if hasattr(exact, "set_experts_implementation"):  # (the default grouped matmul has no float64)
         exact.set_experts_implementation("eager")
+    assert greedy_whole == greedy
     for prompt, got_whole, got_chunked, got_tokens in zip(prompts, whole, chunked, greedy):
         with torch.no_grad():
             want64 = exact(torch.tensor([prompt])).logits[0].numpy()
