@@ -35,19 +35,37 @@ def _one_torch_thread_per_worker() -> None:
 
 
 CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# XLA:CPU's elemental emitters instead of its newer fusion emitters: a tiny engine's warm-up compiled in about half
+# the CPU time (backend compile 25 -> 11 s, same tokens). A jaxlib without the flag aborts on it, so it is probed.
+CPU_TEST_EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _fast_cpu_compiles() -> None:
-    """On the CPU, the tests' programs are compiled with LLVM's optimizations off: compiling is most of an engine
-    test's time (its warm-up compiles each bucket's executables), and -O0 made three engine test files 23% faster
-    (114.9 -> 87.9 s). The programs run slower, which tiny test models do not notice, and their values can differ
-    only in rounding (XLA:CPU leaves fast-math off; LLVM may fuse multiply-adds differently). Set before JAX starts
-    its backend; the subprocesses tests start inherit it. A run with XLA_FLAGS of its own keeps them."""
+    """On the CPU, the tests' programs are compiled with LLVM's optimizations off and the older emitters: compiling
+    is most of an engine test's time (its warm-up compiles each bucket's executables), and -O0 alone made three
+    engine test files 23% faster (114.9 -> 87.9 s). The programs run slower, which tiny test models do not notice,
+    and their values can differ only in rounding (XLA:CPU leaves fast-math off; LLVM may fuse multiply-adds
+    differently). Set before JAX starts its backend, in the controlling process: xdist's workers and the
+    subprocesses tests start inherit it. A run with XLA_FLAGS of its own keeps them."""
     import os
 
     if _accelerator_plugin() or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
         return
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_XLA_FLAGS}".strip()
+    flags = CPU_TEST_XLA_FLAGS
+    if _xla_knows(CPU_TEST_EMITTER_FLAG):
+        flags = f"{flags} {CPU_TEST_EMITTER_FLAG}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA accepts `flag` (an unknown one ends the process at start): asked of a child."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, timeout=120)
+    return probe.returncode == 0
 
 
 def _accelerator_plugin() -> bool:
