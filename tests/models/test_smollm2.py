@@ -73,10 +73,12 @@ def test_tokenizer_matches_transformers(ours, hf):
     assert ours.tokenizer.eos_token == hf_tok.eos_token
 
 
+GREEDY_TOKENS = 32  # per prompt: 160 tokens in all, each equal to transformers'
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(hf) -> dict[str, list[int]]:
-    """transformers' 64 greedy tokens after each of PROMPTS (EOS ignored), computed once: the tests that compare
-    fewer take a prefix (a greedy continuation's first k tokens are its k-token continuation)."""
+    """transformers' greedy tokens after each of PROMPTS (EOS ignored), computed once."""
     model, tokenizer = hf
     want = {}
     for text in PROMPTS:
@@ -84,24 +86,30 @@ def hf_greedy(hf) -> dict[str, list[int]]:
         with torch.no_grad():
             out = model.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, max_new_tokens=64, min_new_tokens=64, pad_token_id=0,
+                do_sample=False, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, pad_token_id=0,
             )
         want[text] = out[0, len(prompt) :].tolist()
     return want
 
 
-def test_greedy_64_tokens_match_transformers(ours, hf, hf_greedy):
+def test_greedy_tokens_match_transformers(ours, hf, hf_greedy):
     _, tokenizer = hf
-    got = StaticBatchRunner(ours).generate([tokenizer.encode(p) for p in PROMPTS], 64)
+    got = StaticBatchRunner(ours).generate([tokenizer.encode(p) for p in PROMPTS], GREEDY_TOKENS)
     for text, tokens in zip(PROMPTS, got):
         assert tokens == hf_greedy[text], text
 
 
+CLI_ENGINE = ["--max-model-len", "512", "--max-num-batched-tokens", "32", "--max-num-seqs", "4"]
+
+
 @pytest.fixture(scope="module")
 def llm(cache_dir):
+    """The CLI tests' engine shape (CLI_ENGINE), on their cache folder: their engines take the executables this one
+    compiled and stored (in this process from memory, the CLI's own process from the folder), not the 30-layer
+    model's steps compiled again at each start."""
     from jaxpaged import LLM
 
-    return LLM(cache_dir=cache_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
+    return LLM(cache_dir=cache_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=32, max_num_seqs=4,
                log_level="WARNING")
 
 
@@ -110,9 +118,9 @@ def test_engine_greedy_matches_transformers_and_stops(llm, hf, hf_greedy):
     from jaxpaged import SamplingParams
 
     _, tokenizer = hf
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
-        want = hf_greedy[prompt][:32]
+        want = hf_greedy[prompt]
         assert out.outputs[0].token_ids == want
         assert out.outputs[0].text == tokenizer.decode(want, skip_special_tokens=True)
     full = outs[0].outputs[0].text
@@ -132,7 +140,7 @@ def test_cli_prompts_file_and_interactive(cache_dir, tmp_path, monkeypatch, caps
     from jaxpaged.entrypoints import generate
 
     monkeypatch.setenv("JAXPAGED_CACHE_DIR", cache_dir)
-    engine_flags = ["--max-model-len", "512", "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--quiet"]
+    engine_flags = [*CLI_ENGINE, "--quiet"]
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\nName a primary color.\n")
     out_file = tmp_path / "out.jsonl"
@@ -182,8 +190,7 @@ def test_cli_help_explains_every_flag():
 def test_cli_chat_answers_paris(ours, cache_dir):
     env = dict(os.environ, JAXPAGED_CACHE_DIR=cache_dir)
     result = subprocess.run(
-        [sys.executable, "-m", "jaxpaged.generate", "--chat", "--max-model-len", "512", "--max-num-batched-tokens", "32",
-         "--max-num-seqs", "4", "What is the capital of France?"],
+        [sys.executable, "-m", "jaxpaged.generate", "--chat", *CLI_ENGINE, "What is the capital of France?"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert result.returncode == 0, result.stderr
