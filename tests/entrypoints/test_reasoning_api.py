@@ -9,15 +9,11 @@ answer only; an output constraint starts after `</think>` (qwen3, deepseek_r1) o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import jsonschema
 import openai
 import pytest
 
-from tests import REPO
 from tests.conftest import ENGINE_ARGS
 from tests.reasoning_model import (
     ANSWER,
@@ -220,12 +216,15 @@ def test_gpt_oss_the_output_constraint_starts_at_the_final_channel(harmony):
     assert "Traceback" not in proc.log()
 
 
-def test_an_unknown_parser_stops_the_start(cycle_model_dir):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    args = ["--model", str(cycle_model_dir), "--reasoning-parser", "r1", "--port", "1", *ENGINE_ARGS]
-    out = subprocess.run([sys.executable, "-m", "jaxpaged.serve", *args], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300, check=False)  # fmt: skip
-    assert out.returncode == 2 and "--reasoning-parser" in out.stderr and "qwen3" in out.stderr, out.stderr[-2000:]
+def test_an_unknown_parser_stops_the_start(tmp_path, capsys):
+    """The server's main() in this process: the flag is refused as it is parsed, before anything else (a model that
+    is not there, so a server that took the flag stops too, with another error, instead of serving)."""
+    from jaxpaged.entrypoints import serve
+
+    with pytest.raises(SystemExit) as stopped:
+        serve.main(["--model", str(tmp_path / "nowhere"), "--reasoning-parser", "r1", "--port", "1", *ENGINE_ARGS])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--reasoning-parser" in err and "qwen3" in err, err[-2000:]
 
 
 def test_no_leak(qwen3):
