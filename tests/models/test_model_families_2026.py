@@ -1,8 +1,8 @@
 """The open-weight families of 2025-26 against transformers in float32: logits within 1e-4 at every position of
-prompts of 1-77 tokens (whole and in 16-token chunks) and greedy tokens identical, on tiny random configs written by
-transformers (2 layers, hidden 64); the MoE families also through jaxpaged.LLM with 16-token chunks, preemption and
-prefix-cache hits, compiling nothing after warm-up. Every weight is random (std 0.15), the routers' correction biases
-too (random_hf_model leaves buffers alone)."""
+prompts of 1-77 tokens (whole and in 32-token chunks) and greedy tokens identical after either, on tiny random configs
+written by transformers (2 layers, hidden 64); the MoE families also through jaxpaged.LLM with 8-token steps (prompts
+in chunks beside decode rows), preemption and prefix-cache hits, compiling nothing after warm-up. Every weight is
+random (std 0.15), the routers' correction biases too (random_hf_model leaves buffers alone)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,7 @@ CASES = {
 
 PROMPT_LENGTHS = [1, 9, 33, 77]
 GREEDY_TOKENS = 32
+CHUNK = 32  # the first chunked step (74 tokens) pads to the whole step's 128: both run one compiled step
 
 
 def hf_model(case: str):
@@ -121,7 +122,8 @@ def test_logits_and_greedy_match_transformers(case, tmp_path_factory):
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=7)
     runner = StaticBatchRunner(loaded, block_size=8)
     greedy, logits = runner.generate(prompts, GREEDY_TOKENS, return_prompt_logits=True)
-    chunked = runner.prompt_logits(prompts, prefill_chunk=16)
+    greedy_chunked, chunked = runner.generate(prompts, GREEDY_TOKENS, return_prompt_logits=True, prefill_chunk=CHUNK)
+    assert greedy_chunked == greedy
     for prompt, got, got_chunked, tokens in zip(prompts, logits, chunked, greedy):
         want = hf_logits(hf, prompt)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -130,9 +132,10 @@ def test_logits_and_greedy_match_transformers(case, tmp_path_factory):
 
 
 def engine_case(case, tmp_path_factory):
-    """Through jaxpaged.LLM: 16-token chunks, a pool small enough to preempt, prompts sharing prefixes."""
+    """Through jaxpaged.LLM: 8-token steps (buckets 4 and 8: prompts in chunks beside decode rows), a pool small
+    enough to preempt (28 blocks of 4), prompts sharing prefixes."""
     hf, folder = saved(case, tmp_path_factory)
-    engine_matches_transformers(hf, folder, VOCAB)
+    engine_matches_transformers(hf, folder, VOCAB, max_num_seqs=4, max_num_batched_tokens=8, num_kv_blocks=28)
 
 
 # -- GLM-4.5 ------------------------------------------------------------------------------------------------------
