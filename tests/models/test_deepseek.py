@@ -162,9 +162,10 @@ def test_mla_reference_equals_its_definition():
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = f(t, heads, nope), f(t, heads, rope), f(t, rank), f(t, rope), f(rank, heads, nope), f(rank, heads, vdim)
     scale = 0.1
-    got = mla_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, cache, 1, md, scale)
+    # each side one compiled program (op by op, their hundreds of small ops each compiled alone)
+    got = jax.jit(mla_reference, static_argnums=(7, 9))(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, cache, 1, md, scale)
     written = write_kv(cache, stack_new_kv([latent_planes(c_kv, k_pe)] * 2), md.slot_mapping)
-    want = naive_mla_attention(q_nope, q_pe, w_uk, w_uv, written, 1, md, scale)
+    want = jax.jit(naive_mla_attention, static_argnums=(5, 7))(q_nope, q_pe, w_uk, w_uv, written, 1, md, scale)
     np.testing.assert_allclose(np.asarray(got)[:15], np.asarray(want)[:15], rtol=2e-5, atol=2e-5)
     assert not np.asarray(got)[15:].any()  # padding rows
     assert np.abs(np.asarray(want)).max() > 0.1
@@ -183,10 +184,11 @@ def test_latent_cache_holds_latent_and_rope_key_per_token():
 
 
 def test_engine_chunked_prefill_preemption_prefix_cache(tmp_path_factory):
-    """Through jaxpaged.LLM: 16-token chunks, a pool small enough to preempt, repeated prompts hitting the prefix cache;
-    greedy tokens equal transformers', nothing compiles after warm-up, and a token costs (R + P) values a layer."""
+    """Through jaxpaged.LLM: 8-token steps (buckets 4 and 8: prompts in chunks beside decode rows), a pool small enough
+    to preempt (28 blocks of 4), repeated prompts hitting the prefix cache; greedy tokens equal transformers', nothing
+    compiles after warm-up, and a token costs (R + P) values a layer."""
     hf, folder = _saved("v3", tmp_path_factory)
-    llm = engine_matches_transformers(hf, folder, VOCAB)
+    llm = engine_matches_transformers(hf, folder, VOCAB, max_num_seqs=4, max_num_batched_tokens=8, num_kv_blocks=28)
     stats = llm.get_stats()
     assert stats["kv_bytes_per_token"] == 2 * (32 + 16) * 4  # 2 layers x (latent + RoPE key) x float32
     assert llm.engine.runner.kv_cache.shape[3] == 1  # one latent "head"
@@ -205,15 +207,15 @@ def test_batch_invariant_attention_is_refused():
 
 def test_engine_with_the_mla_kernel_interpreted(tmp_path_factory):
     """attention_backend="pallas" on the CPU: the absorbed part runs pallas_kernels/mla_gpu.py's Triton kernel in
-    interpret mode (its own test checks it against the reference); greedy tokens equal transformers' through 16-token
-    chunks and decode."""
+    interpret mode (its own test checks it against the reference); greedy tokens equal transformers' through 8-token
+    chunks and decode (buckets 4 and 8)."""
     from jaxpaged.pallas_kernels import TritonAttention
 
     from jaxpaged import LLM, SamplingParams
 
     hf, folder = _saved("v3-kernel", tmp_path_factory)
     prompts = random_prompts(VOCAB, [45, 5, 30], seed=4)
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=4,
               attention_backend="pallas", log_level="WARNING")  # fmt: skip
     assert isinstance(llm.engine.loaded.model.layers[0].self_attn.backend, TritonAttention)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
