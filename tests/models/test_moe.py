@@ -237,15 +237,15 @@ def test_bare_config_json_gets_random_experts(tmp_path):
 
 
 def test_engine_greedy_with_chunked_prefill_and_preemption(saved):
-    """Through jaxpaged.LLM: small token budget (prompts split into chunks) and a small KV pool (preemptions), the
-    tokens of transformers' one-at-a-time greedy, and no compile after warm-up."""
+    """Through jaxpaged.LLM: small token budget (8-token steps: prompts split into chunks) and a small KV pool
+    (preemptions), the tokens of transformers' one-at-a-time greedy, and no compile after warm-up."""
     from jaxpaged import LLM, SamplingParams
 
     _, hf, folder = saved("qwen2moe-shared-dense-layer0")  # one family: the MoE layer is shared
     rng = np.random.default_rng(3)
     prompts = random_prompts(VOCAB, rng.integers(1, 40, size=8).tolist(), seed=4)
     max_tokens = rng.integers(8, 24, size=8).tolist()
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8, num_kv_blocks=12,
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=8, block_size=8, num_kv_blocks=12,
               log_level="WARNING")  # fmt: skip
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -259,8 +259,9 @@ def test_engine_greedy_with_chunked_prefill_and_preemption(saved):
 # -- quantized experts -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["mixtral-8x-top2-gqa2", "qwen2moe-shared-dense-layer0"])
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+# a covering set: each kind once, each expert layout once (Mixtral's experts alone; Qwen2-MoE's beside a shared
+# expert and a dense layer 0); the kind and the layout take separate code paths
+@pytest.mark.parametrize("kind,case", [("int8", "mixtral-8x-top2-gqa2"), ("fp8", "qwen2moe-shared-dense-layer0")])
 def test_quantized_experts_per_expert_and_channel(saved, case, kind):
     """quantization= quantizes every expert kernel per expert and output channel (router gates stay float): the
     logits equal transformers run with those dequantized weights, and stay close to the float model's."""
@@ -317,8 +318,8 @@ def test_moe_kernel_is_a_platform_choice():
 
 def test_engine_with_the_grouped_gemm_kernel_interpreted(saved):
     """moe_kernel="triton" on the CPU runs the GPU's kernel in Pallas' interpret mode in every MoE layer: through the
-    engine (prefill chunks and decode) the greedy tokens are the loop's and transformers', with no compile after
-    warm-up."""
+    engine (8-token prefill chunks and decode) the greedy tokens are transformers' (which the loop's equal: the
+    static-batch and engine tests above), with no compile after warm-up."""
     from flax import nnx
 
     from jaxpaged import LLM, SamplingParams
@@ -327,15 +328,11 @@ def test_engine_with_the_grouped_gemm_kernel_interpreted(saved):
     _, hf, folder = saved("qwen3moe-8x-top2-normed-qknorm")
     prompts = random_prompts(VOCAB, [5, 23, 40], seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    tokens = {}
-    for kernel in ("triton", "loop"):
-        llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
-                  moe_kernel=kernel, log_level="WARNING")  # fmt: skip
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        tokens[kernel] = [o.outputs[0].token_ids for o in outs]
-        assert llm.get_stats()["num_compiles_after_warmup"] == 0
-        if kernel == "triton":
-            model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
-            loops = [m.expert_loop for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoeBlock)]
-            assert len(loops) == 2 and all(loop == GroupedGemmExperts(interpret=True) for loop in loops)
-    assert tokens["triton"] == tokens["loop"] == [hf_greedy(hf, p, 10) for p in prompts]
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=8, moe_kernel="triton",
+              log_level="WARNING")  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
+    model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
+    loops = [m.expert_loop for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoeBlock)]
+    assert len(loops) == 2 and all(loop == GroupedGemmExperts(interpret=True) for loop in loops)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
