@@ -139,7 +139,7 @@ def test_engine_decoding_across_the_switch_recomputes_as_transformers(phi3, asyn
     recompute (the short-factor keys kept) these tokens differ (checked: test_keeping_short_keys_would_differ)."""
     folder, reference = phi3
     prompts, max_tokens = random_prompts(VOCAB, [3, 10, 20, ORIGINAL], seed=7), [30, 24, 12, 6]
-    llm = _llm(folder, max_num_seqs=4, async_scheduling=async_scheduling)
+    llm = _llm(folder, max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=async_scheduling)  # 57 + outputs
     assert _engine_greedy(llm, prompts, max_tokens) == reference(prompts, max_tokens)
     stats = llm.get_stats()
     assert llm.engine.scheduler.num_rope_recomputes == 4 and stats["num_preemptions"] == 0
@@ -176,7 +176,7 @@ def test_engine_preemption_matches_transformers(phi3):
     rng = np.random.default_rng(4)
     prompts = random_prompts(VOCAB, rng.integers(4, 50, size=8).tolist(), seed=8)
     max_tokens = rng.integers(12, 28, size=8).tolist()
-    llm = _llm(folder, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=16)
+    llm = _llm(folder, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=16)
     assert _engine_greedy(llm, prompts, max_tokens) == reference(prompts, max_tokens)
     assert llm.get_stats()["num_preemptions"] > 0
 
@@ -187,7 +187,7 @@ def test_engine_prefix_cache_keeps_the_regimes_apart(phi3):
     folder, reference = phi3
     short = random_prompts(VOCAB, [20], seed=9)[0]
     long = short + random_prompts(VOCAB, [10], seed=10)[0]
-    llm = _llm(folder, max_num_seqs=2, enable_prefix_caching=True)
+    llm = _llm(folder, max_num_seqs=2, max_num_batched_tokens=32, enable_prefix_caching=True)  # each prompt one step
     stats = llm.engine.scheduler.kv
     for prompt, hits in ((short, 0), (short, 16), (long, 0), (long + [5], 24)):
         before = stats.prefix_cache_hits
@@ -202,7 +202,7 @@ def test_engine_speculation_stops_at_the_switch(phi3):
     prompts = [p * 3 for p in random_prompts(VOCAB, [3, 4, 5, 6, 7], seed=11)]
     max_tokens = [30] * len(prompts)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    llm = _llm(folder, max_num_seqs=8, speculative_config=spec)
+    llm = _llm(folder, max_num_seqs=8, max_num_batched_tokens=128, speculative_config=spec)  # the 75 prompt tokens
     scheduler, verified = llm.engine.scheduler, []  # (short regime?, the sequence's length at its last verified row)
     schedule = scheduler.schedule
 
