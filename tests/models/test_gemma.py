@@ -105,21 +105,27 @@ def test_loader_picks_the_architecture_from_config_json(case, tmp_path):
     assert model_config(tmp_path / "config.json").architecture == arch
 
 
-def test_logits_match_transformers(case):
-    _, hf, _, loaded = case
+@pytest.fixture(scope="module")
+def ours(case):
+    """(prompts, our logits at every prompt position, our 32 greedy tokens): all prompts in one ragged prefill step
+    (whose logits are these), then decoded together; one runner, so one compiled prefill and one decode step."""
+    _, _, _, loaded = case
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS)
-    ours = StaticBatchRunner(loaded).prompt_logits(prompts)  # all prompts in one ragged step
-    for prompt, got in zip(prompts, ours):
+    greedy, logits = StaticBatchRunner(loaded, block_size=8).generate(prompts, 32, return_prompt_logits=True)
+    return prompts, logits, greedy
+
+
+def test_logits_match_transformers(case, ours):
+    _, hf, _, _ = case
+    for prompt, got in zip(ours[0], ours[1]):
         want = hf_logits(hf, prompt)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-def test_greedy_tokens_match_transformers(case):
-    _, hf, _, loaded = case
-    prompts = random_prompts(VOCAB, [3, 21, 50], seed=7)
-    ours = StaticBatchRunner(loaded, block_size=8).generate(prompts, 32)
-    for prompt, got in zip(prompts, ours):
+def test_greedy_tokens_match_transformers(case, ours):
+    _, hf, _, _ = case
+    for prompt, got in zip(ours[0], ours[2]):
         assert got == hf_greedy(hf, prompt, 32)
 
 
@@ -236,10 +242,11 @@ def _run(llm: LLM, prompts, max_tokens) -> list[list[int]]:
 
 
 def test_gemma3_engine_with_chunked_prefill_and_preemption_matches_transformers(checkpoints):
-    """KV cache groups (2 local layers, 1 global): a block serves one layer, so 18 blocks are 6 of every layer."""
+    """KV cache groups (2 local layers, 1 global): a block serves one layer, so 18 blocks are 6 of every layer. 8-token
+    steps (buckets 4 and 8): prompts of up to 40 tokens in chunks beside decode rows."""
     hf, folder = checkpoints("gemma3-text-untied-local-rope")
     prompts, max_tokens, expected = _workload(hf, 12, seed=21)
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, block_size=8, num_kv_blocks=18,
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=8, block_size=8, num_kv_blocks=18,
               log_level="WARNING")  # fmt: skip
     chunks = []
     original = llm.engine.scheduler.schedule
@@ -259,10 +266,11 @@ def test_gemma3_engine_with_chunked_prefill_and_preemption_matches_transformers(
 
 
 def test_gemma2_soft_cap_and_windows_through_the_pallas_kernel(checkpoints):
-    """The GPU kernel (interpreted here) with Gemma 2's attention soft-cap and windows, in the engine."""
+    """The GPU kernel (interpreted here) with Gemma 2's attention soft-cap and windows, in the engine (8-token steps:
+    buckets 4 and 8, prompts of up to 40 tokens in chunks)."""
     hf, folder = checkpoints("gemma2-window8-softcaps")
     prompts, max_tokens, expected = _workload(hf, 4, seed=31)
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, block_size=8,
               attention_backend="pallas", log_level="WARNING")  # fmt: skip
     spec = llm.engine.loaded.model.layers[0].self_attn.spec
     assert spec.soft_cap == 5.0 and spec.sliding_window == 8
