@@ -32,7 +32,7 @@ def test_the_workload_is_the_issues():
 def test_a_stage_that_does_not_fit_the_budget_is_dropped_and_named(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "gpu_report.py"), "--tiny", "--budget-s", "45", "--stages", "weights,cold,attention",
+        [sys.executable, str(REPO / "scripts" / "gpu_report.py"), "--tiny", "--budget-s", "70", "--stages", "weights,cold",
          "--out", str(tmp_path), "--name", "r", "--work", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
     )  # fmt: skip
@@ -41,7 +41,9 @@ def test_a_stage_that_does_not_fit_the_budget_is_dropped_and_named(tmp_path):
     weights = report["stages"]["weights"]
     assert weights["rc"] == 0 and weights["weights"]["bytes"] > 0  # drawn and saved as safetensors
     assert (tmp_path / "work" / "tiny" / "config.json").exists()
-    assert any(d.startswith("cold (needs 60 s") for d in report["dropped"])  # 45 s cannot hold a cold start
+    # after the weights, less than 70 - 10 (the reserve) is left: not the 60 s a cold start needs. (45 s left the weights
+    # stage 35 s, which a loaded 2-core machine once overran.)
+    assert any(d.startswith("cold (needs 60 s") for d in report["dropped"])
     assert "cold" not in report["stages"]
     assert "dropped: cold" in (tmp_path / "r.md").read_text()
 
