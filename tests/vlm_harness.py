@@ -79,3 +79,38 @@ class VLMRunner:
         mm = MultimodalStep(jnp.asarray(mm_rows), cache, None if mrope is None else jnp.asarray(mrope))
         out = np.asarray(self._logits(self.state, jnp.asarray(ids), jnp.asarray(positions), kv, md, mm))
         return [out[qsl[i] : qsl[i + 1]] for i in range(len(requests))]
+
+
+def png_data_url(image) -> str:
+    """A PIL image as the data URL an OpenAI client sends: PNG, lossless, so the server sees the same pixels."""
+    import base64
+    import io
+
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+def greedy_chat_through_server(llm, messages: list, max_tokens: int) -> dict:
+    """`llm`'s engine behind the OpenAI app, in this process (ASGI, no socket): the JSON reply to one greedy chat
+    completion of `messages`, EOS ignored. The engine is shut down after."""
+    import asyncio
+
+    import httpx
+
+    from jaxpaged.engine.async_engine import AsyncLLMEngine
+    from jaxpaged.entrypoints.openai import ServerSettings, build_app
+
+    engine = AsyncLLMEngine(llm.engine)
+    app = build_app(engine, ServerSettings(["m"]))
+    engine.start()
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as http:
+            body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            return (await http.post("/v1/chat/completions", json=body)).json()
+
+    try:
+        return asyncio.run(ask())
+    finally:
+        engine.shutdown()

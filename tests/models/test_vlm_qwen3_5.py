@@ -11,18 +11,14 @@ step shape in the engine."""
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import dataclasses
-import io
 
-import httpx
 import numpy as np
 import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.utils.text import ChatPrompt
 
-from tests.vlm_harness import VLMRunner
+from tests.vlm_harness import VLMRunner, greedy_chat_through_server, png_data_url
 from tests.vlm_models import hf_vlm_greedy, hf_vlm_logits, qwen3_5_checkpoint, qwen_vl_cases
 
 SEED = 1
@@ -125,31 +121,13 @@ def test_an_image_chat_through_the_server(tmp_path_factory):
     """The server's chat path in-process over the same engine: the chat case's picture as an `image_url` data URL
     reaches transformers' prompt tokens (its chat template and processor) and LLM.chat's answer, which equals
     transformers'."""
-    from jaxpaged.engine.async_engine import AsyncLLMEngine
-    from jaxpaged.entrypoints.openai import ServerSettings, build_app
-
     hf, processor, _, _ = _checkpoint("dense", tmp_path_factory)
     llm = _llm(tmp_path_factory)
     spec, hf_in = _cases(processor)["image-mid-chat"]
     chat = spec["messages"]
     (want,) = llm.chat(chat, GREEDY, use_tqdm=False)
     assert list(want.outputs[0].token_ids) == _hf_greedy(hf, hf_in, "image-mid-chat")
-    png = io.BytesIO()
-    chat[2]["content"][0]["image"].save(png, format="PNG")  # (lossless: the same pixels)
-    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    chat[2]["content"][0] = {"type": "image_url", "image_url": {"url": url}}
-    engine = AsyncLLMEngine(llm.engine)
-    app = build_app(engine, ServerSettings(["m"]))
-    engine.start()
-
-    async def ask():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as http:
-            body = {"model": "m", "messages": chat, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            return (await http.post("/v1/chat/completions", json=body)).json()
-
-    try:
-        reply = asyncio.run(ask())
-    finally:
-        engine.shutdown()
+    chat[2]["content"][0] = {"type": "image_url", "image_url": {"url": png_data_url(chat[2]["content"][0]["image"])}}
+    reply = greedy_chat_through_server(llm, chat, 8)
     assert reply["usage"]["prompt_tokens"] == hf_in["input_ids"].shape[1] == len(want.prompt_token_ids)
     assert reply["choices"][0]["message"]["content"] == want.outputs[0].text
