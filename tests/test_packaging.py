@@ -18,6 +18,7 @@ import pytest
 
 from tests import REPO
 from tests.cycle_model import CYCLE_TEXT, write_cycle_model
+from tests.native_kernels import copy_built_kernels
 
 
 @pytest.fixture(scope="module")
@@ -109,18 +110,6 @@ def _pinned(requirement: str) -> str:
         return requirement
 
 
-def _copy_built_kernels(cache: Path) -> None:
-    """The native CPU kernels this process has built, into a fresh cache (the same sources, JAX version, flags and
-    CPU name the same files), so a run there does not compile them from C++ again (~25 s of CPU each)."""
-    from jaxpaged.platforms.cpu import attention, matmul, native_build
-
-    for built, there in ((attention.library_path(), attention.library_path(str(cache))),
-                         (native_build.library_path(matmul.SOURCE), native_build.library_path(matmul.SOURCE, cache_dir=str(cache)))):  # fmt: skip
-        if built.exists():
-            there.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(built, there)
-
-
 def _index_reachable() -> str | None:
     """None if pip's index answers, else why not."""
     import urllib.request
@@ -165,7 +154,7 @@ def test_an_offline_gpu_image_installs_with_no_deps_and_generates(tmp_path):
     # a bare config.json (random weights) beside tokenizer files: the cycle model without its weights
     model = write_cycle_model(tmp_path / "model")
     (model / "model.safetensors").unlink()
-    _copy_built_kernels(tmp_path / "cache")  # the wheel test above builds them from installed sources; not again here
+    copy_built_kernels(tmp_path / "cache")  # the wheel test above builds them from installed sources; not again here
     run = subprocess.run([python, "-m", "jaxpaged.generate", "--model", str(model / "config.json"), "--max-tokens", "4",
                           "Hello"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr

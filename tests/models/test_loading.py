@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from jaxpaged.models.loader import load_model
 
 from tests.gguf_writer import write_llama_gguf
 from tests.hf_reference import hf_logits, random_hf_model, random_prompts, save_hf_model, tiny_llama_config
+from tests.native_kernels import copy_built_kernels
 from tests.static_batch import StaticBatchRunner
 
 
@@ -201,13 +201,9 @@ def test_a_second_start_compiles_no_weight_programs(tiny_hf, tmp_path):
     same shapes compiles none of them (on a GPU each is a good part of a second of start-up) and gets the same weights."""
     folder = save_hf_model(tiny_hf, tmp_path / "m")
     env = {**os.environ, "JAXPAGED_CACHE_DIR": str(tmp_path / "cache")}
-    # the native CPU attention kernel the loader asks for, already built into this process's cache: its C++ build
-    # (~25 s of CPU in the first run) is no part of what is counted here
-    from jaxpaged.platforms.cpu import attention
-
-    if attention.library_path().exists():
-        attention.library_path(str(tmp_path / "cache")).parent.mkdir(parents=True)
-        shutil.copy(attention.library_path(), attention.library_path(str(tmp_path / "cache")))
+    # the native CPU kernels the loader asks for, already built into this process's cache: their C++ build (~25 s of
+    # CPU in the first run) is no part of what is counted here
+    copy_built_kernels(tmp_path / "cache")
     runs = [json.loads(subprocess.run([sys.executable, "-c", _LOAD_AND_COUNT, str(folder)], env=env, check=True,
                                       capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]  # fmt: skip
     assert runs[0]["compiles"] >= 3  # float32 -> bfloat16 casts, transposed and not
