@@ -8,7 +8,8 @@
 - MoE layers (`moe_layers`, from `interleave_moe_layer_step`): a sigmoid router over the top-k logits whose score
   scales each expert's input (not its output), plus an always-on shared expert; the other layers a dense MLP
   `intermediate_size_mlp` wide.
-Chunked layers run on backends with `supports_chunks` (the reference); a kernel without it serves the other layers.
+Every built-in attention backend honours the chunk (`supports_chunks`: the reference, the native CPU kernel, the Triton
+and Mosaic kernels); a backend without it would serve the other layers and leave the chunked ones to the reference.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Llama4Attention(Attention):
 
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, attention: AttentionBackend):
         chunk = cfg.option("chunk_size") if layer in cfg.option("chunked_layers", ()) else None
-        if chunk is not None and not attention.supports_chunks:  # a kernel without chunks: this layer on the reference
+        if chunk is not None and not attention.supports_chunks:  # a backend without chunks: this layer on the reference
             attention = REFERENCE_ATTENTION
         super().__init__(cfg, layer, dtype=dtype, attention=attention)
         if chunk is not None:

@@ -61,6 +61,7 @@ class PallasAttention(AttentionBackend):
     """A Pallas kernel; interpret=True runs it on any device (tests, CPU)."""
 
     name: ClassVar[str] = "pallas"
+    supports_chunks: ClassVar[bool] = True
     interpret: bool = False
 
     def kernel(self):

@@ -35,7 +35,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxpaged.pallas_kernels.metadata import AttentionMetadata, AttentionSpec
-from jaxpaged.pallas_kernels.tiles import MASK_VALUE, check_head_dim, decode_kv, kv_operands, query_tiles, tile_shape
+from jaxpaged.pallas_kernels.tiles import (
+    MASK_VALUE,
+    check_head_dim,
+    decode_kv,
+    first_visible,
+    is_local,
+    kv_operands,
+    query_tiles,
+    tile_shape,
+)
 
 MIN_ROWS = 16  # tl.dot's smallest M, N and K
 MAX_SPLITS = 16
@@ -114,7 +123,7 @@ def _kernel(
 ):  # fmt: skip
     scale_ref, out_refs = (refs[0], refs[1:]) if kv_kind else (None, refs)  # an int8/fp8 cache's scales
     key_end_ref, out_refs = (out_refs[0], out_refs[1:]) if bidirectional else (None, out_refs)  # image spans (Gemma 3)
-    scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
+    scale, soft_cap = spec.scale, spec.soft_cap
     tile, split = pl.program_id(0), pl.program_id(2)
     n_tok = tile_len_ref[tile]
     rows = tokens_per_tile * group_pad
@@ -150,7 +159,8 @@ def _kernel(
             pv = plgpu.dot((p if v_scale is None else p * v_scale[None, :]).astype(v.dtype), v, precision=precision)
             return acc * correction[:, None] + pv, new_peak, denom * correction + jnp.sum(p, axis=1)
 
-        lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
+        lowest = first_visible(pos0, spec)  # the first key any row of the tile sees (its window's or chunk's)
+        row_lowest = first_visible(row_pos, spec)[:, None] if is_local(spec) else None  # [rows, 1] each row's
 
         def cached_iter(j, carry):
             key_pos = j * kv_chunk + offsets
@@ -159,8 +169,8 @@ def _kernel(
             k = cache_ref[k_base + block, within]
             v = cache_ref[v_base + block, within]
             mask = jnp.broadcast_to(key_pos[None, :] < cached, (rows, kv_chunk))
-            if sliding_window is not None:
-                mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
+            if row_lowest is not None:  # a sliding window or a chunk
+                mask &= key_pos[None, :] >= row_lowest
             if kv_kind:
                 k_scale, v_scale = scale_ref[k_base + block, within], scale_ref[v_base + block, within]
                 k, v = decode_kv(k, kv_kind, q.dtype), decode_kv(v, kv_kind, q.dtype)
@@ -195,8 +205,8 @@ def _kernel(
             v = v_new_ref[pl.ds(start, kv_chunk), :]
             key_pos = cached + start - q_start + offsets
             mask = key_pos[None, :] <= row_end[:, None]
-            if sliding_window is not None:
-                mask &= key_pos[None, :] > row_pos[:, None] - sliding_window
+            if row_lowest is not None:  # a sliding window or a chunk
+                mask &= key_pos[None, :] >= row_lowest
             return fold(carry, k, v, mask, key_pos)
 
         new_iters = jnp.where(split == num_splits - 1, pl.cdiv(last_new - first_new, kv_chunk), 0)  # the last split's

@@ -27,6 +27,23 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
+def first_visible(pos, spec):
+    """The first key position a query at `pos` (>= 0; a scalar or an int32 array) sees: its sliding window's first
+    or its chunk's (chunked local attention), whichever is later; 0 (a Python int) with neither. lax.div rather
+    than //: Mosaic lowers floor division through sign(), which needs a TPU to lower."""
+    lowest = 0
+    if spec.sliding_window is not None:
+        lowest = jnp.maximum(lowest, pos - spec.sliding_window + 1)
+    if spec.chunk_size is not None:
+        lowest = jnp.maximum(lowest, jax.lax.div(pos, jnp.int32(spec.chunk_size)) * spec.chunk_size)
+    return lowest
+
+
+def is_local(spec) -> bool:
+    """Whether spec limits how far back a query sees (a sliding window or a chunk)."""
+    return spec.sliding_window is not None or spec.chunk_size is not None
+
+
 def num_query_tiles(num_tokens: int, num_seqs: int, tokens_per_tile: int) -> int:
     """Static bound: sum over sequences of ceil(q_len / tile) <= ceil(T / tile) + S, and <= T."""
     return max(1, min(num_tokens, -(-num_tokens // tokens_per_tile) + num_seqs))

@@ -34,6 +34,8 @@ from jaxpaged.pallas_kernels.tiles import (
     MASK_VALUE,
     check_head_dim,
     decode_kv,
+    first_visible,
+    is_local,
     kv_operands,
     query_tiles,
     tile_shape,
@@ -81,7 +83,7 @@ def _kernel(
         k_scale_buf = v_scale_buf = None
         o_ref, *refs = refs
     k_buf, v_buf, k_new_buf, v_new_buf, sems, table_buf, table_sems, acc_ref, peak_ref, denom_ref, state_ref = refs
-    scale, sliding_window, soft_cap = spec.scale, spec.sliding_window, spec.soft_cap
+    scale, soft_cap = spec.scale, spec.soft_cap
     tile, head = pl.program_id(0), pl.program_id(1)
     num_tiles, num_heads = pl.num_programs(0), pl.num_programs(1)
     rows = q_ref.shape[0]
@@ -96,7 +98,7 @@ def _kernel(
         q_start, q_end = query_start_ref[seq], query_start_ref[seq + 1]
         cached = seq_lens_ref[seq] - (q_end - q_start)
         pos0 = cached + t0 - q_start
-        lowest = 0 if sliding_window is None else jnp.maximum(0, pos0 - sliding_window + 1)
+        lowest = first_visible(pos0, spec)  # its window's or its chunk's first
         first_page = div(lowest, block_size)
         end_page = div(cached + block_size - 1, block_size)
         num_pages = jnp.where((n_tok > 0) & (cached > lowest), end_page - first_page, 0)
@@ -157,8 +159,8 @@ def _kernel(
             s = s + slope_ref[...] * (key_pos - row_pos).astype(jnp.float32)
         row_end = row_pos if row_end_ref is None else jnp.maximum(row_pos, row_end_ref[...])  # image spans: past itself
         mask = (key_pos <= row_end) & extra_mask
-        if sliding_window is not None:
-            mask &= key_pos > row_pos - sliding_window
+        if is_local(spec):  # a sliding window or a chunk
+            mask &= key_pos >= first_visible(row_pos, spec)
         s = jnp.where(mask, s, MASK_VALUE)
         softmax_fold(acc_ref, peak_ref, denom_ref, s, mask, v, precision=precision, p_scale=v_scale)
 

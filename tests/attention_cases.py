@@ -2,8 +2,9 @@
 
 ACCELERATOR_CASES is the list a compiled kernel is checked on where there is a GPU or TPU
 (scripts/check_accelerator.py and tests/kernels/test_compiled_attention.py): float32 and bfloat16, GQA ratios 1, 4
-and 8, sliding windows, soft-caps and ALiBi, block sizes 16 to 128 and head dims 64, 128 and 256, over decode rows,
-prefill chunks on cached context and fresh prompts. SMOKE_CASES are two small ones for interpret mode on a CPU."""
+and 8, sliding windows, soft-caps, ALiBi and chunked local attention, block sizes 16 to 128 and head dims 64, 128 and
+256, over decode rows, prefill chunks on cached context and fresh prompts. SMOKE_CASES are two small ones for
+interpret mode on a CPU."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ class Case:
     num_real_tokens: int
 
 
-def attention_args(scale, sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None):
+def attention_args(scale, sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None, chunk_size=None):
     """The kernels' trailing arguments, (AttentionSpec, alibi_slopes, sinks), from keywords."""
-    return AttentionSpec(scale, sliding_window, soft_cap), alibi_slopes, sinks
+    return AttentionSpec(scale, sliding_window, soft_cap, chunk_size), alibi_slopes, sinks
 
 
 def random_case(
@@ -98,6 +99,7 @@ class KernelCase:
     soft_cap: float | None = None
     alibi: bool = False
     sinks: bool = False  # GPT-OSS's per-head sink logits
+    chunk_size: int | None = None  # chunked local attention (Llama 4)
 
     @property
     def atol(self) -> float:
@@ -110,7 +112,7 @@ class KernelCase:
         slopes = jnp.asarray(2.0 ** -np.arange(1, self.num_heads + 1, dtype=np.float32) * 4) if self.alibi else None
         sinks = jnp.asarray(np.linspace(-2.0, 3.0, self.num_heads, dtype=np.float32)) if self.sinks else None
         return dict(scale=self.head_dim**-0.5, sliding_window=self.sliding_window, soft_cap=self.soft_cap, alibi_slopes=slopes,
-                    sinks=sinks)  # fmt: skip
+                    sinks=sinks, chunk_size=self.chunk_size)  # fmt: skip
 
     def build(self) -> Case:
         rng = np.random.default_rng(zlib.crc32(self.name.encode()))
@@ -192,6 +194,9 @@ def _accelerator_cases() -> list[KernelCase]:
             cases.append(KernelCase(name, seq_lens, q_lens, h, kv, d, bs, dtype, window, cap, alibi))
         # GPT-OSS's layers: sinks, GQA 8, head_dim 64, a 128-token window on a mixed step
         cases.append(KernelCase(f"{short}-sinks-window-bs16-h64kv8-d64", *_MIXED, 64, 8, 64, 16, dtype, 128, sinks=True))
+        # Llama 4's RoPE layers: chunked local attention (GQA 5, padded; head_dim 128), 48-token chunks (not whole
+        # blocks) that the prefill chunks cross
+        cases.append(KernelCase(f"{short}-chunk48-bs32-h40kv8-d128", *_CHUNKED, 40, 8, 128, 32, dtype, chunk_size=48))
     return cases
 
 

@@ -1,5 +1,5 @@
 """The compiled kernel equals the definition on a GPU or TPU: tests/attention_cases.py's ACCELERATOR_CASES (f32 and
-bf16, GQA 1/4/8, windows, soft-caps, ALiBi, block sizes 16-128, head dims 64/128/256), the list
+bf16, GQA 1/4/8, windows, soft-caps, ALiBi, chunked local attention, block sizes 16-128, head dims 64/128/256), the list
 scripts/check_accelerator.py checks too. Skipped elsewhere, where tests/kernels/test_pallas_attention.py runs the
 kernels interpreted; what runs here on a CPU is that the list covers what it promises."""
 
@@ -51,5 +51,6 @@ def test_accelerator_cases_cover_the_promised_features():
     for dtype in ("float32", "bfloat16"):
         of = [c for c in cases if c.dtype == dtype]
         assert any(c.sliding_window for c in of) and any(c.soft_cap for c in of) and any(c.alibi for c in of), dtype
+        assert any(c.chunk_size for c in of), dtype
         assert any(max(c.q_lens) == 1 for c in of) and any(q == n for c in of for q, n in zip(c.q_lens, c.seq_lens) if q > 1)
     assert len({c.name for c in cases + SMOKE_CASES}) == len(cases) + len(SMOKE_CASES)

@@ -98,6 +98,20 @@ def test_sliding_window_and_soft_cap(kernel, window, cap):
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("chunk,window,block_size", [(32, None, 16), (40, 24, 8)])  # whole blocks; not, in a window
+def test_chunked_local_attention(kernel, chunk, window, block_size):
+    """Llama 4's chunked layers: a query sees its own chunk only, [pos // chunk * chunk, pos]. Prefill chunks that
+    cross chunk boundaries, start on one or end just past one, beside decode rows at a chunk's first position and
+    its last; GQA 5 (a padded group)."""
+    rng = np.random.default_rng(chunk + block_size)
+    case = random_case(
+        rng, seq_lens=[130, 64, 33, 300, 81], q_lens=[70, 32, 1, 1, 2], num_heads=10, num_kv_heads=2, head_dim=32,
+        block_size=block_size,
+    )  # fmt: skip
+    _check(KERNELS[kernel], case, 1e-5, scale=32**-0.5, chunk_size=chunk, sliding_window=window)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("heads,window", [((8, 1), 24), ((3, 3), None), ((6, 2), 7)])
 def test_alibi(kernel, heads, window):
     """ALiBi slopes per query head, with GQA/MQA groups (padded when not a power of two) and windows, and without
@@ -205,9 +219,9 @@ def _export(kernel, platform, dtype, block_size, head_dim, tokens=64, seqs=32, *
     )
     alibi = jnp.linspace(0.5, 0.01, heads, dtype=jnp.float32) if block_size == 16 else None  # with and without
     sinks = jnp.linspace(-1.0, 1.0, heads, dtype=jnp.float32) if block_size != 16 else None  # with and without
+    spec = AttentionSpec(0.1, 64, 30.0, chunk_size=256 if block_size == 64 else None)  # chunked local attention too
     fn = jax.jit(
-        lambda q, k, v, c, layer, attn_metadata: kernel(q, k, v, c, layer, attn_metadata, AttentionSpec(0.1, 64, 30.0), alibi,
-                                                        sinks, **kw)
+        lambda q, k, v, c, layer, attn_metadata: kernel(q, k, v, c, layer, attn_metadata, spec, alibi, sinks, **kw)
     )  # fmt: skip
     with lowering_for(platform):
         exported = export.export(fn, platforms=[platform], **export_checks(platform))(
@@ -249,6 +263,10 @@ def test_split_kv_decode_equals_definition(kernel):
         run = functools.partial(gpu_paged_attention, interpret=True, launch=launch)
         sinks = jnp.linspace(-1.0, 3.0, 8, dtype=jnp.float32) if with_sinks else None
         _check(run, case, 1e-5, scale=32**-0.5, soft_cap=25.0, sliding_window=window, sinks=sinks)
+    # chunked local attention: each split's share starts at the chunk's first key (splits past the chunk see none)
+    launch = LaunchConfig(rows=16, kv_chunk=16, num_warps=4, num_stages=2, num_splits=4)
+    run = functools.partial(gpu_paged_attention, interpret=True, launch=launch)
+    _check(run, case, 1e-5, scale=32**-0.5, chunk_size=320)
 
 
 def test_split_kv_takes_the_splits_the_live_sequences_need():

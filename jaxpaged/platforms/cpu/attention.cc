@@ -73,6 +73,7 @@ struct Problem {
   float* out;                // [T, H, D]
   int64_t num_tokens, num_seqs, width, num_blocks, num_kv_heads, group, block_size, head_dim, layer;
   int64_t storage, window;   // window 0: none
+  int64_t chunk;             // chunked local attention: a query at pos sees [pos / chunk * chunk, pos]; 0: none
   float scale, soft_cap;     // soft_cap 0: none
   bool alibi;
 };
@@ -255,13 +256,14 @@ inline void fold_tile(const Problem& p, const float* __restrict q, const float* 
   const int64_t padded = (p.block_size + kLanes - 1) / kLanes * kLanes;  // scores per tile, in whole vectors
   const float neg_inf = -std::numeric_limits<float>::infinity();
   block_scores<kD, kElem>(q, k, n, D, p.scale, sr, next_k, row_bytes);
-  if (p.soft_cap > 0.0f || p.alibi || p.window > 0) {
+  if (p.soft_cap > 0.0f || p.alibi || p.window > 0 || p.chunk > 0) {
     for (int64_t c = 0; c < n; ++c) {
       const int64_t key = key0 + c;
       float score = sr[c];
       if (p.soft_cap > 0.0f) score = p.soft_cap * std::tanh(score / p.soft_cap);
       if (p.alibi) score += p.slopes[h] * static_cast<float>(key - pos);
       if (p.window > 0 && key <= pos - p.window) score = neg_inf;
+      if (p.chunk > 0 && key < pos / p.chunk * p.chunk) score = neg_inf;
       sr[c] = score;
     }
   }
@@ -286,8 +288,16 @@ inline void fold_tile(const Problem& p, const float* __restrict q, const float* 
   m = new_peak;
 }
 
+// The first position a query at pos (>= 0) sees: its sliding window's or its chunk's first, else 0.
+inline int64_t first_visible(const Problem& p, int64_t pos) {
+  int64_t lowest = 0;
+  if (p.window > 0) lowest = std::max<int64_t>(lowest, pos + 1 - p.window);
+  if (p.chunk > 0) lowest = std::max<int64_t>(lowest, pos / p.chunk * p.chunk);
+  return lowest;
+}
+
 // Rows [row0, row0 + rows) of sequence `seq`, every query head: each row sees the positions
-// [0, cached) from the cache (less any outside its sliding window), then this step's keys of its
+// [0, cached) from the cache (less any outside its sliding window or chunk), then this step's keys of its
 // sequence up to its own. Cached blocks are read once, all KV heads together. kD > 0 fixes the head
 // dim at compile time.
 template <int64_t kD, int64_t kElem, typename Tile>
@@ -314,7 +324,8 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
   }
   const int64_t start = p.starts[seq];
   const int64_t first = row0 - start;  // the item's first row, counted among its sequence's new tokens
-  const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, (cached + first + 1 - p.window) / bs) : 0;
+  const int64_t lowest = first_visible(p, cached + first);  // the item's first row sees least far back
+  const int64_t first_block = lowest / bs;
   const int64_t blocks = std::min((cached + bs - 1) / bs, p.width);
   const int64_t tile_size = bs * D, tile_bytes = tile_size * kElem;
   const int32_t* table = p.tables + seq * p.width;
@@ -361,7 +372,7 @@ void attend(const Problem& p, int64_t seq, int64_t row0, int64_t rows, int64_t c
   }
   for (int64_t j0 = 0; j0 < seen; j0 += bs) {
     const int64_t n = std::min(bs, seen - j0);
-    if (p.window > 0 && j0 + n - 1 <= first - p.window) continue;  // outside every row's window
+    if (cached + j0 + n - 1 < lowest) continue;  // outside every row's window or chunk
     for (int64_t kv_head = 0; kv_head < H_kv; ++kv_head) {
       for (int64_t c = 0; c < n; ++c) {
         const int64_t from = ((start + j0 + c) * H_kv + kv_head) * D;
@@ -462,7 +473,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::F32> slopes,
                               ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> key_ends,
                               ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t storage, int64_t window,
-                              float scale, float soft_cap, bool alibi, bool use_sinks, bool bidirectional) {
+                              int64_t chunk, float scale, float soft_cap, bool alibi, bool use_sinks,
+                              bool bidirectional) {
   const auto qd = q.dimensions(), kd = k_new.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || cd.size() != 6 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged attention: q must be [T, H, D], the cache 6-d, tables [S, W]");
@@ -484,6 +496,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   p.layer = layer;
   p.storage = storage;
   p.window = window;
+  p.chunk = chunk;
   p.scale = scale;
   p.soft_cap = soft_cap;
   p.alibi = alibi;
@@ -566,6 +579,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("storage")
                                   .Attr<int64_t>("window")
+                                  .Attr<int64_t>("chunk")
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<bool>("alibi")

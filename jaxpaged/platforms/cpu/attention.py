@@ -86,8 +86,9 @@ def cpu_paged_attention(q, k, v, kv_cache, layer: int, attn_metadata: AttentionM
     out = call(
         f32(q), f32(k), f32(v), kv_cache, scales, attn_metadata.block_tables, attn_metadata.seq_lens, attn_metadata.query_start_loc, slopes, sink_logits,
         jnp.zeros((1,), jnp.int32) if key_ends is None else key_ends.astype(jnp.int32),
-        layer=layer, storage=storage, window=spec.sliding_window or 0, scale=np.float32(spec.scale),
-        soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None, use_sinks=sinks is not None,
+        layer=layer, storage=storage, window=spec.sliding_window or 0, chunk=spec.chunk_size or 0,
+        scale=np.float32(spec.scale), soft_cap=np.float32(spec.soft_cap or 0.0), alibi=alibi_slopes is not None,
+        use_sinks=sinks is not None,
         bidirectional=key_ends is not None,
     )  # fmt: skip
     return out.astype(q.dtype)
@@ -98,6 +99,7 @@ class NativeCpuAttention(AttentionBackend):
     """The C++ kernel behind the AttentionBackend interface."""
 
     name = "native"
+    supports_chunks = True
 
     def __call__(self, q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes=None, sinks=None):
         return cpu_paged_attention(q, k, v, kv_cache, layer, attn_metadata, spec, alibi_slopes, sinks)
