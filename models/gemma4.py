@@ -21,8 +21,8 @@ Gemma4ForConditionalGeneration:
 One KV array serves every layer, so it has the largest head dim and KV-head count of any layer: a layer with fewer
 KV heads repeats them (as tensor parallelism does), one with a smaller head dim is zero-padded (q too; scores and
 outputs are unchanged, the padded output features are dropped). The padding falls on the sliding layers, whose
-groups hold about a window of blocks. Not supported: tensor and pipeline parallelism, bidirectional attention
-("all"), images, video and audio (their towers are skipped).
+groups hold about a window of blocks. Images: models/vision/gemma4.py. Not supported: tensor and pipeline
+parallelism, bidirectional attention ("all"), video and audio (the audio tower is skipped).
 """
 
 from __future__ import annotations
@@ -228,16 +228,21 @@ class Gemma4ForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, kv_cache, attn_metadata):
         """As CausalLM's; the new K/V only of the layers that keep it (cfg.kv_layers), in that order."""
+        return self.run(input_ids, self.embed(input_ids, positions), positions, kv_cache, attn_metadata)
+
+    def run(self, input_ids, x, positions, kv_cache, attn_metadata):
+        """The layers over embeddings x; the per-layer inputs read input_ids and x. key_ends (an image's tokens
+        seeing each other: models/vision/gemma4.py) reach the sliding layers only, as transformers' masks."""
         cfg = self.config
-        x = self.embed(input_ids, positions)
         ple = None if self.embed_tokens_per_layer is None else self.per_layer_inputs(input_ids, x)
         ropes = dict(cfg.option("ropes"))
         tables = self.shared(lambda: {kind: _rope_table(ropes[kind], positions, attn_metadata) for kind in ropes}, positions)
+        causal = attn_metadata if attn_metadata.key_ends is None else dataclasses.replace(attn_metadata, key_ends=None)
         latest: dict[str, tuple] = {}  # kind -> the K/V of the last layer of that kind that computed one
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, None if ple is None else ple[:, i], tables[layer.kind], kv_cache, attn_metadata,
-                          latest.get(layer.kind))  # fmt: skip
+            md = attn_metadata if layer.kind == SLIDING else causal
+            x, kv = layer(x, None if ple is None else ple[:, i], tables[layer.kind], kv_cache, md, latest.get(layer.kind))
             if kv is not None:
                 new_kv.append(kv)
                 latest[layer.kind] = kv
@@ -307,9 +312,9 @@ class Gemma4ForCausalLM(CausalLM):
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
-    """The language model of a Gemma 4 image-text(-audio) checkpoint (`model.language_model.*`), for text prompts:
-    the vision and audio towers and their embedders are skipped, not ported. Its head is tied by the top-level
-    `tie_word_embeddings`, as transformers reads it."""
+    """The language model of a Gemma 4 image-text(-audio) checkpoint (`model.language_model.*`), its towers and
+    their embedders skipped: the base of models/vision/gemma4.py's port, which reads the vision tower. Its head is
+    tied by the top-level `tie_word_embeddings`, as transformers reads it."""
 
     CHECKPOINT_RENAMES = ((r"^model\.language_model\.", "model."),)
     SKIPPED_TENSORS = (  # the towers first: their own k_proj/v_proj would match the shared-K/V rule
@@ -407,6 +412,8 @@ def gemma4_config(hf_config, architecture: str) -> ModelConfig:
         "ple_size": ple,
         "ple_vocab_size": int(getattr(text, "vocab_size_per_layer_input", 0) or text.vocab_size) if ple else 0,
         "double_wide_mlp": bool(getattr(text, "use_double_wide_mlp", False)),
+        # an image's tokens see each other on the sliding layers (Gemma 4's larger models; models/vision/gemma4.py)
+        "bidirectional_images": getattr(text, "use_bidirectional_attention", None) == "vision",
         "final_logit_softcapping": None if text.final_logit_softcapping is None else float(text.final_logit_softcapping),
         "no_tensor_parallel": f"{architecture} is not split over devices yet (its layers differ in head dim and KV "
                               "heads, which the KV heads' split and repetition do not handle)",

@@ -6,7 +6,7 @@ from jaxpaged.models.bloom import BloomForCausalLM
 from jaxpaged.models.deepseek import DeepseekForCausalLM
 from jaxpaged.models.falcon import FalconForCausalLM
 from jaxpaged.models.gemma import GemmaForCausalLM
-from jaxpaged.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from jaxpaged.models.gemma4 import Gemma4ForCausalLM
 from jaxpaged.models.glm4_moe import Glm4MoeForCausalLM
 from jaxpaged.models.granite import GraniteForCausalLM
 from jaxpaged.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
@@ -26,6 +26,7 @@ from jaxpaged.models.opt import OPTForCausalLM
 from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
 from jaxpaged.models.pooling_head import POOLING_ARCHITECTURES, port_architecture
 from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
+from jaxpaged.models.vision.gemma4 import Gemma4ForConditionalGeneration
 from jaxpaged.models.vision.llava import LlavaForConditionalGeneration
 from jaxpaged.models.vision.mistral3 import Mistral3ForConditionalGeneration
 from jaxpaged.models.vision.qwen3_5 import Qwen3_5ForConditionalGeneration
@@ -72,7 +73,7 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # + SigLIP and the projector (models/vision/)
     "Gemma4ForCausalLM": Gemma4ForCausalLM,  # per-layer embeddings, shared K/V, global layers' own head dim, MoE
-    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # its language model only (text prompts)
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # + its vision tower (models/vision/); audio skipped
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # Qwen2 with M-RoPE + its window ViT
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,  # Qwen3, interleaved M-RoPE, DeepStack
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # LLaVA-1.5: CLIP + a GELU projector; Pixtral-12B

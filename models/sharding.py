@@ -39,7 +39,7 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 COLUMN_PARALLEL += ("qkv_proj", "gate_up_proj")
 # vision towers and projectors (models/vision/) stay whole on every device: they run once per image, beside the
 # language model, and their heads need not divide by N
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "embed_vision.")
 ROW_PARALLEL = ("o_proj", "down_proj")
 # hybrid models' linear layers (models/qwen3_next.py, models/nemotron_h.py): their projections split by head (q, k, v,
 # the gate z, b, a, Mamba's x and dt), out_proj by its input; the convolutions by channel, which follow the heads; the

@@ -434,3 +434,87 @@ def qwen3_5_checkpoint(folder: Path, moe: bool = False, seed: int = 0, **text):
         size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, patch_size=16, merge_size=2, temporal_patch_size=2)
     processor = qwen_vl_processor(transformers.Qwen3VLProcessor, image_processor)
     return model, processor, write_vlm(folder, model, processor)
+
+
+# -- Gemma 4 (its own variable-resolution tower, the language model of models/gemma4.py) ----------------------------
+
+GEMMA4_CHAT_TEMPLATE = GEMMA3_CHAT_TEMPLATE.replace("<start_of_image>", "<|image|>")
+GEMMA4_SPECIALS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<|image>", "<image|>", "<|image|>",
+                   "<|audio>", "<audio|>", "<|audio|>", "<|video|>"]  # fmt: skip
+GEMMA4_IDS = {t: 256 + i for i, t in enumerate(GEMMA4_SPECIALS)}
+GEMMA4_VOCAB = 256 + len(GEMMA4_SPECIALS)
+
+
+def gemma4_config(bidirectional: bool = False, audio: bool = False, **text) -> transformers.Gemma4Config:
+    """The tower: 4-pixel patches pooled 2 x 2 (a soft token per 8 x 8 pixels), 2 layers, GQA 2:1, clipped linears and
+    standardized outputs; under a 6-layer Gemma 4 (2 sliding layers, window 8, then a full one, twice; per-layer
+    embeddings; the last 2 layers sharing K/V). `bidirectional`: an image's tokens see each other on the sliding layers
+    (`use_bidirectional_attention: vision`, Gemma 4's larger models). `audio`: a one-layer audio tower beside it, as
+    the E2B/E4B checkpoints hold one."""
+    ids = GEMMA4_IDS
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64, use_clipped_linears=True,
+        standardize=True, rope_parameters={"rope_type": "axial", "rope_theta": 100.0},
+    )  # fmt: skip
+    text_kwargs = dict(
+        vocab_size=GEMMA4_VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, sliding_window=8, max_position_embeddings=512, num_hidden_layers=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=GEMMA4_VOCAB,
+        bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"], final_logit_softcapping=5.0,
+        use_bidirectional_attention="vision" if bidirectional else None,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 10.0}},
+    )  # fmt: skip
+    return transformers.Gemma4Config(
+        text_config=text_kwargs | text, vision_config=vision, image_token_id=ids["<|image|>"],
+        audio_config=transformers.Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                    subsampling_conv_channels=[4, 4], output_proj_dims=16) if audio else None,
+        boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"],
+        audio_token_id=ids["<|audio|>"], boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"],
+    )  # fmt: skip
+
+
+def gemma4_processor():
+    """transformers' Gemma4Processor without its video part (torchvision) nor audio (no feature extractor): images
+    resized to at most 70 soft tokens (the smallest budget the image processor takes)."""
+    from jaxpaged.models.vision.common import images_only
+
+    tokenizer = byte_tokenizer(
+        GEMMA4_SPECIALS, GEMMA4_CHAT_TEMPLATE, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        extra_special_tokens={"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                              "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"},
+    )  # fmt: skip
+    image_processor = transformers.Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    return images_only(transformers.Gemma4Processor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                     chat_template=GEMMA4_CHAT_TEMPLATE)  # fmt: skip
+
+
+def random_gemma4(config, seed: int = 0):
+    """random_vlm, with each layer_scalar random and the q/k norms halved (as tests/models/test_gemma4.py does), the
+    clipped linears' bounds inside the range their inputs and outputs reach (so clipping happens) and the
+    standardization's bias and scale random (buffers random_vlm leaves alone)."""
+    model = random_vlm(config, seed=seed, std=0.15)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(0.5 + torch.rand_like(buffer))
+            elif name.endswith(("input_min", "output_min")):
+                buffer.fill_(-1.5)
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(1.5)
+            elif name.endswith("std_bias"):
+                buffer.normal_(0.0, 0.5)
+            elif name.endswith("std_scale"):
+                buffer.copy_(0.5 + torch.rand_like(buffer))
+    return model
+
+
+def gemma4_checkpoint(folder: Path, bidirectional: bool = False, audio: bool = False, seed: int = 0, **text):
+    """(transformers model, processor, folder) of a tiny Gemma 4 image-text model."""
+    model = random_gemma4(gemma4_config(bidirectional, audio, **text), seed=seed)
+    processor = gemma4_processor()
+    return model, processor, write_vlm(folder, model, processor)

@@ -12,7 +12,9 @@ hands the port the cache and, per token, the cache row that replaces its embeddi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 from collections.abc import Sequence
 
 import jax
@@ -53,18 +55,51 @@ class EncoderItem:
             self.key = digest.digest()
 
 
+NOT_IMAGES = ("video_processor", "feature_extractor")  # a processor's parts images never use (torchvision, audio)
+
+
+@functools.cache
+def _without_parts():
+    """A class between a processor class and transformers' ProcessorMixin (so it comes right after the processor class
+    in the MRO): the parts images_only left out, which the class's __init__ still hands on (Gemma 4's names them
+    all), are dropped there."""
+    from transformers.processing_utils import ProcessorMixin
+
+    class WithoutParts(ProcessorMixin):
+        def __init__(self, *args, **kwargs):
+            for name in NOT_IMAGES:
+                if name not in self.get_attributes() and kwargs.get(name, 0) is None:
+                    del kwargs[name]
+            super().__init__(*args, **kwargs)
+
+    return WithoutParts
+
+
 def images_only(processor_cls):
-    """transformers' processor class with its video processor left out of its parts: transformers 5.24 builds video
-    processors only with torchvision (/work/shared/vision.md). Every image method (placeholder expansion, the chat
-    template, token type ids) is the class's own; its __init__ gets no video processor (None), which images never use."""
-    parts = [name for name in processor_cls.get_attributes() if name != "video_processor"]
+    """transformers' processor class with its video processor and audio feature extractor left out of its parts:
+    transformers 5.24 builds video processors only with torchvision (/work/shared/vision.md). Every image method
+    (placeholder expansion, the chat template, token type ids) is the class's own; its __init__ gets None for the
+    parts left out, which images never use."""
+    parts = [name for name in processor_cls.get_attributes() if name not in NOT_IMAGES]
     if len(parts) == len(processor_cls.get_attributes()):
         return processor_cls
+    body = {"get_attributes": classmethod(lambda cls: list(parts)), "__qualname__": processor_cls.__qualname__,
+            "__module__": processor_cls.__module__}  # fmt: skip
+    params = inspect.signature(processor_cls.__init__).parameters
+    dropped = [name for name in params if name in NOT_IMAGES]
+    if dropped:  # an __init__ naming them (Gemma 4's, without defaults): one that does not, with the class's other
+        # parameters by name, as transformers' from_pretrained reads them (from __code__)
+        kept = [p for name, p in params.items() if name not in dropped]
+        own = [p.name for p in kept if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+        rest = next((p.name for p in kept if p.kind is p.VAR_KEYWORD), None)
+        signature = ", ".join(["self", *(f"{n}=_defaults[{n!r}]" for n in own), *([f"**{rest}"] if rest else [])])
+        call = ", ".join([*(f"{n}={n}" for n in own), *(f"{n}=None" for n in dropped), *([f"**{rest}"] if rest else [])])
+        defaults = {n: (None if params[n].default is params[n].empty else params[n].default) for n in own}
+        scope = {"_defaults": defaults, "_init": processor_cls.__init__}
+        exec(f"def __init__({signature}):\n    _init(self, {call})", scope)  # noqa: S102 (names from a signature)
+        body["__init__"] = scope["__init__"]
     # (the class's own name: processor_config.json says it, as a published folder's does)
-    return type(processor_cls.__name__, (processor_cls,), {
-        "get_attributes": classmethod(lambda cls: list(parts)), "__qualname__": processor_cls.__qualname__,
-        "__module__": processor_cls.__module__,
-    })  # fmt: skip
+    return type(processor_cls.__name__, (processor_cls, _without_parts()), body)
 
 
 class ImageAdapter:

@@ -185,16 +185,15 @@ def test_tensor_and_pipeline_parallelism_are_refused(checkpoints):
 
 
 def test_checkpoint_spellings(checkpoints, tmp_path):
-    """The image-text checkpoint's language model (`model.language_model.*`) loads with its vision tower skipped; a
-    checkpoint whose sharing layers still hold K/V projections (transformers ignores them on load) loads with them
-    skipped; a config in the hub's spelling (`global_head_dim`, `num_global_key_value_heads`, no `per_layer_config`)
-    reads the same."""
+    """The image-text checkpoint (`model.language_model.*` beside its vision tower, models/vision/gemma4.py) loads
+    with nothing skipped; a checkpoint whose sharing layers still hold K/V projections (transformers ignores them on
+    load) loads with them skipped; a config in the hub's spelling (`global_head_dim`, `num_global_key_value_heads`,
+    no `per_layer_config`) reads the same."""
     from safetensors.numpy import load_file, save_file
 
     _, folder = checkpoints("image-text-checkpoint")
-    skipped = load_model(str(folder), dtype="float32").skipped_tensors
-    (reason,) = [r for r in skipped if "vision" in r]
-    assert skipped[reason] and all(n.startswith(("model.vision_tower.", "model.embed_vision.")) for n in skipped[reason])
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.skipped_tensors == {} and loaded.model.vision_spec is not None
     _, folder = checkpoints("moe-k-eq-v")
     tensors = load_file(str(folder / "model.safetensors"))
     rng = np.random.default_rng(0)
