@@ -1,5 +1,5 @@
 """KV cache groups over one pool (vLLM V1's KVCacheCoordinator): hybrid models whose local layers forget what their
-window no longer sees while their global layers keep everything.
+window (or, chunked local attention, their chunk) no longer sees while their global layers keep everything.
 
 Layers are split into groups of equally many layers of one attention type (layer_groups); each group has its own
 KVCacheManager, so its own block table per sequence, and all of them draw on one BlockPool, so blocks a local group
@@ -16,13 +16,25 @@ import math
 from collections.abc import Sequence
 
 from jaxpaged.core.block_pool import BlockPool
-from jaxpaged.core.kv_cache_manager import HashedSequence, KVCacheManager, max_blocks_held
+from jaxpaged.core.kv_cache_manager import Chunked, HashedSequence, KVCacheManager, max_blocks_held
+
+Local = int | Chunked | None  # what a layer's attention reads back: a window, a chunk, or everything (None)
 
 
-def layer_groups(sliding_windows: Sequence[int | None], num_layers: int) -> list[tuple[int | None, tuple[int, ...]]]:
-    """(window, layers) of each group: layers of one window (None: global) in runs of g, g the gcd of the types'
-    layer counts, so every group has g layers (Gemma 3's 40 local and 8 global layers: 5 local groups and 1 global
-    of 8 each)."""
+def layer_localities(model_config) -> tuple[Local, ...]:
+    """Per layer, how far back its attention reads: its sliding window, Chunked(size) for a layer of chunked local
+    attention (the options "chunked_layers" and "chunk_size": Llama 4), or None; () when every layer reads all."""
+    chunk, chunked = model_config.option("chunk_size"), model_config.option("chunked_layers", ())
+    if not chunk or not chunked:
+        return tuple(model_config.sliding_windows)
+    windows = list(model_config.sliding_windows) or [None] * model_config.num_layers
+    return tuple(Chunked(int(chunk)) if layer in chunked else w for layer, w in enumerate(windows))
+
+
+def layer_groups(sliding_windows: Sequence[Local], num_layers: int) -> list[tuple[Local, tuple[int, ...]]]:
+    """(window, layers) of each group: layers of one window (a Chunked: a chunk; None: global) in runs of g, g the
+    gcd of the types' layer counts, so every group has g layers (Gemma 3's 40 local and 8 global layers: 5 local
+    groups and 1 global of 8 each)."""
     windows = list(sliding_windows) or [None] * num_layers
     by_type: dict[int | None, list[int]] = {}
     for layer, window in enumerate(windows):
@@ -35,7 +47,7 @@ def layer_groups(sliding_windows: Sequence[int | None], num_layers: int) -> list
 class KVGroups:
     """A hybrid model's KV cache groups, as the runner lays out its cache."""
 
-    windows: tuple[int | None, ...]  # per group (None: global)
+    windows: tuple[Local, ...]  # per group (a Chunked: chunked local attention; None: global)
     layers: tuple[tuple[int, ...], ...]  # per group, g layers each
 
     @property
@@ -50,13 +62,15 @@ class KVGroups:
         return tuple(where[layer] for layer in range(len(where)))
 
     def blocks_held(self, num_tokens: int, block_size: int, step_tokens: int) -> int:
-        """The most blocks a sequence of num_tokens holds at once, over all groups (a local group: its window's)."""
+        """The most blocks a sequence of num_tokens holds at once, over all groups (a local group: its window's or
+        its chunk's)."""
         return sum(max_blocks_held(num_tokens, block_size, w, step_tokens) for w in self.windows)
 
 
-def kv_groups(sliding_windows: Sequence[int | None], num_layers: int) -> KVGroups | None:
-    """The groups of a hybrid model (windowed and global layers, or several windows); None when one window (or
-    none) covers every layer, which one table per sequence serves (stage 1)."""
+def kv_groups(sliding_windows: Sequence[Local], num_layers: int) -> KVGroups | None:
+    """The groups of a hybrid model (windowed or chunked layers and global ones, or several windows; per layer, as
+    layer_localities gives them); None when one window (or none) covers every layer, which one table per sequence
+    serves (stage 1)."""
     if len(set(sliding_windows or [None])) < 2:
         return None
     groups = layer_groups(sliding_windows, num_layers)
@@ -64,7 +78,7 @@ def kv_groups(sliding_windows: Sequence[int | None], num_layers: int) -> KVGroup
 
 
 class KVCacheCoordinator:
-    def __init__(self, pool: BlockPool, block_size: int, group_windows: Sequence[int | None]):
+    def __init__(self, pool: BlockPool, block_size: int, group_windows: Sequence[Local]):
         self.pool = pool
         self.block_size = block_size
         self.groups = [KVCacheManager(pool, block_size, w, hash_salt=i.to_bytes(2, "little")) for i, w in enumerate(group_windows)]
@@ -109,7 +123,8 @@ class KVCacheCoordinator:
             g.free(seq_id)
 
     def take_cached_prefix(self, seq: HashedSequence) -> int:
-        """The longest hit every group accepts (global: all its blocks cached; local: its first new token's window),
+        """The longest hit every group accepts (global: all its blocks cached; local: its first new token's window or
+        chunk),
         shortened until they agree, as vLLM's coordinator does; each group then holds what it needs."""
         if not self.pool.enable_caching or any(g.block_table(seq.seq_id) for g in self.groups):
             return 0

@@ -13,11 +13,14 @@ Sliding windows (every layer windowed): a block whose last position lies before 
 sequence's earliest query of a step is never read again, so it goes back to the pool when the
 sequence crosses into a new block, and its table entry becomes NULL_BLOCK. Released entries are
 always a prefix of the table (the window only moves forward), so one count per sequence says which
-entries are placeholders; shapes, and the kernels' indexing, do not change.
+entries are placeholders; shapes, and the kernels' indexing, do not change. Chunked local attention
+(Chunked: Llama 4's RoPE layers, in a KV cache group of their own) frees the same way, from the first
+position of the earliest query's chunk instead of its window.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from array import array
 from typing import Protocol
@@ -43,6 +46,23 @@ NULL_BLOCK = 0
 NEVER = 1 << 62  # a token count no sequence reaches
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunked:
+    """Chunked local attention, where a KVCacheManager takes a sliding window: a query at position p sees the keys
+    [p // size * size, p] (Llama 4's `attention_chunk_size`)."""
+
+    size: int
+
+
+def first_needed(local: int | Chunked | None, pos: int) -> int:
+    """The first position a query at `pos` reads: 0 (global), its sliding window's first, or its chunk's first."""
+    if local is None:
+        return 0
+    if isinstance(local, Chunked):
+        return pos // local.size * local.size
+    return max(0, pos - local + 1)
+
+
 def freeing_window(sliding_windows) -> int | None:
     """The window beyond which no layer looks, when every layer has one (models/config.py's per-layer windows);
     None when any layer is global: one pool shared by all layers cannot free a block for some layers only."""
@@ -51,11 +71,15 @@ def freeing_window(sliding_windows) -> int | None:
     return max(sliding_windows)
 
 
-def max_blocks_held(num_tokens: int, block_size: int, window: int | None, step_tokens: int) -> int:
+def max_blocks_held(num_tokens: int, block_size: int, window: int | Chunked | None, step_tokens: int) -> int:
     """The most blocks a sequence of num_tokens holds at once: all of them, or with a window those a step of up
-    to step_tokens tokens reads (window - 1 positions before its first query, and its own), plus one for alignment."""
+    to step_tokens tokens reads (window - 1 positions before its first query, and its own), plus one for alignment;
+    a chunk as a window of its size (its first query sees at most size - 1 positions back)."""
     full = blocks_for(num_tokens, block_size)
-    return full if window is None else min(full, blocks_for(window - 1 + step_tokens, block_size) + 1)
+    if window is None:
+        return full
+    span = window.size if isinstance(window, Chunked) else window
+    return min(full, blocks_for(span - 1 + step_tokens, block_size) + 1)
 
 
 def hash_block(parent: bytes | None, tokens) -> bytes:
@@ -74,12 +98,15 @@ class HashedSequence(Protocol):
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None, *, hash_salt: bytes = b""):
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | Chunked | None = None, *,
+                 hash_salt: bytes = b""):  # fmt: skip
         """hash_salt lets several managers share one pool (kv_cache_coordinator.py): a salt per manager, so that
-        equal prefixes in different layer groups are different blocks."""
+        equal prefixes in different layer groups are different blocks. sliding_window may be a Chunked (chunked
+        local attention), freed the same way."""
         self.pool = pool
         self.block_size = block_size
-        self.sliding_window = sliding_window  # set: blocks before every query's window go back to the pool
+        # set: blocks before every query's window (or chunk) go back to the pool
+        self.sliding_window = sliding_window
         self._tables: dict[str, list[int]] = {}
         self._released: dict[str, int] = {}  # leading entries of each table given back (now NULL_BLOCK)
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already registered
@@ -113,10 +140,12 @@ class KVCacheManager:
         """Make tokens [num_computed, num_computed + num_new_tokens) writable; False (nothing taken) if the pool can't."""
         table = self._tables.setdefault(seq_id, [])
         bs = self.block_size
-        # the step's earliest query sees positions from num_computed - window + 1: blocks wholly before it go back
-        # (an O(1) test; it passes once per block_size tokens)
-        if self.sliding_window is not None and (num_computed - self.sliding_window + 1) // bs > self._released.get(seq_id, 0):
-            self._release(seq_id, table, (num_computed - self.sliding_window + 1) // bs)
+        # the step's earliest query sees positions from num_computed - window + 1 (or its chunk's first): blocks
+        # wholly before it go back (an O(1) test; it passes once per block_size tokens)
+        if self.sliding_window is not None:
+            upto = first_needed(self.sliding_window, num_computed) // bs
+            if upto > self._released.get(seq_id, 0):
+                self._release(seq_id, table, upto)
         last = len(table) - 1
         # the usual decode step: its token goes in the table's last block, which it alone holds
         if num_computed // bs == last and num_computed + num_new_tokens <= len(table) * bs:
@@ -167,7 +196,7 @@ class KVCacheManager:
     def release_behind_window(self, seq_id: str, num_computed: int) -> None:
         """What allocate_slots releases first, alone: so a coordinator can count the blocks every group still needs."""
         if self.sliding_window is not None and seq_id in self._tables:
-            upto = (num_computed - self.sliding_window + 1) // self.block_size
+            upto = first_needed(self.sliding_window, num_computed) // self.block_size
             if upto > self._released.get(seq_id, 0):
                 self._release(seq_id, self._tables[seq_id], upto)
 
@@ -229,8 +258,9 @@ class KVCacheManager:
         return self.take_hit(seq.seq_id, hashes, self.longest_hit(hashes)) * self.block_size
 
     def _first_needed(self, k: int) -> int:
-        """The first block a hit of k blocks must hold: the first new token's (at k * block_size) window's."""
-        return 0 if self.sliding_window is None else max(0, (k * self.block_size - self.sliding_window + 1) // self.block_size)
+        """The first block a hit of k blocks must hold: the first new token's (at k * block_size) window's or
+        chunk's."""
+        return first_needed(self.sliding_window, k * self.block_size) // self.block_size
 
     def longest_hit(self, hashes: list[bytes]) -> int:
         """The most leading blocks k a hit can cover: every block cached, or with a window only those from

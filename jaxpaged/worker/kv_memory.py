@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.core.kv_cache_coordinator import KVGroups, kv_groups
+from jaxpaged.core.kv_cache_coordinator import KVGroups, kv_groups, layer_localities
 from jaxpaged.core.kv_cache_manager import freeing_window, max_blocks_held
 from jaxpaged.models.weights import param_bytes
 from jaxpaged.pallas_kernels import copy_blocks, write_kv
@@ -55,7 +55,7 @@ class KVMemory:
     def _kv_groups(config: EngineConfig, model_config) -> KVGroups | None:
         if config.disable_hybrid_kv_cache_manager:
             return None
-        return kv_groups(model_config.sliding_windows, model_config.num_layers)
+        return kv_groups(layer_localities(model_config), model_config.num_layers)
 
     @property
     def kv_layers(self) -> int:
@@ -108,7 +108,8 @@ class KVMemory:
         if self.kv_groups is not None:
             groups = self.kv_groups
             held = (f"; KV cache groups: {len(groups.layers)} of {groups.size} layers (windows {list(groups.windows)}), "
-                    f"a block serving one group; windowed groups give back what their window left, so a "
+                    f"a block serving one group; windowed (or chunked) groups give back what their window (or chunk) "
+                    f"left, so a "
                     f"{self.history_width}-token sequence holds at most {self.seq_blocks} blocks over all groups "
                     f"({self.num_blocks // self.seq_blocks} such sequences at once)")  # fmt: skip
         layers, extra = self.mirrored_kv

@@ -1,7 +1,8 @@
 """Sliding-window freeing in the KV cache manager: blocks go back exactly when they leave the earliest query's
 window, released entries hold NULL_BLOCK, forks keep shared blocks by reference count, the prefix cache never
-serves a released block, and every block comes back. Then the attention implementations: a placeholder's contents
-never change a result. Last, KV cache groups over one pool (kv_cache_coordinator.py)."""
+serves a released block, and every block comes back; chunked local attention (Llama 4) frees the same way from its
+chunk's first position. Then the attention implementations: a placeholder's contents never change a result. Last,
+KV cache groups over one pool (kv_cache_coordinator.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 
 from jaxpaged.core.block_pool import BlockPool
-from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator, layer_groups
-from jaxpaged.core.kv_cache_manager import NULL_BLOCK, KVCacheManager, freeing_window, hash_block, max_blocks_held
+from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator, kv_groups, layer_groups, layer_localities
+from jaxpaged.core.kv_cache_manager import (
+    NULL_BLOCK, Chunked, KVCacheManager, freeing_window, hash_block, max_blocks_held,
+)  # fmt: skip
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.pallas_kernels import AttentionMetadata, AttentionSpec, stack_new_kv, write_kv
@@ -183,6 +186,62 @@ def test_a_hit_needs_every_block_inside_the_window():
     kv.free("b")
     kv.free("x")
     assert pool.num_free == pool.num_blocks
+
+
+def test_a_chunk_frees_what_its_earliest_query_no_longer_sees():
+    """Chunked local attention (10-position chunks, not whole blocks): decode and chunked prefill release exactly the
+    blocks wholly before the earliest query's chunk, and hold at most a chunk's blocks plus a step's."""
+    chunk = Chunked(10)
+    pool = BlockPool(64, enable_caching=False)
+    kv = KVCacheManager(pool, BS, chunk)
+    c = 0
+    for n in [1] * 25 + [7, 13, 1, 20, 3, 1, 1, 30]:
+        assert kv.allocate_slots("s", c, n)
+        released = kv.num_released("s")
+        assert released == c // 10 * 10 // BS  # the earliest query sees from its chunk's first position on
+        assert kv.block_table("s")[:released] == [NULL_BLOCK] * released
+        assert len(kv.block_table("s")) * BS >= c + n
+        assert pool.num_used == len(kv.held_blocks("s")) <= max_blocks_held(c + n, BS, chunk, n)
+        c += n
+    assert max_blocks_held(1000, BS, chunk, 16) == max_blocks_held(1000, BS, 10, 16)  # a chunk reads back as a window
+    kv.free("s")
+    assert pool.num_free == pool.num_blocks
+
+
+def test_a_chunked_group_takes_a_prefix_hit_from_its_chunk_on():
+    """Beside a global group, a chunked one holds a hit's blocks from the first new token's chunk on only."""
+    pool = BlockPool(40)
+    kv = KVCacheCoordinator(pool, BS, [None, Chunked(12)])
+    tokens = list(range(1, 34))  # 8 full blocks
+    a = Seq("a", tokens)
+    for c in range(len(tokens)):
+        assert kv.allocate_slots("a", c, 1)
+        assert kv.groups[1].num_released("a") == c // 12 * 12 // BS
+        a.num_computed_tokens = c + 1
+        kv.register_full_blocks(a)
+    kv.free("a")
+    b = Seq("b", tokens)
+    assert kv.take_cached_prefix(b) == 8 * BS
+    assert kv.groups[1].num_released("b") == 6  # the first new token (32) is in the chunk from 24: block 6 on
+    assert len(kv.groups[0].held_blocks("b")) == 8 and len(kv.groups[1].held_blocks("b")) == 2
+    kv.free("b")
+    assert pool.num_free == pool.num_blocks
+
+
+def test_llama4_layers_make_a_chunked_group():
+    """layer_localities: Llama 4's chunked layers (options "chunked_layers", "chunk_size") beside its global ones."""
+
+    class Config:  # what layer_localities reads of a ModelConfig
+        num_layers, sliding_windows = 4, ()
+
+        def __init__(self, **options):
+            self.option = lambda name, default=None: options.get(name, default)
+
+    llama4 = Config(chunk_size=12, chunked_layers=(0, 1, 3))
+    assert layer_localities(llama4) == (Chunked(12), Chunked(12), None, Chunked(12))
+    groups = kv_groups(layer_localities(llama4), 4)
+    assert groups.windows == (Chunked(12),) * 3 + (None,) and groups.layers == ((0,), (1,), (3,), (2,))
+    assert layer_localities(Config()) == () and kv_groups((), 4) is None
 
 
 def _request(name: str, prompt: list[int], max_tokens: int) -> Request:

@@ -4,7 +4,8 @@ RoPE on interleaved pairs; a NoPE layer with its attention temperature (floor_sc
 prompts); MoE every second layer (4 experts, top-1 sigmoid router scaling the expert's input, a shared expert) beside
 dense MLPs. Logits within 1e-4 at every position of prompts of 1-77 tokens, whole and in 16-token chunks, 16 greedy
 tokens identical; Llama4ForConditionalGeneration's language model with its vision model skipped and named; the engine
-with 16-token chunks, preemption and prefix-cache hits on prompts past the attention chunk."""
+with 16-token chunks, preemption and prefix-cache hits on prompts past the attention chunk, the chunked layers' KV
+cache groups holding about a chunk's blocks."""
 
 from __future__ import annotations
 
@@ -110,7 +111,40 @@ def test_image_text_checkpoint_loads_its_language_model(tmp_path):
 
 
 def test_llama4_engine(tmp_path_factory):
-    """Through jaxpaged.LLM (the CPU platform's default attention: the chunked layers on the reference): 16-token
-    chunks, a pool small enough to preempt, prompts sharing prefixes, prompts and outputs past several chunks."""
+    """Through jaxpaged.LLM (the CPU platform's default attention, the chunked layers included): 16-token chunks, a
+    pool small enough to preempt, prompts sharing prefixes, prompts and outputs past several chunks. The chunked
+    layers are KV cache groups of their own that give back what their chunk left: on one 60-token sequence the
+    global layer holds all 15 blocks of its history, each chunked layer about a chunk's (12 positions, 3 blocks)."""
+    from jaxpaged import SamplingParams
+    from jaxpaged.core.kv_cache_manager import Chunked
+    from jaxpaged.platforms.cpu import attention as cpu_attention
+
     hf, folder = saved(tmp_path_factory)
-    engine_matches_transformers(hf, folder, VOCAB)
+    llm = engine_matches_transformers(hf, folder, VOCAB)
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
+    groups = runner.kv_groups
+    assert groups.windows == (Chunked(12),) * 3 + (None,) and groups.layers == ((0,), (1,), (3,), (2,))
+    if cpu_attention.available():  # the platform's kernel runs the chunked layers too (no fallback to the reference)
+        assert {layer.self_attn.backend.name for layer in llm.engine.loaded.model.layers} == {"native"}
+    most = [0] * 4  # per group, the most blocks the sequence held after any schedule()
+    original = scheduler.schedule
+
+    def spy():
+        out = original()
+        for r in scheduler.running:
+            most[:] = [max(m, len(g.held_blocks(r.seq_id))) for m, g in zip(most, scheduler.kv.groups)]
+        return out
+
+    scheduler.schedule = spy
+    prompt = random_prompts(VOCAB, [20], seed=9)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        del scheduler.schedule
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 40)
+    history = 60 // 4
+    assert most[3] == history  # the global layer keeps everything
+    assert max(most[:3]) <= 16 // 4  # the first (16-token) step's blocks; then at most a chunk's 3
+    stats = llm.get_stats()
+    assert stats["num_compiles_after_warmup"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
