@@ -3,9 +3,10 @@
 RoPE on interleaved pairs; a NoPE layer with its attention temperature (floor_scale 8, so it grows within the
 prompts); MoE every second layer (4 experts, top-1 sigmoid router scaling the expert's input, a shared expert) beside
 dense MLPs. Logits within 1e-4 at every position of prompts of 1-77 tokens, whole and in 16-token chunks, 16 greedy
-tokens identical; Llama4ForConditionalGeneration's language model with its vision model skipped and named; the engine
-with 16-token chunks, preemption and prefix-cache hits on prompts past the attention chunk, the chunked layers' KV
-cache groups holding about a chunk's blocks."""
+tokens identical (on the platform's kernel; a 40-token prompt's logits also on the Triton kernel, interpreted);
+Llama4ForConditionalGeneration's language model with its vision model skipped and named; the engine with 16-token
+chunks, preemption and prefix-cache hits on prompts past the attention chunk, the chunked layers' KV cache groups
+holding about a chunk's blocks."""
 
 from __future__ import annotations
 
@@ -77,6 +78,21 @@ def test_logits_and_greedy_match_transformers(tmp_path_factory):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
         np.testing.assert_allclose(got_chunked, want, atol=1e-4, rtol=0)
         assert tokens == hf_greedy(hf, prompt, 16)
+
+
+def test_chunked_layers_run_on_the_pallas_kernel(tmp_path_factory):
+    """attention_backend="pallas" (the Triton kernel, interpreted here): every layer on it, the chunked ones with their
+    chunk (no fallback to the reference), and a 40-token prompt's logits in 16-token chunks within 1e-4."""
+    from jaxpaged.pallas_kernels import TritonAttention
+
+    hf, folder = saved(tmp_path_factory)
+    loaded = load_model(str(folder), dtype="float32", attention_backend="pallas")
+    attns = [layer.self_attn for layer in loaded.model.layers]
+    assert all(isinstance(a.backend, TritonAttention) for a in attns)
+    assert [a.spec.chunk_size for a in attns] == [12, 12, None, 12]
+    prompt = random_prompts(VOCAB, [40], seed=5)[0]
+    got = StaticBatchRunner(loaded, block_size=8).prompt_logits([prompt], prefill_chunk=16)[0]
+    np.testing.assert_allclose(got, hf_logits(hf, prompt), atol=1e-4, rtol=0)
 
 
 def test_chunks_and_temperature_matter(tmp_path_factory):
