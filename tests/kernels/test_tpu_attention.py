@@ -1,7 +1,7 @@
 """The TPU kernel reads only what it needs, and one compiled kernel serves every layer.
 
 Its grid is (query tiles, KV heads) whatever the block-table width; each program DMAs the pages
-from the first one its sliding window reaches to its sequence's last cached page, so table
+from the first one its sliding window (or chunk) reaches to its sequence's last cached page, so table
 entries outside that span are never read: the runs below fill them with garbage (wrong and
 out-of-range block ids) and still equal the definition computed from the clean table. The layer
 is a traced operand, so a model's layers share one Mosaic kernel (checked on the "tpu" export).
@@ -48,10 +48,10 @@ def _check(got, case, expected, atol):
     assert np.all(got[n:] == 0)  # padding rows are covered by no tile
 
 
-def _garbage_tables(rng, case, seq_lens, q_lens, block_size, width, window=None):
+def _garbage_tables(rng, case, seq_lens, q_lens, block_size, width, window=None, chunk=None):
     """The case's block tables widened to `width`, every entry the kernel must not read replaced by garbage:
-    past each sequence's last page, every entry of padded slots, and (with a window) the pages before the
-    first one the sequence's earliest query can see. Half the garbage is out-of-range ids, half wrong blocks."""
+    past each sequence's last page, every entry of padded slots, and (with a window or a chunk) the pages before
+    the first one the sequence's earliest query can see. Half the garbage is out-of-range ids, half wrong blocks."""
     clean = np.asarray(case.attn_metadata.block_tables)
     num_blocks = case.kv_cache.shape[2]
     tables = np.where(
@@ -62,6 +62,7 @@ def _garbage_tables(rng, case, seq_lens, q_lens, block_size, width, window=None)
     skipped = 0
     for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         first = 0 if window is None else max(0, n - ql - window + 1) // block_size
+        first = first if chunk is None else (n - ql) // chunk * chunk // block_size
         last = -(-n // block_size)
         tables[i, first:last] = clean[i, first:last]
         skipped += first
@@ -125,18 +126,18 @@ def test_smem_does_not_grow_with_block_tables():
 
 # (no window, one 128-entry chunk) is test_dmas_fetch_only_live_pages' first case: an 8,192-wide garbage table,
 # its output checked as here
-@pytest.mark.parametrize("window,table_chunk", [(40, 128), (None, 8), (200, 8)])
-def test_entries_outside_the_live_span_are_never_read(window, table_chunk):
+@pytest.mark.parametrize("window,chunk,table_chunk", [(40, None, 128), (None, None, 8), (200, None, 8), (None, 100, 8)])
+def test_entries_outside_the_live_span_are_never_read(window, chunk, table_chunk):
     """A 2,048-wide table (max_model_len 32768 at block 16) full of garbage outside each sequence's live pages.
-    With table chunks of 8 entries the long sequence's row is fetched in many refills (from the window's
-    first page, too)."""
+    With table chunks of 8 entries the long sequence's row is fetched in many refills (from the window's or the
+    attention chunk's first page, too)."""
     rng = np.random.default_rng(20)
     seq_lens, q_lens, block_size = [1500, 9, 300, 70], [1, 9, 40, 3], 16
     case = random_case(rng, seq_lens=seq_lens, q_lens=q_lens, num_heads=4, num_kv_heads=2, head_dim=32,
                        block_size=block_size)  # fmt: skip
-    tables, skipped = _garbage_tables(rng, case, seq_lens, q_lens, block_size, 2048, window)
-    assert window is None or skipped > 80  # the window skips most of the long context
-    kw = dict(scale=32**-0.5, sliding_window=window)
+    tables, skipped = _garbage_tables(rng, case, seq_lens, q_lens, block_size, 2048, window, chunk)
+    assert (window or chunk) is None or skipped > 80  # the window (or chunk) skips most of the long context
+    kw = dict(scale=32**-0.5, sliding_window=window, chunk_size=chunk)
     _check(_run(case, tables, table_chunk=table_chunk, **kw), case, _expected(case, **kw), 1e-5)
 
 
