@@ -15,7 +15,7 @@ import pytest
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.kv_cache_coordinator import KVCacheCoordinator, kv_groups, layer_groups, layer_localities
 from jaxpaged.core.kv_cache_manager import (
-    NULL_BLOCK, Chunked, KVCacheManager, freeing_window, hash_block, max_blocks_held,
+    NULL_BLOCK, Chunked, KVCacheManager, first_needed, freeing_window, hash_block, max_blocks_held,
 )  # fmt: skip
 from jaxpaged.core.request import ParentRequest, Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler
@@ -285,8 +285,9 @@ def test_scheduler_with_a_small_pool_preempts_and_gets_every_block_back(caching)
 
 
 def _with_placeholders(case, window, block_size, poison):
-    """The case's tables with every block wholly before each sequence's earliest query's window replaced by
-    NULL_BLOCK, and that block filled with `poison` (another sequence's data would be any finite values)."""
+    """The case's tables with every block wholly before each sequence's earliest query's window (a Chunked: its
+    chunk) replaced by NULL_BLOCK, as the manager releases them, and that block filled with `poison` (another
+    sequence's data would be any finite values)."""
     tables = np.asarray(case.attn_metadata.block_tables).copy()
     seq_lens = np.asarray(case.attn_metadata.seq_lens)
     qsl = np.asarray(case.attn_metadata.query_start_loc)
@@ -295,7 +296,7 @@ def _with_placeholders(case, window, block_size, poison):
         q_len = qsl[i + 1] - qsl[i]
         if n == 0:
             continue
-        gone = max(0, (n - q_len - window + 1) // block_size)
+        gone = first_needed(window, int(n - q_len)) // block_size
         tables[i, :gone] = NULL_BLOCK
         replaced += gone
     cache = case.kv_cache.at[:, :, NULL_BLOCK].set(poison)
@@ -304,12 +305,12 @@ def _with_placeholders(case, window, block_size, poison):
     return cache, md, replaced
 
 
-def _placeholder_case(seed: int):
+def _placeholder_case(seed: int, spec=AttentionSpec(0.25, 11)):
     rng = np.random.default_rng(seed)
     case = random_case(rng, seq_lens=[120, 9, 70, 40], q_lens=[1, 9, 13, 1], num_heads=4, num_kv_heads=2, head_dim=16,
                        block_size=8)  # fmt: skip
     written = write_kv(case.kv_cache, stack_new_kv([(case.k, case.v)]), case.attn_metadata.slot_mapping)
-    return case, np.asarray(naive_paged_attention(case.q, written, 0, case.attn_metadata, AttentionSpec(0.25, 11)))
+    return case, np.asarray(naive_paged_attention(case.q, written, 0, case.attn_metadata, spec))
 
 
 @pytest.mark.parametrize("poison", [1e4, -3e4, 3e38])
@@ -334,7 +335,8 @@ def test_placeholder_contents_never_change_the_reference(poison, batch_invariant
 def test_placeholder_contents_never_change_the_kernels(kernel):
     """Finite contents (another sequence's K/V) weigh exactly zero in every kernel; the CPU and TPU kernels start
     each sequence at the first block its earliest query's window reaches, so not even inf/NaN there matters (the
-    GPU kernel reads whole key tiles and masks, like the reference)."""
+    GPU kernel reads whole key tiles and masks, like the reference). The same with 20-position chunks (chunked local
+    attention) and the blocks a chunked group releases."""
     from jaxpaged.pallas_kernels.gpu_attention import gpu_paged_attention
     from jaxpaged.pallas_kernels.tpu_attention import tpu_paged_attention
     from jaxpaged.platforms.cpu import attention as cpu_attention
@@ -343,15 +345,17 @@ def test_placeholder_contents_never_change_the_kernels(kernel):
         pytest.skip("the native CPU kernel is not built here")
     run = {"native": cpu_attention.cpu_paged_attention, "gpu": functools.partial(gpu_paged_attention, interpret=True),
            "tpu": functools.partial(tpu_paged_attention, interpret=True)}[kernel]  # fmt: skip
-    case, want = _placeholder_case(6)
-    n = case.num_real_tokens
-    spec = AttentionSpec(0.25, 11)
-    clean = np.asarray(run(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, spec))
-    np.testing.assert_allclose(clean[:n], want[:n], atol=1e-5, rtol=0)
-    for poison in [3e38] + ([] if kernel == "gpu" else [float("nan"), float("inf")]):
-        cache, md, _ = _with_placeholders(case, 11, 8, poison)
-        got = np.asarray(run(case.q, case.k, case.v, cache, 0, md, spec))
-        np.testing.assert_array_equal(got[:n], clean[:n])
+    # (seeds whose block 0, the placeholder, is no sequence's visible block: poisoning it changes no live data)
+    for spec, local, seed in [(AttentionSpec(0.25, 11), 11, 6), (AttentionSpec(0.25, chunk_size=20), Chunked(20), 7)]:
+        case, want = _placeholder_case(seed, spec)
+        n = case.num_real_tokens
+        clean = np.asarray(run(case.q, case.k, case.v, case.kv_cache, 0, case.attn_metadata, spec))
+        np.testing.assert_allclose(clean[:n], want[:n], atol=1e-5, rtol=0)
+        for poison in [3e38] + ([] if kernel == "gpu" else [float("nan"), float("inf")]):
+            cache, md, replaced = _with_placeholders(case, local, 8, poison)
+            assert replaced > 0
+            got = np.asarray(run(case.q, case.k, case.v, cache, 0, md, spec))
+            np.testing.assert_array_equal(got[:n], clean[:n])
 
 
 # -- KV cache groups over one pool (hybrid models) ------------------------------------------------------------------
