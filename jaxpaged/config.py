@@ -113,6 +113,11 @@ class EngineConfig:
                                                     "docs/speculative_decoding.md (default: off)", group="speculative")  # fmt: skip
     limit_mm_per_prompt: dict | str | None = option(None, "vision-language models: the most images one prompt may hold, as JSON, "
                                                     "e.g. '{\"image\": 4}' (default: no limit but the context's)", group="vision")  # fmt: skip
+    mm_processor_kwargs: dict | str | None = option(None, "vision-language models: settings for the model's image processor, as "
+                                                    "JSON, e.g. '{\"max_soft_tokens\": 560}' (Gemma 4) or "
+                                                    "'{\"max_pixels\": 1003520}' (Qwen-VL); a request's own "
+                                                    "mm_processor_kwargs override them (default: the checkpoint's)",
+                                                    group="vision")  # fmt: skip
     max_num_encoder_input_tokens: int | None = option(None, "vision-language models: image patches the vision encoder runs in "
                                                       "one step, its largest compiled batch; a larger image is refused "
                                                       "(default: one largest image's, at least max_num_batched_tokens)",
@@ -208,6 +213,15 @@ class EngineConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"limit_mm_per_prompt[{name!r}] must be a non-negative integer (got {value!r})")
         self.limit_mm_per_prompt = limits
+        kwargs = self.mm_processor_kwargs
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except ValueError as exc:
+                raise ValueError(f"mm_processor_kwargs must be a JSON object (got {kwargs!r})") from exc
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict of the image processor's settings (got {kwargs!r})")
+        self.mm_processor_kwargs = kwargs or None
         if isinstance(self.allowed_media_domains, (list, tuple)):
             self.allowed_media_domains = ",".join(self.allowed_media_domains)
 

@@ -324,6 +324,27 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         SHARED_KV_WEIGHTS,
     )  # fmt: skip
 
+    def forward(self, input_ids, positions, kv_cache, attn_metadata):
+        ids = self.text_ids(input_ids)
+        return self.run(ids, self.embed(ids, positions), positions, kv_cache, attn_metadata)
+
+    def text_ids(self, input_ids, image_rows=None):
+        """input_ids with the image, video and audio placeholders as the pad token (and image_rows >= 0: the
+        tokens an image's embeddings replace), as transformers' image-text model embeds them, wherever they come
+        from (a generated placeholder too)."""
+        placeholders, pad = self.config.option("placeholders")
+        hit = jnp.isin(input_ids, jnp.asarray(placeholders, input_ids.dtype))
+        if image_rows is not None:
+            hit |= image_rows >= 0
+        return jnp.where(hit, pad, input_ids)
+
+    @staticmethod
+    def config_from_hf(hf_config, architecture: str) -> ModelConfig:
+        cfg = gemma4_config(hf_config, architecture)
+        ids = (getattr(hf_config, name, None) for name in ("image_token_id", "video_token_id", "audio_token_id"))
+        placeholders = (tuple(int(i) for i in ids if i is not None), int(text_config(hf_config).pad_token_id or 0))
+        return dataclasses.replace(cfg, options=tuple(sorted(dict(cfg.options, placeholders=placeholders).items())))
+
 
 # -- the config -----------------------------------------------------------------------------------
 

@@ -91,9 +91,10 @@ def png_data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
 
-def greedy_chat_through_server(llm, messages: list, max_tokens: int) -> dict:
+def greedy_chat_through_server(llm, messages: list, max_tokens: int, extras: list[dict] | None = None):
     """`llm`'s engine behind the OpenAI app, in this process (ASGI, no socket): the JSON reply to one greedy chat
-    completion of `messages`, EOS ignored. The engine is shut down after."""
+    completion of `messages`, EOS ignored; with `extras`, one request per dict of more body fields, and a list of
+    (HTTP status, JSON reply). The engine is shut down after."""
     import asyncio
 
     import httpx
@@ -108,7 +109,8 @@ def greedy_chat_through_server(llm, messages: list, max_tokens: int) -> dict:
     async def ask():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as http:
             body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-            return (await http.post("/v1/chat/completions", json=body)).json()
+            replies = [await http.post("/v1/chat/completions", json=body | extra) for extra in extras or [{}]]
+            return [(r.status_code, r.json()) for r in replies] if extras is not None else replies[0].json()
 
     try:
         return asyncio.run(ask())

@@ -129,12 +129,13 @@ def images(*sizes: tuple[int, int], seed: int = 0) -> list:
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
 
 
-def hf_inputs(processor, text: str | None = None, imgs=(), messages=None) -> dict:
-    """transformers' own inputs for a prompt with images (or a conversation), as torch tensors."""
+def hf_inputs(processor, text: str | None = None, imgs=(), messages=None, **settings) -> dict:
+    """transformers' own inputs for a prompt with images (or a conversation), as torch tensors; `settings`: the
+    image processor's (a request's mm_processor_kwargs)."""
     if messages is not None:
         return dict(processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                  return_tensors="pt"))  # fmt: skip
-    return dict(processor(text=text, images=list(imgs) or None, return_tensors="pt"))
+                                                  return_tensors="pt", processor_kwargs=settings or None))  # fmt: skip
+    return dict(processor(text=text, images=list(imgs) or None, return_tensors="pt", **settings))
 
 
 def hf_vlm_greedy(model, inputs: dict, max_new_tokens: int) -> list[int]:

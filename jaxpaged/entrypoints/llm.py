@@ -306,6 +306,7 @@ class LLM:
         continue_final_message: bool = False,
         priority: Sequence[int] | None = None,
         chat_template: str | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Each conversation through the tokenizer's chat template (or `chat_template`, vLLM's: a template's Jinja
         text used instead, e.g. for a base model that has none), then generate. `tools` (OpenAI tool dicts, as
@@ -315,7 +316,8 @@ class LLM:
         chat_template_kwargs' "reasoning_effort" (the variable gpt-oss's own template reads).
         continue_final_message (vLLM's): the prompt ends inside the last message, an assistant's, which the output
         continues; it needs add_generation_prompt=False. Each output's `prompt` is its conversation's rendered text.
-        priority: as generate's, one per conversation."""
+        priority: as generate's, one per conversation. mm_processor_kwargs (vLLM's): image processor settings for the
+        conversations' images, over the engine's (e.g. {"max_soft_tokens": 560} for Gemma 4)."""
         if self.engine.tokenizer is None and not getattr(self.engine, "harmony", False):
             raise ValueError("this model has no tokenizer, so it has no chat template")
         if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
@@ -325,7 +327,8 @@ class LLM:
                              "the last message, not with a new one)")  # fmt: skip
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [ChatPrompt(join_text_parts(c), add_generation_prompt, tools, chat_template_kwargs,
-                              continue_final_message=continue_final_message, chat_template=chat_template)
+                              continue_final_message=continue_final_message, chat_template=chat_template,
+                              mm_processor_kwargs=mm_processor_kwargs)
                    for c in conversations]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 

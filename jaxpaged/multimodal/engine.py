@@ -59,7 +59,8 @@ class MultimodalFrontend:
         self.max_step_tokens = config.max_num_batched_tokens
         loader = MediaLoader(config.allowed_local_media_path, config.media_domains)
         limit = (config.limit_mm_per_prompt or {}).get("image")
-        self.processor = MultimodalProcessor(self.adapter.processor, self.adapter, self.spec, loader, limit, self._check)
+        self.processor = MultimodalProcessor(self.adapter.processor, self.adapter, self.spec, loader, limit, self._check,
+                                             config.mm_processor_kwargs)  # fmt: skip
         engine.scheduler.mm = self.scheduler = EncoderScheduler(runner.cache, self.max_patches, self.spec.bidirectional)
 
     def _check(self, item: EncoderItem, what: str) -> None:
@@ -78,12 +79,12 @@ class MultimodalFrontend:
         if "prompt_token_ids" in prompt:
             raise ValueError("multi_modal_data needs the prompt as text ('prompt'), which the processor expands")
         text = prompt.get("prompt")
-        ids, mm = self.processor.prompt(text, images)
+        ids, mm = self.processor.prompt(text, images, prompt.get("mm_processor_kwargs"))
         return text, ids, mm if mm.images else None
 
     def chat(self, prompt: ChatPrompt) -> tuple[None, list[int], MultimodalInputs | None]:
         ids, mm = self.processor.chat(prompt.messages, prompt.add_generation_prompt, prompt.tools, prompt.template_kwargs,
-                                      prompt.chat_template)  # fmt: skip
+                                      prompt.chat_template, prompt.mm_processor_kwargs)  # fmt: skip
         return None, ids, mm if mm.images else None
 
     def stats(self) -> dict:

@@ -79,44 +79,78 @@ def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[di
     return converted, images
 
 
+def image_settings(adapter: ImageAdapter) -> set[str]:
+    """The settings a request's mm_processor_kwargs may name: those of the model's image processor (transformers'
+    `valid_kwargs` of it) its family's adapter lets change (ImageAdapter.SETTINGS: not the patch size, nor a size
+    the tower is fixed to)."""
+    image_processor = getattr(adapter.processor, "image_processor", None)
+    valid = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    return set(valid) & set(adapter.SETTINGS)
+
+
+def check_processor_kwargs(adapter: ImageAdapter, kwargs, what: str = "mm_processor_kwargs") -> dict:
+    """kwargs as a dict of image settings (image_settings); ValueError naming the first key that is not one
+    (transformers would ignore it with a warning, or build images the tower cannot read)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{what} must be a dict of the image processor's settings (got {kwargs!r})")
+    known = image_settings(adapter)
+    for key in kwargs:
+        if key not in known:
+            raise ValueError(f"{what}: {key!r} is not a setting this model's image processor may change "
+                             f"(it takes: {', '.join(sorted(known))})")  # fmt: skip
+    return dict(kwargs)
+
+
 class MultimodalProcessor:
-    """One engine's: prompt text or chat messages plus images -> (token ids, MultimodalInputs)."""
+    """One engine's: prompt text or chat messages plus images -> (token ids, MultimodalInputs). `processor_kwargs`:
+    the engine's mm_processor_kwargs, which a request's own override."""
 
     def __init__(self, processor, adapter: ImageAdapter, spec: VisionSpec, loader: MediaLoader,
-                 limit_images: int | None = None, check=None):  # fmt: skip
+                 limit_images: int | None = None, check=None, processor_kwargs: dict | None = None):  # fmt: skip
         self.processor = processor
         self.adapter = adapter
         self.spec = spec
         self.loader = loader
         self.limit_images = limit_images
         self.check = check  # the engine's limits on one image (encoder budget, cache size): raises ValueError
+        self.processor_kwargs = check_processor_kwargs(adapter, processor_kwargs)
+
+    def _kwargs(self, request_kwargs) -> dict:
+        return {**self.processor_kwargs, **check_processor_kwargs(self.adapter, request_kwargs)}
 
     def _count(self, n: int) -> None:
         if self.limit_images is not None and n > self.limit_images:
             raise ValueError(f"the prompt has {n} images; at most {self.limit_images} are allowed (limit_mm_per_prompt)")
 
-    def prompt(self, text: str, images: Sequence[Any]) -> tuple[list[int], MultimodalInputs]:
+    def prompt(self, text: str, images: Sequence[Any], processor_kwargs: dict | None = None) -> tuple[list[int], MultimodalInputs]:
         """A prompt string holding the model's image placeholder once per image (as its chat template writes it)."""
         if not isinstance(text, str):
             raise ValueError("prompt: multi_modal_data needs the prompt as text")
         self._count(len(images))
+        kwargs = self._kwargs(processor_kwargs)
         loaded = [self.loader.load(image, what=f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
         try:
-            out = self.processor(text=text, images=loaded or None, return_tensors="np")
+            out = self.processor(text=text, images=loaded or None, return_tensors="np", **kwargs)
         except ValueError as exc:
-            raise ValueError(f"the prompt and its images do not match: {exc}") from None
+            what = "the processor refused the prompt, its images or mm_processor_kwargs" if kwargs else "the prompt and its images do not match"
+            raise ValueError(f"{what}: {exc}") from None
         return self._inputs(dict(out))
 
     def chat(
         self, messages: Sequence[dict], add_generation_prompt: bool = True, tools=None, template_kwargs: dict | None = None,
-        chat_template: str | None = None,
+        chat_template: str | None = None, processor_kwargs: dict | None = None,
     ) -> tuple[list[int], MultimodalInputs]:
         """chat_template: Jinja text used instead of the processor's template (vLLM's --chat-template)."""
+        kwargs = self._kwargs(processor_kwargs)
         converted, images = openai_parts(messages, self.loader)
         self._count(len(images))
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         if chat_template:
             extra["chat_template"] = chat_template
+        if kwargs:
+            extra["processor_kwargs"] = kwargs
         try:
             out = self.processor.apply_chat_template(
                 converted, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,

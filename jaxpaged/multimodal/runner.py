@@ -30,19 +30,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jaxpaged.multimodal")
 
 
-def vision_parts(loaded: LoadedModel) -> tuple[VisionSpec, ImageAdapter] | None:
-    """(the port's VisionSpec, its family's ImageAdapter, the model's processor loaded into it), or None for a model
-    that reads text only."""
+def vision_parts(loaded: LoadedModel, processor_kwargs: dict | None = None) -> tuple[VisionSpec, ImageAdapter] | None:
+    """(the port's VisionSpec, its family's ImageAdapter, the model's processor and the engine's mm_processor_kwargs
+    loaded into it), or None for a model that reads text only."""
     spec = getattr(loaded.model, "vision_spec", None)
     if spec is None:
         return None
     from pathlib import Path
 
-    from jaxpaged.multimodal.processing import load_processor
+    from jaxpaged.multimodal.processing import check_processor_kwargs, load_processor
 
     adapter = type(loaded.model).IMAGES(loaded.hf_config, spec)
     folder = Path(loaded.source)
-    adapter.configure(load_processor(folder if folder.is_dir() else folder.parent, adapter.processor_class))
+    processor = load_processor(folder if folder.is_dir() else folder.parent, adapter.processor_class)
+    adapter.configure(processor)
+    if processor_kwargs:  # (checked against the processor's settings: configure first)
+        adapter.configure(processor, check_processor_kwargs(adapter, processor_kwargs))
     return spec, adapter
 
 
@@ -64,7 +67,7 @@ def encoder_runner(runner: ModelRunner, loaded: LoadedModel, config: EngineConfi
     if distributed.is_multiprocess():
         logger.warning("images are not supported in a multi-process group: %s runs on text only", loaded.config.architecture)
         return None
-    parts = vision_parts(loaded)
+    parts = vision_parts(loaded, config.mm_processor_kwargs)
     spec, adapter = parts
     patches, rows = encoder_sizes(config, adapter)
     return EncoderRunner(runner, spec, adapter, patches, rows)

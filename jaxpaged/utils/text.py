@@ -57,6 +57,7 @@ class ChatPrompt:
     reasoning_effort: str | None = None  # "low", "medium" or "high": GPT-OSS's harmony system message (a template's variable otherwise)
     continue_final_message: bool = False  # the prompt ends inside the last message, not after it (vLLM's LLM.chat)
     chat_template: str | None = None  # Jinja text used instead of the tokenizer's template (vLLM's --chat-template)
+    mm_processor_kwargs: dict | None = None  # image processor settings for this conversation's images (vLLM's)
 
 
 def render_chat_prompt(tokenizer, prompt: ChatPrompt) -> list[int]:

@@ -106,10 +106,16 @@ class ImageAdapter:
     """A family's host side: the processor's outputs -> EncoderItems, a batch of items -> the arrays its `encode`
     takes at a bucket's shapes, and the buckets. Subclasses set the details; the engine calls nothing else."""
 
+    # the image processor's settings a request's mm_processor_kwargs may change (those that leave the tower's input
+    # shape to the processor); a family adds the size settings its adapter follows
+    SETTINGS: tuple[str, ...] = ("do_convert_rgb", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
+                                 "image_std")  # fmt: skip
+
     def __init__(self, hf_config, spec: VisionSpec):
         self.hf_config = hf_config
         self.spec = spec
         self.processor = None  # the model's transformers processor (configure)
+        self.settings: dict = {}  # the engine's mm_processor_kwargs (configure)
 
     # -- processing --------------------------------------------------------------------------
 
@@ -128,9 +134,11 @@ class ImageAdapter:
 
     processor_class = staticmethod(images_only)  # (cls -> cls) the processor class to build when AutoProcessor cannot
 
-    def configure(self, processor) -> None:
-        """The model's processor, once loaded: its settings bound the images (max_image_patches)."""
+    def configure(self, processor, settings: dict | None = None) -> None:
+        """The model's processor, once loaded, and the engine's mm_processor_kwargs: they bound the images
+        (max_image_patches)."""
         self.processor = processor
+        self.settings = dict(settings or {})
 
     def max_image_patches(self) -> int:
         """The patches of the largest image the processor makes (the default encoder batch)."""

@@ -11,7 +11,8 @@ the language model (`embed_vision`: a scale-less RMSNorm and a linear). A batch'
 (common.batch_attention), as transformers' batch rows do.
 
 The language model (models/gemma4.py) takes the soft tokens in place of the placeholders' embeddings; its per-layer
-inputs read the pad token's id there (transformers' `llm_input_ids`) and the merged embeddings. With
+inputs read the pad token's id there (transformers' `llm_input_ids`, which also puts the pad token wherever an image,
+video or audio placeholder id appears, a generated one too) and the merged embeddings. With
 `use_bidirectional_attention: vision` (Gemma 4's larger models) an image's tokens attend to each other both ways on
 the sliding layers only (AttentionMetadata.key_ends; the full layers stay causal), so an image's span is computed in
 one step, as Gemma 3's.
@@ -60,11 +61,10 @@ class Gemma4VisionConfig:
     clipped: bool  # use_clipped_linears
     standardize: bool
     image_token_id: int
-    pad_token_id: int  # what the per-layer inputs read at an image's tokens
 
     @staticmethod
     def from_hf(hf_config) -> Gemma4VisionConfig:
-        v, text = hf_config.vision_config, hf_config.get_text_config()
+        v = hf_config.vision_config
         rope = dict(getattr(v, "rope_parameters", None) or {})
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"Gemma 4's vision tower takes axial RoPE only (rope_type {rope['rope_type']!r})")
@@ -75,7 +75,7 @@ class Gemma4VisionConfig:
             eps=float(v.rms_norm_eps), patch_size=int(v.patch_size), pool=int(v.pooling_kernel_size),
             position_embedding_size=int(v.position_embedding_size), rope_theta=float(rope.get("rope_theta", 100.0)),
             clipped=bool(v.use_clipped_linears), standardize=bool(v.standardize),
-            image_token_id=int(hf_config.image_token_id), pad_token_id=int(text.pad_token_id or 0),
+            image_token_id=int(hf_config.image_token_id),
         )  # fmt: skip
 
 
@@ -238,7 +238,7 @@ class Gemma4ForConditionalGeneration(gemma4.Gemma4ForConditionalGeneration):
 
     @staticmethod
     def config_from_hf(hf_config, architecture: str) -> ModelConfig:
-        cfg = gemma4.gemma4_config(hf_config, architecture)
+        cfg = gemma4.Gemma4ForConditionalGeneration.config_from_hf(hf_config, architecture)
         if getattr(hf_config, "vision_config", None) is None:
             return cfg
         return dataclasses.replace(cfg, options=tuple(sorted(dict(cfg.options, vision=Gemma4VisionConfig.from_hf(hf_config)).items())))
@@ -270,7 +270,7 @@ class Gemma4ForConditionalGeneration(gemma4.Gemma4ForConditionalGeneration):
     def forward(self, input_ids, positions, kv_cache, attn_metadata, mm: MultimodalStep | None = None):
         if mm is None:
             return super().forward(input_ids, positions, kv_cache, attn_metadata)
-        ids = jnp.where(mm.rows >= 0, self.config.option("vision").pad_token_id, input_ids)
+        ids = self.text_ids(input_ids, mm.rows)
         x = merge_embeddings(self.embed(ids, positions), mm)
         return self.run(ids, x, positions, kv_cache, attn_metadata)
 
@@ -288,13 +288,15 @@ class Gemma4Images(ImageAdapter):
         self.features = 3 * self.patch * self.patch
         self.max_tokens = 280  # transformers' default max_soft_tokens, until the processor says
 
-    def configure(self, processor) -> None:
-        super().configure(processor)
+    SETTINGS = ImageAdapter.SETTINGS + ("max_soft_tokens",)  # Gemma 4's token budget per image: 70 to 1120
+
+    def configure(self, processor, settings: dict | None = None) -> None:
+        super().configure(processor, settings)
         image_processor = processor.image_processor
         if int(image_processor.patch_size) != self.patch or int(image_processor.pooling_kernel_size) != self.pool:
             raise ValueError(f"the image processor's patch_size {image_processor.patch_size} and pooling_kernel_size "
                              f"{image_processor.pooling_kernel_size} differ from the model's ({self.patch}, {self.pool})")  # fmt: skip
-        self.max_tokens = int(image_processor.max_soft_tokens)
+        self.max_tokens = int(self.settings.get("max_soft_tokens", image_processor.max_soft_tokens))
 
     def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
         pixels = np.asarray(processed["pixel_values"], np.float32)

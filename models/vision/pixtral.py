@@ -227,14 +227,16 @@ class PixtralImages(ImageAdapter):
         self.break_id = -1
         self.longest = int(getattr(v, "image_size", 1024))
 
-    def configure(self, processor) -> None:
-        super().configure(processor)
+    SETTINGS = ImageAdapter.SETTINGS + ("size",)  # {"longest_edge": N}: images resized to fit it
+
+    def configure(self, processor, settings: dict | None = None) -> None:
+        super().configure(processor, settings)
         self.break_id = int(processor.image_break_token_id)
         merge = int(getattr(processor, "spatial_merge_size", 1) or 1)
         if int(processor.patch_size) != self.patch or merge != self.merge:
             raise ValueError(f"the processor's patch_size {processor.patch_size} and spatial_merge_size {merge} "
                              f"differ from the model's ({self.patch}, {self.merge})")  # fmt: skip
-        size = getattr(processor.image_processor, "size", None) or {}
+        size = self.settings.get("size") or getattr(processor.image_processor, "size", None) or {}
         get = size.get if isinstance(size, dict) else lambda name: getattr(size, name, None)
         self.longest = int(get("longest_edge") or get("height") or self.longest)
 

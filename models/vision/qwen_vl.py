@@ -476,8 +476,13 @@ class QwenImages(ImageAdapter):
         """Full-attention blocks attend across a segment mask (segment_call_patches)."""
         return segment_call_patches(self, items, largest_bucket)
 
+    SETTINGS = ImageAdapter.SETTINGS + ("max_pixels", "min_pixels", "size")  # images resized within the pixel bounds
+
     def _max_pixels(self) -> int:
-        size = self.processor.image_processor.size if self.processor is not None else {"longest_edge": 28 * 28 * 1280}
+        if self.settings.get("max_pixels"):
+            return int(self.settings["max_pixels"])
+        size = self.settings.get("size") or (self.processor.image_processor.size if self.processor is not None
+                                             else {"longest_edge": 28 * 28 * 1280})  # fmt: skip
         get = size.get if isinstance(size, dict) else lambda name: getattr(size, name, None)
         return int(get("longest_edge") or get("max_pixels"))
 

@@ -47,7 +47,7 @@ def prepare(serving: Serving, body: ChatCompletionRequest) -> tuple[SamplingPara
     exclude = body.tool_choice == "none" and serving.settings.exclude_tools_when_tool_choice_none
     tools = None if exclude else body.tools or None
     prompt = ChatPrompt(body.conversation(), body.add_generation_prompt, tools, body.chat_template_kwargs, body.reasoning_effort,
-                        body.continue_final_message, serving.template_for(body.chat_template))  # fmt: skip
+                        body.continue_final_message, serving.template_for(body.chat_template), body.mm_processor_kwargs)  # fmt: skip
     return params, prompt, fields
 
 

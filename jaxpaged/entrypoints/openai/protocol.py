@@ -408,6 +408,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
     reasoning_effort: str | None = None  # OpenAI's: "low", "medium" or "high" (GPT-OSS's harmony system message)
     chat_template: str | None = None  # vLLM's: the request's own template, on a --trust-request-chat-template server
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: image processor settings for this request's images
     UNSUPPORTED: ClassVar[dict[str, Any]] = {**_SamplingRequest.UNSUPPORTED, "echo": False}  # and vLLM's chat echo
 
     _null_logprobs = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
