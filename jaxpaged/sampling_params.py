@@ -291,6 +291,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the last max_model_len)
     detokenize: bool = True  # False: token ids only (no text, logprobs without decoded tokens)
     spaces_between_special_tokens: bool = True  # read by slow tokenizers' decode only, as in transformers and vLLM
+    # vLLM's: the most tokens a reasoning model may think (between its markers) before the end marker is forced
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -330,6 +332,10 @@ class SamplingParams:
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
         self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
+        if self.thinking_token_budget is not None:
+            self.thinking_token_budget = _int("thinking_token_budget", self.thinking_token_budget)
+            if self.thinking_token_budget < 0:
+                raise ValueError(f"thinking_token_budget must be >= 0 (got {self.thinking_token_budget})")
         self.bad_words = _bad_words(self.bad_words)
 
         if self.max_tokens is not None:

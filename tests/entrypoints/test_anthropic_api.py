@@ -175,3 +175,31 @@ def test_errors_in_anthropic_shape(tools, body, fragment):
     assert fragment in err["error"]["message"], err
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
     assert engine.engine.scheduler.kv.pool.num_used == 0
+
+
+def test_thinking_budget_tokens_close_the_thinking(think):
+    """thinking.budget_tokens is enforced (the end marker forced after 1 thinking token), as chat completions'
+    thinking_token_budget, which it becomes; a bad budget is a 400 naming it."""
+    from tests.entrypoints.asgi import run
+    from tests.reasoning_model import ANSWER
+
+    budget = {"type": "enabled", "budget_tokens": 1}
+    m = _run(think, lambda c, _: c.messages.create(model=MODEL, messages=USER, max_tokens=40, thinking=budget, extra_body=GREEDY))
+    thinking, text = m.content
+    assert (thinking.thinking, text.text) == ("Let me think.", "\n\n" + ANSWER)
+
+    async def chat(http):
+        body = {"model": MODEL, "messages": USER, "max_tokens": 40, "temperature": 0}
+        ok = (await http.post("/chat/completions", json=body | {"thinking_token_budget": 1})).json()
+        bad = await http.post("/chat/completions", json=body | {"thinking_token_budget": -2})
+        return ok["choices"][0]["message"], bad.status_code, bad.json()
+
+    message, status, error = run(think, chat)
+    assert (message["reasoning_content"], message["content"]) == ("Let me think.", "\n\n" + ANSWER)
+    assert status == 400 and "thinking_token_budget" in error["error"]["message"]
+
+    async def bad_messages(client, _):
+        with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+            await client.messages.create(model=MODEL, messages=USER, max_tokens=40, thinking={"type": "enabled", "budget_tokens": -1})
+
+    _run(think, bad_messages)

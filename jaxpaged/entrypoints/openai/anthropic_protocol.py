@@ -32,7 +32,9 @@ class MessagesRequest(_Strict):
     stream: bool | None = False
     tools: list[Any] | None = None
     tool_choice: dict | None = None
-    thinking: dict | None = None  # accepted: whether a model thinks is its chat template's (chat_template_kwargs)
+    # {"type": "enabled", "budget_tokens": N}: N is the thinking_token_budget (whether a model thinks at all is its
+    # chat template's: chat_template_kwargs); {"type": "disabled"} is accepted
+    thinking: dict | None = None
     output_config: dict | None = None  # {"format": {"type": "json_schema", "schema"}, "effort": ...}
     metadata: dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as in chat
@@ -64,7 +66,22 @@ class MessagesRequest(_Strict):
         if self.chat_template_kwargs is not None:
             body["chat_template_kwargs"] = self.chat_template_kwargs
         body |= _output_config(self.output_config)
+        body |= _thinking(self.thinking)
         return {k: v for k, v in body.items() if v is not None}
+
+
+def _thinking(thinking: dict | None) -> dict:
+    """thinking's budget_tokens as chat's thinking_token_budget (enforced: the end marker is forced there)."""
+    if thinking is None or thinking.get("type") in ("disabled", "adaptive"):
+        return {}
+    if thinking.get("type") != "enabled":
+        raise FieldError("thinking.type must be 'enabled' or 'disabled'", "thinking.type")
+    budget = thinking.get("budget_tokens")
+    if budget is None:
+        return {}
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise FieldError(f"thinking.budget_tokens must be a non-negative integer (got {budget!r})", "thinking.budget_tokens")
+    return {"thinking_token_budget": budget}
 
 
 def _output_config(config: dict | None) -> dict:

@@ -89,6 +89,7 @@ class _SamplingRequest(_Strict):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
+    thinking_token_budget: int | None = None  # vLLM's: a reasoning model's thinking capped, its end marker forced
     prompt_logprobs: int | None = None  # vLLM's: non-streaming responses carry them
     priority: int = 0  # vLLM's: lower is served first under --scheduling-policy priority (else only 0 is accepted)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its older guided_* fields
@@ -141,6 +142,7 @@ class _SamplingRequest(_Strict):
             "logit_bias": self._logit_bias(), "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "thinking_token_budget": self.thinking_token_budget,
         }
         chosen = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
         if self.use_beam_search:  # beams rank by the model's logprobs: the model's sampling defaults do not apply

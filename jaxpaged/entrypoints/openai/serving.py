@@ -244,6 +244,6 @@ SAMPLING_FIELDS = {
         "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
         "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words",
         "truncate_prompt_tokens", "spaces_between_special_tokens", "prompt_logprobs", "priority", "use_beam_search",
-        "length_penalty", "early_stopping",
+        "length_penalty", "early_stopping", "thinking_token_budget",
     )
 }
