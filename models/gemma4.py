@@ -21,8 +21,14 @@ Gemma4ForConditionalGeneration:
 One KV array serves every layer, so it has the largest head dim and KV-head count of any layer: a layer with fewer
 KV heads repeats them (as tensor parallelism does), one with a smaller head dim is zero-padded (q too; scores and
 outputs are unchanged, the padded output features are dropped). The padding falls on the sliding layers, whose
-groups hold about a window of blocks. Images: models/vision/gemma4.py. Not supported: tensor and pipeline
-parallelism, bidirectional attention ("all"), video and audio (the audio tower is skipped).
+groups hold about a window of blocks. Images: models/vision/gemma4.py.
+
+Tensor parallelism (models/sharding.py, option "layer_kv_shapes"): query heads, each layer's K/V projections, the
+MLPs and the experts split as in other ports, the cache on its KV-head axis; a layer with fewer KV heads than devices
+has its K/V projection's heads repeated to one a device at load, the others split; the per-head q/k norms, the PLE
+tables and projections, routers and the vision tower stay whole on every device. A layer whose KV heads neither
+divide nor are divided by the device count is refused. Not supported: pipeline parallelism, bidirectional
+attention ("all"), video and audio (the audio tower is skipped).
 """
 
 from __future__ import annotations
@@ -123,9 +129,13 @@ class Gemma4Attention(nnx.Module):
         if self.k_proj is None:
             k, v = shared_kv
         else:
-            raw = self.k_proj(x).reshape(t, kv, hd)
-            v = raw if self.v_proj is None else self.v_proj(x).reshape(t, kv, hd)
+            # kv heads, or (tensor parallelism: models/sharding.py) each repeated to one a device, n in all; the
+            # cache then holds max(cache_heads, n), which either count divides
+            raw = self.k_proj(x).reshape(t, -1, hd)
+            v = raw if self.v_proj is None else self.v_proj(x).reshape(t, -1, hd)
             k, v = apply_rope(self.k_norm(raw), rope), self.v_norm(v)
+            kv = raw.shape[1]
+            cache_heads = max(cache_heads, kv)
             if kv != cache_heads:  # head j of the cache holds this layer's KV head j // (cache_heads / kv)
                 k, v = (jnp.repeat(a, cache_heads // kv, axis=1) for a in (k, v))
             k, v = pad(k), pad(v)
@@ -436,8 +446,8 @@ def gemma4_config(hf_config, architecture: str) -> ModelConfig:
         # an image's tokens see each other on the sliding layers (Gemma 4's larger models; models/vision/gemma4.py)
         "bidirectional_images": getattr(text, "use_bidirectional_attention", None) == "vision",
         "final_logit_softcapping": None if text.final_logit_softcapping is None else float(text.final_logit_softcapping),
-        "no_tensor_parallel": f"{architecture} is not split over devices yet (its layers differ in head dim and KV "
-                              "heads, which the KV heads' split and repetition do not handle)",
+        # tensor parallelism checks and widens each layer's KV heads on its own (models/sharding.py)
+        "layer_kv_shapes": tuple((s.kv_heads, s.head_dim) for s in layers),
         "no_pipeline_parallel": f"{architecture} is not cut into stages (a layer sharing K/V reads an earlier "
                                 "layer's, which another stage's cache would hold)",
     }

@@ -14,13 +14,17 @@ NamedSharding, derived from its path alone in one place. The ports share paramet
 
 Attention heads split with q/k/v's columns; the KV-block array splits on its KV-head axis. A model
 with fewer KV heads than N has each KV head's k/v columns repeated N / H_kv times first, so every
-device still holds (and caches) exactly one KV head. GSPMD partitions the matmuls from these input
-shardings; attention itself runs under shard_map (pallas_kernels/attention.py).
+device still holds (and caches) exactly one KV head. A model whose layers differ in KV heads and head dim
+(Gemma 4: the option "layer_kv_shapes", each layer's (KV heads, head dim)) has each layer checked and widened on
+its own (a layer with fewer KV heads than N repeated to N), the cache keeping its largest count (or N), which each
+layer's forward repeats its heads up to. GSPMD partitions the matmuls from these input shardings; attention
+itself runs under shard_map (pallas_kernels/attention.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +86,8 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
         problems.append(f"num_attention_heads={cfg.num_heads}")
     if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
         problems.append(f"num_key_value_heads={cfg.num_kv_heads} (neither divisible by it nor dividing it)")
+    uneven = sorted({kv for kv, _ in cfg.option("layer_kv_shapes", ()) if kv % n and n % kv} - {cfg.num_kv_heads})
+    problems += [f"some layers' {kv} KV heads (neither divisible by it nor dividing it)" for kv in uneven]
     if cfg.intermediate_size % n:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
     for option, fields in (("gdn", ("num_k_heads", "num_v_heads")), ("mamba", ("num_heads",))):
@@ -131,11 +137,12 @@ def dotted_path(keypath) -> str:
 
 
 def replicate_kv_heads(state, cfg: ModelConfig, n: int):
-    """Repeat each KV head's k/v columns n / H_kv times, so n devices each get one: -> (state, cfg)."""
-    kv = cfg.num_kv_heads
-    if kv >= n:
+    """Repeat each KV head's k/v columns n / H_kv times, so n devices each get one: -> (state, cfg). With
+    "layer_kv_shapes", per layer (its own KV heads and head dim); the cache's count becomes max(H_kv, n)."""
+    layer_shapes = cfg.option("layer_kv_shapes")
+    smallest = min(kv for kv, _ in layer_shapes) if layer_shapes else cfg.num_kv_heads
+    if smallest >= n:
         return state, cfg
-    factor, hd = n // kv, cfg.head_dim
 
     def widen(keypath, x):
         path = dotted_path(keypath)
@@ -143,10 +150,15 @@ def replicate_kv_heads(state, cfg: ModelConfig, n: int):
             return x
         if not path.endswith(tuple(f".{p}.{leaf}" for p in ("k_proj", "v_proj") for leaf in ("kernel", "bias", "scale", "zero"))):
             return x
+        kv, hd = cfg.num_kv_heads, cfg.head_dim
+        if layer_shapes:
+            kv, hd = layer_shapes[int(re.search(r"(?:^|\.)layers\.(\d+)\.", path)[1])]
+        if kv >= n:
+            return x
         heads = x.reshape(*x.shape[:-1], kv, hd)
-        return jnp.repeat(heads, factor, axis=-2).reshape(*x.shape[:-1], n * hd)
+        return jnp.repeat(heads, n // kv, axis=-2).reshape(*x.shape[:-1], n * hd)
 
-    return jax.tree_util.tree_map_with_path(widen, state), dataclasses.replace(cfg, num_kv_heads=n)
+    return jax.tree_util.tree_map_with_path(widen, state), dataclasses.replace(cfg, num_kv_heads=max(cfg.num_kv_heads, n))
 
 
 def param_sharding(mesh: Mesh, path: str, shape: tuple[int, ...]) -> NamedSharding:

@@ -169,16 +169,13 @@ def test_config_reaches_the_port(checkpoints):
     assert (moe.head_dim, moe.num_kv_heads) == (32, 2) and dict(moe.option("moe"))["num_experts"] == 4
 
 
-def test_tensor_and_pipeline_parallelism_are_refused(checkpoints):
+def test_pipeline_parallelism_is_refused(checkpoints):
+    """(Tensor parallelism: tests/models/test_gemma4_tp.py.)"""
     import types
-
-    from jaxpaged.models.sharding import check_divisible
 
     from jaxpaged.worker.pipeline_runner import PipelineRunner
 
     loaded = load_model(str(checkpoints("moe-k-eq-v")[1]), dtype="float32")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: Gemma4ForCausalLM is not split"):
-        check_divisible(loaded.config, 2)
     runner = types.SimpleNamespace(config=types.SimpleNamespace(pipeline_parallel_size=2), tp=1, model_config=loaded.config)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: Gemma4ForCausalLM is not cut into stages"):
         PipelineRunner._place(runner, loaded)
