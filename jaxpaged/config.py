@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -142,6 +143,9 @@ class EngineConfig:
                                     "max_new_tokens), as vLLM; vllm: vLLM's own defaults; or a folder holding one", group="model")  # fmt: skip
     override_generation_config: Any = option(None, "generation config fields set over the model's, as JSON, e.g. "
                                              "'{\"temperature\": 0.5}'", group="model")  # fmt: skip
+    hf_overrides: dict | str | None = option(None, "fields set over the checkpoint's config.json (an HF folder's), as "
+                                             "JSON, e.g. '{\"is_causal\": false}' for gte-Qwen2's bidirectional "
+                                             "attention (vLLM's --hf-overrides)", group="model")  # fmt: skip
     enable_prompt_embeds: bool = option(False, "accept prompts given as embeddings ({\"prompt_embeds\": [T, hidden]} in "
                                         "LLM.generate; the server's prompt_embeds field, base64 of a torch.save'd tensor): "
                                         "each step then carries an embeddings input beside the token ids; Llama-like "
@@ -282,6 +286,15 @@ class EngineConfig:
         from jaxpaged.engine.generation_defaults import check_generation_config
 
         self.override_generation_config = check_generation_config(self.generation_config, self.override_generation_config)
+        overrides = self.hf_overrides
+        if isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides)
+            except ValueError as exc:
+                raise ValueError(f"hf_overrides must be a JSON object (got {overrides!r})") from exc
+        if overrides is not None and (not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)):
+            raise ValueError(f"hf_overrides must be a dict of config fields (got {overrides!r})")
+        self.hf_overrides = overrides or None
         from jaxpaged.pooling_params import PoolerConfig
 
         self.pooler_config = PoolerConfig.parse(self.pooler_config)

@@ -49,6 +49,8 @@ class LlamaDecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(CausalLM):
     SKIPPED_TENSORS = (ROTARY_CACHE,)
+    # is_causal=false pooling checkpoints (gte-Qwen2): every layer's attention reads AttentionMetadata.key_ends
+    BIDIRECTIONAL_POOLING = True
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention: AttentionBackend = REFERENCE_ATTENTION):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)

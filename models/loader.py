@@ -23,7 +23,7 @@ from jaxpaged.config import QUANTIZATION_CHOICES
 from jaxpaged.models import checkpoint_quant, convert_cache, gguf_io, hub, orbax_io, pooling_head, safetensors_io, tiktoken_folder
 from jaxpaged.models.accounting import TensorLedger
 from jaxpaged.models.builtin import builtin_gguf_path
-from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.config import ModelConfig, text_config
 from jaxpaged.models.registry import resolve_architecture
 from jaxpaged.models.tying import COPY
 from jaxpaged.models.tying import decide as tied_head
@@ -167,10 +167,24 @@ def _checkpoint_quantization(hf_config, folder: Path, dtype_name: str = "float32
     return checkpoint_quant.checkpoint_format(qcfg, str(folder), np.dtype(DTYPES[dtype_name]), keep_mxfp4)
 
 
+def apply_hf_overrides(hf_config, overrides: dict | None):
+    """vLLM's hf_overrides: each field set on the config (and on its text config, where that holds the field too)."""
+    if not overrides:
+        return hf_config
+    text = text_config(hf_config)
+    for name, value in overrides.items():
+        setattr(hf_config, name, value)
+        if text is not hf_config and hasattr(text, name):
+            setattr(text, name, value)
+    logger.info("config fields overridden (hf_overrides): %s", ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
+    return hf_config
+
+
 def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantization: str | None = None, timed: dict | None = None,
-                    programs: WeightPrograms | None = None, keep_mxfp4: bool = False):  # fmt: skip
+                    programs: WeightPrograms | None = None, keep_mxfp4: bool = False, hf_overrides: dict | None = None):  # fmt: skip
     """timed: filled with the seconds of the config's read (imports included) and the tokenizer's. keep_mxfp4: an
-    MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py). Returns the load's result and the folder's PoolingInfo."""
+    MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py). hf_overrides: fields set over config.json's. Returns the
+    load's result and the folder's PoolingInfo."""
     timed = {} if timed is None else timed
     t0 = time.perf_counter()
     from transformers import AutoConfig
@@ -183,6 +197,7 @@ def _load_hf_folder(folder: Path, dtype_name: str, choose_attention, quantizatio
         hf_config = _aliased_config(config_file)
         if hf_config is None:
             raise ValueError(f"could not read {config_file}: {exc}") from exc
+    hf_config = apply_hf_overrides(hf_config, hf_overrides)
     timed["config"] = time.perf_counter() - t0
     fmt = _checkpoint_quantization(hf_config, folder, dtype_name, keep_mxfp4)
     if fmt is not None and quantization in ("int8", "fp8") and not getattr(fmt, "dequantizes", False):
@@ -329,13 +344,15 @@ def load_model(
     devices=None,
     tensor_parallel_size: int = 1,
     moe_kernel: str = "loop",
+    hf_overrides: dict | None = None,
 ) -> LoadedModel:
     """Load `model` (None means the built-in SmolLM2-135M-Instruct) into a Flax port whose attention `platform`
     (default: the one JAX runs on) resolves from `attention_backend`. quantization: EngineConfig.quantization.
     An Orbax checkpoint (models/orbax_io.py) takes hf_config and checkpoint_mapping, and is restored onto `devices`
     (split as a tensor_parallel_size engine splits it). moe_kernel: EngineConfig.moe_kernel, the expert loop the
     engine will run: where the platform's reads MXFP4 (Platform.keeps_mxfp4: the grouped GEMM), an MXFP4 checkpoint's
-    experts stay 4-bit unless quantization is "none"; else they are dequantized once at load."""
+    experts stay 4-bit unless quantization is "none"; else they are dequantized once at load. hf_overrides
+    (EngineConfig.hf_overrides): fields set over an HF folder's config.json."""
     dtype_name = resolve_dtype(dtype)
     if quantization not in (None, *QUANTIZATION_CHOICES):
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} or None (got {quantization!r})")
@@ -358,6 +375,8 @@ def load_model(
     programs = None if orbax_item is not None else WeightPrograms(
         ExecutableCache(convert_cache.cache_root(cache_dir) / "executables") if use_cache else None,
         threads=WEIGHT_COMPILE_THREADS)  # fmt: skip
+    if hf_overrides and (orbax_item is not None or not path.is_dir() or not (path / "config.json").exists()):
+        raise ValueError(f"hf_overrides applies to HF folders (a config.json beside safetensors), and {path} is not one")
     for name, value in (("hf_config", hf_config), ("checkpoint_mapping", checkpoint_mapping)):
         if value is not None and orbax_item is None:
             raise ValueError(f"{name} applies to Orbax checkpoints, and {path} is not one")
@@ -383,7 +402,8 @@ def load_model(
                                    devices=devices, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
         elif path.is_dir():
             keep_mxfp4 = quantization != "none" and platform.keeps_mxfp4(moe_kernel)
-            *result, pooling = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs, keep_mxfp4)
+            *result, pooling = _load_hf_folder(path, dtype_name, choose_attention, quantization, timed, programs, keep_mxfp4,
+                                               hf_overrides)  # fmt: skip
         elif path.suffix == ".gguf":
             result = _load_gguf(path, dtype_name, choose_attention, cache_dir, use_cache, quantization, timed, programs)
         elif path.suffix == ".json":

@@ -194,8 +194,12 @@ def prepare_load(folder: Path, hf_config: Any, port: type, cfg: ModelConfig, sto
     if info is None:
         return cfg
     kind = info.task
-    if getattr(text_config(hf_config), "is_causal", True) is False:
-        raise ValueError(f"{folder.name}: is_causal=false, a bidirectional embedding model; jaxpaged's ports attend causally")
+    if getattr(text_config(hf_config), "is_causal", True) is False:  # gte-Qwen2 and alike (hf_overrides, as in vLLM)
+        if not getattr(port, "BIDIRECTIONAL_POOLING", False):
+            raise ValueError(f"{folder.name}: is_causal=false, a bidirectional embedding model, which the "
+                             f"{cfg.architecture} port does not run (Llama, Mistral, Qwen2 and Qwen3 do)")  # fmt: skip
+        logger.info("%s: is_causal=false: every prompt token attends to the whole prompt (bidirectional)", folder.name)
+        cfg = dataclasses.replace(cfg, options=tuple(sorted(dict(cfg.options, bidirectional=True).items())))
     original = checkpoint_architecture(hf_config)
     logger.info("%s: a pooling checkpoint (%s%s), served by the %s port", folder.name, original,
                 f", task {kind}" if kind else ", sentence-transformers modules.json", cfg.architecture)  # fmt: skip

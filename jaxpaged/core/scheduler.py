@@ -262,6 +262,7 @@ class Scheduler:
         # vision-language models: a row covering image tokens needs their embeddings cached or encoded in its step
         # (jaxpaged/multimodal/encoder_cache.py: EncoderScheduler), set by the engine
         self.mm = None
+        self.whole_prompts = False  # a bidirectional model's: a prompt is scheduled whole or not at all (never chunked)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -442,6 +443,8 @@ class Scheduler:
             if fresh:
                 req.num_computed_tokens = hit
             n = min(req.num_schedulable_tokens, budget)  # 0: held for a fork, its prefix all cached
+            if self.whole_prompts and n < req.num_schedulable_tokens:
+                break  # (it fits an empty step: max_model_len <= max_num_batched_tokens)
             if n > 0 and self.mm is not None and req.parent.mm is not None and req.num_computed_tokens < req.parent.mm.end:
                 n = self.mm.fit(req, req.num_computed_tokens, n)  # 0: it waits for an image's embeddings or span
             admitted = n <= 0 or kv.allocate_slots(req.seq_id, req.num_computed_tokens, n)

@@ -130,6 +130,7 @@ class LLMEngine:
                 batch_invariant=config.batch_invariant, revision=config.revision, platform=platform,
                 quantization=config.quantization, hf_config=config.hf_config, checkpoint_mapping=config.checkpoint_mapping,
                 devices=devices, tensor_parallel_size=config.tensor_parallel_size, moe_kernel=config.moe_kernel,
+                hf_overrides=config.hf_overrides,
             )
         load_seconds = time.perf_counter() - t0
         self.tokenizer = self.loaded.tokenizer
@@ -141,6 +142,9 @@ class LLMEngine:
         if config.max_model_len is None and limit:
             logger.info("max_model_len is %d: %s", model_len, limit)
         self.max_model_len = config.max_model_len or model_len
+        self.bidirectional = bool(self.loaded.config.option("bidirectional", False))  # is_causal=false pooling models
+        if self.bidirectional:
+            self.max_model_len = self._whole_prompts(config)
         # the model's generation_config.json defaults for what a request leaves unset (vLLM's generation_config auto)
         self.default_sampling_kwargs = default_sampling_kwargs(config.generation_config, config.override_generation_config,
                                                                self.loaded.source)  # fmt: skip
@@ -177,7 +181,9 @@ class LLMEngine:
         if hybrid and config.enable_prefix_caching:
             logger.info("prefix caching is off for %s: a cached block holds no linear layer's state at its boundary",
                         self.loaded.config.architecture)  # fmt: skip
-        pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching and not hybrid)
+        if self.bidirectional and config.enable_prefix_caching:
+            logger.info("prefix caching is off: a bidirectional model's K/V of a prefix depend on what follows it")
+        pool = BlockPool(self.runner.num_blocks, enable_caching=config.enable_prefix_caching and not hybrid and not self.bidirectional)
         groups = self.runner.kv_groups
         if hybrid:
             kv = HybridKVCacheManager(pool, config.block_size, config.max_num_seqs, spare_state_slots(config))
@@ -192,6 +198,7 @@ class LLMEngine:
             decode_lanes=config.speculative_config is None,  # proposals read every sequence's tokens every step
             policy=config.scheduling_policy,
         )  # fmt: skip
+        self.scheduler.whole_prompts = self.bidirectional  # a prompt in one step: its tokens see each other
         if mtp:
             draft.kv = self.scheduler.kv  # its chained guesses write where the sequences' blocks are
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.pooler)
@@ -332,6 +339,19 @@ class LLMEngine:
                 raise ValueError("continue_final_message is not supported for conversations with images")
             return self.mm.chat(prompt)
         return (*self._prompt_ids(prompt), None)
+
+    def _whole_prompts(self, config) -> int:
+        """max_model_len for a bidirectional (is_causal=false) pooling model, whose prompts run whole, in one step:
+        at most max_num_batched_tokens; ValueError naming the fields otherwise, or for a generating runner."""
+        if not wants_pooling_runner(config.runner, getattr(self.loaded, "pooling", None)):
+            raise ValueError("is_causal=false (a bidirectional model) serves embeddings and scores only: runner='pooling'")
+        if config.max_model_len is not None and config.max_model_len > config.max_num_batched_tokens:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds max_num_batched_tokens "
+                             f"({config.max_num_batched_tokens}): a bidirectional model computes a prompt in one step")  # fmt: skip
+        if self.max_model_len > config.max_num_batched_tokens:
+            logger.info("max_model_len is %d (max_num_batched_tokens): a bidirectional model computes a prompt in one "
+                        "step", config.max_num_batched_tokens)  # fmt: skip
+        return min(self.max_model_len, config.max_num_batched_tokens)
 
     def _thinking_budget(self, params: SamplingParams, prompt_ids: list[int], inner):
         """A sequence's ThinkingBudget, its markers the structured outputs' (the server's reasoning parser) or the

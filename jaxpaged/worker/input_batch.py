@@ -126,6 +126,8 @@ class InputBatchBuilder:
         self.rope = LengthDependentRope.of(runner.model_config)  # set: each step carries rows' RoPE lengths
         # vision-language models: each slot's images (its request's MultimodalInputs, or None) and M-RoPE offset
         self.mm = getattr(runner, "mm", None)
+        # an is_causal=false pooling model: each row's tokens see its whole chunk (the prompt: never chunked)
+        self.bidirectional = bool(runner.model_config.option("bidirectional", False))
         self._slot_mm: list = [None] * slots
         self._slot_images_end = np.zeros(slots, np.int32)  # positions past which its rows hold no image
         self._mrope_delta = np.zeros(slots, np.int32)
@@ -145,7 +147,7 @@ class InputBatchBuilder:
             state_slots=None if self._state_slots is None else np.full(s, self.num_state_slots, np.int32),
         )
         sampling = build_sampling_metadata([], s, self.runner.history_width, self.max_suppress, self.mask_words)
-        if self.mm is not None and self.mm.spec.bidirectional:  # (the same packed layout as a step's)
+        if self.bidirectional or (self.mm is not None and self.mm.spec.bidirectional):  # (the same packed layout as a step's)
             attn_metadata = dataclasses.replace(attn_metadata, key_ends=np.zeros(t, np.int32))
         return StepInputs(np.zeros(t, np.int32), np.zeros(t, np.int32), attn_metadata, np.zeros(s, np.int32), sampling)
 
@@ -265,6 +267,10 @@ class InputBatchBuilder:
             step.pool_rows, step.pool_tokens = self._pool_rows(t, scheduled, self._pool_code[slots], ends)
         if self.mm is not None:
             self._images(step, slots, starts, counts, ends, total, row_of)
+        if self.bidirectional:  # every token's last visible key: its row's last in this step
+            key_ends = np.zeros(t, np.int32)
+            key_ends[:total] = np.repeat(starts + counts - 1, counts)
+            step.attention = dataclasses.replace(step.attention, key_ends=key_ends)
         if self.embeds is not None:
             self.embeds.fill(step, slots, starts, counts, ends)
         return step

@@ -254,9 +254,17 @@ def test_a_token_classifier_without_its_bias_is_refused_unless_its_config_has_no
     assert info.task == "token_classify" and info.bias is None and info.classifier.shape == (2, 64)
 
 
-def test_a_bidirectional_embedding_model_is_refused(tmp_path):
-    _saved("Qwen3Model", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config | {"is_causal": False}))
-    with pytest.raises(ValueError, match=r"is_causal=false, a bidirectional embedding model"):
-        load_model(str(tmp_path), dtype="float32")
+def test_a_bidirectional_embedding_model_loads_where_its_port_runs_one(tmp_path):
+    """is_causal=false in config.json (or hf_overrides): Qwen3's port (Llama's) runs it bidirectionally (the engine:
+    tests/engine/test_bidirectional_pooling.py); Gemma 2's refuses it."""
+    for name in ("Qwen3Model", "Gemma2Model"):
+        folder = tmp_path / name
+        _saved(name, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"is_causal": False}))
+        if name == "Qwen3Model":
+            assert load_model(str(folder), dtype="float32").config.option("bidirectional") is True
+            assert load_model(str(folder), dtype="float32", hf_overrides={"is_causal": True}).config.option("bidirectional") is None
+        else:
+            with pytest.raises(ValueError, match=r"is_causal=false, a bidirectional embedding model, which the"):
+                load_model(str(folder), dtype="float32")
