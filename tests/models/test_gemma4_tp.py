@@ -4,7 +4,8 @@ heads on every layer) and MoE model (1 KV head on its full layers, 2 on its slid
 layer's KV heads repeated to one a device; the image-text model of tests/vlm_models.py (bidirectional image spans,
 `attention_k_eq_v` with one KV head on its full layers) at TP 2 with an image, its sliding layers' 2 KV heads split
 and its full layers' one repeated, the tower whole on each device. Greedy tokens equal transformers', nothing
-compiles after warm-up. A layer whose KV heads cannot be split or repeated evenly is a ValueError."""
+compiles after warm-up. A layer whose KV heads cannot be split or repeated evenly is a ValueError; the released
+31B's and 26B-A4B's head counts (on tiny widths) are accepted at N = 2, 4 and 8."""
 
 from __future__ import annotations
 
@@ -35,6 +36,26 @@ def test_a_layer_whose_kv_heads_cannot_split_is_refused(tmp_path):
     check_divisible(cfg, 3)  # 3 divides 6 and 3
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide .*some layers' 3 KV heads"):
         check_divisible(cfg, 2)
+
+
+@pytest.mark.parametrize("heads,sliding_kv,full_kv", [(32, 16, 4), (16, 8, 2)])
+def test_the_released_head_counts_split_two_four_and_eight_ways(heads, sliding_kv, full_kv, tmp_path):
+    """31B's heads (dense: 32 query, 16 KV on sliding layers, 4 on full ones, attention_k_eq_v) and 26B-A4B's (MoE:
+    16, 8, 2; 128 experts of 704), on tiny widths: N = 2, 4 and 8 are accepted, the cache holding max(16 or 8, N)."""
+    from jaxpaged.models.loader import model_config
+    from jaxpaged.models.sharding import check_divisible, replicate_kv_heads
+
+    from tests.models.test_gemma4 import _dense, _moe
+
+    shape = dict(num_attention_heads=heads, num_key_value_heads=sliding_kv, num_global_key_value_heads=full_kv,
+                 attention_k_eq_v=True, intermediate_size=128)  # fmt: skip
+    config = _moe(**shape, num_experts=128, moe_intermediate_size=704) if heads == 16 else _dense(**shape)
+    config.save_pretrained(tmp_path)
+    cfg = model_config(tmp_path / "config.json")
+    assert sorted({kv for kv, _ in cfg.option("layer_kv_shapes")}) == [full_kv, sliding_kv]
+    for n in (2, 4, 8):
+        check_divisible(cfg, n)
+        assert replicate_kv_heads({}, cfg, n)[1].num_kv_heads == max(sliding_kv, n)
 
 
 @needs_devices
