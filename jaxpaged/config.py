@@ -211,8 +211,8 @@ class EngineConfig:
             except ValueError as exc:
                 raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}} (got {limits!r})") from exc
         if limits is not None:
-            if not isinstance(limits, dict) or set(limits) - {"image"}:
-                raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N}} (got {limits!r})")
+            if not isinstance(limits, dict) or set(limits) - {"image", "video"}:
+                raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N, \"video\": M}} (got {limits!r})")
             for name, value in limits.items():
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"limit_mm_per_prompt[{name!r}] must be a non-negative integer (got {value!r})")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from jaxpaged.engine.llm_engine import LLMEngine
     from jaxpaged.utils.text import ChatPrompt
 
-IMAGE_PART_TYPES = ("image_url", "image", "image_pil")
+IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "video", "video_url")  # (and video: a vision model's parts)
 
 
 def has_image_parts(messages: Sequence[Any]) -> bool:
@@ -30,16 +30,20 @@ def has_image_parts(messages: Sequence[Any]) -> bool:
     return False
 
 
-def prompt_images(prompt: dict) -> list:
-    """A prompt dict's multi_modal_data images (vLLM's {"image": image or [images]}); ValueError for other data."""
+def prompt_images(prompt: dict) -> tuple[list, list]:
+    """A prompt dict's multi_modal_data (vLLM's {"image": image or [images], "video": video or [videos]}): (its
+    images, its videos); ValueError for other data. A video is its frames ([T, H, W, 3] uint8), or (frames,
+    metadata); a list holds several videos."""
     data = prompt.get("multi_modal_data") or {}
     if not isinstance(data, dict):
         raise ValueError("multi_modal_data must be a dict such as {'image': [...]}")
-    unknown = set(data) - {"image"}
+    unknown = set(data) - {"image", "video"}
     if unknown:
-        raise ValueError(f"multi_modal_data: only 'image' is supported (got {', '.join(sorted(unknown))})")
+        raise ValueError(f"multi_modal_data: only 'image' and 'video' are supported (got {', '.join(sorted(unknown))})")
     images = data.get("image", [])
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+    videos = data.get("video", [])
+    videos = list(videos) if isinstance(videos, list) else [videos]  # one video: an array or (frames, metadata)
+    return (list(images) if isinstance(images, (list, tuple)) else [images]), videos
 
 
 def text_only_refusal(what: str, model=None) -> ValueError:
@@ -58,9 +62,9 @@ class MultimodalFrontend:
         self.cache_rows = runner.cache.num_rows
         self.max_step_tokens = config.max_num_batched_tokens
         loader = MediaLoader(config.allowed_local_media_path, config.media_domains)
-        limit = (config.limit_mm_per_prompt or {}).get("image")
-        self.processor = MultimodalProcessor(self.adapter.processor, self.adapter, self.spec, loader, limit, self._check,
-                                             config.mm_processor_kwargs)  # fmt: skip
+        limits = config.limit_mm_per_prompt or {}
+        self.processor = MultimodalProcessor(self.adapter.processor, self.adapter, self.spec, loader, limits.get("image"),
+                                             self._check, config.mm_processor_kwargs, limits.get("video"))  # fmt: skip
         engine.scheduler.mm = self.scheduler = EncoderScheduler(runner.cache, self.max_patches, self.spec.bidirectional)
 
     def _check(self, item: EncoderItem, what: str) -> None:
@@ -75,11 +79,11 @@ class MultimodalFrontend:
                              f"max_num_batched_tokens ({self.max_step_tokens})")  # fmt: skip
 
     def prompt(self, prompt: dict) -> tuple[str | None, list[int], MultimodalInputs | None]:
-        images = prompt_images(prompt)
+        images, videos = prompt_images(prompt)
         if "prompt_token_ids" in prompt:
             raise ValueError("multi_modal_data needs the prompt as text ('prompt'), which the processor expands")
         text = prompt.get("prompt")
-        ids, mm = self.processor.prompt(text, images, prompt.get("mm_processor_kwargs"))
+        ids, mm = self.processor.prompt(text, images, prompt.get("mm_processor_kwargs"), videos)
         return text, ids, mm if mm.images else None
 
     def chat(self, prompt: ChatPrompt) -> tuple[None, list[int], MultimodalInputs | None]:

@@ -1,6 +1,6 @@
 """Images from what a request sends: PIL images, bytes, `data:` URLs, local files under one allowed folder, and
-http(s) URLs of allowed hosts only (off by default), with size and time limits. Every refusal is a ValueError that
-names the problem (the server answers 400 with it)."""
+http(s) URLs of allowed hosts only (off by default), with size and time limits; videos as their frames. Every
+refusal is a ValueError that names the problem (the server answers 400 with it)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024  # an image's encoded size, from any source
 DEFAULT_MAX_PIXELS = 64 * 1024 * 1024  # decoded (Pillow's decompression-bomb guard is 89M)
 DEFAULT_TIMEOUT_S = 10.0
+MAX_VIDEO_FRAMES = 1024
 
 
 def _pil():
@@ -54,6 +57,32 @@ class MediaLoader:
         if scheme == "file" or scheme == "" or (len(scheme) == 1 and os.name == "nt"):
             return self._decode(self._local(source, what), what)
         raise ValueError(f"{what}: URL scheme {scheme!r} is not supported (data:, file or http(s))")
+
+    def load_video(self, source, what: str = "video") -> tuple[np.ndarray, dict | None]:
+        """(frames [T, H, W, 3] uint8, metadata or None) from frames: an array, a list of PIL images or arrays, or
+        (frames, {"fps": ..., ...}) as vLLM takes a video with its metadata (the processor's frame timestamps read
+        fps; without it transformers assumes 24). Encoded video (a file, a URL) is not decoded here."""
+        metadata = None
+        if isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], dict):
+            source, metadata = source
+            fps = metadata.get("fps")
+            if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
+                raise ValueError(f"{what}: its metadata's fps must be a positive number (got {fps!r})")
+        if isinstance(source, (str, bytes, bytearray, dict)):
+            raise ValueError(f"{what}: a video is taken as its frames (an array [T, H, W, 3] of uint8, or a list of "
+                             "images); decoding a video file or URL is not supported")  # fmt: skip
+        if isinstance(source, (list, tuple)):
+            Image = _pil()
+            source = [np.asarray(self._checked(f, what) if isinstance(f, Image.Image) else f) for f in source]
+            if not source or len({f.shape for f in source}) != 1:
+                raise ValueError(f"{what}: the frames must be one or more images of one size")
+            source = np.stack(source)
+        frames = np.asarray(source)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or 0 in frames.shape:
+            raise ValueError(f"{what}: expected frames [T, H, W, 3] of uint8 (got {frames.dtype} {frames.shape})")
+        if frames.shape[0] > MAX_VIDEO_FRAMES or frames.shape[1] * frames.shape[2] > self.max_pixels:
+            raise ValueError(f"{what}: at most {MAX_VIDEO_FRAMES} frames of {self.max_pixels} pixels (got {frames.shape[:3]})")
+        return frames, metadata
 
     def _data_url(self, url: str, what: str) -> bytes:
         header, sep, payload = url.partition(",")

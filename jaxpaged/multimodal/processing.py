@@ -49,10 +49,11 @@ def load_processor(folder: str | Path, images_only=None):
         raise ValueError(f"could not load the image processor in {folder}: {first}; then: {exc}") from exc
 
 
-def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[dict], list]:
-    """OpenAI chat messages (content parts: text, image_url, or vLLM's image/image_pil) -> (messages as transformers'
-    chat templates take them, each image part {"type": "image", "image": <PIL image>}; the images in order)."""
-    converted, images = [], []
+def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[dict], list, list]:
+    """OpenAI chat messages (content parts: text, image_url, or vLLM's image/image_pil, video, video_url) ->
+    (messages as transformers' chat templates take them, each image part {"type": "image", "image": <PIL image>},
+    each video part {"type": "video"}; the images in order; the videos' (where, source) in order)."""
+    converted, images, videos = [], [], []
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{m}] must be an object")
@@ -73,10 +74,14 @@ def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[di
                 image = loader.load(source, what=where)
                 images.append(image)
                 parts.append({"type": "image", "image": image})
+            elif kind in ("video", "video_url"):  # its frames (vLLM's video part); the template writes a placeholder
+                source = part.get(kind)
+                videos.append((where, source.get("url") if kind == "video_url" and isinstance(source, dict) else source))
+                parts.append({"type": "video"})
             else:
-                raise ValueError(f"{where}: content part type {kind!r} is not supported (text, image_url)")
+                raise ValueError(f"{where}: content part type {kind!r} is not supported (text, image_url, video)")
         converted.append({**message, "content": parts})
-    return converted, images
+    return converted, images, videos
 
 
 def image_settings(adapter: ImageAdapter) -> set[str]:
@@ -108,12 +113,13 @@ class MultimodalProcessor:
     the engine's mm_processor_kwargs, which a request's own override."""
 
     def __init__(self, processor, adapter: ImageAdapter, spec: VisionSpec, loader: MediaLoader,
-                 limit_images: int | None = None, check=None, processor_kwargs: dict | None = None):  # fmt: skip
+                 limit_images: int | None = None, check=None, processor_kwargs: dict | None = None,
+                 limit_videos: int | None = None):  # fmt: skip
         self.processor = processor
         self.adapter = adapter
         self.spec = spec
         self.loader = loader
-        self.limit_images = limit_images
+        self.limit_images, self.limit_videos = limit_images, limit_videos
         self.check = check  # the engine's limits on one image (encoder budget, cache size): raises ValueError
         self.processor_kwargs = check_processor_kwargs(adapter, processor_kwargs)
 
@@ -124,13 +130,36 @@ class MultimodalProcessor:
         if self.limit_images is not None and n > self.limit_images:
             raise ValueError(f"the prompt has {n} images; at most {self.limit_images} are allowed (limit_mm_per_prompt)")
 
-    def prompt(self, text: str, images: Sequence[Any], processor_kwargs: dict | None = None) -> tuple[list[int], MultimodalInputs]:
-        """A prompt string holding the model's image placeholder once per image (as its chat template writes it)."""
+    def _videos(self, videos: Sequence[Any], whats: Sequence[str]) -> dict:
+        """The processor's arguments for a prompt's videos (frames and their metadata), or {} for none."""
+        if not videos:
+            return {}
+        if not self.adapter.reads_videos:
+            raise ValueError(f"{whats[0]}: this model reads images only (videos: Qwen3-VL and Qwen3.5)")
+        if self.limit_videos is not None and len(videos) > self.limit_videos:
+            raise ValueError(f"the prompt has {len(videos)} videos; at most {self.limit_videos} are allowed (limit_mm_per_prompt)")
+        if getattr(self.processor, "video_processor", None) is None:
+            raise ValueError(f"{whats[0]}: this model's processor reads no videos (transformers builds video processors "
+                             "only with torchvision: pip install torchvision; videos: Qwen3-VL and Qwen3.5)")  # fmt: skip
+        loaded = [self.loader.load_video(video, what=what) for video, what in zip(videos, whats)]
+        what = whats[0]
+        metadata = [m for _, m in loaded]
+        if any(m is None for m in metadata):  # frames as given: no fps to sample them by
+            if any(m is not None for m in metadata):
+                raise ValueError(f"{what}: give every video its metadata, or none")
+            return {"videos": [f for f, _ in loaded], "do_sample_frames": False}
+        return {"videos": [f for f, _ in loaded], "video_metadata": metadata}
+
+    def prompt(self, text: str, images: Sequence[Any], processor_kwargs: dict | None = None,
+               videos: Sequence[Any] = (), video_whats: Sequence[str] | None = None) -> tuple[list[int], MultimodalInputs]:  # fmt: skip
+        """A prompt string holding the model's image (video) placeholder once per image (video), as its chat
+        template writes it."""
         if not isinstance(text, str):
             raise ValueError("prompt: multi_modal_data needs the prompt as text")
         self._count(len(images))
         kwargs = self._kwargs(processor_kwargs)
         loaded = [self.loader.load(image, what=f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
+        kwargs |= self._videos(videos, video_whats or [f"multi_modal_data.video[{i}]" for i in range(len(videos))])
         try:
             out = self.processor(text=text, images=loaded or None, return_tensors="np", **kwargs)
         except ValueError as exc:
@@ -144,11 +173,18 @@ class MultimodalProcessor:
     ) -> tuple[list[int], MultimodalInputs]:
         """chat_template: Jinja text used instead of the processor's template (vLLM's --chat-template)."""
         kwargs = self._kwargs(processor_kwargs)
-        converted, images = openai_parts(messages, self.loader)
+        converted, images, videos = openai_parts(messages, self.loader)
         self._count(len(images))
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         if chat_template:
             extra["chat_template"] = chat_template
+        if videos:  # the template's text, then the processor on it with the frames (transformers would decode files)
+            try:
+                text = self.processor.apply_chat_template(converted, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False, **extra)  # fmt: skip
+            except Exception as exc:
+                raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
+            return self.prompt(text, images, processor_kwargs, [v for _, v in videos], [w for w, _ in videos])
         if kwargs:
             extra["processor_kwargs"] = kwargs
         try:

@@ -123,6 +123,11 @@ class ImageAdapter:
         """One item per image, in prompt order, from the processor's outputs (numpy arrays)."""
         raise NotImplementedError
 
+    @property
+    def reads_videos(self) -> bool:
+        """Whether items() takes a processor's video inputs (Qwen3-VL's frame groups); else videos are refused."""
+        return False
+
     def placeholder_tokens(self) -> tuple[int, ...]:
         """The token ids an image's span is made of: its placeholder, and any the processor interleaves whose rows the
         encoder yields too (Pixtral's [IMG_BREAK] between token rows)."""

@@ -59,10 +59,11 @@ def mrope_sections(text, default: Sequence[int] | None = None) -> tuple[tuple[in
     return tuple(int(s) for s in sections), rope
 
 
-def rope_index(input_ids: Sequence[int], image_token_id: int, grids: Sequence[tuple[int, int, int]], merge: int):
-    """transformers' get_rope_index for a prompt of text and images: ([3, L] positions, rope_delta)."""
+def rope_index(input_ids: Sequence[int], image_token_id, grids: Sequence[tuple[int, int, int]], merge: int):
+    """transformers' get_rope_index for a prompt of text and images (image_token_id: the placeholder, or several:
+    Qwen3-VL's video frame groups are positioned as images): ([3, L] positions, rope_delta)."""
     ids = np.asarray(input_ids)
-    is_image = ids == image_token_id
+    is_image = np.isin(ids, image_token_id)
     out = np.zeros((3, len(ids)), np.int64)
     pos, i, g = 0, 0, 0
     while i < len(ids):

@@ -30,8 +30,8 @@ from jaxpaged.models.layers import (
 )  # fmt: skip
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.vision.common import (
-    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, axial_rope, batch_attention, images_only, merge_embeddings,
-    placeholder_ids, segment_attention, segment_call_patches,
+    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, axial_rope, batch_attention, contiguous_spans, images_only,
+    merge_embeddings, placeholder_ids, segment_attention, segment_call_patches,
 )  # fmt: skip
 from jaxpaged.models.vision.mrope import mrope_axes, mrope_rope, mrope_sections, rope_index
 from jaxpaged.models.weights import WeightSpec, linear_specs
@@ -501,13 +501,52 @@ class QwenImages(ImageAdapter):
     def max_image_patches(self) -> int:
         return self._largest(self._max_pixels())
 
+    @property
+    def video_token_id(self) -> int | None:
+        """Qwen3-VL's and Qwen3.5's video placeholder (their videos: a span per frame group, between timestamps)."""
+        token = getattr(self.hf_config, "video_token_id", None)
+        return int(token) if self.vision.kind == "qwen3" and token is not None else None
+
+    @property
+    def reads_videos(self) -> bool:
+        return self.video_token_id is not None
+
+    def placeholder_tokens(self) -> tuple[int, ...]:
+        video = self.video_token_id
+        return (self.spec.image_token_id,) if video is None else (self.spec.image_token_id, video)
+
     def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
-        pixels = np.asarray(processed["pixel_values"], np.float32)
-        grids = np.asarray(processed["image_grid_thw"]).reshape(-1, 3)
+        """Each image, and each video's frame groups (the processor puts each in a span of its own between the
+        group's timestamp text; transformers' tower attends within a group, and M-RoPE positions each as an image,
+        get_rope_index splitting the video's grid per group), in prompt order."""
+        items = []
+        if "pixel_values" in processed:
+            grids = np.asarray(processed["image_grid_thw"]).reshape(-1, 3)
+            if (grids[:, 0] != 1).any():
+                raise ValueError("images only: a grid with more than one temporal patch is a video")
+            items += self._items(np.asarray(processed["pixel_values"], np.float32), grids)
+        if "pixel_values_videos" not in processed:
+            return items
+        if self.video_token_id is None:
+            raise ValueError(f"videos: {type(self.processor).__name__} made video inputs, which this model's port does "
+                             "not read (videos: Qwen3-VL and Qwen3.5)")  # fmt: skip
+        grids = np.asarray(processed["video_grid_thw"]).reshape(-1, 3)
+        groups = np.repeat(grids, grids[:, 0], axis=0)
+        groups[:, 0] = 1
+        videos = self._items(np.asarray(processed["pixel_values_videos"], np.float32), groups)
+        ids = np.asarray(input_ids)
+        image_starts = [a for a, _ in contiguous_spans(ids, self.spec.image_token_id)]
+        video_starts = [a for a, _ in contiguous_spans(ids, self.video_token_id)]
+        if len(image_starts) != len(items) or len(video_starts) != len(videos):
+            raise ValueError(f"the prompt holds {len(image_starts)} image and {len(video_starts)} video placeholder spans "
+                             f"where the processor made {len(items)} images and {len(videos)} frame groups")  # fmt: skip
+        order = sorted(zip(image_starts + video_starts, range(len(items) + len(videos))))
+        both = items + videos
+        return [both[k] for _, k in order]
+
+    def _items(self, pixels: np.ndarray, grids: np.ndarray) -> list[EncoderItem]:
         items, at, m = [], 0, self.merge
         for t, h, w in grids.tolist():
-            if t != 1:
-                raise ValueError("images only: a grid with more than one temporal patch is a video")
             n = h * w
             patches = pixels[at : at + n]
             at += n
@@ -532,7 +571,7 @@ class QwenImages(ImageAdapter):
         return items
 
     def mrope_positions(self, input_ids, items):
-        return rope_index(input_ids, self.spec.image_token_id, [item.meta["grid"] for item in items], self.merge)
+        return rope_index(input_ids, self.placeholder_tokens(), [item.meta["grid"] for item in items], self.merge)
 
     def buckets(self, max_patches: int) -> list[int]:
         steps = -(-max_patches // self.step)

@@ -172,7 +172,7 @@ def test_bad_images_are_value_errors_and_nothing_is_held(qwen, cycle_model_dir):
         (_request(PROMPT, [b"not an image at all"]), "not a readable image"),
         (_request(TWO, [picture, picture]), "at most 1 are allowed"),
         (_request(TWO, [picture]), "do not match"),  # two placeholders, one image
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [picture]}}, "only 'image'"),
+        ({"prompt": PROMPT, "multi_modal_data": {"video": [picture]}}, "reads images only"),
         ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [picture]}}, "as text"),
         (_request(PROMPT, ["/etc/hostname"]), "local files are not allowed"),
     ]

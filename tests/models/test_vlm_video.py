@@ -1,0 +1,126 @@
+"""Videos in prompts (Qwen3-VL; Qwen3.5 shares its adapter): transformers' own Qwen3VLVideoProcessor samples and
+patches the frames and writes each frame group's timestamp and span; each group is encoded as an image (transformers'
+tower attends within a group) and positioned as one by M-RoPE (get_rope_index splits a video's grid per group).
+Against transformers in float32 on a tiny random checkpoint: logits within 1e-4 at every prompt position for a video
+with its metadata (frames sampled at the processor's fps) beside an image, a video given as frames alone, and text,
+in one ragged step; greedy tokens through the engine for a prompt and a chat with a video part, no compiles after
+warm-up; bad frames are a ValueError naming them; the server's video_url (a file to decode) is a 400.
+
+transformers builds video processors only with torchvision, which the suite's environment lacks on purpose (it
+changes which image processor AutoProcessor builds): the first test re-runs this file in a subprocess with
+torchvision from JAXPAGED_TEST_TORCHVISION (a `pip install --no-deps --target` folder; .ci/run sets it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import REPO
+
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+needs_torchvision = pytest.mark.skipif(not HAS_TORCHVISION, reason="runs in the subprocess the first test starts")
+TEXT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>then<|vision_start|><|video_pad|><|vision_end|>"
+        "What happens?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+ONLY_VIDEO = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>Describe.<|im_end|>\n<|im_start|>assistant\n"
+PLAIN = "<|im_start|>user\nNo video.<|im_end|>\n<|im_start|>assistant\n"
+META = {"fps": 4.0, "total_num_frames": 8}
+
+
+def test_in_a_subprocess_with_torchvision():
+    if HAS_TORCHVISION:
+        pytest.skip("torchvision is here: the tests below run in this process")
+    folder = os.environ.get("JAXPAGED_TEST_TORCHVISION")
+    if not folder:
+        pytest.skip("JAXPAGED_TEST_TORCHVISION names a folder holding torchvision (pip install --no-deps --target); .ci/run sets it")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+                          check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "1 skipped" in summary, summary
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    import transformers
+
+    from tests.vlm_harness import VLMRunner
+    from tests.vlm_models import QWEN_SPECIALS, QWEN_VL_CHAT_TEMPLATE, byte_tokenizer, qwen3_vl_config, random_vlm, write_vlm
+
+    model = random_vlm(qwen3_vl_config(), seed=1)
+    tokenizer = byte_tokenizer(QWEN_SPECIALS, QWEN_VL_CHAT_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    size = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
+    processor = transformers.Qwen3VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2),
+        video_processor=transformers.Qwen3VLVideoProcessor(size=size | {"longest_edge": 128 * 128 * 8}, patch_size=16,
+                                                           merge_size=2, temporal_patch_size=2),
+        tokenizer=tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )  # fmt: skip
+    folder = write_vlm(tmp_path_factory.mktemp("qwen3-vl-video"), model, processor)
+    return model, transformers.AutoProcessor.from_pretrained(folder), folder, VLMRunner(folder)
+
+
+def _video(seed: int, frames: int = 8) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (frames, 48, 64, 3), dtype=np.uint8)
+
+
+def _hf(processor, text, images=None, videos=None, **kwargs) -> dict:
+    return dict(processor(text=text, images=images, videos=videos, return_tensors="pt", **kwargs))
+
+
+@needs_torchvision
+def test_logits_equal_transformers_for_videos_beside_images_and_text(qwen3_vl):
+    from tests.vlm_models import hf_vlm_logits, images
+
+    hf, processor, _, runner = qwen3_vl
+    picture, with_meta, bare = images((40, 30), seed=2), _video(0), _video(1, frames=4)
+    cases = [
+        (runner.processor.prompt(TEXT, picture, None, [(with_meta, META)]),
+         _hf(processor, TEXT, picture, [with_meta], video_metadata=[META])),
+        (runner.processor.prompt(ONLY_VIDEO, [], None, [bare]), _hf(processor, ONLY_VIDEO, videos=[bare], do_sample_frames=False)),
+        (runner.inputs(PLAIN), _hf(processor, PLAIN)),
+    ]  # fmt: skip
+    (ids, mm), _ = cases[0]
+    assert [im.item.meta["grid"] for im in mm.images] == [(1, 4, 6), (1, 4, 4), (1, 4, 4)]  # the image, 2 frame groups
+    requests = [(ids, mm if mm is not None and mm.images else None) for (ids, mm), _ in cases]
+    for ((ids, _), hf_in), got in zip(cases, runner.logits(requests)):
+        assert ids == hf_in["input_ids"][0].tolist()
+        np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4)
+
+
+@needs_torchvision
+def test_greedy_equals_transformers_through_the_engine(qwen3_vl):
+    from jaxpaged import LLM, SamplingParams
+
+    from tests.vlm_harness import greedy_chat_through_server
+    from tests.vlm_models import hf_vlm_greedy
+
+    hf, processor, folder, _ = qwen3_vl
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(folder), max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, log_level="WARNING")
+    video = _video(3)
+    (out,) = llm.generate({"prompt": ONLY_VIDEO, "multi_modal_data": {"video": (video, META)}}, greedy, use_tqdm=False)
+    hf_in = _hf(processor, ONLY_VIDEO, videos=[video], video_metadata=[META])
+    assert out.prompt_token_ids == hf_in["input_ids"][0].tolist()
+    assert list(out.outputs[0].token_ids) == hf_vlm_greedy(hf, hf_in, 8)
+    chat = [{"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "What happens?"}]}]
+    (said,) = llm.chat(chat, greedy, use_tqdm=False)
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}],
+                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
+    hf_in = _hf(processor, text, videos=[video], do_sample_frames=False)
+    assert said.prompt_token_ids == hf_in["input_ids"][0].tolist()
+    assert list(said.outputs[0].token_ids) == hf_vlm_greedy(hf, hf_in, 8)
+    with pytest.raises(ValueError, match=r"video\[0\]: expected frames"):
+        llm.generate({"prompt": ONLY_VIDEO, "multi_modal_data": {"video": np.zeros((4, 8, 8), np.uint8)}}, greedy)
+    stats = llm.get_stats()
+    assert stats["num_compiles_after_warmup"] == 0
+    url = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "file:///tmp/a.mp4"}},
+                                        {"type": "text", "text": "What happens?"}]}]  # fmt: skip
+    ((status, reply),) = greedy_chat_through_server(llm, url, 8, extras=[{}])
+    assert status == 400 and "other kinds are not supported" in reply["error"]["message"]  # the server takes no video_url
