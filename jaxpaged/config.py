@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -200,32 +199,19 @@ class EngineConfig:
             raise ValueError("enable_lora is not supported in a multi-process group (one process, tensor parallelism, is)")
 
     def _check_vision(self) -> None:
-        import json
+        from jaxpaged.utils.json_option import json_object
 
         _positive_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, allow_none=True)
         _positive_int("encoder_cache_size", self.encoder_cache_size, allow_none=True)
         limits = self.limit_mm_per_prompt
-        if isinstance(limits, str):
-            try:
-                limits = json.loads(limits)
-            except ValueError as exc:
-                raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 4}} (got {limits!r})") from exc
         if limits is not None:
-            if not isinstance(limits, dict) or set(limits) - {"image", "video"}:
-                raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N, \"video\": M}} (got {limits!r})")
+            limits = json_object("limit_mm_per_prompt", limits, ("image", "video"))
             for name, value in limits.items():
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"limit_mm_per_prompt[{name!r}] must be a non-negative integer (got {value!r})")
         self.limit_mm_per_prompt = limits
-        kwargs = self.mm_processor_kwargs
-        if isinstance(kwargs, str):
-            try:
-                kwargs = json.loads(kwargs)
-            except ValueError as exc:
-                raise ValueError(f"mm_processor_kwargs must be a JSON object (got {kwargs!r})") from exc
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ValueError(f"mm_processor_kwargs must be a dict of the image processor's settings (got {kwargs!r})")
-        self.mm_processor_kwargs = kwargs or None
+        kwargs = self.mm_processor_kwargs  # (checked against the model's processor when it loads)
+        self.mm_processor_kwargs = (json_object("mm_processor_kwargs", kwargs, None) or None) if kwargs is not None else None
         if isinstance(self.allowed_media_domains, (list, tuple)):
             self.allowed_media_domains = ",".join(self.allowed_media_domains)
 
@@ -286,15 +272,10 @@ class EngineConfig:
         from jaxpaged.engine.generation_defaults import check_generation_config
 
         self.override_generation_config = check_generation_config(self.generation_config, self.override_generation_config)
-        overrides = self.hf_overrides
-        if isinstance(overrides, str):
-            try:
-                overrides = json.loads(overrides)
-            except ValueError as exc:
-                raise ValueError(f"hf_overrides must be a JSON object (got {overrides!r})") from exc
-        if overrides is not None and (not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)):
-            raise ValueError(f"hf_overrides must be a dict of config fields (got {overrides!r})")
-        self.hf_overrides = overrides or None
+        if self.hf_overrides is not None:
+            from jaxpaged.utils.json_option import json_object
+
+            self.hf_overrides = json_object("hf_overrides", self.hf_overrides, None) or None
         from jaxpaged.pooling_params import PoolerConfig
 
         self.pooler_config = PoolerConfig.parse(self.pooler_config)

@@ -81,6 +81,20 @@ class VLMRunner:
         return [out[qsl[i] : qsl[i + 1]] for i in range(len(requests))]
 
 
+def check_logits(hf, runner: VLMRunner, cases: dict, label: str = "") -> list:
+    """cases: name -> (a request spec for VLMRunner.inputs, transformers' inputs). All requests in one ragged step:
+    each one's prompt ids are transformers', and its logits at every position within 1e-4 of transformers' for it
+    alone. Returns the requests (token ids, MultimodalInputs or None)."""
+    from tests.vlm_models import hf_vlm_logits
+
+    requests = [runner.inputs(spec.get("text"), spec.get("images", ()), spec.get("messages")) for spec, _ in cases.values()]
+    for (name, (_, hf_in)), (ids, mm), got in zip(cases.items(), requests, runner.logits(requests)):
+        assert ids == hf_in["input_ids"][0].tolist(), name
+        assert (mm is None) == ("pixel_values" not in hf_in), name
+        np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4, err_msg=f"{label} {name}".strip())
+    return requests
+
+
 def png_data_url(image) -> str:
     """A PIL image as the data URL an OpenAI client sends: PNG, lossless, so the server sees the same pixels."""
     import base64

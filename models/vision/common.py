@@ -257,6 +257,20 @@ def segment_call_patches(adapter: ImageAdapter, items: Sequence[EncoderItem], la
     return min(largest_bucket, next((b for b in adapter.buckets(largest_bucket) if b >= 2 * biggest), largest_bucket))
 
 
+def in_prompt_order(input_ids: Sequence[int], images: list[EncoderItem], image_token_id: int, frames: list[EncoderItem],
+                    video_token_id: int) -> list[EncoderItem]:  # fmt: skip
+    """A prompt's image items and video items (each a frame or frame group in a placeholder span of its own) in the
+    order of their spans; ValueError where the spans and the items disagree."""
+    ids = np.asarray(input_ids)
+    image_starts = [a for a, _ in contiguous_spans(ids, image_token_id)]
+    video_starts = [a for a, _ in contiguous_spans(ids, video_token_id)]
+    if len(image_starts) != len(images) or len(video_starts) != len(frames):
+        raise ValueError(f"the prompt holds {len(image_starts)} image and {len(video_starts)} video placeholder spans "
+                         f"where the processor made {len(images)} images and {len(frames)} video frame groups")  # fmt: skip
+    both = images + frames
+    return [both[k] for _, k in sorted(zip(image_starts + video_starts, range(len(both))))]
+
+
 def contiguous_spans(input_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
     """(start, length) of each run of `token_id` in input_ids, in order."""
     ids = np.asarray(input_ids)

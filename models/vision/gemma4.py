@@ -34,7 +34,8 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gemma4 import Gemma4RMSNorm
 from jaxpaged.models.layers import REFERENCE_ATTENTION, Linear, _param, activation, apply_rope, module_list
 from jaxpaged.models.vision.common import (
-    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, batch_attention, merge_embeddings, segment_call_patches,
+    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, batch_attention, in_prompt_order, merge_embeddings,
+    segment_call_patches,
 )  # fmt: skip
 from jaxpaged.models.weights import WeightSpec, linear_specs
 from jaxpaged.pallas_kernels import AttentionBackend
@@ -298,9 +299,25 @@ class Gemma4Images(ImageAdapter):
                              f"{image_processor.pooling_kernel_size} differ from the model's ({self.patch}, {self.pool})")  # fmt: skip
         self.max_tokens = int(self.settings.get("max_soft_tokens", image_processor.max_soft_tokens))
 
+    @property
+    def reads_videos(self) -> bool:
+        return getattr(self.hf_config, "video_token_id", None) is not None
+
+    def placeholder_tokens(self) -> tuple[int, ...]:
+        video = getattr(self.hf_config, "video_token_id", None)
+        return (self.spec.image_token_id,) if video is None else (self.spec.image_token_id, int(video))
+
     def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
-        pixels = np.asarray(processed["pixel_values"], np.float32)
-        positions = np.asarray(processed["image_position_ids"]).astype(np.int32)
+        """Each image, and each video frame (the processor puts each between its timestamp text, and transformers'
+        tower reads it as an image), in prompt order."""
+        images = self._items(processed["pixel_values"], processed["image_position_ids"]) if "pixel_values" in processed else []
+        if "pixel_values_videos" not in processed:
+            return images
+        frames = self._items(processed["pixel_values_videos"], processed["video_position_ids"])
+        return in_prompt_order(input_ids, images, self.spec.image_token_id, frames, int(self.hf_config.video_token_id))
+
+    def _items(self, pixels, positions) -> list[EncoderItem]:
+        pixels, positions = np.asarray(pixels, np.float32), np.asarray(positions).astype(np.int32)
         k, items = self.pool, []
         for patches, pos in zip(pixels, positions):
             real = (pos != -1).all(-1)

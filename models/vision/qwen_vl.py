@@ -30,7 +30,7 @@ from jaxpaged.models.layers import (
 )  # fmt: skip
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.vision.common import (
-    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, axial_rope, batch_attention, contiguous_spans, images_only,
+    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, axial_rope, batch_attention, images_only, in_prompt_order,
     merge_embeddings, placeholder_ids, segment_attention, segment_call_patches,
 )  # fmt: skip
 from jaxpaged.models.vision.mrope import mrope_axes, mrope_rope, mrope_sections, rope_index
@@ -534,15 +534,7 @@ class QwenImages(ImageAdapter):
         groups = np.repeat(grids, grids[:, 0], axis=0)
         groups[:, 0] = 1
         videos = self._items(np.asarray(processed["pixel_values_videos"], np.float32), groups)
-        ids = np.asarray(input_ids)
-        image_starts = [a for a, _ in contiguous_spans(ids, self.spec.image_token_id)]
-        video_starts = [a for a, _ in contiguous_spans(ids, self.video_token_id)]
-        if len(image_starts) != len(items) or len(video_starts) != len(videos):
-            raise ValueError(f"the prompt holds {len(image_starts)} image and {len(video_starts)} video placeholder spans "
-                             f"where the processor made {len(items)} images and {len(videos)} frame groups")  # fmt: skip
-        order = sorted(zip(image_starts + video_starts, range(len(items) + len(videos))))
-        both = items + videos
-        return [both[k] for _, k in order]
+        return in_prompt_order(input_ids, items, self.spec.image_token_id, videos, self.video_token_id)
 
     def _items(self, pixels: np.ndarray, grids: np.ndarray) -> list[EncoderItem]:
         items, at, m = [], 0, self.merge

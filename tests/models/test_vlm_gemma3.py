@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jaxpaged import LLM, SamplingParams
 
-from tests.vlm_harness import VLMRunner
-from tests.vlm_models import gemma3_checkpoint, hf_inputs, hf_vlm_greedy, hf_vlm_logits, images
+from tests.vlm_harness import VLMRunner, check_logits
+from tests.vlm_models import gemma3_checkpoint, hf_inputs, hf_vlm_greedy, images
 
 SEED = 1  # a random model whose greedy tokens vary, and change with the image
 ONE = "<bos>Describe <start_of_image> briefly."
@@ -62,13 +62,7 @@ def test_vision_features_equal_transformers(gemma3, runner):
 def test_logits_equal_transformers_batch_mixing_image_and_text(gemma3, runner):
     """All four prompts in one step: each one's logits at every position equal transformers' for it alone."""
     hf, processor, _ = gemma3
-    cases = _cases(processor)
-    requests = [runner.inputs(spec.get("text"), spec.get("images", ()), spec.get("messages")) for spec, _ in cases.values()]
-    logits = runner.logits(requests)
-    for (name, (_, hf_in)), (ids, mm), got in zip(cases.items(), requests, logits):
-        assert ids == hf_in["input_ids"][0].tolist(), name
-        assert (mm is None) == ("pixel_values" not in hf_in), name
-        np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4, err_msg=name)
+    check_logits(hf, runner, _cases(processor))
 
 
 def test_bidirectional_image_attention_matters(gemma3, runner):

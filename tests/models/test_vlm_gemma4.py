@@ -16,7 +16,7 @@ import torch
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.utils.text import ChatPrompt
 
-from tests.vlm_harness import VLMRunner, greedy_chat_through_server, png_data_url
+from tests.vlm_harness import VLMRunner, check_logits, greedy_chat_through_server, png_data_url
 from tests.vlm_models import GEMMA4_IDS, gemma4_checkpoint, hf_inputs, hf_vlm_greedy, hf_vlm_logits, images
 
 SEED = 1
@@ -90,12 +90,7 @@ def test_image_features_equal_transformers(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["causal", "bidirectional"])
 def test_logits_equal_transformers_batch_mixing_image_and_text(kind, tmp_path_factory):
     hf, processor, _, runner = _checkpoint(kind, tmp_path_factory)
-    cases = _cases(processor)
-    requests = [runner.inputs(spec.get("text"), spec.get("images", ()), spec.get("messages")) for spec, _ in cases.values()]
-    for (name, (_, hf_in)), (ids, mm), got in zip(cases.items(), requests, runner.logits(requests)):
-        assert ids == hf_in["input_ids"][0].tolist(), name
-        assert (mm is None) == ("pixel_values" not in hf_in), name
-        np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4, err_msg=f"{kind} {name}")
+    check_logits(hf, runner, _cases(processor), kind)
 
 
 def test_bidirectional_image_attention_matters(tmp_path_factory):

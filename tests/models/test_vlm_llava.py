@@ -14,8 +14,8 @@ import torch
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.utils.text import ChatPrompt
 
-from tests.vlm_harness import VLMRunner
-from tests.vlm_models import hf_inputs, hf_vlm_greedy, hf_vlm_logits, images, llava_checkpoint, llava_config, random_vlm
+from tests.vlm_harness import VLMRunner, check_logits
+from tests.vlm_models import hf_inputs, hf_vlm_greedy, images, llava_checkpoint, llava_config, random_vlm
 
 SEED = 1
 KINDS = ["llava", "next", "onevision"]
@@ -77,11 +77,7 @@ def test_image_features_equal_transformers(llava):
 
 def test_logits_equal_transformers_batch_mixing_image_and_text(llava):
     kind, hf, processor, _, runner = llava
-    cases = _cases(processor)
-    requests = [runner.inputs(spec.get("text"), spec.get("images", ()), spec.get("messages")) for spec, _ in cases.values()]
-    for (name, (_, hf_in)), (ids, mm), got in zip(cases.items(), requests, runner.logits(requests)):
-        assert ids == hf_in["input_ids"][0].tolist(), name
-        np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4, err_msg=f"{kind} {name}")
+    check_logits(hf, runner, _cases(processor), kind)
 
 
 def test_greedy_equals_transformers_through_the_engine(llava):

@@ -13,8 +13,8 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.vision.qwen_vl import mrope_axes
 from jaxpaged.utils.text import ChatPrompt
 
-from tests.vlm_harness import VLMRunner
-from tests.vlm_models import QWEN_ONE, hf_vlm_greedy, hf_vlm_logits, images, qwen_vl_cases, qwen3_vl_checkpoint, qwen3_vl_config, random_vlm
+from tests.vlm_harness import VLMRunner, check_logits
+from tests.vlm_models import QWEN_ONE, hf_vlm_greedy, images, qwen_vl_cases, qwen3_vl_checkpoint, qwen3_vl_config, random_vlm
 
 SEED = 1
 # architecture -> (a tiny config, a random model of it): tests/models/test_checkpoint_accounting.py loads it too
@@ -63,11 +63,7 @@ def test_vision_features_of_every_level_equal_transformers(qwen3, runner):
 
 def test_logits_equal_transformers_batch_mixing_image_and_text(qwen3, runner):
     hf, processor, _ = qwen3
-    cases = _cases(processor)
-    requests = [runner.inputs(spec.get("text"), spec.get("images", ()), spec.get("messages")) for spec, _ in cases.values()]
-    for (name, (_, hf_in)), (ids, mm), got in zip(cases.items(), requests, runner.logits(requests)):
-        assert ids == hf_in["input_ids"][0].tolist(), name
-        np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4, err_msg=name)
+    check_logits(hf, runner, _cases(processor))
 
 
 def test_deepstack_features_matter(qwen3, runner):

@@ -1,10 +1,11 @@
-"""Videos in prompts (Qwen3-VL; Qwen3.5 shares its adapter): transformers' own Qwen3VLVideoProcessor samples and
+"""Videos in prompts (Qwen3-VL, Qwen3.5 sharing its adapter, and Gemma 4): transformers' own Qwen3VLVideoProcessor samples and
 patches the frames and writes each frame group's timestamp and span; each group is encoded as an image (transformers'
 tower attends within a group) and positioned as one by M-RoPE (get_rope_index splits a video's grid per group).
 Against transformers in float32 on a tiny random checkpoint: logits within 1e-4 at every prompt position for a video
 with its metadata (frames sampled at the processor's fps) beside an image, a video given as frames alone, and text,
 in one ragged step; greedy tokens through the engine for a prompt and a chat with a video part, no compiles after
-warm-up; bad frames are a ValueError naming them; the server's video_url (a file to decode) is a 400.
+warm-up; bad frames are a ValueError naming them; the server's video_url (a file to decode) is a 400. Gemma 4's
+frames, each between its timestamp text, are read by its tower as images: logits beside an image.
 
 transformers builds video processors only with torchvision, which the suite's environment lacks on purpose (it
 changes which image processor AutoProcessor builds): the first test re-runs this file in a subprocess with
@@ -124,3 +125,35 @@ def test_greedy_equals_transformers_through_the_engine(qwen3_vl):
                                         {"type": "text", "text": "What happens?"}]}]  # fmt: skip
     ((status, reply),) = greedy_chat_through_server(llm, url, 8, extras=[{}])
     assert status == 400 and "other kinds are not supported" in reply["error"]["message"]  # the server takes no video_url
+
+
+@needs_torchvision
+def test_gemma4_video_frames_equal_transformers(tmp_path):
+    """Gemma 4 (its larger models' bidirectional spans, one per frame): each frame, between its timestamp text, read by
+    the tower as an image; a video of bare frames beside an image, logits within 1e-4 at every prompt position."""
+    import transformers
+
+    from tests.vlm_harness import VLMRunner
+    from tests.vlm_models import GEMMA4_CHAT_TEMPLATE, GEMMA4_SPECIALS, byte_tokenizer, gemma4_config, hf_vlm_logits, images
+    from tests.vlm_models import random_gemma4, write_vlm
+
+    hf = random_gemma4(gemma4_config(bidirectional=True), seed=1)
+    tokenizer = byte_tokenizer(
+        GEMMA4_SPECIALS, GEMMA4_CHAT_TEMPLATE, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        extra_special_tokens={"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                              "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"},
+    )  # fmt: skip
+    sizes = {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 70}
+    processor = transformers.Gemma4Processor(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(), image_processor=transformers.Gemma4ImageProcessor(**sizes),
+        video_processor=transformers.Gemma4VideoProcessor(**sizes), tokenizer=tokenizer, chat_template=GEMMA4_CHAT_TEMPLATE,
+    )  # fmt: skip
+    folder = write_vlm(tmp_path, hf, processor)
+    processor, runner = transformers.AutoProcessor.from_pretrained(folder), VLMRunner(folder)
+    text = "<bos>See <|image|> and <|video|>: what changed?"
+    picture, video = images((40, 30), seed=2), _video(4, frames=3)
+    ids, mm = runner.processor.prompt(text, picture, None, [video])
+    hf_in = _hf(processor, text, picture, [video], do_sample_frames=False)
+    assert ids == hf_in["input_ids"][0].tolist() and len(mm.images) == 4  # the image and 3 frames
+    (got,) = runner.logits([(ids, mm)])
+    np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4)
