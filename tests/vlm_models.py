@@ -186,6 +186,16 @@ def chat_with_image(picture) -> list[dict]:
     ]
 
 
+def chat_with_image_parts(picture) -> list[dict]:
+    """A chat whose third turn holds text parts around an image part (the Gemma and Mistral tests' conversation)."""
+    return [
+        {"role": "user", "content": [{"type": "text", "text": "Hello there."}]},
+        {"role": "assistant", "content": "Hi! Send a picture."},
+        {"role": "user", "content": [{"type": "text", "text": "Here:"}, {"type": "image", "image": picture},
+                                     {"type": "text", "text": "What is it?"}]},
+    ]  # fmt: skip
+
+
 def qwen_vl_cases(processor, second: tuple[int, int]) -> dict:
     """name -> (jaxpaged's request, transformers' inputs) for the Qwen-VL families: one image, two of different
     sizes (the second `second` pixels), an image mid-chat, and text only."""
@@ -461,7 +471,8 @@ def gemma4_config(bidirectional: bool = False, audio: bool = False, **text) -> t
     text_kwargs = dict(
         vocab_size=GEMMA4_VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, global_head_dim=32, sliding_window=8, max_position_embeddings=512, num_hidden_layers=6,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=GEMMA4_VOCAB,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=GEMMA4_VOCAB,
         bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"], final_logit_softcapping=5.0,
         use_bidirectional_attention="vision" if bidirectional else None,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},

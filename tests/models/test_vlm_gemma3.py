@@ -10,20 +10,11 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 
 from tests.vlm_harness import VLMRunner, check_logits
-from tests.vlm_models import gemma3_checkpoint, hf_inputs, hf_vlm_greedy, images
+from tests.vlm_models import chat_with_image_parts, gemma3_checkpoint, hf_inputs, hf_vlm_greedy, images
 
 SEED = 1  # a random model whose greedy tokens vary, and change with the image
 ONE = "<bos>Describe <start_of_image> briefly."
 TWO = "<bos>First <start_of_image> then <start_of_image>: which is brighter?"
-
-
-def _chat(pictures):
-    return [
-        {"role": "user", "content": [{"type": "text", "text": "Hello there."}]},
-        {"role": "assistant", "content": "Hi! Send a picture."},
-        {"role": "user", "content": [{"type": "text", "text": "Here:"}, {"type": "image", "image": pictures[0]},
-                                     {"type": "text", "text": "What is it?"}]},
-    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +34,8 @@ def _cases(hf_processor):
     return {
         "one-image": ({"text": ONE, "images": one}, hf_inputs(hf_processor, ONE, one)),
         "two-images-of-different-sizes": ({"text": TWO, "images": two}, hf_inputs(hf_processor, TWO, two)),
-        "image-mid-chat": ({"messages": _chat(chat)}, hf_inputs(hf_processor, messages=_chat(chat))),
+        "image-mid-chat": ({"messages": chat_with_image_parts(chat[0])},
+                           hf_inputs(hf_processor, messages=chat_with_image_parts(chat[0]))),
         "text-only": ({"text": "<bos>No picture here, just words."}, hf_inputs(hf_processor, "<bos>No picture here, just words.")),
     }
 

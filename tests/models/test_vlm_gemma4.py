@@ -17,7 +17,9 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.utils.text import ChatPrompt
 
 from tests.vlm_harness import VLMRunner, check_logits, greedy_chat_through_server, png_data_url
-from tests.vlm_models import GEMMA4_IDS, gemma4_checkpoint, hf_inputs, hf_vlm_greedy, hf_vlm_logits, images
+from tests.vlm_models import (
+    GEMMA4_IDS, chat_with_image_parts, gemma4_checkpoint, hf_inputs, hf_vlm_greedy, hf_vlm_logits, images,
+)  # fmt: skip
 
 SEED = 1
 ONE = "<bos>Describe <|image|> briefly."
@@ -25,15 +27,6 @@ TWO = "<bos>First <|image|> then <|image|>: which is brighter?"
 TEXT = "<bos>No picture here, just words."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 _SAVED: dict = {}
-
-
-def _chat(picture):
-    return [
-        {"role": "user", "content": [{"type": "text", "text": "Hello there."}]},
-        {"role": "assistant", "content": "Hi! Send a picture."},
-        {"role": "user", "content": [{"type": "text", "text": "Here:"}, {"type": "image", "image": picture},
-                                     {"type": "text", "text": "What is it?"}]},
-    ]  # fmt: skip
 
 
 def _checkpoint(kind: str, tmp_path_factory):
@@ -53,7 +46,8 @@ def _cases(processor, settings=None):
     return {
         "one-image": ({"text": ONE, "images": one}, hf_inputs(processor, ONE, one, **settings)),
         "two-images-of-different-sizes": ({"text": TWO, "images": two}, hf_inputs(processor, TWO, two, **settings)),
-        "image-mid-chat": ({"messages": _chat(chat[0])}, hf_inputs(processor, messages=_chat(chat[0]), **settings)),
+        "image-mid-chat": ({"messages": chat_with_image_parts(chat[0])},
+                           hf_inputs(processor, messages=chat_with_image_parts(chat[0]), **settings)),
         "text-only": ({"text": TEXT}, hf_inputs(processor, TEXT)),
     }
 
@@ -136,7 +130,7 @@ def test_greedy_equals_transformers_through_the_engine_with_mm_processor_kwargs(
         with pytest.raises(ValueError, match=match):
             llm.generate({"prompt": ONE, "multi_modal_data": {"image": one}, "mm_processor_kwargs": setting}, GREEDY)
     picture = images((30, 20), seed=6)[0]
-    chat = _chat(picture)
+    chat = chat_with_image_parts(picture)
     (want,) = llm.chat(chat, GREEDY, use_tqdm=False, mm_processor_kwargs=small)
     hf_in = hf_inputs(processor, messages=chat, **small)
     assert want.prompt_token_ids == hf_in["input_ids"][0].tolist()

@@ -17,7 +17,7 @@ from jaxpaged.utils.text import ChatPrompt
 
 from tests.vlm_harness import VLMRunner, check_logits, greedy_chat_through_server, png_data_url
 from tests.vlm_models import (
-    hf_inputs, hf_vlm_greedy, images, mistral3_checkpoint,
+    chat_with_image_parts, hf_inputs, hf_vlm_greedy, images, mistral3_checkpoint,
 )  # fmt: skip
 
 SEED = 1
@@ -25,15 +25,6 @@ ONE = "<s>[INST]Describe [IMG] briefly.[/INST]"
 TWO = "<s>[INST]First [IMG] then [IMG]: which is brighter?[/INST]"
 TEXT = "<s>[INST]No picture, just words.[/INST]"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def _chat(picture):
-    return [
-        {"role": "user", "content": [{"type": "text", "text": "Hello there."}]},
-        {"role": "assistant", "content": "Hi! Send a picture."},
-        {"role": "user", "content": [{"type": "text", "text": "Here:"}, {"type": "image", "image": picture},
-                                     {"type": "text", "text": "What is it?"}]},
-    ]  # fmt: skip
 
 
 _SAVED: dict = {}
@@ -59,7 +50,8 @@ def _cases(processor):
     return {
         "one-image": ({"text": ONE, "images": one}, hf_inputs(processor, ONE, one)),
         "two-images-of-different-sizes": ({"text": TWO, "images": two}, hf_inputs(processor, TWO, two)),
-        "image-mid-chat": ({"messages": _chat(chat)}, hf_inputs(processor, messages=_chat(chat))),
+        "image-mid-chat": ({"messages": chat_with_image_parts(chat)},
+                           hf_inputs(processor, messages=chat_with_image_parts(chat))),
         "text-only": ({"text": TEXT}, hf_inputs(processor, TEXT)),
     }
 
@@ -127,7 +119,7 @@ def test_an_image_chat_through_the_server(tmp_path_factory):
     hf, processor, _, _ = _checkpoint("mistral3", tmp_path_factory)
     llm = _llm(tmp_path_factory)
     picture = images((30, 20), seed=6)[0]
-    chat = _chat(picture)
+    chat = chat_with_image_parts(picture)
     (want,) = llm.chat(chat, GREEDY, use_tqdm=False)
     hf_in = hf_inputs(processor, messages=chat)
     assert list(want.outputs[0].token_ids) == hf_vlm_greedy(hf, hf_in, 8)
