@@ -210,8 +210,8 @@ class EngineConfig:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"limit_mm_per_prompt[{name!r}] must be a non-negative integer (got {value!r})")
         self.limit_mm_per_prompt = limits
-        kwargs = self.mm_processor_kwargs  # (checked against the model's processor when it loads)
-        self.mm_processor_kwargs = (json_object("mm_processor_kwargs", kwargs, None) or None) if kwargs is not None else None
+        if self.mm_processor_kwargs is not None:  # (its keys checked against the model's processor when it loads)
+            self.mm_processor_kwargs = json_object("mm_processor_kwargs", self.mm_processor_kwargs, None) or None
         if isinstance(self.allowed_media_domains, (list, tuple)):
             self.allowed_media_domains = ",".join(self.allowed_media_domains)
 

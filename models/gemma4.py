@@ -28,7 +28,7 @@ MLPs and the experts split as in other ports, the cache on its KV-head axis; a l
 has its K/V projection's heads repeated to one a device at load, the others split; the per-head q/k norms, the PLE
 tables and projections, routers and the vision tower stay whole on every device. A layer whose KV heads neither
 divide nor are divided by the device count is refused. Not supported: pipeline parallelism, bidirectional
-attention ("all"), video and audio (the audio tower is skipped).
+attention ("all") and audio (the audio tower is skipped); images and videos: models/vision/gemma4.py.
 """
 
 from __future__ import annotations

@@ -353,26 +353,33 @@ class LLMEngine:
                         "step", config.max_num_batched_tokens)  # fmt: skip
         return min(self.max_model_len, config.max_num_batched_tokens)
 
-    def _thinking_budget(self, params: SamplingParams, prompt_ids: list[int], inner):
-        """A sequence's ThinkingBudget, its markers the structured outputs' (the server's reasoning parser) or the
-        vocabulary's own `<think>`/`</think>` (Magistral's `[THINK]`); ValueError naming thinking_token_budget for a
-        model without such markers."""
+    @functools.cached_property
+    def _vocabulary_thinking_markers(self) -> tuple[str | None, str] | None:
+        """(start, end): the vocabulary's own `<think>`/`</think>` (Magistral's `[THINK]`), or None; read once (a
+        large vocabulary's dict costs milliseconds)."""
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        for start, end in (("<think>", "</think>"), ("[THINK]", "[/THINK]")):
+            if end in vocab:
+                return (start if start in vocab else None, end)
+        return None
+
+    def _thinking_budget(self, params: SamplingParams, prompt_ids: list[int]):
+        """inner -> a sequence's ThinkingBudget around its grammar (or None), for one request: its markers the
+        structured outputs' (the server's reasoning parser) or the vocabulary's; ValueError naming
+        thinking_token_budget for a model without such markers."""
         from jaxpaged.engine.thinking_budget import ThinkingBudget
 
         structured = params.structured_outputs
         markers = (structured.reasoning_start, structured.reasoning_end) if structured and structured.reasoning_end else None
-        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
-        for start, end in (("<think>", "</think>"), ("[THINK]", "[/THINK]")):
-            if markers is None and end in vocab:
-                markers = (start if start in vocab else None, end)
+        markers = markers or self._vocabulary_thinking_markers
         if markers is None:
             raise ValueError("thinking_token_budget: this model has no thinking markers (<think> ... </think>) the "
                              "budget could close")  # fmt: skip
         start, end = markers
         forced = self.tokenizer.encode(end, add_special_tokens=False)
         text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False) if prompt_ids else ""
-        return ThinkingBudget.for_prompt(params.thinking_token_budget, start, end, forced,
-                                         self.structured_outputs.token_text, text, inner)  # fmt: skip
+        return lambda inner: ThinkingBudget.for_prompt(params.thinking_token_budget, start, end, forced,
+                                                       self.structured_outputs.token_text, text, inner)  # fmt: skip
 
     def _max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """max_tokens, or when None as many as fit: what both the context and the whole KV pool leave after the
@@ -449,7 +456,8 @@ class LLMEngine:
             grammars = [self.structured_outputs.new_state(params.structured_outputs, shown) for _ in range(count)]
         if params.thinking_token_budget is not None:  # the budget rides on the grammar path (engine/thinking_budget.py)
             count = 1 if params.use_beam_search else params.n
-            grammars = [self._thinking_budget(params, ids if embeds is None else [], inner) for inner in grammars or [None] * count]
+            budget = self._thinking_budget(params, ids if embeds is None else [])
+            grammars = [budget(inner) for inner in grammars or [None] * count]
         controls = token_controls(params, vocab, self.tokenizer)
         parent = ParentRequest(request_id, text, ids, params, priority=priority)
         parent.mm, parent.prompt_embeds = images, embeds

@@ -64,7 +64,7 @@ class MultimodalFrontend:
         loader = MediaLoader(config.allowed_local_media_path, config.media_domains)
         limits = config.limit_mm_per_prompt or {}
         self.processor = MultimodalProcessor(self.adapter.processor, self.adapter, self.spec, loader, limits.get("image"),
-                                             self._check, config.mm_processor_kwargs, limits.get("video"))  # fmt: skip
+                                             self._check, limits.get("video"))  # fmt: skip
         engine.scheduler.mm = self.scheduler = EncoderScheduler(runner.cache, self.max_patches, self.spec.bidirectional)
 
     def _check(self, item: EncoderItem, what: str) -> None:

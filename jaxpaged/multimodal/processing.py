@@ -109,22 +109,21 @@ def check_processor_kwargs(adapter: ImageAdapter, kwargs, what: str = "mm_proces
 
 
 class MultimodalProcessor:
-    """One engine's: prompt text or chat messages plus images -> (token ids, MultimodalInputs). `processor_kwargs`:
-    the engine's mm_processor_kwargs, which a request's own override."""
+    """One engine's: prompt text or chat messages plus images -> (token ids, MultimodalInputs). The engine's
+    mm_processor_kwargs are the adapter's settings (vision_parts), which a request's own override."""
 
     def __init__(self, processor, adapter: ImageAdapter, spec: VisionSpec, loader: MediaLoader,
-                 limit_images: int | None = None, check=None, processor_kwargs: dict | None = None,
-                 limit_videos: int | None = None):  # fmt: skip
+                 limit_images: int | None = None, check=None, limit_videos: int | None = None):  # fmt: skip
         self.processor = processor
         self.adapter = adapter
         self.spec = spec
         self.loader = loader
         self.limit_images, self.limit_videos = limit_images, limit_videos
         self.check = check  # the engine's limits on one image (encoder budget, cache size): raises ValueError
-        self.processor_kwargs = check_processor_kwargs(adapter, processor_kwargs)
 
-    def _kwargs(self, request_kwargs) -> dict:
-        return {**self.processor_kwargs, **check_processor_kwargs(self.adapter, request_kwargs)}
+    def _settings(self, request_kwargs) -> dict:
+        """The image processor's settings for a request: the engine's, under the request's own mm_processor_kwargs."""
+        return {**self.adapter.settings, **check_processor_kwargs(self.adapter, request_kwargs)}
 
     def _count(self, n: int) -> None:
         if self.limit_images is not None and n > self.limit_images:
@@ -135,12 +134,12 @@ class MultimodalProcessor:
         if not videos:
             return {}
         if not self.adapter.reads_videos:
-            raise ValueError(f"{whats[0]}: this model reads images only (videos: Qwen3-VL and Qwen3.5)")
+            raise ValueError(f"{whats[0]}: this model reads images only (videos: Qwen3-VL, Qwen3.5 and Gemma 4)")
         if self.limit_videos is not None and len(videos) > self.limit_videos:
             raise ValueError(f"the prompt has {len(videos)} videos; at most {self.limit_videos} are allowed (limit_mm_per_prompt)")
         if getattr(self.processor, "video_processor", None) is None:
             raise ValueError(f"{whats[0]}: this model's processor reads no videos (transformers builds video processors "
-                             "only with torchvision: pip install torchvision; videos: Qwen3-VL and Qwen3.5)")  # fmt: skip
+                             "only with torchvision: pip install torchvision)")  # fmt: skip
         loaded = [self.loader.load_video(video, what=what) for video, what in zip(videos, whats)]
         what = whats[0]
         metadata = [m for _, m in loaded]
@@ -157,13 +156,13 @@ class MultimodalProcessor:
         if not isinstance(text, str):
             raise ValueError("prompt: multi_modal_data needs the prompt as text")
         self._count(len(images))
-        kwargs = self._kwargs(processor_kwargs)
+        settings = self._settings(processor_kwargs)
         loaded = [self.loader.load(image, what=f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
-        kwargs |= self._videos(videos, video_whats or [f"multi_modal_data.video[{i}]" for i in range(len(videos))])
+        video_args = self._videos(videos, video_whats or [f"multi_modal_data.video[{i}]" for i in range(len(videos))])
         try:
-            out = self.processor(text=text, images=loaded or None, return_tensors="np", **kwargs)
+            out = self.processor(text=text, images=loaded or None, return_tensors="np", **settings, **video_args)
         except ValueError as exc:
-            what = "the processor refused the prompt, its images or mm_processor_kwargs" if kwargs else "the prompt and its images do not match"
+            what = "the processor refused the prompt, its images or mm_processor_kwargs" if settings else "the prompt and its images do not match"
             raise ValueError(f"{what}: {exc}") from None
         return self._inputs(dict(out))
 
@@ -172,7 +171,6 @@ class MultimodalProcessor:
         chat_template: str | None = None, processor_kwargs: dict | None = None,
     ) -> tuple[list[int], MultimodalInputs]:
         """chat_template: Jinja text used instead of the processor's template (vLLM's --chat-template)."""
-        kwargs = self._kwargs(processor_kwargs)
         converted, images, videos = openai_parts(messages, self.loader)
         self._count(len(images))
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
@@ -185,8 +183,9 @@ class MultimodalProcessor:
             except Exception as exc:
                 raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
             return self.prompt(text, images, processor_kwargs, [v for _, v in videos], [w for w, _ in videos])
-        if kwargs:
-            extra["processor_kwargs"] = kwargs
+        settings = self._settings(processor_kwargs)
+        if settings:
+            extra["processor_kwargs"] = settings
         try:
             out = self.processor.apply_chat_template(
                 converted, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,

@@ -124,14 +124,20 @@ class ImageAdapter:
         raise NotImplementedError
 
     @property
+    def video_token_id(self) -> int | None:
+        """The placeholder of a video's frame (group) spans, for a family whose items() reads videos (Qwen3-VL's frame
+        groups, Gemma 4's frames); None: videos are refused."""
+        return None
+
+    @property
     def reads_videos(self) -> bool:
-        """Whether items() takes a processor's video inputs (Qwen3-VL's frame groups); else videos are refused."""
-        return False
+        return self.video_token_id is not None
 
     def placeholder_tokens(self) -> tuple[int, ...]:
-        """The token ids an image's span is made of: its placeholder, and any the processor interleaves whose rows the
-        encoder yields too (Pixtral's [IMG_BREAK] between token rows)."""
-        return (self.spec.image_token_id,)
+        """The token ids an image's (or video frame's) span is made of: its placeholder, and any the processor
+        interleaves whose rows the encoder yields too (Pixtral's [IMG_BREAK] between token rows)."""
+        video = self.video_token_id
+        return (self.spec.image_token_id,) if video is None else (self.spec.image_token_id, video)
 
     def mrope_positions(self, input_ids: Sequence[int], items: Sequence[EncoderItem]) -> tuple[np.ndarray, int] | None:
         """M-RoPE families: ([3, L] positions of the prompt's tokens, the offset decode positions carry)."""

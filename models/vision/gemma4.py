@@ -300,12 +300,9 @@ class Gemma4Images(ImageAdapter):
         self.max_tokens = int(self.settings.get("max_soft_tokens", image_processor.max_soft_tokens))
 
     @property
-    def reads_videos(self) -> bool:
-        return getattr(self.hf_config, "video_token_id", None) is not None
-
-    def placeholder_tokens(self) -> tuple[int, ...]:
-        video = getattr(self.hf_config, "video_token_id", None)
-        return (self.spec.image_token_id,) if video is None else (self.spec.image_token_id, int(video))
+    def video_token_id(self) -> int | None:
+        token = getattr(self.hf_config, "video_token_id", None)
+        return None if token is None else int(token)
 
     def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
         """Each image, and each video frame (the processor puts each between its timestamp text, and transformers'
@@ -314,7 +311,7 @@ class Gemma4Images(ImageAdapter):
         if "pixel_values_videos" not in processed:
             return images
         frames = self._items(processed["pixel_values_videos"], processed["video_position_ids"])
-        return in_prompt_order(input_ids, images, self.spec.image_token_id, frames, int(self.hf_config.video_token_id))
+        return in_prompt_order(input_ids, images, self.spec.image_token_id, frames, self.video_token_id)
 
     def _items(self, pixels, positions) -> list[EncoderItem]:
         pixels, positions = np.asarray(pixels, np.float32), np.asarray(positions).astype(np.int32)

@@ -507,14 +507,6 @@ class QwenImages(ImageAdapter):
         token = getattr(self.hf_config, "video_token_id", None)
         return int(token) if self.vision.kind == "qwen3" and token is not None else None
 
-    @property
-    def reads_videos(self) -> bool:
-        return self.video_token_id is not None
-
-    def placeholder_tokens(self) -> tuple[int, ...]:
-        video = self.video_token_id
-        return (self.spec.image_token_id,) if video is None else (self.spec.image_token_id, video)
-
     def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
         """Each image, and each video's frame groups (the processor puts each in a span of its own between the
         group's timestamp text; transformers' tower attends within a group, and M-RoPE positions each as an image,
@@ -525,11 +517,8 @@ class QwenImages(ImageAdapter):
             if (grids[:, 0] != 1).any():
                 raise ValueError("images only: a grid with more than one temporal patch is a video")
             items += self._items(np.asarray(processed["pixel_values"], np.float32), grids)
-        if "pixel_values_videos" not in processed:
+        if "pixel_values_videos" not in processed:  # (only where reads_videos: processing.py refuses them otherwise)
             return items
-        if self.video_token_id is None:
-            raise ValueError(f"videos: {type(self.processor).__name__} made video inputs, which this model's port does "
-                             "not read (videos: Qwen3-VL and Qwen3.5)")  # fmt: skip
         grids = np.asarray(processed["video_grid_thw"]).reshape(-1, 3)
         groups = np.repeat(grids, grids[:, 0], axis=0)
         groups[:, 0] = 1
