@@ -165,8 +165,8 @@ class Gemma4VisionLayer(nnx.Module):
 
 
 class Gemma4VisionModel(nnx.Module):
-    """A batch of patches (Gemma4Images.batch) -> [rows, D] soft tokens in float32: each image's pooled grid, image
-    after image, scaled (and standardized) as transformers' pooler and vision model return them."""
+    """A batch of patches (Gemma4Images.batch) -> [rows, D] soft tokens: each image's pooled grid, image after image,
+    scaled (and standardized) in float32 as transformers' pooler and vision model do, returned in the model's dtype."""
 
     def __init__(self, cfg: Gemma4VisionConfig, *, dtype):
         self.config = cfg
