@@ -129,6 +129,21 @@ def images(*sizes: tuple[int, int], seed: int = 0) -> list:
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
 
 
+def write_video(path: Path, frames: np.ndarray, codec: str = "mpeg4", pix_fmt: str = "yuv420p", fps: int = 6) -> bytes:
+    """frames [T, H, W, 3] uint8 encoded with PyAV into `path` (its suffix names the container); the file's bytes."""
+    import fractions
+
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(codec, rate=fractions.Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], pix_fmt
+        for image in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+    return path.read_bytes()
+
+
 def hf_inputs(processor, text: str | None = None, imgs=(), messages=None, **settings) -> dict:
     """transformers' own inputs for a prompt with images (or a conversation), as torch tensors; `settings`: the
     image processor's (a request's mm_processor_kwargs)."""

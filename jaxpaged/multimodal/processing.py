@@ -84,26 +84,28 @@ def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[di
     return converted, images, videos
 
 
-def image_settings(adapter: ImageAdapter) -> set[str]:
+def processor_settings(adapter: ImageAdapter) -> set[str]:
     """The settings a request's mm_processor_kwargs may name: those of the model's image processor (transformers'
     `valid_kwargs` of it) its family's adapter lets change (ImageAdapter.SETTINGS: not the patch size, nor a size
-    the tower is fixed to)."""
-    image_processor = getattr(adapter.processor, "image_processor", None)
-    valid = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
-    return set(valid) & set(adapter.SETTINGS)
+    the tower is fixed to), and how its video processor samples frames (ImageAdapter.VIDEO_SETTINGS)."""
+    known = set()
+    for part, allowed in (("image_processor", adapter.SETTINGS), ("video_processor", adapter.VIDEO_SETTINGS)):
+        valid = getattr(getattr(getattr(adapter.processor, part, None), "valid_kwargs", None), "__annotations__", {})
+        known |= set(valid) & set(allowed)
+    return known
 
 
 def check_processor_kwargs(adapter: ImageAdapter, kwargs, what: str = "mm_processor_kwargs") -> dict:
-    """kwargs as a dict of image settings (image_settings); ValueError naming the first key that is not one
+    """kwargs as a dict of processor settings (processor_settings); ValueError naming the first key that is not one
     (transformers would ignore it with a warning, or build images the tower cannot read)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
         raise ValueError(f"{what} must be a dict of the image processor's settings (got {kwargs!r})")
-    known = image_settings(adapter)
+    known = processor_settings(adapter)
     for key in kwargs:
         if key not in known:
-            raise ValueError(f"{what}: {key!r} is not a setting this model's image processor may change "
+            raise ValueError(f"{what}: {key!r} is not a setting this model's processor may change "
                              f"(it takes: {', '.join(sorted(known))})")  # fmt: skip
     return dict(kwargs)
 
@@ -139,7 +141,7 @@ class MultimodalProcessor:
             raise ValueError(f"the prompt has {len(videos)} videos; at most {self.limit_videos} are allowed (limit_mm_per_prompt)")
         if getattr(self.processor, "video_processor", None) is None:
             raise ValueError(f"{whats[0]}: this model's processor reads no videos (transformers builds video processors "
-                             "only with torchvision: pip install torchvision)")  # fmt: skip
+                             "only with torchvision: pip install 'jaxpaged[video]')")  # fmt: skip
         loaded = [self.loader.load_video(video, what=what) for video, what in zip(videos, whats)]
         what = whats[0]
         metadata = [m for _, m in loaded]
@@ -160,7 +162,7 @@ class MultimodalProcessor:
         loaded = [self.loader.load(image, what=f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
         video_args = self._videos(videos, video_whats or [f"multi_modal_data.video[{i}]" for i in range(len(videos))])
         try:
-            out = self.processor(text=text, images=loaded or None, return_tensors="np", **settings, **video_args)
+            out = self.processor(text=text, images=loaded or None, return_tensors="np", **{**settings, **video_args})
         except ValueError as exc:
             what = "the processor refused the prompt, its images or mm_processor_kwargs" if settings else "the prompt and its images do not match"
             raise ValueError(f"{what}: {exc}") from None

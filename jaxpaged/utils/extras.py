@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRAS = {"gguf": "gguf", "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "tunix": "rl", "openai_harmony": "harmony"}  # module -> extra
+EXTRAS = {"gguf": "gguf", "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "tunix": "rl", "openai_harmony": "harmony",
+          "av": "video"}  # module -> extra
 
 
 class MissingExtraError(ModuleNotFoundError):

@@ -3,8 +3,10 @@ patches the frames and writes each frame group's timestamp and span; each group 
 tower attends within a group) and positioned as one by M-RoPE (get_rope_index splits a video's grid per group).
 Against transformers in float32 on a tiny random checkpoint: logits within 1e-4 at every prompt position for a video
 with its metadata (frames sampled at the processor's fps) beside an image, a video given as frames alone, and text,
-in one ragged step; greedy tokens through the engine for a prompt and a chat with a video part, no compiles after
-warm-up; bad frames are a ValueError naming them; the server's video_url (a file to decode) is a 400. Gemma 4's
+in one ragged step; greedy tokens through the engine for a prompt (sampled at the processor's fps, or at a request's
+mm_processor_kwargs fps) and a chat with a video part, no compiles after
+warm-up; bad frames are a ValueError naming them; an mp4 sent to the server as a video_url is decoded to what
+transformers' own loader reads from the file, and answered as transformers does. Gemma 4's
 frames, each between its timestamp text, are read by its tower as images: logits beside an image.
 
 transformers builds video processors only with torchvision, which the suite's environment lacks on purpose (it
@@ -13,6 +15,7 @@ torchvision from JAXPAGED_TEST_TORCHVISION (a `pip install --no-deps --target` f
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import os
 import subprocess
@@ -96,7 +99,7 @@ def test_logits_equal_transformers_for_videos_beside_images_and_text(qwen3_vl):
 
 
 @needs_torchvision
-def test_greedy_equals_transformers_through_the_engine(qwen3_vl):
+def test_greedy_equals_transformers_through_the_engine(qwen3_vl, tmp_path):
     from jaxpaged import LLM, SamplingParams
 
     from tests.vlm_harness import greedy_chat_through_server
@@ -110,6 +113,12 @@ def test_greedy_equals_transformers_through_the_engine(qwen3_vl):
     hf_in = _hf(processor, ONLY_VIDEO, videos=[video], video_metadata=[META])
     assert out.prompt_token_ids == hf_in["input_ids"][0].tolist()
     assert list(out.outputs[0].token_ids) == hf_vlm_greedy(hf, hf_in, 8)
+    # a request's mm_processor_kwargs sample its video at another fps (here every frame: twice the frame groups)
+    every = {"prompt": ONLY_VIDEO, "multi_modal_data": {"video": (video, META)}, "mm_processor_kwargs": {"fps": 4}}
+    (denser,) = llm.generate(every, greedy, use_tqdm=False)
+    hf_in = _hf(processor, ONLY_VIDEO, videos=[video], video_metadata=[META], fps=4)
+    assert denser.prompt_token_ids == hf_in["input_ids"][0].tolist() and len(denser.prompt_token_ids) > len(out.prompt_token_ids)
+    assert list(denser.outputs[0].token_ids) == hf_vlm_greedy(hf, hf_in, 8)
     chat = [{"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "What happens?"}]}]
     (said,) = llm.chat(chat, greedy, use_tqdm=False)
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}],
@@ -121,10 +130,21 @@ def test_greedy_equals_transformers_through_the_engine(qwen3_vl):
         llm.generate({"prompt": ONLY_VIDEO, "multi_modal_data": {"video": np.zeros((4, 8, 8), np.uint8)}}, greedy)
     stats = llm.get_stats()
     assert stats["num_compiles_after_warmup"] == 0
-    url = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "file:///tmp/a.mp4"}},
+    # an mp4 through the server, as a data URL: the frames and metadata transformers' own loader reads from the file,
+    # sampled by the processor at its fps
+    from transformers.video_utils import load_video
+
+    from tests.vlm_models import write_video
+
+    mp4 = write_video(tmp_path / "a.mp4", _video(4, frames=12), fps=4)
+    url = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()}},
                                         {"type": "text", "text": "What happens?"}]}]  # fmt: skip
     ((status, reply),) = greedy_chat_through_server(llm, url, 8, extras=[{}])
-    assert status == 400 and "other kinds are not supported" in reply["error"]["message"]  # the server takes no video_url
+    frames, metadata = load_video(str(tmp_path / "a.mp4"), backend="pyav")
+    hf_in = _hf(processor, text, videos=[frames], video_metadata=[metadata])
+    assert status == 200 and reply["usage"]["prompt_tokens"] == hf_in["input_ids"].shape[1], reply
+    answer = processor.tokenizer.decode(hf_vlm_greedy(hf, hf_in, 8), skip_special_tokens=True)
+    assert reply["choices"][0]["message"]["content"] == answer
 
 
 @needs_torchvision

@@ -377,23 +377,24 @@ class ChatMessage(_Strict):
                 return None
             raise ValueError("content must be a string or a list of text parts")
         if isinstance(value, list):
-            texts, images = [], False
+            texts, media = [], False
             for part in value:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "image_url":  # OpenAI's image part: {"image_url": {"url": "data:..." | "https://..."}}
-                    url = part.get("image_url")
+                if kind in ("image_url", "video_url"):  # OpenAI's image part, vLLM's video part: {kind: {"url": ...}}
+                    url = part.get(kind)
                     url = url.get("url") if isinstance(url, dict) else url
                     if not isinstance(url, str) or not url:
-                        raise ValueError("image_url parts must be {'type': 'image_url', 'image_url': {'url': str}}")
-                    images = True
+                        raise ValueError(f"{kind} parts must be {{'type': '{kind}', '{kind}': {{'url': str}}}}")
+                    media = True
                 elif kind != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("content parts must be {'type': 'text', 'text': str} or {'type': 'image_url', "
-                                     "'image_url': {'url': str}}; other kinds are not supported")  # fmt: skip
+                    raise ValueError("content parts must be {'type': 'text', 'text': str}, {'type': 'image_url', "
+                                     "'image_url': {'url': str}} or {'type': 'video_url', 'video_url': {'url': str}}; "
+                                     "other kinds are not supported")  # fmt: skip
                 else:
                     texts.append(part["text"])
-            # with images the parts stay as they are, for the model's processor (jaxpaged/multimodal/); else one text,
-            # the parts joined by newlines as vLLM's server joins them
-            return value if images else "\n".join(texts)
+            # with images or videos the parts stay as they are, for the model's processor (jaxpaged/multimodal/);
+            # else one text, the parts joined by newlines as vLLM's server joins them
+            return value if media else "\n".join(texts)
         return value
 
 
