@@ -199,6 +199,9 @@ class AsyncLLMEngine:
         Raises ValueError (bad input, naming the parameter), QueueFullError or EngineDeadError.
         """
         loop = asyncio.get_running_loop()
+        if hasattr(self.engine, "load_media") and any(_names_media(prompt) for _, prompt, *_ in requests):
+            # files and URLs fetched and decoded here, in a worker thread: the engine's thread keeps stepping
+            requests = await loop.run_in_executor(None, self._load_media, list(requests))
         event = event or asyncio.Event()
         streams = [RequestStream(str(rid), event) for rid, *_ in requests]
         done: asyncio.Future = loop.create_future()
@@ -210,6 +213,9 @@ class AsyncLLMEngine:
                 self.abort(stream.request_id)
             raise
         return streams
+
+    def _load_media(self, requests: list[tuple]) -> list[tuple]:
+        return [(rid, self.engine.load_media(prompt), *rest) for rid, prompt, *rest in requests]
 
     async def add_request(self, request_id: str, prompt: PromptType | ChatPrompt, params: SamplingParams,
                           lora_request: LoRARequest | None = None, priority: int = 0) -> RequestStream:  # fmt: skip
@@ -487,6 +493,15 @@ class AsyncLLMEngine:
             self._stats = self.engine.get_stats()
         except Exception:
             logger.debug("no stats after the loop died", exc_info=True)
+
+
+def _names_media(prompt) -> bool:
+    """Whether a prompt holds images or videos, which may name files to fetch and decode."""
+    from jaxpaged.multimodal.engine import has_image_parts
+
+    if isinstance(prompt, dict):
+        return bool(prompt.get("multi_modal_data"))
+    return isinstance(prompt, ChatPrompt) and has_image_parts(prompt.messages)
 
 
 def _optional_args(lora_request=None, priority=0) -> dict:

@@ -97,6 +97,9 @@ class DataParallelEngine:
         self._owner[request_id] = index
         return request_id
 
+    def load_media(self, prompt: PromptType) -> PromptType:
+        return self.replicas[0].load_media(prompt)  # every replica's loader is the same
+
     def replica_of(self, request_id: str) -> int | None:
         """The replica holding an unfinished request (None if unknown or finished)."""
         return self._owner.get(str(request_id))

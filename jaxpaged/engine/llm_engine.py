@@ -323,6 +323,11 @@ class LLMEngine:
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string, a list of token ids or a dict (got {type(prompt).__name__})")
 
+    def load_media(self, prompt: PromptType) -> PromptType:
+        """`prompt` with the images and video files it names fetched and decoded (multimodal/engine.py): safe on any
+        thread, so AsyncLLMEngine does it before the engine's thread takes the request; add_request does it too."""
+        return prompt if self.mm is None else self.mm.load_media(prompt)
+
     def _prompt_inputs(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
         """(text, token ids, its images or None): a prompt with multi_modal_data, or a conversation with image parts,
         goes through the model's processor (jaxpaged/multimodal/); a text-only model refuses images."""

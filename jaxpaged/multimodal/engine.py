@@ -5,6 +5,7 @@ A text-only model refuses images with a ValueError that says so."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,11 +13,11 @@ from jaxpaged.models.vision.common import EncoderItem
 from jaxpaged.multimodal.encoder_cache import EncoderScheduler
 from jaxpaged.multimodal.inputs import MultimodalInputs
 from jaxpaged.multimodal.media import MediaLoader
-from jaxpaged.multimodal.processing import MultimodalProcessor
+from jaxpaged.multimodal.processing import MultimodalProcessor, fetched, preload_messages
+from jaxpaged.utils.text import ChatPrompt
 
 if TYPE_CHECKING:
     from jaxpaged.engine.llm_engine import LLMEngine
-    from jaxpaged.utils.text import ChatPrompt
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "video", "video_url")  # (and video: a vision model's parts)
 
@@ -77,6 +78,23 @@ class MultimodalFrontend:
         if self.spec.bidirectional and item.num_rows > self.max_step_tokens:
             raise ValueError(f"{what} spans {item.num_rows} tokens, which this model computes in one step: more than "
                              f"max_num_batched_tokens ({self.max_step_tokens})")  # fmt: skip
+
+    def load_media(self, prompt):
+        """`prompt` with the media files it names (URLs, paths, bytes) read and decoded; thread-safe (the loader
+        alone: no tokenizer, no processor), so a server does it before the engine's thread takes the request."""
+        loader = self.processor.loader
+        if isinstance(prompt, ChatPrompt) and has_image_parts(prompt.messages):
+            return dataclasses.replace(prompt, messages=preload_messages(prompt.messages, loader))
+        if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
+            return prompt
+        images, videos = prompt_images(prompt)
+        data = {**prompt["multi_modal_data"]}
+        if images:
+            data["image"] = [loader.load(s, what=f"multi_modal_data.image[{i}]") if fetched(s) else s for i, s in enumerate(images)]
+        if videos:
+            data["video"] = [loader.load_video(s, what=f"multi_modal_data.video[{i}]") if fetched(s) else s
+                             for i, s in enumerate(videos)]  # fmt: skip
+        return {**prompt, "multi_modal_data": data}
 
     def prompt(self, prompt: dict) -> tuple[str | None, list[int], MultimodalInputs | None]:
         images, videos = prompt_images(prompt)

@@ -49,6 +49,15 @@ def load_processor(folder: str | Path, images_only=None):
         raise ValueError(f"could not load the image processor in {folder}: {first}; then: {exc}") from exc
 
 
+IMAGE_KINDS = ("image_url", "image", "image_pil")  # OpenAI's content part, vLLM's two
+VIDEO_KINDS = ("video", "video_url")
+
+
+def _image_source(part: dict, kind: str):
+    source = part.get(kind) if kind != "image" else part.get("image", part.get("url"))
+    return source.get("url") if isinstance(source, dict) else source
+
+
 def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[dict], list, list]:
     """OpenAI chat messages (content parts: text, image_url, or vLLM's image/image_pil, video, video_url) ->
     (messages as transformers' chat templates take them, each image part {"type": "image", "image": <PIL image>},
@@ -67,14 +76,11 @@ def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[di
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
-            elif kind in ("image_url", "image", "image_pil"):
-                source = part.get(kind) if kind != "image" else part.get("image", part.get("url"))
-                if isinstance(source, dict):
-                    source = source.get("url")
-                image = loader.load(source, what=where)
+            elif kind in IMAGE_KINDS:
+                image = loader.load(_image_source(part, kind), what=where)
                 images.append(image)
                 parts.append({"type": "image", "image": image})
-            elif kind in ("video", "video_url"):  # its frames (vLLM's video part); the template writes a placeholder
+            elif kind in VIDEO_KINDS:  # its frames or file (vLLM's video part); the template writes a placeholder
                 source = part.get(kind)
                 videos.append((where, source.get("url") if kind == "video_url" and isinstance(source, dict) else source))
                 parts.append({"type": "video"})
@@ -82,6 +88,33 @@ def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[di
                 raise ValueError(f"{where}: content part type {kind!r} is not supported (text, image_url, video)")
         converted.append({**message, "content": parts})
     return converted, images, videos
+
+
+def fetched(source) -> bool:
+    """Whether a media source is still to be read: bytes, a URL or path (not an image or frames)."""
+    return isinstance(source, (str, bytes, bytearray, memoryview, dict))
+
+
+def preload_messages(messages: Sequence[dict], loader: MediaLoader) -> list[dict]:
+    """The messages with each image or video part that names a file (a URL, a path, bytes) read and decoded: the
+    slow part of taking in a request's media, which needs no tokenizer or processor and so can run off the engine's
+    thread. Refusals are openai_parts' ValueErrors; the other parts are left to it."""
+    loaded = []
+    for m, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            loaded.append(message)
+            continue
+        parts = []
+        for p, part in enumerate(content):
+            kind, where = part.get("type") if isinstance(part, dict) else None, f"messages[{m}].content[{p}]"
+            if kind in IMAGE_KINDS and fetched(_image_source(part, kind)):
+                part = {"type": "image_pil", "image_pil": loader.load(_image_source(part, kind), what=where)}
+            elif kind in VIDEO_KINDS and fetched(part.get(kind)):
+                part = {"type": "video", "video": loader.load_video(part[kind], what=where)}
+            parts.append(part)
+        loaded.append({**message, "content": parts})
+    return loaded
 
 
 def processor_settings(adapter: ImageAdapter) -> set[str]:

@@ -189,6 +189,33 @@ def test_bad_images_are_value_errors_and_nothing_is_held(qwen, cycle_model_dir):
         text_only.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
 
 
+def test_the_async_engine_reads_media_off_the_engine_thread(qwen, monkeypatch):
+    """A server's request names its image by URL: the image is read and decoded in a worker thread while the engine's
+    thread goes on stepping, and the answer is the one LLM.chat gives for the image itself."""
+    import threading
+
+    from jaxpaged.multimodal.media import MediaLoader
+
+    from tests.vlm_harness import greedy_chat_through_server, png_data_url
+
+    picture = images((40, 30), seed=5)[0]
+    llm = _llm(qwen[2])
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": picture}, {"type": "text", "text": "Look."}]}]
+    (want,) = llm.chat(chat, GREEDY, use_tqdm=False)
+    readers, decode = [], MediaLoader._decode
+    monkeypatch.setattr(MediaLoader, "_decode", lambda self, *a: readers.append(threading.current_thread().name) or decode(self, *a))
+    chat[0]["content"][0] = {"type": "image_url", "image_url": {"url": png_data_url(picture)}}
+    reply = greedy_chat_through_server(llm, chat, 8)
+    assert reply["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert reply["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert len(readers) == 1 and readers[0] != "jaxpaged-engine" and readers[0] != threading.main_thread().name
+    url = png_data_url(picture)
+    data = {"prompt": PROMPT, "multi_modal_data": {"image": [url]}}
+    loaded = llm.engine.load_media(data)  # a prompt dict's files too (the prompt itself untouched)
+    assert loaded["multi_modal_data"]["image"][0].size == picture.size and data["multi_modal_data"]["image"] == [url]
+    assert llm.engine.load_media(_request(PROMPT, [picture]))["multi_modal_data"]["image"][0] is picture
+
+
 def test_the_pool_is_sized_after_the_encoders_workspace(qwen, monkeypatch, tmp_path):
     """Where the pool is sized from free device memory (a GPU; forced here), the vision encoder's largest bucket is
     compiled before it and its workspace kept out of the pool, with the samplers' (warm-up then uses it as is)."""
