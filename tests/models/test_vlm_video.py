@@ -1,4 +1,4 @@
-"""Videos in prompts (Qwen3-VL, Qwen3.5 sharing its adapter, and Gemma 4): transformers' own Qwen3VLVideoProcessor samples and
+"""Videos in prompts (Qwen3-VL, Qwen3.5 sharing its adapter (its logits beside an image), and Gemma 4): transformers' own Qwen3VLVideoProcessor samples and
 patches the frames and writes each frame group's timestamp and span; each group is encoded as an image (transformers'
 tower attends within a group) and positioned as one by M-RoPE (get_rope_index splits a video's grid per group).
 Against transformers in float32 on a tiny random checkpoint: logits within 1e-4 at every prompt position for a video
@@ -47,7 +47,7 @@ def test_in_a_subprocess_with_torchvision():
                           check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "1 skipped" in summary, summary
+    assert "4 passed" in summary and "1 skipped" in summary, summary
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +55,27 @@ def qwen3_vl(tmp_path_factory):
     import transformers
 
     from tests.vlm_harness import VLMRunner
-    from tests.vlm_models import QWEN_SPECIALS, QWEN_VL_CHAT_TEMPLATE, byte_tokenizer, qwen3_vl_config, random_vlm, write_vlm
+    from tests.vlm_models import qwen3_vl_config, random_vlm, write_vlm
 
     model = random_vlm(qwen3_vl_config(), seed=1)
+    folder = write_vlm(tmp_path_factory.mktemp("qwen3-vl-video"), model, _qwen_video_processor())
+    return model, transformers.AutoProcessor.from_pretrained(folder), folder, VLMRunner(folder)
+
+
+def _qwen_video_processor():
+    """Qwen3-VL's processor (Qwen3.5's too) with its video processor: 16-pixel patches merged 2 x 2, 2 frames a group."""
+    import transformers
+
+    from tests.vlm_models import QWEN_SPECIALS, QWEN_VL_CHAT_TEMPLATE, byte_tokenizer
+
     tokenizer = byte_tokenizer(QWEN_SPECIALS, QWEN_VL_CHAT_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     size = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
-    processor = transformers.Qwen3VLProcessor(
+    return transformers.Qwen3VLProcessor(
         image_processor=transformers.Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2),
         video_processor=transformers.Qwen3VLVideoProcessor(size=size | {"longest_edge": 128 * 128 * 8}, patch_size=16,
                                                            merge_size=2, temporal_patch_size=2),
         tokenizer=tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE,
     )  # fmt: skip
-    folder = write_vlm(tmp_path_factory.mktemp("qwen3-vl-video"), model, processor)
-    return model, transformers.AutoProcessor.from_pretrained(folder), folder, VLMRunner(folder)
 
 
 def _video(seed: int, frames: int = 8) -> np.ndarray:
@@ -96,6 +104,26 @@ def test_logits_equal_transformers_for_videos_beside_images_and_text(qwen3_vl):
     for ((ids, _), hf_in), got in zip(cases, runner.logits(requests)):
         assert ids == hf_in["input_ids"][0].tolist()
         np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4)
+
+
+@needs_torchvision
+def test_qwen3_5_reads_videos_with_qwen3_vl_adapter(tmp_path):
+    """Qwen3.5 (a Gated DeltaNet layer under Qwen3-VL's tower less DeepStack) shares Qwen3-VL's adapter and processor:
+    a video sampled by its metadata's fps beside an image, logits within 1e-4 at every prompt position."""
+    import transformers
+
+    from tests.vlm_harness import VLMRunner
+    from tests.vlm_models import hf_vlm_logits, images, qwen3_5_config, random_qwen3_5, write_vlm
+
+    hf = random_qwen3_5(qwen3_5_config(), seed=1)
+    folder = write_vlm(tmp_path, hf, _qwen_video_processor())
+    processor, runner = transformers.AutoProcessor.from_pretrained(folder), VLMRunner(folder)
+    picture, video = images((40, 30), seed=2), _video(5)
+    ids, mm = runner.processor.prompt(TEXT, picture, None, [(video, META)])
+    hf_in = _hf(processor, TEXT, picture, [video], video_metadata=[META])
+    assert ids == hf_in["input_ids"][0].tolist() and len(mm.images) == 3  # the image, 2 frame groups
+    (got,) = runner.logits([(ids, mm)])
+    np.testing.assert_allclose(got, hf_vlm_logits(hf, hf_in), atol=1e-4)
 
 
 @needs_torchvision
