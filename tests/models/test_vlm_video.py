@@ -1,6 +1,7 @@
 """Videos in prompts (Qwen3-VL; Qwen3.5 sharing its adapter, its logits beside an image; Gemma 4): transformers' own
-Qwen3VLVideoProcessor samples and patches the frames and writes each frame group's timestamp and span; each group is encoded as an image (transformers'
-tower attends within a group) and positioned as one by M-RoPE (get_rope_index splits a video's grid per group).
+Qwen3VLVideoProcessor samples and patches the frames and writes each frame group's timestamp and span; each group is
+encoded as an image (transformers' tower attends within a group) and positioned as one by M-RoPE (get_rope_index
+splits a video's grid per group).
 Against transformers in float32 on a tiny random checkpoint: logits within 1e-4 at every prompt position for a video
 with its metadata (frames sampled at the processor's fps) beside an image, a video given as frames alone, and text,
 in one ragged step; greedy tokens through the engine for a prompt (sampled at the processor's fps, or at a request's
