@@ -1,4 +1,5 @@
-"""Llama 4 (transformers' Llama4ForCausalLM, and Llama4ForConditionalGeneration's language model for text prompts).
+"""Llama 4 (transformers' Llama4ForCausalLM, and Llama4ForConditionalGeneration's language model: models/vision/llama4.py
+adds its vision model).
 
 - RoPE layers (`no_rope_layers[i]` 1): complex RoPE (interleaved pairs, llama3 scaling), then q and k L2-normed
   without a weight (`use_qk_norm`), and chunked local attention: a token sees only its own chunk of
@@ -164,7 +165,8 @@ class Llama4ForCausalLM(CausalLM):
 
 
 class Llama4ForConditionalGeneration(Llama4ForCausalLM):
-    """The language model of a Llama 4 image-text checkpoint; the vision model and projector are skipped."""
+    """The language model of a Llama 4 image-text checkpoint (its names and head tying); the registered class,
+    models/vision/llama4.py's, adds the vision model and the projector."""
 
     CHECKPOINT_RENAMES = (
         (r"^language_model\.model\.", "model."),  # the 4.x spelling, as published

@@ -14,7 +14,7 @@ from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.gpt_neox import GPTNeoXForCausalLM
 from jaxpaged.models.gptj import GPTJForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
-from jaxpaged.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
+from jaxpaged.models.llama4 import Llama4ForCausalLM
 from jaxpaged.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxpaged.models.mistral3 import Ministral3ForCausalLM
 from jaxpaged.models.mixtral import MoeForCausalLM
@@ -27,6 +27,7 @@ from jaxpaged.models.phi import Phi3ForCausalLM, PhiForCausalLM
 from jaxpaged.models.pooling_head import POOLING_ARCHITECTURES, port_architecture
 from jaxpaged.models.vision.gemma3 import Gemma3ForConditionalGeneration
 from jaxpaged.models.vision.gemma4 import Gemma4ForConditionalGeneration
+from jaxpaged.models.vision.llama4 import Llama4ForConditionalGeneration
 from jaxpaged.models.vision.llava import LlavaForConditionalGeneration
 from jaxpaged.models.vision.mistral3 import Mistral3ForConditionalGeneration
 from jaxpaged.models.vision.qwen3_5 import Qwen3_5ForConditionalGeneration
@@ -67,7 +68,7 @@ MODEL_REGISTRY = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # GLM-4.5/4.6/4.7: partial RoPE, DeepSeek-V3's router and shared experts
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # whole-projection q/k norm, partial RoPE, sigmoid router with bias
     "Llama4ForCausalLM": Llama4ForCausalLM,  # chunked local attention on RoPE layers, NoPE layers, top-1 sigmoid MoE + shared
-    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # its language model only (text prompts)
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # + its vision model and projector (models/vision/)
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # + sandwich norms, soft-caps, sliding windows
     "Gemma3ForCausalLM": GemmaForCausalLM,  # + q/k norm, RoPE per layer type

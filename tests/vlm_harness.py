@@ -130,3 +130,28 @@ def greedy_chat_through_server(llm, messages: list, max_tokens: int, extras: lis
         return asyncio.run(ask())
     finally:
         engine.shutdown()
+
+
+def rerun_with_torchvision(test_file: str, passed: int, skipped: int) -> None:
+    """Run `test_file` again in a subprocess with torchvision from JAXPAGED_TEST_TORCHVISION (a `pip install --no-deps
+    --target` folder; .ci/run sets it) and assert its summary: transformers builds video processors, and some image
+    processors, only with torchvision, which the suite's environment lacks on purpose (it changes which image
+    processor AutoProcessor builds for other families). Skips without the folder."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from tests import REPO
+
+    folder = os.environ.get("JAXPAGED_TEST_TORCHVISION")
+    if not folder:
+        pytest.skip("JAXPAGED_TEST_TORCHVISION names a folder holding torchvision (pip install --no-deps --target); .ci/run sets it")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(Path(test_file).resolve())],
+                          check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert f"{passed} passed" in summary and f"{skipped} skipped" in summary, summary

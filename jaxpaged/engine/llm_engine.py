@@ -335,11 +335,11 @@ class LLMEngine:
 
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             if self.mm is None:
-                raise text_only_refusal("multi_modal_data", self.loaded.model)
+                raise text_only_refusal("multi_modal_data", self.loaded.model, getattr(self.runner, "images_off", None))
             return self.mm.prompt(prompt)
         if isinstance(prompt, ChatPrompt) and has_image_parts(prompt.messages):
             if self.mm is None:
-                raise text_only_refusal("messages", self.loaded.model)
+                raise text_only_refusal("messages", self.loaded.model, getattr(self.runner, "images_off", None))
             if prompt.continue_final_message:
                 raise ValueError("continue_final_message is not supported for conversations with images")
             return self.mm.chat(prompt)

@@ -47,7 +47,9 @@ def prompt_images(prompt: dict) -> tuple[list, list]:
     return (list(images) if isinstance(images, (list, tuple)) else [images]), videos
 
 
-def text_only_refusal(what: str, model=None) -> ValueError:
+def text_only_refusal(what: str, model=None, images_off: str | None = None) -> ValueError:
+    if images_off:  # its processor could not be built (multimodal/runner.py)
+        return ValueError(f"{what}: this engine runs the model on text only: {images_off}")
     if getattr(model, "vision_spec", None) is not None:  # a vision-language model on a runner without images
         return ValueError(f"{what}: this engine runs the model on text only (images need one process and "
                           "pipeline_parallel_size 1)")

@@ -22,6 +22,10 @@ from jaxpaged.multimodal.media import MediaLoader
 logger = logging.getLogger("jaxpaged.multimodal")
 
 
+class ProcessorUnavailable(ValueError):
+    """The model's processor cannot be built here (no processor files, or a part that needs a missing package)."""
+
+
 def load_processor(folder: str | Path, images_only=None):
     """The model's processor (images only), from its folder; images_only(cls): the family's processor class with its
     video part left out, for when AutoProcessor cannot build it."""
@@ -46,7 +50,7 @@ def load_processor(folder: str | Path, images_only=None):
         logger.info("processor %s loaded for images only (%s): %s", name, type(processor.image_processor).__name__, first)
         return processor
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"could not load the image processor in {folder}: {first}; then: {exc}") from exc
+        raise ProcessorUnavailable(f"could not load the image processor in {folder}: {first}; then: {exc}") from exc
 
 
 IMAGE_KINDS = ("image_url", "image", "image_pil")  # OpenAI's content part, vLLM's two
@@ -195,7 +199,8 @@ class MultimodalProcessor:
         loaded = [self.loader.load(image, what=f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
         video_args = self._videos(videos, video_whats or [f"multi_modal_data.video[{i}]" for i in range(len(videos))])
         try:
-            out = self.processor(text=text, images=loaded or None, return_tensors="np", **{**settings, **video_args})
+            out = self.processor(text=text, images=loaded or None, return_tensors=self.adapter.RETURN_TENSORS,
+                                 **{**settings, **video_args})  # fmt: skip
         except ValueError as exc:
             what = "the processor refused the prompt, its images or mm_processor_kwargs" if settings else "the prompt and its images do not match"
             raise ValueError(f"{what}: {exc}") from None
@@ -224,7 +229,7 @@ class MultimodalProcessor:
         try:
             out = self.processor.apply_chat_template(
                 converted, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,
-                return_tensors="np", **extra,
+                return_tensors=self.adapter.RETURN_TENSORS, **extra,
             )  # fmt: skip
         except ValueError:
             raise
@@ -233,6 +238,7 @@ class MultimodalProcessor:
         return self._inputs(dict(out))
 
     def _inputs(self, out: dict) -> tuple[list[int], MultimodalInputs]:
+        out = {k: _numpy(v) for k, v in out.items()}
         ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1)]
         items = self.adapter.items(out, ids) if "pixel_values" in out or "pixel_values_videos" in out else []
         for i, item in enumerate(items):
@@ -243,3 +249,10 @@ class MultimodalProcessor:
         if self.spec.mrope:
             mm.mrope_positions, mm.mrope_delta = self.adapter.mrope_positions(ids, items)
         return ids, mm
+
+
+def _numpy(value):
+    """A processor's output as numpy: a torch tensor (ImageAdapter.RETURN_TENSORS "pt") too, bfloat16 as float32."""
+    if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
+        return (value.float() if value.is_floating_point() else value).cpu().numpy()
+    return value

@@ -67,8 +67,14 @@ def encoder_runner(runner: ModelRunner, loaded: LoadedModel, config: EngineConfi
     if distributed.is_multiprocess():
         logger.warning("images are not supported in a multi-process group: %s runs on text only", loaded.config.architecture)
         return None
-    parts = vision_parts(loaded, config.mm_processor_kwargs)
-    spec, adapter = parts
+    from jaxpaged.multimodal.processing import ProcessorUnavailable
+
+    try:
+        spec, adapter = vision_parts(loaded, config.mm_processor_kwargs)
+    except ProcessorUnavailable as exc:  # the language model still serves text; an image request is told why not
+        logger.warning("images are off, %s runs on text only: %s", loaded.config.architecture, exc)
+        runner.images_off = str(exc)
+        return None
     patches, rows = encoder_sizes(config, adapter)
     return EncoderRunner(runner, spec, adapter, patches, rows)
 

@@ -206,6 +206,7 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
             self._samplers = self._sampler_plans({"out_shardings": (replicated, replicated)})
         from jaxpaged.multimodal.runner import encoder_runner
 
+        self.images_off: str | None = None  # why a vision-language model runs on text only (encoder_runner)
         self.mm = encoder_runner(self, loaded, self.config)  # its cache before the pool, sized from what is left
         self.num_blocks = self._pool_size(param_bytes(self.state))
         cfg = self.model_config

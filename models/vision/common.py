@@ -110,6 +110,8 @@ class ImageAdapter:
     # shape to the processor); a family adds the size settings its adapter follows
     SETTINGS: tuple[str, ...] = ("do_convert_rgb", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
                                  "image_std")  # fmt: skip
+    # what the processor is asked to return: "pt" where it makes tensors numpy cannot hold (Llama 4's bfloat16 pixels)
+    RETURN_TENSORS = "np"
     # how the video processor samples a video's frames (a family that reads videos): they change how many frames
     # are encoded, not what one frame's encoder input is
     VIDEO_SETTINGS: tuple[str, ...] = ("fps", "num_frames", "do_sample_frames", "min_frames", "max_frames")

@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import base64
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests import REPO
+from tests.vlm_harness import rerun_with_torchvision
 
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 needs_torchvision = pytest.mark.skipif(not HAS_TORCHVISION, reason="runs in the subprocess the first test starts")
@@ -40,15 +36,7 @@ META = {"fps": 4.0, "total_num_frames": 8}
 def test_in_a_subprocess_with_torchvision():
     if HAS_TORCHVISION:
         pytest.skip("torchvision is here: the tests below run in this process")
-    folder = os.environ.get("JAXPAGED_TEST_TORCHVISION")
-    if not folder:
-        pytest.skip("JAXPAGED_TEST_TORCHVISION names a folder holding torchvision (pip install --no-deps --target); .ci/run sets it")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-                          check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert "4 passed" in summary and "1 skipped" in summary, summary
+    rerun_with_torchvision(__file__, passed=4, skipped=1)
 
 
 @pytest.fixture(scope="module")
