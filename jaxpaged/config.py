@@ -292,12 +292,12 @@ class EngineConfig:
         if self.speculative_config is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config needs pipeline_parallel_size 1")
         method = self.speculative_config.method if self.speculative_config is not None else None
-        if method in ("draft_model", "mtp") and (self.tensor_parallel_size > 1 or distributed.is_multiprocess()):
+        if method in ("draft_model", "mtp", "eagle3") and (self.tensor_parallel_size > 1 or distributed.is_multiprocess()):
             # its runner would split (and replay to followers) as the target's does: not built or tested yet
             raise ValueError(f"speculative_config.method {method!r} needs tensor_parallel_size 1 and one process")
-        if method == "mtp" and (self.enable_lora or self.data_parallel_size > 1):
-            raise ValueError("speculative_config.method 'mtp' needs enable_lora off and data_parallel_size 1 (its layer "
-                             "reads the target's steps as one runner lays them out)")
+        if method in ("mtp", "eagle3") and (self.enable_lora or self.data_parallel_size > 1):
+            raise ValueError(f"speculative_config.method {method!r} needs enable_lora off and data_parallel_size 1 (its "
+                             "layer reads the target's steps as one runner lays them out)")  # fmt: skip
         if self.profiler_dir is not None and (not isinstance(self.profiler_dir, (str, os.PathLike)) or not str(self.profiler_dir)):
             raise ValueError(f"profiler_dir must be a folder path (got {self.profiler_dir!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

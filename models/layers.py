@@ -474,6 +474,20 @@ class CausalLM(nnx.Module):
         x, new_kv = self.run_layers(x, positions, kv_cache, attn_metadata, self.layers)
         return self.final(x), new_kv
 
+    def forward_with_aux(self, input_ids, positions, kv_cache, attn_metadata: AttentionMetadata, aux_layers):
+        """forward, and the residual stream entering each layer of `aux_layers` (0: the embedding) concatenated
+        [T, len * D]: an EAGLE-3 head's input (spec_decode/eagle3.py). The layers run in the segments between them,
+        through run_layers as forward runs them."""
+        x = self.embed(input_ids, positions)
+        kept, new_kv, start = {}, [], 0
+        for end in sorted(set(aux_layers)) + [len(self.layers)]:
+            if end > start:
+                x, kv = self.run_layers(x, positions, kv_cache, attn_metadata, self.layers[start:end])
+                new_kv.append(kv)
+            kept[end], start = x, end
+        aux = jnp.concatenate([kept[i] for i in aux_layers], axis=-1)
+        return self.final(x), jnp.concatenate(new_kv, axis=1), aux
+
     def run_layers(self, x, positions, kv_cache, attn_metadata: AttentionMetadata, layers):
         """x [T, D] through `layers` (all of them, or a pipeline stage's) -> (x, their new K/V [T, len(layers), 2, H_kv, D])."""
         cfg = self.config

@@ -164,13 +164,14 @@ class LLMEngine:
                 draft = DraftModelProposer.load(config, spec_config, self.loaded, self.max_model_len, platform, devices=devices,
                                                 executable_dir=executables)  # fmt: skip
         runner = PipelineRunner if config.pipeline_parallel_size > 1 else ModelRunner
-        mtp = spec_config is not None and spec_config.method == "mtp"
+        mtp = spec_config is not None and spec_config.method in ("mtp", "eagle3")
         extra = {}
-        if mtp:  # the checkpoint's MTP layer: placed first, its cache counted where the pool is sized (spec_decode/mtp.py)
+        if mtp:  # the MTP layer or EAGLE-3 head: placed first, its cache counted where the pool is sized (spec_decode/mtp.py)
             from jaxpaged.spec_decode.mtp import MtpProposer
 
             mtp_weights = MtpProposer.load(self.loaded, config, spec_config, platform, (devices or jax.devices())[0])
-            extra = {"keep_hidden": True, "mirrored_kv": MtpProposer.mirrored_kv(config, spec_config)}
+            extra = {"keep_hidden": True, "aux_layers": mtp_weights.aux_layers,
+                     "mirrored_kv": MtpProposer.mirrored_kv(config, spec_config)}  # fmt: skip
         self.runner = runner(
             self.loaded, config, self.max_model_len, eos_token_ids=self.eos_token_ids, executable_dir=executables,
             devices=devices, pooling=self.pooler is not None, **extra,

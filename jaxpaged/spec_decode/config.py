@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxpaged.utils.json_option import json_object
 
-METHODS = ("ngram", "draft_model", "mtp")
+METHODS = ("ngram", "draft_model", "mtp", "eagle3")
 # vLLM's older names for "mtp" (it maps them the same way)
 MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "ernie_mtp", "mimo_mtp")
 # batch 1 gains, batch 64 forced on loses 0.31 on free text (docs/speculative_decoding.md); 8 is between, not tuned
@@ -20,7 +20,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: the draft's folder or id
+    model: str | None = None  # draft_model: the draft's folder or id; eagle3: the head's folder
     # speculation is off for a step with at least this many running sequences (vLLM's disable_by_batch_size)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
@@ -48,7 +48,7 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")  # fmt: skip
-        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
-            raise ValueError("speculative_config.model is required for method 'draft_model' (the draft's folder or id)")
+        if self.method in ("draft_model", "eagle3") and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config.model is required for method {self.method!r} (the draft's folder or id)")
         if self.model is not None and self.method in ("ngram", "mtp"):
             raise ValueError(f"speculative_config.model is for method 'draft_model'; {self.method} needs no model")

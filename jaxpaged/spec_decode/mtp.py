@@ -1,5 +1,6 @@
 """The `mtp` proposer: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3/R1, GLM-4.5, Qwen3-Next
-and Qwen3.5), as vLLM runs it.
+and Qwen3.5), as vLLM runs it; and the `eagle3` proposer, an EAGLE-3 head (spec_decode/eagle3.py) run the same way, its
+input the streams entering three of the target's layers instead of the final hidden state.
 
 The MTP layer (spec_decode/mtp_layers.py) at position t takes the target's final hidden state h_t (after its final
 norm: vLLM hands its drafts the model's output) and the embedding of token t+1, runs its decoder layer (the target's
@@ -23,6 +24,7 @@ the layer proposes; the layer's cache entries only ever affect how often guesses
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -78,6 +80,18 @@ def _proposing_rows(config, spec) -> int:
     return max(1, min(config.max_num_seqs, spec.disable_by_batch_size - 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftLayer:
+    """A drafting layer placed on the device: its graph and weights, and the shapes its cache and inputs take."""
+
+    graphdef: object
+    state: object
+    kv_dims: tuple[int, int]  # (KV heads, head dim) of its one-layer cache
+    hidden_size: int  # what a guess chains from
+    input_width: int  # what the target's step hands it: the final hidden state (mtp) or three streams (eagle3)
+    aux_layers: tuple[int, ...] = ()  # eagle3: the target layers whose input streams it reads
+
+
 def _scratch_per_row(config, spec) -> int:
     """Blocks a chained guess may need past a sequence's allocation: k positions on, and the block it starts in."""
     return -(-spec.num_speculative_tokens // config.block_size) + 1
@@ -87,17 +101,27 @@ class MtpProposer:
     """Runs the MTP layer beside a ModelRunner (runner.mtp): a shadow step after each target step, and propose()."""
 
     @staticmethod
-    def load(loaded: LoadedModel, config, spec, platform, device) -> tuple:
-        """The checkpoint's MTP layer laid out for the platform and placed on `device`: before the target's runner,
-        whose KV pool is then sized from the memory left (-> (graphdef, state))."""
+    def load(loaded: LoadedModel, config, spec, platform, device) -> DraftLayer:
+        """The checkpoint's MTP layer (spec.method "mtp") or the EAGLE-3 head in spec.model ("eagle3") laid out for
+        the platform and placed on `device`: before the target's runner, whose KV pool is then sized from the memory
+        left."""
         if spec.num_speculative_tokens >= config.max_num_seqs:
             raise ValueError(f"speculative_config.num_speculative_tokens ({spec.num_speculative_tokens}) must be below "
                              f"max_num_seqs ({config.max_num_seqs}): a verifying row samples 1 + k rows of a step")  # fmt: skip
-        layer = load_mtp_layer(loaded, attention_backend(loaded.model))
+        if spec.method == "eagle3":
+            from jaxpaged.spec_decode.eagle3 import load_eagle3_head
+
+            head = load_eagle3_head(spec.model, loaded, attention_backend(loaded.model))
+            layer, aux = head.layer, head.aux_layers
+            dims, hidden, width = layer.kv_dims, layer.hidden_size, layer.aux_width
+        else:
+            layer, aux = load_mtp_layer(loaded, attention_backend(loaded.model)), ()
+            cfg = loaded.config
+            dims, hidden, width = (cfg.num_kv_heads, cfg.head_dim), cfg.hidden_size, cfg.hidden_size
         platform.prepare_model(layer, config.matmul_backend, dtype=DTYPES[loaded.dtype], tensor_parallel_size=1,
                                moe_kernel=config.moe_kernel)  # fmt: skip
         graphdef, state = nnx.split(layer)
-        return graphdef, jax.device_put(state, device)
+        return DraftLayer(graphdef, jax.device_put(state, device), dims, hidden, width, aux)
 
     @staticmethod
     def mirrored_kv(config, spec) -> tuple[int, int]:
@@ -106,8 +130,10 @@ class MtpProposer:
         the pool)."""
         return 1, _proposing_rows(config, spec) * _scratch_per_row(config, spec)
 
-    def __init__(self, weights: tuple, runner, config, spec, source: str = ""):
-        self.graphdef, self.state = weights
+    def __init__(self, weights: DraftLayer, runner, config, spec, source: str = ""):
+        self.graphdef, self.state = weights.graphdef, weights.state
+        self.hidden_size, self.input_width = weights.hidden_size, weights.input_width
+        self.what = "EAGLE-3 head" if spec.method == "eagle3" else "MTP layer"
         self.runner = runner
         self.k = spec.num_speculative_tokens
         self.block_size = config.block_size
@@ -115,9 +141,8 @@ class MtpProposer:
         self.rows = _proposing_rows(config, spec)  # sequences proposing at once
         self.scratch_per_row = _scratch_per_row(config, spec)
         self.scratch0 = runner.num_blocks
-        cfg = runner.model_config
         num_blocks = runner.num_blocks + self.rows * self.scratch_per_row
-        shape = kv_cache_shape(1, cfg.num_kv_heads, num_blocks, self.block_size, cfg.head_dim)
+        shape = kv_cache_shape(1, weights.kv_dims[0], num_blocks, self.block_size, weights.kv_dims[1])
         self.cache, self._write, self._copy = kv_pool(shape, runner.kv_cache_dtype, runner.platform.kv_storage_dtype(runner.dtype),
                                                       None, runner.device)  # fmt: skip
         self.cache = jax.device_put(self.cache, runner.device)  # committed, as it is once a step has written it
@@ -131,18 +156,18 @@ class MtpProposer:
         self.may_skip = spec.disable_by_batch_size <= config.max_num_seqs  # (else always wanted: not compiled)
         self.num_kv_only = 0  # shadow steps that wrote K/V only
         self._gather = jax.jit(_gather)
-        d = cfg.hidden_size
+        d = self.hidden_size
         self._zeros = (jax.device_put(np.zeros(self.width, np.int32), runner.device),
                        jax.device_put(np.zeros((self.width, d), runner.dtype), runner.device))  # fmt: skip
         self.records: dict[str, tuple] = {}  # seq_id -> ((guesses, hidden) on the device, first row, its position, rows)
-        logger.info("MTP layer of %s: its KV cache %d blocks (%d scratch)", source, num_blocks, num_blocks - runner.num_blocks)
+        logger.info("%s of %s: its KV cache %d blocks (%d scratch)", self.what, source, num_blocks, num_blocks - runner.num_blocks)
 
     # -- the device functions ------------------------------------------------------------------
 
     def _run(self, target_state, state, cache, ids, hidden, positions, attn):
         target = nnx.merge(self.runner.graphdef, target_state)
         layer = nnx.merge(self.graphdef, state)
-        return target, layer, *layer(target.embed_tokens(ids), hidden, positions, cache, attn)
+        return target, layer, *layer(layer.embed(ids, target), hidden, positions, cache, attn)
 
     def _padded(self, tokens, hidden):
         s = tokens.shape[0]
@@ -154,17 +179,17 @@ class MtpProposer:
         ids = jnp.where(take >= 0, sampled[jnp.maximum(take, 0)], next_ids)
         target, layer, out, new_kv = self._run(target_state, state, cache, ids, hidden, positions, attn)
         rows = out[logit_rows]
-        return *self._padded(jnp.argmax(layer.logits(rows, target), axis=-1), rows), new_kv
+        return *self._padded(layer.greedy(rows, target), rows), new_kv
 
     def _shadow_kv_impl(self, target_state, state, cache, hidden, sampled, next_ids, take, positions, attn):
         ids = jnp.where(take >= 0, sampled[jnp.maximum(take, 0)], next_ids)
         target, layer = nnx.merge(self.runner.graphdef, target_state), nnx.merge(self.graphdef, state)
-        return layer.new_kv(target.embed_tokens(ids), hidden, positions, cache, attn)
+        return layer.new_kv(layer.embed(ids, target), hidden, positions, cache, attn)
 
     def _chain_impl(self, target_state, state, cache, tokens, hidden, positions, attn):
         r = positions.shape[0]
         target, layer, out, new_kv = self._run(target_state, state, cache, tokens[:r], hidden[:r], positions, attn)
-        return *self._padded(jnp.argmax(layer.logits(out, target), axis=-1), out), new_kv
+        return *self._padded(layer.greedy(out, target), out), new_kv
 
     # -- after each target step ----------------------------------------------------------------
 
@@ -272,7 +297,7 @@ class MtpProposer:
         import time
 
         t0 = time.perf_counter()
-        runner, d = self.runner, self.runner.model_config.hidden_size
+        runner, d = self.runner, self.input_width
         for t in runner.buckets:
             step = runner.input_batch.blank(t)
             hidden = jax.device_put(np.zeros((t, d), runner.dtype), runner.device)

@@ -132,6 +132,12 @@ class MtpLayer(nnx.Module):
             x, kv = self.mtp_block(x, rope, kv_cache, attn_metadata)
         return (self.final_norm(x) if self.layout.chain_normed else x), stack_new_kv([kv])
 
+    def embed(self, ids, target) -> jax.Array:
+        return target.embed_tokens(ids)  # (the checkpoints' own copies of it are the target's: OWN_EMBEDDING)
+
+    def greedy(self, x, target) -> jax.Array:
+        return jnp.argmax(self.logits(x, target), axis=-1)
+
     def logits(self, x, target) -> jax.Array:
         h = x if self.layout.chain_normed else self.final_norm(x)
         return self.head(h).astype(jnp.float32) if self.head is not None else target.compute_logits(h)

@@ -78,11 +78,13 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
                  executable_dir=None, devices: Sequence[jax.Device] | None = None, pooling: bool = False,
-                 keep_hidden: bool = False, mirrored_kv: tuple[int, int] = (0, 0)):  # fmt: skip
+                 keep_hidden: bool = False, mirrored_kv: tuple[int, int] = (0, 0), aux_layers: tuple[int, ...] = ()):  # fmt: skip
         self.config = config
         # speculative method "mtp": each step keeps its final hidden states for the MTP layer's shadow step (self.mtp,
         # spec_decode/mtp.py); other engines' forwards are unchanged
         self.keep_hidden = keep_hidden
+        # speculative method "eagle3": what it keeps is the residual stream entering these layers, concatenated
+        self.aux_layers = tuple(aux_layers)
         # (KV layers kept apart on the pool's block ids, their extra blocks): the MTP layer's cache, counted where
         # the pool is sized (worker/kv_memory.py)
         self.mirrored_kv = mirrored_kv
@@ -269,7 +271,7 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         stored = self._executable_dir if self.single_device else None
         # the forward's outputs differ where prompt logprobs are computed apart: part of every stored step's key
         return ExecutableCache(stored, salt=f"{self.graphdef!r} prompt_apart={self._prompt_apart} pooling={self.pooling}"
-                               + (" keep_hidden" if self.keep_hidden else ""), device=self.device)
+                               + (f" keep_hidden{self.aux_layers}" if self.keep_hidden else ""), device=self.device)
 
     def _sampler_plans(self, jit_kwargs: dict) -> SamplerPlans:
         static = not self.platform.device_conditionals
@@ -300,15 +302,20 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
         input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
         model = nnx.merge(self.graphdef, state)
         with self._lora_active(lora_weights, lora_slots):
-            hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata, **inputs)
+            if self.aux_layers:
+                hidden, new_kv, kept = model.forward_with_aux(input_ids, positions, kv_cache, attn_metadata, self.aux_layers)
+            else:
+                hidden, new_kv = model.forward(input_ids, positions, kv_cache, attn_metadata, **inputs)
+                kept = hidden
         if self.pooling:  # prompt_next_ids holds pool_rows (_forward_args); the token tasks read `hidden` whole
             pooled = pooled_sums(hidden, prompt_next_ids, logit_rows.shape[0])
             return model.compute_logits(hidden[logit_rows]), (pooled, hidden), new_kv, attn_metadata.slot_mapping
         if self._prompt_apart:  # the final hidden states in the prompt's place: _prompt_impl reads them if asked
-            return model.compute_logits(hidden[logit_rows]), hidden, new_kv, attn_metadata.slot_mapping
+            second = (hidden, kept) if self.keep_hidden else hidden
+            return model.compute_logits(hidden[logit_rows]), second, new_kv, attn_metadata.slot_mapping
         logits, prompt = logits_and_prompt(model, hidden, logit_rows, prompt_next_ids)
-        if self.keep_hidden:  # the MTP layer's input beside the prompt logprobs
-            prompt = (prompt, hidden)
+        if self.keep_hidden:  # the drafting layer's input beside the prompt logprobs
+            prompt = (prompt, kept)
         return logits, prompt, new_kv, attn_metadata.slot_mapping
 
     def _prompt_impl(self, state, hidden, prompt_next_ids):
@@ -502,9 +509,8 @@ class ModelRunner(BucketCompiles, KVMemory, LoRASlots):
                 self.sample(dispatched, step.sampling)
             return dispatched
         hidden = None
-        if self.keep_hidden:  # the final hidden states: the second output itself where prompt logprobs are apart
-            hidden = prompt if self._prompt_apart else prompt[1]
-            prompt = prompt if self._prompt_apart else prompt[0]
+        if self.keep_hidden:  # the drafting layer's input beside the prompt logprobs (or the hidden states they need)
+            prompt, hidden = prompt
         want_prompt = step.prompt_next_ids is not None and bool((step.prompt_next_ids >= 0).any())
         if want_prompt and self._prompt_apart:  # `prompt` holds the step's hidden states
             args = (self.state, prompt, self._put(step.prompt_next_ids))
