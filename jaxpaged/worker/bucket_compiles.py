@@ -165,8 +165,10 @@ class BucketCompiles:
                     write = self.executables.compile("write", self._write, (args[1], *forward.out_info[2:4]), store_now=False)
                     ready = {("forward", t): forward, ("write", t): write}
                 if self._prompt_apart and ("prompt", t) not in self._compiled:
-                    next_ids = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=forward.out_info[1].sharding)
-                    ready["prompt", t] = self.executables.compile("prompt", self._prompt, (args[0], forward.out_info[1], next_ids),
+                    hidden = forward.out_info[1]
+                    hidden = hidden[0] if isinstance(hidden, tuple) else hidden  # (with what a drafting layer keeps)
+                    next_ids = jax.ShapeDtypeStruct((t,), jnp.int32, sharding=hidden.sharding)
+                    ready["prompt", t] = self.executables.compile("prompt", self._prompt, (args[0], hidden, next_ids),
                                                                   store_now=False)  # fmt: skip
                 for plan in plans if with_sampler else ():
                     name = sampler_name(plan)

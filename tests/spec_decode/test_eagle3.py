@@ -191,6 +191,30 @@ def test_greedy_unchanged_through_batches_chunks_and_preemption(target, tmp_path
     assert_clean(llm)
 
 
+def test_the_gpu_path_keeps_the_streams_beside_the_prompts_hidden_states(target, tmp_path, monkeypatch):
+    """As on a GPU (prompt logprobs their own executable, the forward's second output the final hidden states beside
+    the kept streams): the tokens and prompt logprobs of the CPU's path, guesses made."""
+    from jaxpaged.platforms.cpu.platform import ComputedOnce, CpuPlatform
+
+    folder, _ = target
+    write_head(tmp_path / "head", head_tensors())
+    spec = eagle3_spec(tmp_path / "head", 2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(VOCAB, [9, 23], seed=6)]
+    want = LLM(str(folder), speculative_config=spec, **ENGINE).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(CpuPlatform, "device_conditionals", False)
+    monkeypatch.setattr(ComputedOnce, "__call__", lambda self, compute, operand: compute())
+    llm = LLM(str(folder), speculative_config=spec, cache_dir=str(tmp_path / "cache"), **ENGINE)
+    assert llm.engine.runner._prompt_apart
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose([next(iter(d.values())).logprob for d in a.prompt_logprobs[1:]],
+                                   [next(iter(d.values())).logprob for d in b.prompt_logprobs[1:]], atol=1e-5)  # fmt: skip
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert_clean(llm)
+
+
 def test_a_head_that_knows_the_token_after_next_is_always_accepted(tmp_path):
     """The target walks a cycle (every layer's output zero: each stream is the token's embedding e_x); the head reads
     the first stream through fc = [I, 0, 0], adds nothing (o_proj, down_proj zero) and its head maps rms(e_x) to the
