@@ -24,7 +24,7 @@ from jaxpaged.models.layers import REFERENCE_ATTENTION, LayerNorm, Linear, _para
 from jaxpaged.models.vision.common import (
     EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, dense_attention, merge_embeddings, placeholder_ids,
 )  # fmt: skip
-from jaxpaged.models.vision.siglip import patchify
+from jaxpaged.models.vision.siglip import patchify, vit_layer_specs
 from jaxpaged.models.weights import WeightSpec, linear_specs, norm_specs
 from jaxpaged.pallas_kernels import AttentionBackend
 
@@ -166,13 +166,8 @@ class Llama4VisionModel(nnx.Module):
         for fc in ("fc1", "fc2"):
             specs |= linear_specs(f"{hf}.vision_adapter.mlp.{fc}", f"{ours}.vision_adapter.mlp.{fc}", bias=False)
         for i in range(cfg.num_layers):
-            h, o = f"{hf}.model.layers.{i}", f"{ours}.model.layers.{i}"
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                specs |= norm_specs(f"{h}.{norm}", f"{o}.{norm}")
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                specs |= linear_specs(f"{h}.self_attn.{proj}", f"{o}.self_attn.{proj}", bias=True)
-            for fc in ("fc1", "fc2"):
-                specs |= linear_specs(f"{h}.mlp.{fc}", f"{o}.mlp.{fc}", bias=True)
+            specs |= vit_layer_specs(f"{hf}.model.layers.{i}", f"{ours}.model.layers.{i}",
+                                     ("input_layernorm", "post_attention_layernorm"), "o_proj")  # fmt: skip
         return specs
 
 

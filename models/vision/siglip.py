@@ -175,11 +175,18 @@ class VisionTransformer(nnx.Module):
         if cfg.post_layernorm:
             specs |= norm_specs(f"{hf}.post_layernorm", f"{ours}.post_layernorm")
         for i in range(cfg.num_layers if num_layers_used is None else num_layers_used):
-            h, o = f"{hf}.encoder.layers.{i}", f"{ours}.encoder.layers.{i}"
-            for norm in ("layer_norm1", "layer_norm2"):
-                specs |= norm_specs(f"{h}.{norm}", f"{o}.{norm}")
-            for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                specs |= linear_specs(f"{h}.self_attn.{proj}", f"{o}.self_attn.{proj}", bias=True)
-            for fc in ("fc1", "fc2"):
-                specs |= linear_specs(f"{h}.mlp.{fc}", f"{o}.mlp.{fc}", bias=True)
+            specs |= vit_layer_specs(f"{hf}.encoder.layers.{i}", f"{ours}.encoder.layers.{i}")
         return specs
+
+
+def vit_layer_specs(hf: str, ours: str, norms: tuple[str, str] = ("layer_norm1", "layer_norm2"),
+                    out: str = "out_proj") -> dict[str, WeightSpec]:  # fmt: skip
+    """A pre-norm ViT layer's tensors under the same names: two LayerNorms, biased q/k/v/out projections, fc1/fc2."""
+    specs = {}
+    for norm in norms:
+        specs |= norm_specs(f"{hf}.{norm}", f"{ours}.{norm}")
+    for proj in ("q_proj", "k_proj", "v_proj", out):
+        specs |= linear_specs(f"{hf}.self_attn.{proj}", f"{ours}.self_attn.{proj}", bias=True)
+    for fc in ("fc1", "fc2"):
+        specs |= linear_specs(f"{hf}.mlp.{fc}", f"{ours}.mlp.{fc}", bias=True)
+    return specs
