@@ -131,6 +131,11 @@ class MtpProposer:
         return 1, _proposing_rows(config, spec) * _scratch_per_row(config, spec)
 
     def __init__(self, weights: DraftLayer, runner, config, spec, source: str = ""):
+        if runner.kv_groups is not None:  # its cache mirrors one table a sequence; groups give a window's layers their own
+            raise ValueError(f"speculative_config.method {spec.method!r}: {runner.model_config.architecture} keeps its "
+                             "windowed layers' KV in cache groups of their own, which the drafting layer's cache cannot "
+                             "mirror yet; start with disable_hybrid_kv_cache_manager=True (one table, every layer's "
+                             "whole history)")  # fmt: skip
         self.graphdef, self.state = weights.graphdef, weights.state
         self.hidden_size, self.input_width = weights.hidden_size, weights.input_width
         self.what = "EAGLE-3 head" if spec.method == "eagle3" else "MTP layer"

@@ -191,6 +191,33 @@ def test_greedy_unchanged_through_batches_chunks_and_preemption(target, tmp_path
     assert_clean(llm)
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3"])
+def test_greedy_unchanged_beside_other_targets(family, tmp_path):
+    """GPT-OSS (sliding and full layers, sinks, MoE; 4 layers: default ids (2, 2, 1), one stream twice) and Qwen3
+    (q/k norms): the streams come through their own layers' segments. GPT-OSS's windowed layers' KV cache groups are
+    refused with eagle3 (the head's cache mirrors one table), and served with disable_hybrid_kv_cache_manager."""
+    if family == "gpt_oss":
+        from tests.models.test_gpt_oss import CONFIG
+
+        config = transformers.GptOssConfig(**{**CONFIG, "num_hidden_layers": 4})
+    else:
+        config = transformers.Qwen3Config(**{**TARGET, "num_hidden_layers": 4})
+    hf = random_hf_model(config, std=0.1)
+    hf.save_pretrained(tmp_path / "target")
+    write_head(tmp_path / "head", head_tensors())
+    prompts = random_prompts(VOCAB, [5, 21, 34], seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    hf.generation_config.eos_token_id = None
+    spec = eagle3_spec(tmp_path / "head", 2)
+    if family == "gpt_oss":  # its windowed layers' KV cache groups: refused, saying how to start instead
+        with pytest.raises(ValueError, match="'eagle3'.*cache groups.*disable_hybrid_kv_cache_manager=True"):
+            LLM(str(tmp_path / "target"), speculative_config=spec, **ENGINE)
+    llm = LLM(str(tmp_path / "target"), speculative_config=spec, disable_hybrid_kv_cache_manager=True, **ENGINE)
+    assert generate_tokens(llm, prompts, [params] * 3) == [[hf_greedy(hf, p, 14)] for p in prompts]
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert_clean(llm)
+
+
 def test_the_gpu_path_keeps_the_streams_beside_the_prompts_hidden_states(target, tmp_path, monkeypatch):
     """As on a GPU (prompt logprobs their own executable, the forward's second output the final hidden states beside
     the kept streams): the tokens and prompt logprobs of the CPU's path, guesses made."""
