@@ -131,11 +131,12 @@ class MtpProposer:
         return 1, _proposing_rows(config, spec) * _scratch_per_row(config, spec)
 
     def __init__(self, weights: DraftLayer, runner, config, spec, source: str = ""):
-        if runner.kv_groups is not None:  # its cache mirrors one table a sequence; groups give a window's layers their own
-            raise ValueError(f"speculative_config.method {spec.method!r}: {runner.model_config.architecture} keeps its "
-                             "windowed layers' KV in cache groups of their own, which the drafting layer's cache cannot "
-                             "mirror yet; start with disable_hybrid_kv_cache_manager=True (one table, every layer's "
-                             "whole history)")  # fmt: skip
+        # a target with KV cache groups (windowed layers apart): the layer's cache mirrors a global group's tables
+        groups = runner.kv_groups
+        self.group = None if groups is None else next((g for g, w in enumerate(groups.windows) if w is None), None)
+        if groups is not None and self.group is None:
+            raise ValueError(f"speculative_config.method {spec.method!r}: every layer of {runner.model_config.architecture} "
+                             "is windowed, and the drafting layer attends to the whole history")  # fmt: skip
         self.graphdef, self.state = weights.graphdef, weights.state
         self.hidden_size, self.input_width = weights.hidden_size, weights.input_width
         self.what = "EAGLE-3 head" if spec.method == "eagle3" else "MTP layer"
@@ -206,7 +207,7 @@ class MtpProposer:
             self._copy_blocks(output.block_copies)
         t = step.input_ids.shape[0]
         next_ids, take, records = shadow_feed(output, t)
-        attn = step.attention
+        attn = self._global_view(step.attention)
         inputs = self._put((hidden, dispatched.sampled, next_ids, take, step.positions, attn))
         if self.may_skip and not self.guessing():
             new_kv = self._shadow_kv(self.runner.state, self.state, self.cache, *inputs)
@@ -218,6 +219,13 @@ class MtpProposer:
         self.cache = self._write(self.cache, new_kv, self._put(attn.slot_mapping))
         for seq_id, row, pos, n in records:
             self.records[seq_id] = ((tokens, rows_hidden), row, pos, n)
+
+    def _global_view(self, attn: AttentionMetadata) -> AttentionMetadata:
+        """A step's metadata as the layer reads it: with KV cache groups, a global group's slots and tables."""
+        if self.group is None:
+            return attn
+        return dataclasses.replace(attn, slot_mapping=attn.slot_mapping[self.group],
+                                   block_tables=attn.block_tables[self.group], layer_groups=None)  # fmt: skip
 
     def stats(self) -> dict:
         return {"spec_decode_mtp_kv_only_steps": self.num_kv_only}
@@ -286,7 +294,8 @@ class MtpProposer:
             if ks[i] <= j:
                 continue
             q = len(tokens[i]) - 2 + j
-            table = list(self.kv.block_table(seq_ids[i]))[: q // bs + 1]
+            table = self.kv.block_table(seq_ids[i])
+            table = list(table if self.group is None else table[self.group])[: q // bs + 1]
             scratch = self.scratch0 + r * self.scratch_per_row
             table += list(range(scratch, scratch + q // bs + 1 - len(table)))
             tables[r, : len(table)] = table
@@ -307,11 +316,11 @@ class MtpProposer:
             step = runner.input_batch.blank(t)
             hidden = jax.device_put(np.zeros((t, d), runner.dtype), runner.device)
             inputs = self._put((hidden, runner._no_sampled, np.zeros(t, np.int32), np.full(t, -1, np.int32),
-                                step.positions, step.attention))  # fmt: skip
+                                step.positions, self._global_view(step.attention)))  # fmt: skip
             if self.may_skip:
                 self._shadow_kv(runner.state, self.state, self.cache, *inputs)
             *_, new_kv = self._shadow(runner.state, self.state, self.cache, *inputs, self._put(step.logit_rows))
-            self.cache = self._write(self.cache, new_kv, self._put(step.attention.slot_mapping))
+            self.cache = self._write(self.cache, new_kv, self._put(self._global_view(step.attention).slot_mapping))
         acc = self._gather(*self._zeros, *self._zeros, self._put(np.full(self.width, -1, np.int32)))
         n = self.rows
         attn = AttentionMetadata(np.full(n, -1, np.int32), np.zeros((n, runner.table_width), np.int32),

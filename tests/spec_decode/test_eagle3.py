@@ -193,9 +193,9 @@ def test_greedy_unchanged_through_batches_chunks_and_preemption(target, tmp_path
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3"])
 def test_greedy_unchanged_beside_other_targets(family, tmp_path):
-    """GPT-OSS (sliding and full layers, sinks, MoE; 4 layers: default ids (2, 2, 1), one stream twice) and Qwen3
-    (q/k norms): the streams come through their own layers' segments. GPT-OSS's windowed layers' KV cache groups are
-    refused with eagle3 (the head's cache mirrors one table), and served with disable_hybrid_kv_cache_manager."""
+    """GPT-OSS (sliding and full layers in KV cache groups of their own, the head's cache on the global group's
+    tables; sinks, MoE; 4 layers: default ids (2, 2, 1), one stream twice) and Qwen3 (q/k norms): the streams come
+    through their own layers' segments."""
     if family == "gpt_oss":
         from tests.models.test_gpt_oss import CONFIG
 
@@ -208,14 +208,19 @@ def test_greedy_unchanged_beside_other_targets(family, tmp_path):
     prompts = random_prompts(VOCAB, [5, 21, 34], seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     hf.generation_config.eos_token_id = None
-    spec = eagle3_spec(tmp_path / "head", 2)
-    if family == "gpt_oss":  # its windowed layers' KV cache groups: refused, saying how to start instead
-        with pytest.raises(ValueError, match="'eagle3'.*cache groups.*disable_hybrid_kv_cache_manager=True"):
-            LLM(str(tmp_path / "target"), speculative_config=spec, **ENGINE)
-    llm = LLM(str(tmp_path / "target"), speculative_config=spec, disable_hybrid_kv_cache_manager=True, **ENGINE)
-    assert generate_tokens(llm, prompts, [params] * 3) == [[hf_greedy(hf, p, 14)] for p in prompts]
-    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
-    assert_clean(llm)
+    guesses = {}
+    for one_table in ((False, True) if family == "gpt_oss" else (False,)):
+        llm = LLM(str(tmp_path / "target"), speculative_config=eagle3_spec(tmp_path / "head", 2),
+                  disable_hybrid_kv_cache_manager=one_table, **ENGINE)  # fmt: skip
+        assert (llm.engine.runner.kv_groups is not None) == (family == "gpt_oss" and not one_table)
+        made, propose = guesses.setdefault(one_table, []), llm.engine.spec.proposer.propose
+        llm.engine.spec.proposer.propose = lambda *a: made.append(propose(*a)) or made[-1]
+        assert generate_tokens(llm, prompts, [params] * 3) == [[hf_greedy(hf, p, 14)] for p in prompts]
+        assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+        assert_clean(llm)
+    # the head's cache on the global group's tables reads what it reads on one table (prompts past the window: a
+    # windowed group's tables, whose blocks go back, would give other guesses)
+    assert len(guesses) == 1 or guesses[False] == guesses[True]
 
 
 def test_the_gpu_path_keeps_the_streams_beside_the_prompts_hidden_states(target, tmp_path, monkeypatch):
