@@ -1,6 +1,7 @@
 """Prompts given as embeddings (enable_prompt_embeds, vLLM's {"prompt_embeds": [T, hidden]}) on a tiny random Llama
 in float32: the same greedy tokens as the token prompt and as transformers' generate(inputs_embeds=...), mixed with
-token prompts, in 8-token chunks, under preemption; no compile after warm-up; every KV block back; the refusals."""
+token prompts, in 8-token chunks, under preemption, n = 3 seeded samples as the token prompt's, in bfloat16 too; no
+compile after warm-up; every KV block back; the refusals."""
 
 from __future__ import annotations
 
@@ -150,6 +151,30 @@ def test_conflicting_requests_are_refused(llm):
     ]:
         with pytest.raises(ValueError, match=name):
             llm.generate(prompt, params, use_tqdm=False)
+
+
+def test_n_samples_equal_the_token_prompts(llm, hf_model):
+    """n = 3 seeded samples of the table's embeddings: the token prompt's samples (the forks share the prompt's
+    embedding rows as they share its blocks), not all alike; beam search is refused, naming it."""
+    ids = random_prompts(256, [19], seed=8)[0]
+    embeds = _table(hf_model, ids)
+    sampled = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, n=3, seed=7)
+    by_ids, by_embeds = llm.generate([{"prompt_token_ids": ids}, {"prompt_embeds": embeds}], sampled, use_tqdm=False)
+    samples = [c.token_ids for c in by_ids.outputs]
+    assert [c.token_ids for c in by_embeds.outputs] == samples and len({tuple(x) for x in samples}) == 3
+    with pytest.raises(ValueError, match="use_beam_search"):
+        llm.generate({"prompt_embeds": embeds}, SamplingParams(use_beam_search=True, n=2, max_tokens=4), use_tqdm=False)
+    _all_blocks_back(llm)
+
+
+def test_bfloat16_embeddings_equal_the_token_prompt(model_dir, hf_model):
+    """In bfloat16 the given float32 rows are cast as the table is: the table's rows give the token prompt's tokens."""
+    llm = LLM(model_dir, enable_prompt_embeds=True, **{**ENGINE, "dtype": "bfloat16"})
+    prompts = random_prompts(256, [7, 26], seed=9)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts] + [{"prompt_embeds": _table(hf_model, p)} for p in prompts],
+                        _greedy(10), use_tqdm=False)  # fmt: skip
+    assert _tokens(outs[2:]) == _tokens(outs[:2])
+    _all_blocks_back(llm)
 
 
 def test_truncate_prompt_tokens_keeps_the_last_rows(llm, hf_model):
