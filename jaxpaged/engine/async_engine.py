@@ -2,7 +2,9 @@
 
 `LLMEngine.step()` is a blocking JAX call, so it never runs on the event loop. A dedicated thread
 owns the engine: every mutation (add, abort, step) happens there, fed by a command queue, so the
-engine needs no locks. Outputs go back to the loop with one `call_soon_threadsafe` per step.
+engine needs no locks. Outputs go back to the loop with one `call_soon_threadsafe` per step. What a request needs
+before it is added and that touches no engine state (tokenizing text and templating a conversation with a tokenizer
+copy, fetching and decoding media) is done in a worker thread first, so that the engine's thread keeps stepping.
 
 A request's outputs are cumulative (as vLLM's), so its stream keeps only the latest one: a slow
 reader skips intermediate outputs instead of queueing them, and memory stays bounded.
@@ -199,9 +201,9 @@ class AsyncLLMEngine:
         Raises ValueError (bad input, naming the parameter), QueueFullError or EngineDeadError.
         """
         loop = asyncio.get_running_loop()
-        if hasattr(self.engine, "load_media") and any(_names_media(prompt) for _, prompt, *_ in requests):
-            # files and URLs fetched and decoded here, in a worker thread: the engine's thread keeps stepping
-            requests = await loop.run_in_executor(None, self._load_media, list(requests))
+        if hasattr(self.engine, "render_prompt") and any(_to_prepare(prompt) for _, prompt, *_ in requests):
+            # media fetched and decoded, text templated and tokenized, here in a worker thread: the engine's keeps stepping
+            requests = await loop.run_in_executor(None, self._prepare, list(requests))
         event = event or asyncio.Event()
         streams = [RequestStream(str(rid), event) for rid, *_ in requests]
         done: asyncio.Future = loop.create_future()
@@ -214,8 +216,9 @@ class AsyncLLMEngine:
             raise
         return streams
 
-    def _load_media(self, requests: list[tuple]) -> list[tuple]:
-        return [(rid, self.engine.load_media(prompt), *rest) for rid, prompt, *rest in requests]
+    def _prepare(self, requests: list[tuple]) -> list[tuple]:
+        engine = self.engine
+        return [(rid, engine.render_prompt(engine.load_media(prompt)), *rest) for rid, prompt, *rest in requests]
 
     async def add_request(self, request_id: str, prompt: PromptType | ChatPrompt, params: SamplingParams,
                           lora_request: LoRARequest | None = None, priority: int = 0) -> RequestStream:  # fmt: skip
@@ -414,7 +417,7 @@ class AsyncLLMEngine:
             if self.max_waiting is not None and self.engine.num_waiting_requests() + len(requests) > self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
             for (rid, prompt, params, *extra), stream in zip(requests, streams):  # extra: a LoRARequest (or None), a priority
-                # renders a ChatPrompt here, on the engine thread
+                # (a conversation the worker thread left as it was, harmony's or with images, is rendered here)
                 self.engine.add_request(rid, prompt, params, **_optional_args(*extra))
                 added.append(rid)
                 stream.prompt_token_ids = self.engine.get_prompt_token_ids(rid)
@@ -495,13 +498,12 @@ class AsyncLLMEngine:
             logger.debug("no stats after the loop died", exc_info=True)
 
 
-def _names_media(prompt) -> bool:
-    """Whether a prompt holds images or videos, which may name files to fetch and decode."""
-    from jaxpaged.multimodal.engine import has_image_parts
-
+def _to_prepare(prompt) -> bool:
+    """Whether a prompt has work the engine's thread need not do: text to tokenize, a conversation to template,
+    images or videos (files to fetch and decode). Token ids and embeddings have none."""
     if isinstance(prompt, dict):
-        return bool(prompt.get("multi_modal_data"))
-    return isinstance(prompt, ChatPrompt) and has_image_parts(prompt.messages)
+        return bool(prompt.get("multi_modal_data")) or prompt.keys() == {"prompt"}
+    return isinstance(prompt, (str, ChatPrompt))
 
 
 def _optional_args(lora_request=None, priority=0) -> dict:

@@ -100,6 +100,9 @@ class DataParallelEngine:
     def load_media(self, prompt: PromptType) -> PromptType:
         return self.replicas[0].load_media(prompt)  # every replica's loader is the same
 
+    def render_prompt(self, prompt: PromptType) -> PromptType:
+        return self.replicas[0].render_prompt(prompt)  # (and its tokenizer)
+
     def replica_of(self, request_id: str) -> int | None:
         """The replica holding an unfinished request (None if unknown or finished)."""
         return self._owner.get(str(request_id))

@@ -149,6 +149,7 @@ class LLMEngine:
         self.default_sampling_kwargs = default_sampling_kwargs(config.generation_config, config.override_generation_config,
                                                                self.loaded.source)  # fmt: skip
         self.harmony = self._uses_harmony()  # GPT-OSS: chat prompts rendered by openai-harmony, not the template
+        self._renderer = None  # render_prompt's, made on first use
         self.eos_token_ids = self._eos_ids()
         executables = cache_root(config.cache_dir) / "executables"
         draft = None  # speculative_config's draft_model: placed before the target's KV pool, which is sized from what is left
@@ -323,6 +324,18 @@ class LLMEngine:
         if isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string, a list of token ids or a dict (got {type(prompt).__name__})")
+
+    def render_prompt(self, prompt: PromptType) -> PromptType:
+        """A text prompt or a text-only conversation templated and tokenized with a tokenizer copy of its own
+        (engine/prompt_renderer.py): safe on another thread, so AsyncLLMEngine does it off the engine's; other
+        prompts (and GPT-OSS's harmony conversations, a pooling engine's prompts) come back as they are."""
+        if self.tokenizer is None or self.harmony or self.pooler is not None:
+            return prompt
+        if self._renderer is None:
+            from jaxpaged.engine.prompt_renderer import PromptRenderer
+
+            self._renderer = PromptRenderer(self.tokenizer)
+        return self._renderer.render(prompt)
 
     def load_media(self, prompt: PromptType) -> PromptType:
         """`prompt` with the images and video files it names fetched and decoded (multimodal/engine.py): safe on any

@@ -90,11 +90,25 @@ def test_concurrent_callers_share_one_batch(make_engine):
     assert max(running) == 20  # all twenty decoded in the same steps
 
 
-def test_chat_prompt_is_templated_on_the_engine_thread(make_engine):
+def test_text_is_templated_and_tokenized_off_the_engine_thread(make_engine, llm_engine, monkeypatch):
+    """A conversation and a string are rendered in a worker thread with the renderer's own tokenizer copy (the
+    engine's thread decodes with the original meanwhile), and come out as the engine's thread would make them."""
+    from jaxpaged.engine import prompt_renderer
+
+    threads, render = [], prompt_renderer.render_chat_prompt
+    monkeypatch.setattr(prompt_renderer, "render_chat_prompt",
+                        lambda tok, prompt: threads.append((threading.current_thread().name, tok)) or render(tok, prompt))  # fmt: skip
     engine = make_engine()
-    outs = asyncio.run(_collect(engine, ChatPrompt([{"role": "user", "content": "hi"}]), _greedy(6), "chat"))
+    chat = ChatPrompt([{"role": "user", "content": "hi"}])
+    outs = asyncio.run(_collect(engine, chat, _greedy(6), "chat"))
     assert outs[-1].outputs[0].text == greedy_text(ord("\n"), 6)
-    assert outs[-1].prompt_token_ids[-1] == ord("\n")
+    text, ids = llm_engine._prompt_ids(chat)  # as the engine's thread renders it
+    assert outs[-1].prompt_token_ids == ids and outs[-1].prompt == text and ids[-1] == ord("\n")
+    ((name, tokenizer),) = threads
+    assert name not in ("jaxpaged-engine", threading.main_thread().name) and tokenizer is not llm_engine.tokenizer
+    (by_text,) = asyncio.run(_collect(engine, "abc", _greedy(3), "text"))[-1:]
+    assert by_text.prompt == "abc" and by_text.prompt_token_ids == list(llm_engine.tokenizer.encode("abc"))
+    assert llm_engine.render_prompt([5, 6]) == [5, 6] and llm_engine.render_prompt({"prompt_token_ids": [5]}) == {"prompt_token_ids": [5]}
 
 
 def test_abort_ends_the_stream_and_frees_blocks_at_once(make_engine, llm_engine):
