@@ -3,7 +3,6 @@ for a vLLM flag they lack, what to use instead) before anything loads, Ctrl-C, a
 
 from __future__ import annotations
 
-import gc
 import signal
 import socket
 from pathlib import Path
@@ -82,10 +81,12 @@ def test_generate_refuses_flags_that_would_be_ignored(no_model, capsys, tmp_path
         generate.main(["--chat", "--system", "Be brief.", "hello"])
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed KeyboardInterrupt
 def test_a_ctrl_c_a_library_swallows_during_the_load_still_stops_the_run(monkeypatch):
-    """KeyboardInterrupt raised inside a gc callback (JAX has one) is printed and dropped by Python; the load then
-    went on and the CLI generated its whole answer as if Ctrl-C had not been pressed."""
+    """A KeyboardInterrupt that a library swallows (Python prints and drops one raised inside a gc callback, and JAX
+    has one that runs often while a model loads) let the load go on and the CLI generate its whole answer as if
+    Ctrl-C had not been pressed. Here the load swallows it itself: raise_signal runs the handler at once, so the
+    KeyboardInterrupt is raised there, deterministically (a gc.collect() runs no callbacks while another thread
+    collects, so a test that relied on one could miss its Ctrl-C)."""
 
     class Engine:
         steps = 0
@@ -111,25 +112,23 @@ def test_a_ctrl_c_a_library_swallows_during_the_load_still_stops_the_run(monkeyp
         loaded = False
 
         def __init__(self, **kwargs):
-            def press_ctrl_c(phase, info):
-                if phase == "start":
-                    signal.raise_signal(signal.SIGINT)
-
-            gc.callbacks.append(press_ctrl_c)
             try:
-                gc.collect()  # the handler runs inside the callback, where its KeyboardInterrupt is swallowed
-            finally:
-                gc.callbacks.remove(press_ctrl_c)
-            FakeLLM.loaded = True  # the load went on: the KeyboardInterrupt never reached it
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                pass  # swallowed, as a gc callback's is
+            FakeLLM.loaded = True  # the load went on: the KeyboardInterrupt never reached the CLI
 
         def get_tokenizer(self):
             return object()
 
     monkeypatch.setattr("jaxpaged.entrypoints.llm.LLM", FakeLLM)
-    before = signal.getsignal(signal.SIGINT)
-    assert generate.main(["hello", "--max-tokens", "4"]) == 130
-    assert FakeLLM.loaded and Engine.steps == 0  # stopped after the load, before any step
-    assert signal.getsignal(signal.SIGINT) is before  # the CLI's handler is gone again
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, which the CLI takes over
+    try:
+        assert generate.main(["hello", "--max-tokens", "4"]) == 130
+        assert FakeLLM.loaded and Engine.steps == 0  # stopped after the load, before any step
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the CLI's handler is gone again
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 # -- python -m jaxpaged.serve ------------------------------------------------------------------------------
