@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from jaxpaged.models.vision.common import EncoderItem
 from jaxpaged.multimodal.encoder_cache import EncoderScheduler
 from jaxpaged.multimodal.inputs import MultimodalInputs
-from jaxpaged.multimodal.media import MediaLoader
-from jaxpaged.multimodal.processing import MultimodalProcessor, fetched, preload_messages
+from jaxpaged.multimodal.media import MediaLoader, encoded
+from jaxpaged.multimodal.processing import MultimodalProcessor, preload_messages
 from jaxpaged.utils.text import ChatPrompt
 
 if TYPE_CHECKING:
@@ -92,9 +92,9 @@ class MultimodalFrontend:
         images, videos = prompt_images(prompt)
         data = {**prompt["multi_modal_data"]}
         if images:
-            data["image"] = [loader.load(s, what=f"multi_modal_data.image[{i}]") if fetched(s) else s for i, s in enumerate(images)]
+            data["image"] = [loader.load(s, what=f"multi_modal_data.image[{i}]") if encoded(s) else s for i, s in enumerate(images)]
         if videos:
-            data["video"] = [loader.load_video(s, what=f"multi_modal_data.video[{i}]") if fetched(s) else s
+            data["video"] = [loader.load_video(s, what=f"multi_modal_data.video[{i}]") if encoded(s) else s
                              for i, s in enumerate(videos)]  # fmt: skip
         return {**prompt, "multi_modal_data": data}
 

@@ -23,6 +23,12 @@ DEFAULT_MAX_PIXELS = 64 * 1024 * 1024  # decoded (Pillow's decompression-bomb gu
 DEFAULT_TIMEOUT_S = 10.0
 
 
+def encoded(source) -> bool:
+    """Whether a media source is a file still to read and decode (bytes, or a URL or path naming one, OpenAI's
+    {"url": ...} too) rather than an image or a video's frames."""
+    return isinstance(source, (str, bytes, bytearray, memoryview, dict))
+
+
 def _pil():
     try:
         from PIL import Image
@@ -79,7 +85,7 @@ class MediaLoader:
         (frames, {"fps": ..., ...}) as vLLM takes a video with its metadata (the processor's frame timestamps read
         fps; without it transformers assumes 24); or from an encoded video (bytes, a data:, file or http(s) URL),
         decoded with its metadata (multimodal/video.py)."""
-        if isinstance(source, (str, bytes, bytearray, memoryview, dict)):
+        if encoded(source):
             return decode_video(self._encoded(source, what, "video"), what, self.max_pixels)
         metadata = None
         if isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], dict):

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxpaged.models.vision.common import ImageAdapter, VisionSpec
 from jaxpaged.multimodal.inputs import MultimodalInputs, place_images
-from jaxpaged.multimodal.media import MediaLoader
+from jaxpaged.multimodal.media import MediaLoader, encoded
 
 logger = logging.getLogger("jaxpaged.multimodal")
 
@@ -94,11 +94,6 @@ def openai_parts(messages: Sequence[dict], loader: MediaLoader) -> tuple[list[di
     return converted, images, videos
 
 
-def fetched(source) -> bool:
-    """Whether a media source is still to be read: bytes, a URL or path (not an image or frames)."""
-    return isinstance(source, (str, bytes, bytearray, memoryview, dict))
-
-
 def preload_messages(messages: Sequence[dict], loader: MediaLoader) -> list[dict]:
     """The messages with each image or video part that names a file (a URL, a path, bytes) read and decoded: the
     slow part of taking in a request's media, which needs no tokenizer or processor and so can run off the engine's
@@ -112,9 +107,9 @@ def preload_messages(messages: Sequence[dict], loader: MediaLoader) -> list[dict
         parts = []
         for p, part in enumerate(content):
             kind, where = part.get("type") if isinstance(part, dict) else None, f"messages[{m}].content[{p}]"
-            if kind in IMAGE_KINDS and fetched(_image_source(part, kind)):
-                part = {"type": "image_pil", "image_pil": loader.load(_image_source(part, kind), what=where)}
-            elif kind in VIDEO_KINDS and fetched(part.get(kind)):
+            if kind in IMAGE_KINDS and encoded(source := _image_source(part, kind)):
+                part = {"type": "image_pil", "image_pil": loader.load(source, what=where)}
+            elif kind in VIDEO_KINDS and encoded(part.get(kind)):
                 part = {"type": "video", "video": loader.load_video(part[kind], what=where)}
             parts.append(part)
         loaded.append({**message, "content": parts})
