@@ -189,6 +189,37 @@ class ImageAdapter:
         return self.batch([], bucket)
 
 
+class SameSizeImages(ImageAdapter):
+    """A family whose processor resizes (or tiles) every image to the tower's size: each item is `pixel_values`
+    [C, S, S] of `patches` patches yielding `tokens` rows, so the buckets count items. A subclass sets the four
+    sizes in __init__."""
+
+    image_size: int
+    channels: int
+    patches: int
+    tokens: int
+
+    def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
+        pixels = np.asarray(processed["pixel_values"], np.float32)
+        return [EncoderItem({"pixel_values": p}, self.patches, self.tokens) for p in pixels]
+
+    def max_image_patches(self) -> int:
+        return self.patches
+
+    def buckets(self, max_patches: int) -> list[int]:
+        items = max(1, max_patches // self.patches)
+        return [n * self.patches for n in ImageAdapter.buckets(self, items)]
+
+    def rows_for(self, bucket: int) -> int:
+        return bucket // self.patches * self.tokens
+
+    def batch(self, items: Sequence[EncoderItem], bucket: int) -> dict[str, np.ndarray]:
+        pixels = np.zeros((bucket // self.patches, self.channels, self.image_size, self.image_size), np.float32)
+        for i, item in enumerate(items):
+            pixels[i] = item.arrays["pixel_values"]
+        return {"pixel_values": pixels}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MultimodalStep:

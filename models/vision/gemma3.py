@@ -10,11 +10,9 @@ OR(causal, block))); generated tokens are causal.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxpaged.models import gemma
 from jaxpaged.models.accounting import ROTARY_CACHE
@@ -22,7 +20,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.gemma import GemmaRMSNorm
 from jaxpaged.models.layers import REFERENCE_ATTENTION, _param
 from jaxpaged.models.vision.common import (
-    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, merge_embeddings, placeholder_ids,
+    MultimodalStep, SameSizeImages, VisionSpec, merge_embeddings, placeholder_ids,
 )  # fmt: skip
 from jaxpaged.models.vision.siglip import VisionTransformer, ViTConfig
 from jaxpaged.models.weights import WeightSpec
@@ -128,36 +126,16 @@ class Gemma3ForConditionalGeneration(gemma.Gemma3ForConditionalGeneration):
         return self.final(x), new_kv
 
 
-class Gemma3Images(ImageAdapter):
+class Gemma3Images(SameSizeImages):
     """Every image is resized to the tower's size: one patch count, so the buckets count images."""
 
     def __init__(self, hf_config, spec: VisionSpec):
         super().__init__(hf_config, spec)
         vision = hf_config.vision_config
-        self.image_size, self.patch = int(vision.image_size), int(vision.patch_size)
+        self.image_size, patch = int(vision.image_size), int(vision.patch_size)
         self.channels = int(getattr(vision, "num_channels", 3))
         self.tokens = int(hf_config.mm_tokens_per_image)
-        self.patches = (self.image_size // self.patch) ** 2
-
-    def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
-        pixels = np.asarray(processed["pixel_values"], np.float32)
-        return [EncoderItem({"pixel_values": p}, self.patches, self.tokens) for p in pixels]
-
-    def max_image_patches(self) -> int:
-        return self.patches
-
-    def buckets(self, max_patches: int) -> list[int]:
-        images = max(1, max_patches // self.patches)
-        return [n * self.patches for n in ImageAdapter.buckets(self, images)]
-
-    def rows_for(self, bucket: int) -> int:
-        return bucket // self.patches * self.tokens
-
-    def batch(self, items: Sequence[EncoderItem], bucket: int) -> dict[str, np.ndarray]:
-        pixels = np.zeros((bucket // self.patches, self.channels, self.image_size, self.image_size), np.float32)
-        for i, item in enumerate(items):
-            pixels[i] = item.arrays["pixel_values"]
-        return {"pixel_values": pixels}
+        self.patches = (self.image_size // patch) ** 2
 
 
 Gemma3ForConditionalGeneration.IMAGES = Gemma3Images

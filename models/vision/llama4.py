@@ -11,7 +11,6 @@ tile (separator tokens between tiles stay text); the language model is models/ll
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from jaxpaged.models.accounting import ROTARY_CACHE
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.layers import REFERENCE_ATTENTION, LayerNorm, Linear, _param, activation, module_list
 from jaxpaged.models.vision.common import (
-    EncoderItem, ImageAdapter, MultimodalStep, VisionSpec, dense_attention, merge_embeddings, placeholder_ids,
+    MultimodalStep, SameSizeImages, VisionSpec, dense_attention, merge_embeddings, placeholder_ids,
 )  # fmt: skip
 from jaxpaged.models.vision.siglip import patchify, vit_layer_specs
 from jaxpaged.models.weights import WeightSpec, linear_specs, norm_specs
@@ -231,7 +230,7 @@ class Llama4ForConditionalGeneration(llama4.Llama4ForConditionalGeneration):
         return self.final(x), new_kv
 
 
-class Llama4Images(ImageAdapter):
+class Llama4Images(SameSizeImages):
     """Every tile has the tower's size: one item per tile (an image's tiles, then its global tile, as the processor
     orders them and the prompt spells them), one patch count, so the buckets count tiles."""
 
@@ -239,31 +238,14 @@ class Llama4Images(ImageAdapter):
 
     def __init__(self, hf_config, spec: VisionSpec):
         super().__init__(hf_config, spec)
-        self.vision = Llama4VisionConfig.from_hf(hf_config)
-        self.patches = self.vision.side**2
-
-    def items(self, processed: dict, input_ids: Sequence[int]) -> list[EncoderItem]:
-        pixels = np.asarray(processed["pixel_values"], np.float32)
-        return [EncoderItem({"pixel_values": p}, self.patches, self.vision.tokens_per_tile) for p in pixels]
+        vision = Llama4VisionConfig.from_hf(hf_config)
+        self.image_size, self.channels = vision.image_size, vision.num_channels
+        self.patches, self.tokens = vision.side**2, vision.tokens_per_tile
 
     def max_image_patches(self) -> int:
         """The largest image's tiles: the processor's max_patches, plus its global tile."""
         tiles = int(getattr(self.processor.image_processor, "max_patches", 16)) + 1 if self.processor is not None else 17
         return tiles * self.patches
-
-    def buckets(self, max_patches: int) -> list[int]:
-        tiles = max(1, max_patches // self.patches)
-        return [n * self.patches for n in ImageAdapter.buckets(self, tiles)]
-
-    def rows_for(self, bucket: int) -> int:
-        return bucket // self.patches * self.vision.tokens_per_tile
-
-    def batch(self, items: Sequence[EncoderItem], bucket: int) -> dict[str, np.ndarray]:
-        v = self.vision
-        pixels = np.zeros((bucket // self.patches, v.num_channels, v.image_size, v.image_size), np.float32)
-        for i, item in enumerate(items):
-            pixels[i] = item.arrays["pixel_values"]
-        return {"pixel_values": pixels}
 
 
 Llama4ForConditionalGeneration.IMAGES = Llama4Images
